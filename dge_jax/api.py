@@ -1,0 +1,163 @@
+"""`generate`: text in, text out, on the jitted pieces of `dge_jax.generate`.
+
+This host-side layer checks inputs, tokenizes, left-pads prompts to a length bucket (so
+nearby lengths share one compilation), runs prefill -> (draft -> evict) -> decode, and turns
+ids back into text. Everything numeric happens in the pure functions it calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dge_jax import decoding as gen
+from dge_jax.eviction import Eviction, check_eviction, evict_cache, kept_positions
+from dge_jax.model import Model
+from dge_jax.sampling import Greedy
+
+DEFAULT_CHUNK = 512
+GREEDY = Greedy()
+MIN_BUCKET = 16
+
+
+def bucket_length(n: int, chunk: int = DEFAULT_CHUNK) -> int:
+    """Padded prompt length for n tokens: a power of two up to `chunk`, then a multiple of it.
+
+    e.g. chunk 512: 10 -> 16, 300 -> 512, 513 -> 1024, 1500 -> 1536.
+    """
+    if n <= chunk:
+        return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+    return -(-n // chunk) * chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """prompt_tokens: ids fed per row; tokens: generated ids per row (up to and including the
+    first EOS); texts: decoded `tokens`; kept: per row, layer and kv head, the original
+    positions held right after eviction (None without eviction)."""
+
+    prompt_tokens: list[list[int]]
+    tokens: list[list[int]]
+    texts: list[str]
+    kept: list[list[list[list[int]]]] | None = None
+
+
+def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
+    """Token ids per prompt (through the chat template when `chat`)."""
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path} has no tokenizer.json; pass token ids instead of text")
+    if chat:
+        return [model.tokenizer.encode_chat(p) for p in prompts]
+    return [model.tokenizer.encode(p) for p in prompts]
+
+
+def check_request(model: Model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Clear errors for requests that would otherwise fail deep inside XLA or silently."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompt_ids:
+        raise ValueError("no prompts given")
+    ctx = model.config.max_position_embeddings
+    for i, ids in enumerate(prompt_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty: give at least one token")
+        if len(ids) + max_new_tokens > ctx:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it "
+                f"exceeds the model's context of {ctx} positions (truncate the prompt)"
+            )
+        bad = [t for t in ids if not 0 <= int(t) < model.config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}"
+            )
+
+
+def pad_left(prompt_ids: Sequence[Sequence[int]], t: int) -> tuple[np.ndarray, np.ndarray]:
+    """tokens [B, t] int32 left-padded with 0, lengths [B] int32."""
+    tokens = np.zeros((len(prompt_ids), t), np.int32)
+    for i, ids in enumerate(prompt_ids):
+        tokens[i, t - len(ids) :] = ids
+    return tokens, np.array([len(ids) for ids in prompt_ids], np.int32)
+
+
+def generate(
+    model: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+    sampler=GREEDY,
+    seed: int = 0,
+    chunk: int = DEFAULT_CHUNK,
+    extra_eos_ids: Sequence[int] = (),
+    eviction: Eviction | None = None,
+) -> GenerationResult:
+    """Generates for a batch of prompts (text, or lists of token ids); each row is scored and
+    evicted on its own when `eviction` is given (None = FullKV)."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if prompts and isinstance(prompts[0], str):
+        prompt_ids = encode_prompts(model, prompts, chat)
+    else:
+        prompt_ids = [list(map(int, p)) for p in prompts]
+    check_request(model, prompt_ids, max_new_tokens)
+    if eviction is not None and eviction.policy.is_full:
+        eviction = None
+    if eviction is not None:
+        check_eviction(eviction, max_new_tokens)
+    policy = eviction.policy if eviction is not None else None
+    obs_window = policy.obs_window if policy is not None else 0
+    record_attn = bool(policy is not None and policy.needs_attn_sum)
+    eos_ids = tuple(
+        sorted(set(model.tokenizer.eos_ids if model.tokenizer else ()) | set(extra_eos_ids))
+    )
+    t = bucket_length(max(map(len, prompt_ids)), chunk)
+    tokens, lengths = pad_left(prompt_ids, t)
+    fwd, cfg = model.forward, model.config
+    pre = gen.prefill(
+        fwd,
+        cfg,
+        model.params,
+        jnp.asarray(tokens),
+        jnp.asarray(lengths),
+        capacity=t + max_new_tokens,
+        chunk=chunk,
+        obs_window=obs_window,
+        record_attn=record_attn,
+    )
+    key, first_key = jax.random.split(jax.random.PRNGKey(seed))
+    first = sampler(pre.logits, first_key)
+    state = gen.start_state(pre.cache, first, jnp.asarray(lengths), max_new_tokens, eos_ids, key)
+    kept = None
+    if eviction is not None:
+        drafts = None
+        if eviction.timing.draft_steps:
+            state, drafts = gen.draft(fwd, cfg, model.params, state, sampler=sampler,
+                                      eos_ids=eos_ids, num_steps=eviction.timing.draft_steps,
+                                      record_q=obs_window > 0, record_attn=record_attn)
+        remaining = max_new_tokens - int(state.step)
+        cache, keep = evict_cache(state.cache, pre.obs, drafts, eviction, remaining)
+        kept = kept_positions(state.cache, keep)
+        state = dataclasses.replace(state, cache=cache)
+    state = gen.decode(fwd, cfg, model.params, state, sampler=sampler, eos_ids=eos_ids)
+    out_ids = cut_at_eos(np.asarray(state.tokens), eos_ids)
+    texts = [model.tokenizer.decode(ids) if model.tokenizer else "" for ids in out_ids]
+    return GenerationResult(
+        prompt_tokens=[list(p) for p in prompt_ids], tokens=out_ids, texts=texts, kept=kept
+    )
+
+
+def cut_at_eos(tokens: np.ndarray, eos_ids: Sequence[int]) -> list[list[int]]:
+    """Per row, the ids up to and including the first EOS (as transformers returns them)."""
+    rows = []
+    for row in tokens.tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        rows.append(row[:end])
+    return rows

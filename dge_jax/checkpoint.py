@@ -1,0 +1,162 @@
+"""Loading Hugging Face checkpoint folders (config.json + safetensors) into parameter pytrees.
+
+Conversion is a table (`KeyMap`): a regular expression from the checkpoint's tensor name to a
+parameter field, plus a transform. Every converted tensor's shape is checked against the
+config; a tensor that matches no rule, or a field no tensor filled, is an error. Only
+safetensors are read: pickled checkpoints can run code and are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from dge_jax.config import ConfigError, ModelConfig
+from dge_jax.families import ModelFamily, get_family
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, incomplete, or does not match its config."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyMap:
+    """rules: (name pattern, field, "keep" | "transpose"); a captured group is the layer index.
+
+    shapes: the field -> shape table for the config (stacked fields carry the [L] axis);
+    build: turns {field: array} into the family's parameter pytree.
+    """
+
+    rules: tuple[tuple[re.Pattern, str, str], ...]
+    shapes: dict[str, tuple[int, ...]]
+    build: Callable[[dict[str, Any]], Any]
+
+
+def read_config(path: str | pathlib.Path) -> dict[str, Any]:
+    """The raw config.json of a checkpoint folder, with a clear error when absent."""
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{folder} has no config.json: is it a Hugging Face model folder?")
+    return json.loads(cfg_file.read_text())
+
+
+def parse_config(raw: dict[str, Any]) -> tuple[ModelFamily, ModelConfig]:
+    """The family and the strict `ModelConfig` for a raw config dict."""
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise ConfigError("config.json has no 'model_type'")
+    family = get_family(model_type)
+    return family, family.parse_config(raw)
+
+
+def safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files of a folder: the index's shards, or the single model file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{folder}: shard(s) listed in the index are missing: {missing}")
+        return [folder / s for s in shards]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
+        raise CheckpointError(
+            f"{folder} holds only pickled weights (*.bin/*.pt), which can run code when "
+            "loaded; convert them to safetensors first"
+        )
+    raise CheckpointError(f"{folder} has no model.safetensors nor model.safetensors.index.json")
+
+
+def iter_tensors(files: list[pathlib.Path]):
+    """Yields (name, numpy array) from safetensors files, naming a file that fails to read."""
+    for file in files:
+        try:
+            with safe_open(file, framework="numpy") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for bad files
+            raise CheckpointError(
+                f"cannot read {file} ({type(e).__name__}: {e}); the file is truncated or is "
+                "not a safetensors file"
+            ) from e
+
+
+def _match(name: str, key_map: KeyMap) -> tuple[re.Match, str, str]:
+    """The first rule whose pattern matches `name` in full: (match, field, transform)."""
+    for pattern, field, transform in key_map.rules:
+        m = pattern.fullmatch(name)
+        if m:
+            return m, field, transform
+    raise CheckpointError(f"checkpoint tensor {name!r} matches no parameter of the model")
+
+
+def convert(tensors, key_map: KeyMap, cfg: ModelConfig, dtype) -> Any:
+    """Applies the key table to (name, array) pairs and builds the parameter pytree."""
+    per_layer: dict[str, dict[int, np.ndarray]] = {}
+    flat: dict[str, np.ndarray] = {}
+    for name, array in tensors:
+        m, field, transform = _match(name, key_map)
+        if field not in key_map.shapes:
+            if field == "lm_head" and cfg.tie_word_embeddings:
+                continue  # a tied head saved anyway: the embedding is the head
+            raise CheckpointError(
+                f"checkpoint tensor {name!r} ({field}) is not expected by this config "
+                "(check attention_bias, qk-norm, tie_word_embeddings)"
+            )
+        value = array.T if transform == "transpose" else array
+        if m.groups():
+            per_layer.setdefault(field, {})[int(m.group(1))] = value
+        else:
+            flat[field] = value
+    for field, layers in per_layer.items():
+        missing = sorted(set(range(cfg.num_layers)) - set(layers))
+        if missing or len(layers) != cfg.num_layers:
+            raise CheckpointError(f"parameter {field} is missing for layer(s) {missing}")
+        first = layers[0].shape
+        odd = [i for i, a in layers.items() if a.shape != first]
+        if odd:
+            raise CheckpointError(
+                f"parameter {field}: layer(s) {odd} have a shape other than layer 0's {first}"
+            )
+        flat[field] = np.stack([layers[i] for i in range(cfg.num_layers)])
+    missing = sorted(set(key_map.shapes) - set(flat))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensors for parameter(s) {missing}")
+    out = {}
+    for field, shape in key_map.shapes.items():
+        if tuple(flat[field].shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor for {field} has shape {tuple(flat[field].shape)}, but config.json "
+                f"implies {tuple(shape)}"
+            )
+        out[field] = jnp.asarray(flat[field], dtype=dtype)
+    return key_map.build(out)
+
+
+def load_hf_checkpoint(path: str | pathlib.Path, dtype: str = "float32"):
+    """(family, config, params) from a Hugging Face folder, strictly checked."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    folder = pathlib.Path(path)
+    family, cfg = parse_config(read_config(folder))
+    params = convert(
+        iter_tensors(safetensors_files(folder)), family.key_map(cfg), cfg, DTYPES[dtype]
+    )
+    return family, cfg, params

@@ -1,0 +1,63 @@
+"""Model configuration: one frozen, hashable dataclass for every llama-like family.
+
+Hugging Face `config.json` files are parsed strictly by `models/` (one parser per family);
+what they produce is this dataclass, which `jax.jit` takes as a static argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class ConfigError(ValueError):
+    """A checkpoint's configuration asks for something this library does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (split-halves layout, as in Hugging Face).
+
+    kind: "default", "linear" (positions divided by `factor`) or "llama3" (frequency-dependent
+    scaling with `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`).
+    """
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and switches of a llama-like decoder; everything numerics depend on is here."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama's `attention_bias` sets this and `o_bias`
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (GQA group)."""
+        return self.num_heads // self.num_kv_heads

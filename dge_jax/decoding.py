@@ -1,0 +1,301 @@
+"""Pure, jittable generation over the padded cache: prefill, draft steps, decode loop.
+
+Every function here takes the family's `forward` and the `ModelConfig` as static arguments
+and parameters/caches as pytrees, so users can compose them under their own `jax.jit`.
+
+Left padding and positions, worked for a 2-row batch, prompts of 3 and 5 tokens, T = 5:
+
+    slot:            0   1   2   3   4
+    lengths = [3, 5]
+    positions row 0: -1  -1   0   1   2     (pad = T - length = 2)
+    positions row 1:  0   1   2   3   4
+
+Every row's last prompt token sits in slot T - 1, so the prefill's last logits are each row's
+next-token logits, and decode step s (s = 0, 1, ...) writes every row at slot T + s with
+position length_b + s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dge_jax.cache import KVCache, Observation, init_cache
+from dge_jax.config import ModelConfig
+from dge_jax.families import ForwardFn
+
+
+def prompt_positions(lengths: jax.Array, t: int) -> jax.Array:
+    """[B, T] int32 positions of left-padded prompts, -1 on padding (see module docstring)."""
+    pad = t - lengths[:, None]
+    pos = jnp.arange(t, dtype=jnp.int32)[None, :] - pad
+    return jnp.where(pos >= 0, pos, -1).astype(jnp.int32)
+
+
+class PrefillOutput(NamedTuple):
+    """logits: [B, V] f32 next-token logits; cache; obs: what the scoring rules may read."""
+
+    logits: jax.Array
+    cache: KVCache
+    obs: Observation
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "forward",
+        "cfg",
+        "capacity",
+        "chunk",
+        "obs_window",
+        "record_attn",
+        "cache_dtype",
+    ),
+)
+def prefill(
+    forward: ForwardFn,
+    cfg: ModelConfig,
+    params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    *,
+    capacity: int,
+    chunk: int = 512,
+    obs_window: int = 0,
+    record_attn: bool = False,
+    cache_dtype=None,
+) -> PrefillOutput:
+    """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache.
+
+    T must be a multiple of `chunk` (or smaller than it): activations stay [B, chunk, ...]
+    however long the prompt. obs_window > 0 records the last W prompt queries per layer;
+    record_attn accumulates every prompt query's attention per slot (H2O).
+    """
+    b, t = tokens.shape
+    c = min(chunk, t)
+    if t % c:
+        raise ValueError(f"prompt length {t} is not a multiple of the prefill chunk {c}")
+    if capacity < t:
+        raise ValueError(f"cache capacity {capacity} is smaller than the prompt ({t})")
+    dtype = cache_dtype or params.embed.dtype
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+    positions = prompt_positions(lengths, t)
+    n = t // c
+    w = obs_window
+    nl, hq, hd = cfg.num_layers, cfg.num_heads, cfg.head_dim
+
+    def step(carry, xs):
+        cache, q_buf, qpos_buf, attn, _ = carry
+        tok, pos = xs
+        out = forward(cfg, params, tok, pos, cache, obs_window=w, record_attn=record_attn)
+        if w:
+            # Rolling window: append this chunk's last min(W, c) queries, keep the last W.
+            q_buf = jnp.concatenate([q_buf, out.q_window], axis=3)[:, :, :, -w:]
+            qpos_buf = jnp.concatenate([qpos_buf, pos[:, c - min(w, c) :]], axis=1)[:, -w:]
+        if record_attn:
+            attn = attn + out.probs_sum
+        return (out.cache, q_buf, qpos_buf, attn, out.logits), None
+
+    q_buf = jnp.zeros((nl, b, hq, w, hd), dtype) if w else None
+    qpos_buf = jnp.full((b, w), -1, jnp.int32) if w else None
+    attn = jnp.zeros((nl, b, hq, capacity), jnp.float32) if record_attn else None
+    logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
+    xs = (tokens.reshape(b, n, c).transpose(1, 0, 2), positions.reshape(b, n, c).transpose(1, 0, 2))
+    (cache, q_buf, qpos_buf, attn, logits), _ = jax.lax.scan(
+        step, (cache, q_buf, qpos_buf, attn, logits), xs
+    )
+    obs = Observation(
+        q=q_buf,
+        q_pos=qpos_buf,
+        attn_sum=attn,
+        is_draft=jnp.zeros((w,), bool) if w else None,
+        prompt_end=(lengths - 1).astype(jnp.int32),
+    )
+    return PrefillOutput(logits, cache, obs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The decode loop's state: one dataclass, read top to bottom by `decode_body`.
+
+    tokens: [B, N] generated ids (N = max_new_tokens), filled up to `step`; rows that hit EOS
+    are padded with their EOS id. last/pos: [B] the newest token and its position (not yet
+    fed to the model). done: [B] bool. key: PRNG key for sampling.
+    """
+
+    cache: KVCache
+    tokens: jax.Array
+    step: jax.Array
+    last: jax.Array
+    pos: jax.Array
+    done: jax.Array
+    key: jax.Array
+
+
+def start_state(
+    cache: KVCache,
+    first: jax.Array,
+    lengths: jax.Array,
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+    key: jax.Array,
+) -> DecodeState:
+    """The loop state after prefill: the first answer token [B] is already chosen."""
+    b = first.shape[0]
+    tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    return DecodeState(
+        cache=cache,
+        tokens=tokens,
+        step=jnp.ones((), jnp.int32),
+        last=first,
+        pos=lengths.astype(jnp.int32),
+        done=_is_eos(first, eos_ids),
+        key=key,
+    )
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    return jnp.isin(tokens, jnp.asarray(eos_ids or (-1,), jnp.int32))
+
+
+def decode_body(
+    forward: ForwardFn,
+    cfg: ModelConfig,
+    params,
+    sampler,
+    eos_ids: tuple[int, ...],
+    state: DecodeState,
+    *,
+    obs_window: int = 0,
+    record_attn: bool = False,
+):
+    """One decode step: feed `last`, choose the next token. Returns (state, ForwardOutput)."""
+    out = forward(
+        cfg,
+        params,
+        state.last[:, None],
+        state.pos[:, None],
+        state.cache,
+        obs_window=obs_window,
+        record_attn=record_attn,
+    )
+    key, sub = jax.random.split(state.key)
+    new = sampler(out.logits, sub)
+    # A finished row keeps emitting its last token (an EOS id) so the output stays padded.
+    new = jnp.where(state.done, state.last, new)
+    tokens = jax.lax.dynamic_update_slice(state.tokens, new[:, None], (0, state.step))
+    state = DecodeState(
+        cache=out.cache,
+        tokens=tokens,
+        step=state.step + 1,
+        last=new,
+        pos=state.pos + 1,
+        done=state.done | _is_eos(new, eos_ids),
+        key=key,
+    )
+    return state, out
+
+
+class DraftRecord(NamedTuple):
+    """What the k-1 draft steps observed: q [L, B, Hq, k-1, D], q_pos [B, k-1],
+    probs_sum [L, B, Hq, S] f32 or None (their attention summed over the steps)."""
+
+    q: jax.Array | None
+    q_pos: jax.Array
+    probs_sum: jax.Array | None
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "forward",
+        "cfg",
+        "sampler",
+        "eos_ids",
+        "num_steps",
+        "record_q",
+        "record_attn",
+    ),
+)
+def draft(
+    forward: ForwardFn,
+    cfg: ModelConfig,
+    params,
+    state: DecodeState,
+    *,
+    sampler,
+    eos_ids: tuple[int, ...],
+    num_steps: int,
+    record_q: bool = True,
+    record_attn: bool = False,
+) -> tuple[DecodeState, DraftRecord]:
+    """Runs `num_steps` decode steps with the full cache (lax.scan), recording their queries.
+
+    These are DGE's draft steps: the tokens they produce are real answer tokens, and their
+    queries (and attention) are what the scoring rule gains by waiting.
+    """
+
+    def body(state, _):
+        pos = state.pos
+        state, out = decode_body(
+            forward,
+            cfg,
+            params,
+            sampler,
+            eos_ids,
+            state,
+            obs_window=1 if record_q else 0,
+            record_attn=record_attn,
+        )
+        return state, (out.q_window, pos, out.probs_sum)
+
+    state, (q, pos, probs) = jax.lax.scan(body, state, None, length=num_steps)
+    # scan stacks on a new leading axis: q [k-1, L, B, Hq, 1, D] -> [L, B, Hq, k-1, D]
+    q = jnp.moveaxis(q[..., 0, :], 0, 3) if record_q else None
+    probs = probs.sum(axis=0) if record_attn else None
+    return state, DraftRecord(q=q, q_pos=pos.T, probs_sum=probs)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("forward", "cfg", "sampler", "eos_ids"), donate_argnames=("state",)
+)
+def decode(
+    forward: ForwardFn,
+    cfg: ModelConfig,
+    params,
+    state: DecodeState,
+    *,
+    sampler,
+    eos_ids: tuple[int, ...],
+) -> DecodeState:
+    """Decodes until `tokens` is full or every row has emitted an EOS (lax.while_loop).
+
+    The state (and its cache) is donated: decoding updates the cache in place.
+    """
+    n = state.tokens.shape[1]
+
+    def cond(s):
+        return (s.step < n) & ~jnp.all(s.done)
+
+    def body(s):
+        return decode_body(forward, cfg, params, sampler, eos_ids, s)[0]
+
+    state = jax.lax.while_loop(cond, body, state)
+    # Rows that stopped early keep their EOS as padding for the steps the loop skipped.
+    fill = jnp.arange(n)[None, :] >= state.step
+    return dataclasses.replace(state, tokens=jnp.where(fill, state.last[:, None], state.tokens))
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg"))
+def teacher_forced_logits(
+    forward: ForwardFn, cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array
+) -> jax.Array:
+    """[B, T, V] f32 logits of one forward over left-padded sequences (the decode reference)."""
+    b, t = tokens.shape
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, params.embed.dtype)
+    return forward(cfg, params, tokens, prompt_positions(lengths, t), cache, logits="all").logits

@@ -1,0 +1,121 @@
+"""Tokenizer and chat template of a checkpoint folder (`tokenizers` + jinja2, no transformers).
+
+Chat templates are rendered the way transformers renders them: a sandboxed jinja2
+environment with trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson`
+filter that keeps non-ASCII text, and the special tokens of `tokenizer_config.json` in scope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """The folder's tokenizer files are missing or unusable."""
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken-like dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    """Encodes, decodes and renders chat prompts for one model."""
+
+    backend: HFTokenizer
+    chat_template: str | None
+    special_tokens: dict[str, str]
+    eos_ids: tuple[int, ...]
+
+    @classmethod
+    def from_folder(cls, path: str | pathlib.Path, config: dict | None = None) -> Tokenizer:
+        """Reads tokenizer.json, tokenizer_config.json / chat_template.jinja and EOS ids."""
+        folder = pathlib.Path(path)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(f"{folder} has no tokenizer.json (only fast tokenizers work)")
+        backend = HFTokenizer.from_file(str(tok_file))
+        tcfg = _read_json(folder / "tokenizer_config.json")
+        template = tcfg.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: use "default"
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        special = {
+            k: _token_text(v)
+            for k, v in tcfg.items()
+            if k.endswith("_token") and _token_text(v) is not None
+        }
+        eos = _eos_ids(backend, folder, config or _read_json(folder / "config.json"), special)
+        return cls(backend, template, special, eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (special tokens dropped by default)."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]] | str, add_generation_prompt: bool = True
+    ) -> str:
+        """The rendered chat prompt; a bare string is one user message."""
+        if self.chat_template is None:
+            raise TokenizerError("this tokenizer has no chat template; call without --chat")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(
+            x, ensure_ascii=False, indent=indent, **kw
+        )
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]] | str) -> list[int]:
+        """Token ids of the rendered chat prompt (the template carries its special tokens)."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _eos_ids(backend, folder, config, special) -> tuple[int, ...]:
+    """EOS ids as transformers' generate uses them: generation_config, else config, else token."""
+    for source in (_read_json(folder / "generation_config.json"), config):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return tuple(sorted({eos} if isinstance(eos, int) else set(eos)))
+    token = special.get("eos_token")
+    tid = backend.token_to_id(token) if token else None
+    return (tid,) if tid is not None else ()

@@ -1,0 +1,53 @@
+"""Ported model families. Importing this package registers them with `dge_jax.families`.
+
+Each family is a config parser with its fixed switches; they all share the llama-like core.
+To add a family, write its parser here and register it (see WORKSPACE.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dge_jax.config import ModelConfig
+from dge_jax.families import ModelFamily, register_family
+from models import llama_like
+from models.hf_config import parse_llama_like
+
+
+def parse_llama(raw: dict[str, Any]) -> ModelConfig:
+    """Llama 1/2/3: `attention_bias` adds q/k/v/o biases; rope default, linear or llama3."""
+    bias = bool(raw.get("attention_bias", False))
+    return parse_llama_like(raw, "llama", qkv_bias=bias, o_bias=bias)
+
+
+def parse_mistral(raw: dict[str, Any]) -> ModelConfig:
+    """Mistral: Llama without biases; an active sliding window is refused."""
+    return parse_llama_like(raw, "mistral")
+
+
+def parse_qwen2(raw: dict[str, Any]) -> ModelConfig:
+    """Qwen2: q/k/v biases always on, o_proj without bias."""
+    return parse_llama_like(raw, "qwen2", qkv_bias=True)
+
+
+def parse_qwen3(raw: dict[str, Any]) -> ModelConfig:
+    """Qwen3: RMSNorm on q and k over head_dim; `attention_bias` on q/k/v/o."""
+    bias = bool(raw.get("attention_bias", False))
+    return parse_llama_like(raw, "qwen3", qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+for _name, _parse in [
+    ("llama", parse_llama),
+    ("mistral", parse_mistral),
+    ("qwen2", parse_qwen2),
+    ("qwen3", parse_qwen3),
+]:
+    register_family(
+        ModelFamily(
+            model_type=_name,
+            parse_config=_parse,
+            key_map=llama_like.key_map,
+            forward=llama_like.forward,
+            init_params=llama_like.init_params,
+        )
+    )

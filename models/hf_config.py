@@ -1,0 +1,191 @@
+"""Strict reading of Hugging Face `config.json` files into `ModelConfig`.
+
+Keys fall in three groups: read (they set a `ModelConfig` field), checked (they must hold a
+value this library implements, e.g. `hidden_act == "silu"`), and inert (bookkeeping such as
+`architectures` or `use_cache`). Any other key is an error: an unknown key may change the
+numerics, and a silent wrong answer is worse than a clear refusal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dge_jax.config import ConfigError, ModelConfig, RopeConfig
+
+INERT_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "attention_dropout",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "chunk_size_feed_forward",
+        "dtype",
+        "torch_dtype",
+        "id2label",
+        "label2id",
+        "initializer_range",
+        "is_encoder_decoder",
+        "model_type",
+        "output_attentions",
+        "output_hidden_states",
+        "problem_type",
+        "return_dict",
+        "transformers_version",
+        "use_cache",
+        "pretraining_tp",
+        "max_window_layers",
+        "tokenizer_class",
+        "bos_token",
+        "eos_token",
+        "quantization_config_none",
+        "finetuning_task",
+        "task_specific_params",
+        "tie_encoder_decoder",
+        "torchscript",
+        "add_cross_attention",
+        "cross_attention_hidden_size",
+        "decoder_start_token_id",
+        "sep_token_id",
+        "prefix",
+        "is_decoder",
+        "use_bfloat16",
+        "tf_legacy_loss",
+        "pruned_heads",
+        "architectures_",
+        "embd_pdrop",
+        "resid_pdrop",
+        "layer_types",
+        "sliding_window",
+        "use_sliding_window",
+        "attention_bias",
+        "mlp_bias",
+        "head_dim",
+        "rope_parameters",
+        "rope_scaling",
+        "rope_theta",
+        "tie_word_embeddings",
+        "hidden_act",
+        "partial_rotary_factor",
+    }
+)
+
+READ_KEYS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    }
+)
+
+
+def _require(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw or raw[key] is None:
+        raise ConfigError(f"config.json has no {key!r}, which the model needs")
+    return raw[key]
+
+
+def parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    """RopeConfig from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
+    params = dict(raw.get("rope_parameters") or {})
+    if not params:
+        params = dict(raw.get("rope_scaling") or {})
+        if "rope_theta" in raw:
+            params.setdefault("rope_theta", raw["rope_theta"])
+    kind = params.pop("rope_type", params.pop("type", "default")) or "default"
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
+    if kind == "default":
+        expected: set[str] = set()
+    elif kind == "linear":
+        expected = {"factor"}
+    elif kind == "llama3":
+        expected = {
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        }
+    else:
+        raise ConfigError(
+            f"rope type {kind!r} (config rope_parameters/rope_scaling) is not supported; "
+            "supported: default, linear, llama3"
+        )
+    unknown = set(params) - expected
+    if unknown:
+        raise ConfigError(f"unknown rope parameter(s) {sorted(unknown)} for rope type {kind!r}")
+    missing = expected - set(params)
+    if missing:
+        raise ConfigError(f"rope type {kind!r} needs {sorted(missing)} in rope_parameters")
+    fields = {
+        k: (int(v) if k == "original_max_position_embeddings" else float(v))
+        for k, v in params.items()
+    }
+    return RopeConfig(theta=theta, kind=kind, **fields)
+
+
+def parse_llama_like(
+    raw: dict[str, Any],
+    family: str,
+    *,
+    qkv_bias: bool = False,
+    o_bias: bool = False,
+    qk_norm: bool = False,
+    extra_inert: frozenset[str] = frozenset(),
+) -> ModelConfig:
+    """The common part of every family's parser; families pass their fixed switches."""
+    unknown = set(raw) - INERT_KEYS - READ_KEYS - extra_inert
+    if unknown:
+        raise ConfigError(
+            f"config.json of this {family} checkpoint has field(s) {sorted(unknown)} that this "
+            "library does not know; they may change the numerics, so loading stops here"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r} is not supported (only 'silu')")
+    heads = int(_require(raw, "num_attention_heads"))
+    hidden = int(_require(raw, "hidden_size"))
+    head_dim = raw.get("head_dim") or hidden // heads
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    _check_sliding_window(raw, family, max_pos)
+    return ModelConfig(
+        family=family,
+        vocab_size=int(_require(raw, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_require(raw, "intermediate_size")),
+        num_layers=int(_require(raw, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(raw),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=qk_norm,
+    )
+
+
+def _check_sliding_window(raw: dict[str, Any], family: str, max_pos: int) -> None:
+    """Sliding-window attention is not implemented: refuse checkpoints where it is active."""
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types") or []
+    if family in ("qwen2", "qwen3"):
+        active = bool(raw.get("use_sliding_window")) or "sliding_attention" in layer_types
+    else:
+        active = window is not None and int(window) < max_pos
+    if active:
+        raise ConfigError(
+            f"sliding_window={window} is active in this {family} config (use_sliding_window / "
+            "layer_types); sliding-window attention is not implemented"
+        )
