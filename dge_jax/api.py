@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax import decoding as gen
+from dge_jax.cache import Observation
 from dge_jax.eviction import Eviction, check_eviction, evict_cache, kept_positions
 from dge_jax.model import Model
 from dge_jax.sampling import Greedy
@@ -101,6 +102,36 @@ def generate(
 ) -> GenerationResult:
     """Generates for a batch of prompts (text, or lists of token ids); each row is scored and
     evicted on its own when `eviction` is given (None = FullKV)."""
+    return generate_grid(
+        model,
+        prompts,
+        [eviction],
+        max_new_tokens=max_new_tokens,
+        chat=chat,
+        sampler=sampler,
+        seed=seed,
+        chunk=chunk,
+        extra_eos_ids=extra_eos_ids,
+    )[0]
+
+
+def generate_grid(
+    model: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    cells: Sequence[Eviction | None],
+    *,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+    sampler=GREEDY,
+    seed: int = 0,
+    chunk: int = DEFAULT_CHUNK,
+    extra_eos_ids: Sequence[int] = (),
+) -> list[GenerationResult]:
+    """One result per cell (an `Eviction`, or None for FullKV) for the same prompts.
+
+    The research loop: one prefill serves every cell, and one draft per k serves every DGE
+    and DGE-W cell of that k (the cache is functional, so each cell evicts its own copy).
+    """
     if isinstance(prompts, str):
         prompts = [prompts]
     if prompts and isinstance(prompts[0], str):
@@ -108,23 +139,23 @@ def generate(
     else:
         prompt_ids = [list(map(int, p)) for p in prompts]
     check_request(model, prompt_ids, max_new_tokens)
-    if eviction is not None and eviction.policy.is_full:
-        eviction = None
-    if eviction is not None:
-        check_eviction(eviction, max_new_tokens)
-    policy = eviction.policy if eviction is not None else None
-    obs_window = policy.obs_window if policy is not None else 0
-    record_attn = bool(policy is not None and policy.needs_attn_sum)
+    cells = [None if ev is None or ev.policy.is_full else ev for ev in cells]
+    for ev in cells:
+        if ev is not None:
+            check_eviction(ev, max_new_tokens)
+    active = [ev for ev in cells if ev is not None]
+    obs_window = max((ev.policy.obs_window for ev in active), default=0)
+    record_attn = any(ev.policy.needs_attn_sum for ev in active)
     eos_ids = tuple(
         sorted(set(model.tokenizer.eos_ids if model.tokenizer else ()) | set(extra_eos_ids))
     )
     t = bucket_length(max(map(len, prompt_ids)), chunk)
     tokens, lengths = pad_left(prompt_ids, t)
-    fwd, cfg = model.forward, model.config
+    fwd, cfg, params = model.forward, model.config, model.params
     pre = gen.prefill(
         fwd,
         cfg,
-        model.params,
+        params,
         jnp.asarray(tokens),
         jnp.asarray(lengths),
         capacity=t + max_new_tokens,
@@ -134,24 +165,67 @@ def generate(
     )
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     first = sampler(pre.logits, first_key)
-    state = gen.start_state(pre.cache, first, jnp.asarray(lengths), max_new_tokens, eos_ids, key)
-    kept = None
-    if eviction is not None:
-        drafts = None
-        if eviction.timing.draft_steps:
-            state, drafts = gen.draft(fwd, cfg, model.params, state, sampler=sampler,
-                                      eos_ids=eos_ids, num_steps=eviction.timing.draft_steps,
-                                      record_q=obs_window > 0, record_attn=record_attn)
-        remaining = max_new_tokens - int(state.step)
-        cache, keep = evict_cache(state.cache, pre.obs, drafts, eviction, remaining)
-        kept = kept_positions(state.cache, keep)
-        state = dataclasses.replace(state, cache=cache)
-    state = gen.decode(fwd, cfg, model.params, state, sampler=sampler, eos_ids=eos_ids)
-    out_ids = cut_at_eos(np.asarray(state.tokens), eos_ids)
-    texts = [model.tokenizer.decode(ids) if model.tokenizer else "" for ids in out_ids]
-    return GenerationResult(
-        prompt_tokens=[list(p) for p in prompt_ids], tokens=out_ids, texts=texts, kept=kept
-    )
+    start = gen.start_state(pre.cache, first, jnp.asarray(lengths), max_new_tokens, eos_ids, key)
+    drafted = {}  # draft steps -> (state after drafting, DraftRecord)
+    for steps in sorted({ev.timing.draft_steps for ev in active} - {0}):
+        drafted[steps] = gen.draft(
+            fwd,
+            cfg,
+            params,
+            start,
+            sampler=sampler,
+            eos_ids=eos_ids,
+            num_steps=steps,
+            record_q=obs_window > 0,
+            record_attn=record_attn,
+        )
+    results = []
+    for ev in cells:
+        state, kept = start, None
+        if ev is not None:
+            steps = ev.timing.draft_steps
+            # "prefill" cells borrow a draft record (masked out) so that the three timings at
+            # one k share one compiled scorer; the pre-draft cache has no draft entries.
+            drafts = drafted[steps][1] if steps else next(iter(drafted.values()), (0, None))[1]
+            if steps:
+                state = drafted[steps][0]
+            obs, drafts = observation_for(ev.policy, pre.obs, drafts)
+            remaining = max_new_tokens - int(state.step)
+            cache, keep = evict_cache(state.cache, obs, drafts, ev, remaining)
+            kept = kept_positions(state.cache, keep)
+            state = dataclasses.replace(state, cache=cache)
+        # decode donates its state: give it buffers no other cell shares.
+        state = jax.tree.map(jnp.copy, state)
+        state = gen.decode(fwd, cfg, params, state, sampler=sampler, eos_ids=eos_ids)
+        out_ids = cut_at_eos(np.asarray(state.tokens), eos_ids)
+        texts = [model.tokenizer.decode(ids) if model.tokenizer else "" for ids in out_ids]
+        results.append(
+            GenerationResult(
+                prompt_tokens=[list(p) for p in prompt_ids], tokens=out_ids, texts=texts, kept=kept
+            )
+        )
+    return results
+
+
+def observation_for(policy, obs: Observation, drafts: gen.DraftRecord | None):
+    """The shared prefill observation and draft record cut to what `policy` reads.
+
+    Prefill recorded the largest window any cell needs; a policy with a smaller window sees
+    only its own last w queries, and one that reads no queries (or no attention) sees none.
+    """
+    w = policy.obs_window
+    q = q_pos = is_draft = None
+    if w:
+        q, q_pos, is_draft = obs.q[:, :, :, -w:], obs.q_pos[:, -w:], obs.is_draft[-w:]
+    attn = obs.attn_sum if policy.needs_attn_sum else None
+    obs = Observation(q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end)
+    if drafts is not None:
+        drafts = gen.DraftRecord(
+            q=drafts.q if w else None,
+            q_pos=drafts.q_pos,
+            probs_sum=drafts.probs_sum if policy.needs_attn_sum else None,
+        )
+    return obs, drafts
 
 
 def cut_at_eos(tokens: np.ndarray, eos_ids: Sequence[int]) -> list[list[int]]:

@@ -1,0 +1,171 @@
+"""One eviction = a scoring rule + a budget (or head allocator) + a timing.
+
+`Eviction` bundles them for `dge_jax.generate`; `select_for` is the jitted step shared by
+every caller: assemble the timing's observation, score with the policy, keep draft entries,
+turn the budget into per-head budgets, select. Budgets are traced arguments, so a sweep over
+budgets and over the three timings at one k compiles `select_for` once per policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dge_jax import evict
+from dge_jax.budgets import adakv_budgets, expand_budgets
+from dge_jax.cache import KVCache, Observation
+from dge_jax.decoding import DraftRecord
+from dge_jax.policies import Policy, SnapKV
+from dge_jax.timing import Timing, observation
+
+HEAD_BUDGETS = ("uniform", "adakv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Eviction:
+    """What to evict and when.
+
+    budget: entries per kv head kept right after eviction (window and drafts included): an
+    int, or a per-layer [L] / per-head [L, Hkv] array. head_budget "adakv" re-splits each
+    layer's pool Hkv·B across heads by score (floor alpha·B per head). compact=False keeps the
+    masked cache (same shape); capacity fixes the compacted cache's slots (None = derived from
+    what was kept), so that a sweep can share one compilation of decode.
+    """
+
+    policy: Policy = SnapKV()
+    budget: int | np.ndarray = 256
+    timing: Timing = Timing("dge", 2)
+    head_budget: str = "uniform"
+    alpha: float = 0.2
+    compact: bool = True
+    capacity: int | None = None
+
+    def __post_init__(self):
+        if self.head_budget not in HEAD_BUDGETS:
+            raise ValueError(f"head_budget must be one of {HEAD_BUDGETS}, got {self.head_budget!r}")
+
+
+def protected_size(policy: Policy) -> int:
+    """Entries per head a policy always keeps (its window or sinks), before drafts."""
+    return int(getattr(policy, "window", 0) or 0) + int(getattr(policy, "sinks", 0) or 0)
+
+
+def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
+    """Clear errors for budgets and k that cannot work, before anything is compiled."""
+    budget = np.asarray(ev.budget)
+    if budget.size == 0 or not np.issubdtype(budget.dtype, np.integer):
+        raise ValueError(f"budget must be an integer or integer array, got {ev.budget!r}")
+    if budget.min() < 1:
+        raise ValueError(f"budget must be >= 1 entry per head, got {int(budget.min())}")
+    need = protected_size(ev.policy) + ev.timing.draft_steps
+    if not ev.policy.is_full and budget.min() < need:
+        raise ValueError(
+            f"budget {int(budget.min())} is smaller than what {type(ev.policy).__name__} always "
+            f"keeps ({protected_size(ev.policy)} window/sink entries + "
+            f"{ev.timing.draft_steps} draft entries = {need}); raise the budget or shrink "
+            "the window"
+        )
+    if ev.timing.k > max_new_tokens:
+        raise ValueError(
+            f"k={ev.timing.k} answer tokens are drafted before eviction, more "
+            f"than max_new_tokens={max_new_tokens}"
+        )
+    if hasattr(ev.policy, "layer_budgets") and budget.ndim:
+        raise ValueError(
+            f"{type(ev.policy).__name__} sets per-layer budgets itself; give it a scalar budget"
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha"))
+def select_for(
+    cache: KVCache,
+    prompt_obs: Observation,
+    drafts: DraftRecord | None,
+    budget: jax.Array,
+    observe_drafts: jax.Array,
+    *,
+    policy: Policy,
+    slide: bool = False,
+    head_budget: str = "uniform",
+    alpha: float = 0.2,
+) -> jax.Array:
+    """Keep mask [L, B, Hkv, S] for `cache` (the cache at the timing's eviction point).
+
+    budget: [] / [L] / [L, Hkv] int32 and observe_drafts: [] bool are traced, so budgets and
+    the three timings (given the same draft record) share one compilation. Draft entries
+    (valid slots past each row's last prompt position) are always kept and count against
+    the budget; the pre-draft cache has none, so for "prefill" this is a no-op.
+    """
+    nl, b, hkv, _ = cache.pos.shape
+    obs = observation(prompt_obs, drafts, observe_drafts, slide)
+    scores = policy.score(cache, obs)
+    is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
+    scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
+    # A row whose every head holds no more than the nominal budget is not compressed at all
+    # (DESIGN §2), whatever a schedule or allocator would move between layers and heads.
+    nominal = expand_budgets(budget, nl, b, hkv)
+    fits = jnp.all(cache.num_kept() <= nominal, axis=(0, 2))  # [B]
+    layer_budgets = getattr(policy, "layer_budgets", None)
+    if layer_budgets is not None:
+        budget = layer_budgets(budget, nl)
+    if head_budget == "adakv":
+        per_head = adakv_budgets(scores, budget, alpha)
+    else:
+        per_head = expand_budgets(budget, nl, b, hkv)
+    keep = evict.select(scores, per_head)
+    return jnp.where(fits[None, :, None, None], cache.valid(), keep)
+
+
+compact = jax.jit(evict.compact, static_argnames=("capacity",))
+
+
+def capacity_for(kept_counts: np.ndarray, new_tokens: int, multiple: int = 64) -> int:
+    """Slots for a compacted cache: the most kept by any head, rounded up, plus new tokens."""
+    most = int(np.max(kept_counts, initial=0))
+    return -(-most // multiple) * multiple + new_tokens
+
+
+def evict_cache(
+    cache: KVCache,
+    prompt_obs: Observation,
+    drafts: DraftRecord | None,
+    ev: Eviction,
+    new_tokens: int,
+) -> tuple[KVCache, jax.Array]:
+    """(evicted cache, keep mask): masked, or compacted to room for `new_tokens` more."""
+    keep = select_for(
+        cache,
+        prompt_obs,
+        drafts,
+        jnp.asarray(ev.budget, jnp.int32),
+        jnp.asarray(ev.timing.observes_drafts),
+        policy=ev.policy,
+        slide=ev.timing.slide,
+        head_budget=ev.head_budget,
+        alpha=ev.alpha,
+    )
+    masked = evict.apply_keep(cache, keep)
+    if not ev.compact:
+        return masked, keep
+    counts = np.asarray(jnp.sum(keep, axis=-1))
+    capacity = ev.capacity or capacity_for(counts, new_tokens)
+    evict.check_capacity(counts, capacity, new_tokens)
+    return compact(masked, capacity=capacity), keep
+
+
+def kept_positions(cache: KVCache, keep: jax.Array) -> list[list[list[list[int]]]]:
+    """Per row, layer and kv head: the sorted original positions kept (for analysis/plots)."""
+    pos = np.asarray(cache.pos)
+    mask = np.asarray(keep)
+    nl, b, h, _ = pos.shape
+    return [
+        [
+            [sorted(pos[layer, r, i][mask[layer, r, i]].tolist()) for i in range(h)]
+            for layer in range(nl)
+        ]
+        for r in range(b)
+    ]
