@@ -1,4 +1,7 @@
-"""Command line: `python -m dge_jax generate --model PATH --prompt TEXT [--chat] [--json]`."""
+"""Command line: `python -m dge_jax generate --model PATH --prompt TEXT [--chat] [--json]`.
+
+Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv]`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,10 @@ import json
 import sys
 from collections.abc import Sequence
 
+from dge_jax.eviction import HEAD_BUDGETS, Eviction
 from dge_jax.model import DEFAULT_MODEL
+from dge_jax.policies import POLICIES, make_policy
+from dge_jax.timing import KINDS, Timing
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +35,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top_p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    ev = g.add_argument_group("eviction")
+    ev.add_argument(
+        "--policy",
+        default="full",
+        choices=sorted(POLICIES),
+        help="scoring rule (full = no eviction)",
+    )
+    ev.add_argument("--budget", type=int, default=256, help="entries kept per kv head")
+    ev.add_argument("--timing", default="dge", choices=KINDS)
+    ev.add_argument(
+        "--k",
+        type=int,
+        default=2,
+        help="answer tokens generated with the full cache before eviction",
+    )
+    ev.add_argument("--head_budget", default="uniform", choices=HEAD_BUDGETS)
+    ev.add_argument("--window", type=int, default=None, help="observation / recent window")
+    ev.add_argument("--kernel", type=int, default=None, help="SnapKV/PyramidKV pooling kernel")
+    ev.add_argument("--pooling", default=None, choices=["max", "avg"])
+    ev.add_argument("--gqa", default=None, choices=["mean", "max"])
     return parser
+
+
+def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
+    """The `Eviction` the flags describe (None for --policy full); unknown combos raise."""
+    if args.policy == "full":
+        return None
+    options = {
+        name: getattr(args, name)
+        for name in ("window", "kernel", "pooling", "gqa")
+        if getattr(args, name) is not None
+    }
+    policy = make_policy(args.policy, **options)
+    k = args.k if args.timing != "prefill" else 1
+    return Eviction(
+        policy=policy,
+        budget=args.budget,
+        timing=Timing(args.timing, k),
+        head_budget=args.head_budget,
+    )
 
 
 def run_generate(args: argparse.Namespace) -> dict:
@@ -50,14 +95,20 @@ def run_generate(args: argparse.Namespace) -> dict:
         max_new_tokens=args.max_new_tokens,
         sampler=sampler,
         seed=args.seed,
+        eviction=eviction_from_args(args),
     )
-    return {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.texts}
+    out = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.texts}
+    if result.kept is not None:
+        out["kept"] = result.kept[0]  # first row: [layer][kv head] -> kept positions
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; bad input exits with status 2 and a one-line message, not a traceback."""
     args = build_parser().parse_args(argv)
     try:
+        if args.timing == "prefill" and args.k != 2:
+            raise ValueError("--k applies to --timing dge/dge_w; prefill evicts at k=1")
         out = run_generate(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,97 @@
+"""Budgets: how many entries each kv head keeps right after eviction.
+
+A budget counts every entry a head keeps, the protected window and draft entries included
+(DESIGN §2). Whatever the spec, ``select`` reads a traced int32 ``[L, B, Hkv]`` array, so a sweep
+over budgets, or a switch from uniform to per-layer or head-adaptive budgets, compiles once.
+
+- ``expand_budgets``: scalar, per-layer ``[L]``, per-head ``[L, Hkv]`` or ``[L, B, Hkv]`` specs.
+- ``adakv_budgets``: AdaKV's head-adaptive split of each layer's pool (any scoring rule).
+- Per-layer schedules (PyramidKV) live with their policy: ``PyramidKV.layer_budgets``.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+
+from dge_jax.evict import descending_rank
+
+
+def _floor_times(n: jax.Array, alpha: float) -> jax.Array:
+    """⌊n·alpha⌋ for int32 ``n`` and a static ``alpha``, exact for decimal alphas such as 0.2.
+
+    kvpress writes ``int(n_kept * alpha)`` in float64; without x64 we use alpha's small
+    fraction (0.2 = 1/5) in integer arithmetic, which agrees with it for every n < 10**5 at
+    alpha 0.1, 0.2, 0.25, 0.3, 0.5 (float64 rounding makes it differ, e.g. 90 · 0.7 = 62.99…).
+    """
+    frac = Fraction(alpha).limit_denominator(1 << 12)
+    if abs(float(frac) - alpha) > 1e-12:  # not a short fraction: best effort in f32
+        return jnp.floor(n.astype(jnp.float32) * jnp.float32(alpha)).astype(jnp.int32)
+    return (n * frac.numerator) // frac.denominator
+
+
+def expand_budgets(
+    spec: jax.Array | int, num_layers: int, batch_size: int, num_kv_heads: int
+) -> jax.Array:
+    """Per-head budgets [L, B, Hkv] int32 from a scalar, [L], [L, Hkv] or [L, B, Hkv] spec.
+
+    The spec's rank says what it means, so traced specs work and nothing is guessed from sizes.
+    """
+    spec = jnp.asarray(spec)
+    if jnp.issubdtype(spec.dtype, jnp.floating):
+        raise TypeError(f"budgets must be integers, got {spec.dtype}")
+    spec = spec.astype(jnp.int32)
+    L, B, H = num_layers, batch_size, num_kv_heads
+    expected = {0: (), 1: (L,), 2: (L, H), 3: (L, B, H)}
+    if spec.ndim not in expected or spec.shape != expected[spec.ndim]:
+        raise ValueError(
+            f"budget spec of shape {spec.shape} is none of scalar, [L]={(L,)}, "
+            f"[L, Hkv]={(L, H)} or [L, B, Hkv]={(L, B, H)}"
+        )
+    if spec.ndim == 1:
+        spec = spec[:, None, None]
+    elif spec.ndim == 2:
+        spec = spec[:, None, :]
+    return jnp.broadcast_to(spec, (L, B, H))
+
+
+def adakv_budgets(
+    scores: jax.Array, layer_budgets: jax.Array | int, alpha: float = 0.2
+) -> jax.Array:
+    """Head-adaptive budgets [L, B, Hkv]: AdaKV's split of each layer's pool Hkv·B_l per row.
+
+    Follows kvpress ``AdaKVPress``: a floor of ⌊α·B_l⌋ entries per head, the rest to the top
+    scores across the layer's heads jointly; the counts sum to Hkv·B_l (fewer if slots run out).
+    """
+    # scores: [L, B, Hkv, S] f32, -inf = empty; layer_budgets: [] or [L] int (traced is fine).
+    #
+    # kvpress's rule, per layer and row (n_kept = B_l, n_safe = int(n_kept * alpha)):
+    #   1. each head's top n_safe scores are raised to the dtype's max (the safeguard);
+    #   2. the Hkv * n_kept highest of the raised scores, over all heads jointly, are kept.
+    # A head's kept set is then its own top-c_h entries, so returning the counts c_h and letting
+    # `select` take each head's top c_h gives the same entries. Note that protected slots (+inf)
+    # sit in a head's top n_safe, so they use up its floor first, exactly as kvpress's window
+    # entries (scored max + 1) do. Worked example, Hkv = 2, B_l = 3, alpha = 0.5 (floor 1):
+    #     head 0 scores: .9 .8 .7 .6 .5 .4       head 1 scores: .3 .2 .1 .0 .0 .0
+    #     without the floor the joint top 6 are all head 0's -> counts (6, 0);
+    #     with it .9 and .3 are raised first, then the joint top 4 of the rest are head 0's
+    #     .8 .7 .6 .5 -> counts (5, 1), sum 6 = Hkv * B_l.
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    L, B, H, S = scores.shape
+    layer_budgets = jnp.asarray(layer_budgets)
+    if layer_budgets.shape not in ((), (L,)):
+        raise ValueError(f"layer_budgets must be a scalar or [L]={(L,)}, got {layer_budgets.shape}")
+    budget = jnp.broadcast_to(layer_budgets.astype(jnp.int32), (L,))[:, None, None]  # [L, 1, 1]
+    n_safe = _floor_times(budget, alpha)
+    valid = scores > -jnp.inf
+    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+    floor = (descending_rank(scores) < n_safe[..., None]) & valid  # [L, B, H, S]
+    raised = jnp.where(floor, jnp.inf, scores)
+    # Joint ranking over the layer's heads: flatten [H, S] per (layer, row). Ties follow the
+    # same rule as select (later flat index first, i.e. later head, then later slot).
+    joint_rank = descending_rank(raised.reshape(L, B, H * S)).reshape(L, B, H, S)
+    chosen = (joint_rank < (H * budget)[..., None]) & valid
+    return jnp.sum(chosen, axis=-1, dtype=jnp.int32)

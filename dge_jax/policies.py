@@ -1,0 +1,464 @@
+"""Scoring rules: which cache entries matter, as one f32 score per slot (higher = keep).
+
+Every policy is a frozen, hashable dataclass (a static argument of ``jax.jit``) with one method,
+``score(cache, obs) -> [L, B, Hkv, S] f32``: empty slots score -inf (never kept), protected
+slots +inf (kept before anything else), the rest a finite importance. Policies know nothing of
+timing (DESIGN §1): prefill eviction and DGE call the same ``score``, only ``obs`` differs.
+
+What the generator reads besides ``score``:
+
+- ``obs_window``: how many trailing prompt queries the forward must record (0 = none);
+- ``needs_attn_sum``: whether ``obs.attn_sum`` (H2O's accumulated attention) is needed;
+- ``is_full``: True only for ``FullKV``, the no-eviction sentinel;
+- ``PyramidKV.layer_budgets``: the one per-layer budget schedule.
+
+Shapes: cache ``k: [L, B, Hkv, S, D]``, ``pos: [L, B, Hkv, S]``; ``obs.q: [L, B, Hq, W, D]``,
+``obs.q_pos: [B, W]``. GQA: query head h belongs to kv head ``h // (Hq // Hkv)``; a kv head's
+score aggregates its group's scores (``gqa="mean"`` or ``"max"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dge_jax.cache import KVCache, Observation
+
+_INT32_MAX = np.iinfo(np.int32).max
+_GQA = ("mean", "max")
+_POOLING = ("max", "avg")
+
+
+class Policy(Protocol):
+    """What every scoring rule offers the generator (see the module docstring)."""
+
+    is_full: ClassVar[bool]
+    needs_attn_sum: ClassVar[bool]
+
+    @property
+    def obs_window(self) -> int: ...
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _finish(scores: jax.Array, valid: jax.Array, protected: jax.Array | None = None) -> jax.Array:
+    """Scores [L, B, Hkv, S] f32 with protected slots at +inf and empty slots at -inf.
+
+    The one place that writes the sentinels, so every rule agrees on them (empty wins).
+    """
+    scores = scores.astype(jnp.float32)
+    if protected is not None:
+        scores = jnp.where(protected, jnp.inf, scores)
+    return jnp.where(valid, scores, -jnp.inf)
+
+
+def _group(x: jax.Array, num_kv_heads: int, axis: int) -> jax.Array:
+    """Split query-head axis ``axis`` (size Hq) into [Hkv, G]: head h -> (h // G, h % G)."""
+    hq = x.shape[axis]
+    if hq % num_kv_heads:
+        raise ValueError(f"{hq} query heads do not split into {num_kv_heads} kv heads")
+    return x.reshape(x.shape[:axis] + (num_kv_heads, hq // num_kv_heads) + x.shape[axis + 1 :])
+
+
+def _reduce(x: jax.Array, axis: int, how: str) -> jax.Array:
+    return jnp.mean(x, axis=axis) if how == "mean" else jnp.max(x, axis=axis)
+
+
+def gqa_aggregate(x: jax.Array, num_kv_heads: int, how: str = "mean") -> jax.Array:
+    """Per-kv-head scores [L, B, Hkv, S] from per-query-head ones [L, B, Hq, S].
+
+    A kv head's entries serve its whole query group, so its score is the group's mean or max.
+    """
+    _check_choice("gqa", how, _GQA)
+    return _reduce(_group(x, num_kv_heads, axis=2), axis=3, how=how)
+
+
+def _first_query_pos(q_pos: jax.Array) -> jax.Array:
+    """[B] int32: each row's earliest observed query position (int32 max if none)."""
+    return jnp.min(jnp.where(q_pos >= 0, q_pos, _INT32_MAX), axis=-1)
+
+
+def _window_attention(k: jax.Array, pos: jax.Array, q: jax.Array, q_pos: jax.Array) -> jax.Array:
+    """Softmax attention of observed queries to the cache of one layer, [B, Hkv, G, W, S] f32.
+
+    Causal per query (``0 <= pos <= q_pos``); a query slot with q_pos = -1 gets an all-zero row.
+    """
+    # k: [B, Hkv, S, D], pos: [B, Hkv, S], q: [B, Hq, W, D], q_pos: [B, W]
+    num_kv_heads, head_dim = k.shape[1], k.shape[-1]
+    qg = _group(q.astype(jnp.float32), num_kv_heads, axis=1)  # [B, Hkv, G, W, D]
+    logits = jnp.einsum("bhgwd,bhsd->bhgws", qg, k.astype(jnp.float32)) / math.sqrt(head_dim)
+    # mask [B, Hkv, 1, W, S]: the slot holds a token no later than the (existing) query.
+    key_pos = pos[:, :, None, None, :]
+    query_pos = q_pos[:, None, None, :, None]
+    mask = (key_pos >= 0) & (key_pos <= query_pos) & (query_pos >= 0)
+    logits = jnp.where(mask, logits, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # fully masked rows: avoid inf - inf
+    weights = jnp.where(mask, jnp.exp(logits - peak), 0.0)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    return jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def pool1d(x: jax.Array, include: jax.Array, kernel: int, how: str) -> jax.Array:
+    """Same-length 1-D pooling along the last axis where only ``include``d slots carry values.
+
+    Excluded slots (empty, protected) and the borders act as padding: zeros counted in the
+    divisor for ``avg`` (torch ``avg_pool1d`` with count_include_pad), absent for ``max``.
+    """
+    # x: [..., S] f32, include: [..., S] bool -> [..., S]. kernel odd, half = kernel // 2.
+    # Worked example, avg, kernel 3, slots [pad, 0, 1, 2, win] with attention [-, .2, .4, .6, -]
+    # (slot 0 left padding, slot 4 the protected window): slot 1 -> (0 + .2 + .4) / 3,
+    # slot 3 -> (.4 + .6 + 0) / 3. The window's own (large) attention never leaks into slot 3,
+    # matching kvpress/KVCache-Factory, which cut the window off before pooling.
+    _check_choice("pooling", how, _POOLING)
+    if kernel % 2 != 1:
+        raise ValueError(f"pooling kernel must be odd, got {kernel}")
+    if kernel == 1:
+        return jnp.where(include, x, 0.0 if how == "avg" else -jnp.inf)
+    half = kernel // 2
+    fill = 0.0 if how == "avg" else -jnp.inf
+    padded = jnp.pad(
+        jnp.where(include, x, fill), [(0, 0)] * (x.ndim - 1) + [(half, half)], constant_values=fill
+    )
+    length = x.shape[-1]
+    windows = [padded[..., o : o + length] for o in range(kernel)]
+    if how == "avg":
+        return sum(windows[1:], windows[0]) / kernel
+    return jnp.max(jnp.stack(windows), axis=0)
+
+
+def _check_obs(obs: Observation, *fields: str) -> None:
+    for field in fields:
+        if getattr(obs, field) is None:
+            raise ValueError(f"this policy needs obs.{field}, which the forward did not record")
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FullKV:
+    """No eviction: the generator skips selection when ``is_full``; ``score`` keeps every slot."""
+
+    name: ClassVar[str] = "full"
+    is_full: ClassVar[bool] = True
+    needs_attn_sum: ClassVar[bool] = False
+
+    @property
+    def obs_window(self) -> int:
+        return 0
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32: +inf for every valid slot, -inf for empty ones."""
+        valid = cache.valid()
+        return _finish(jnp.zeros(valid.shape, jnp.float32), valid, protected=valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV:
+    """SnapKV (arXiv 2404.14469): attention of the observation window, pooled along the sequence.
+
+    Defaults are the paper's (window 32, kernel 7, max-pool); ``SnapKV.kvpress()`` is kvpress's.
+    """
+
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    gqa: str = "mean"
+
+    name: ClassVar[str] = "snapkv"
+    is_full: ClassVar[bool] = False
+    needs_attn_sum: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.kernel < 1 or self.kernel % 2 != 1:
+            raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
+        _check_choice("pooling", self.pooling, _POOLING)
+        _check_choice("gqa", self.gqa, _GQA)
+
+    @classmethod
+    def kvpress(cls, **overrides: Any) -> SnapKV:
+        """kvpress ``SnapKVPress`` defaults: window 64, kernel 5, avg-pool, means over window and
+        group; with the same queries its scores select exactly kvpress's entries."""
+        return cls(**{"window": 64, "kernel": 5, "pooling": "avg", "gqa": "mean", **overrides})
+
+    @property
+    def obs_window(self) -> int:
+        return self.window
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32: pooled mean window attention; window (and draft) entries +inf.
+
+        Every observed query counts (the last ``window`` prompt queries, plus drafts under DGE).
+        """
+        # Formula, per layer / row / kv head, with Q the observed queries (q_pos >= 0):
+        #   a[g, s] = mean_{w in Q} softmax_s(q[g, w] . k[s] / sqrt(D))   (causal, valid keys)
+        #   p[g, s] = pool_s(a[g, s] over unprotected valid slots)        (odd kernel, see pool1d)
+        #   score[s] = mean_g p[g, s] (or max)    with    protected = pos >= min_{w in Q} q_pos[w]
+        # kvpress (snapkv_press.py) does the same in this order: softmax over all keys with the
+        # causal window mask, drop the window's own keys, mean over the window's queries,
+        # avg_pool1d(padding = kernel // 2), mean over the group, window entries score max + 1.
+        # (KVCache-Factory's GQA "kv_head" path reduces the group *before* pooling; for avg-pool
+        # the order is irrelevant, for max-pool with gqa="mean" it is not, and we pool first.)
+        # Pool neighbours are slots: empty and protected slots are padding (see pool1d), which
+        # on a left-padded prefill cache is exactly the zero padding kvpress puts at the ends.
+        _check_obs(obs, "q", "q_pos")
+        first = _first_query_pos(obs.q_pos)  # [B]
+        protected = (cache.pos >= 0) & (cache.pos >= first[None, :, None, None])
+        unprotected = (cache.pos >= 0) & ~protected
+        num_queries = jnp.maximum(jnp.sum(obs.q_pos >= 0, axis=-1), 1)  # [B]
+
+        def layer(args: tuple[jax.Array, ...]) -> jax.Array:
+            k, pos, q, include = args  # [B, Hkv, S, D], [B, Hkv, S], [B, Hq, W, D], [B, Hkv, S]
+            attn = _window_attention(k, pos, q, obs.q_pos)  # [B, Hkv, G, W, S]
+            mean = jnp.sum(attn, axis=3) / num_queries[:, None, None, None]  # [B, Hkv, G, S]
+            pooled = pool1d(mean, include[:, :, None, :], self.kernel, self.pooling)
+            return _reduce(pooled, axis=2, how=self.gqa)  # [B, Hkv, S]
+
+        # lax.map over layers: peak memory is one layer's [B, Hq, W, S] attention, not L of them.
+        scores = jax.lax.map(layer, (cache.k, cache.pos, obs.q, unprotected))
+        return _finish(scores, cache.valid(), protected)
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """PyramidKV (arXiv 2406.02069): SnapKV's scores with budgets falling from bottom to top.
+
+    ``layer_budgets`` follows KVCache-Factory's ``PyramidKVCluster`` schedule (beta 20).
+    """
+
+    beta: int = 20
+
+    name: ClassVar[str] = "pyramidkv"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.beta < 1:
+            raise ValueError(f"beta must be >= 1, got {self.beta}")
+
+    def layer_budgets(self, budget: jax.Array | int, num_layers: int) -> jax.Array:
+        """Per-layer budgets [L] int32, bottom layer largest, summing exactly to L·budget.
+
+        KVCache-Factory's linear pyramid (beta 20); every layer keeps at least the window.
+        """
+        # KVCache-Factory, with budget B (= max_capacity_prompt, window included) and window w:
+        #   min_num = (B - w) // beta,   max_num = 2 (B - w) - min_num,
+        #   layer l keeps w + max_num - l * ((max_num - min_num) // (L - 1)).
+        # Flooring the step makes its total exceed L·B by up to (L-1)L/2 entries. We keep both
+        # ends (bottom w + max_num, top w + min_num) and round the exact line instead: with the
+        # exact cumulative count C(l) = l·max_num - span·l(l-1) / (2(L-1)), span = max - min,
+        # layer l gets ceil(C(l+1)) - ceil(C(l)). C(L) = L(B - w) is an integer (span is
+        # even), so the total is exact and each layer is within 1 of the line. Example,
+        # B = 40, w = 8, L = 4, beta 20: min 1, max 63, span 62, line 63, 42.33, 21.67, 1;
+        # C = 0, 63, 105.33, 127, 128, rounded up 0, 63, 106, 127, 128 -> 63, 43, 21, 1
+        # (+ w: 71, 51, 29, 9; sum 160 = 4·40). int32 is exact while 2·B·L² < 2**31.
+        # When span is a multiple of L - 1 this equals KVCache-Factory's schedule exactly.
+        # A budget no larger than the window cannot form a pyramid: every layer gets B.
+        # Not reproduced: KVCache-Factory's prompt-length rules (no eviction for short prompts,
+        # which `select` gives anyway, and a uniform fallback when q_len < 2 (B - w)).
+        budget = jnp.asarray(budget, jnp.int32)
+        if num_layers == 1:
+            return budget[None]
+        extra = jnp.maximum(budget - self.window, 0)
+        min_num = extra // self.beta
+        max_num = 2 * extra - min_num
+        span = max_num - min_num
+        layers = jnp.arange(num_layers + 1, dtype=jnp.int32)
+        cumulative = layers * max_num - (span * layers * (layers - 1)) // (2 * (num_layers - 1))
+        pyramid = self.window + cumulative[1:] - cumulative[:-1]
+        return jnp.where(budget > self.window, pyramid, budget).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O:
+    """H2O (arXiv 2306.14048): accumulated attention over every observed query, recent kept.
+
+    One-shot: scores are ``obs.attn_sum`` (whole prompt, plus drafts under DGE).
+    """
+
+    window: int = 32
+    gqa: str = "mean"
+
+    name: ClassVar[str] = "h2o"
+    is_full: ClassVar[bool] = False
+    needs_attn_sum: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+        _check_choice("gqa", self.gqa, _GQA)
+
+    @property
+    def obs_window(self) -> int:
+        return 0
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32: GQA-aggregated attention sums; the last ``window`` prompt
+        positions (pos > prompt_end - window, so drafts too) are +inf."""
+        _check_obs(obs, "attn_sum", "prompt_end")
+        scores = gqa_aggregate(obs.attn_sum.astype(jnp.float32), cache.k.shape[2], self.gqa)
+        # Row with prompt_end = 9 and window 4: positions 6, 7, 8, 9 (and any draft at 10+).
+        protected = cache.pos > (obs.prompt_end - self.window)[None, :, None, None]
+        return _finish(scores, cache.valid(), protected)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM:
+    """StreamingLLM (arXiv 2309.17453): attention sinks plus the most recent entries.
+
+    Original positions are kept (no re-rotation), like kvpress's ``StreamingLLMPress``.
+    """
+
+    sinks: int = 4
+
+    name: ClassVar[str] = "streamingllm"
+    is_full: ClassVar[bool] = False
+    needs_attn_sum: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+
+    @property
+    def obs_window(self) -> int:
+        return 0
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32: position (recency), with positions < ``sinks`` at +inf.
+
+        A budget B then keeps the sinks and the B - sinks most recent entries.
+        """
+        # Positions are exact in f32 up to 2**24 tokens.
+        return _finish(cache.pos.astype(jnp.float32), cache.valid(), cache.pos < self.sinks)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomScores:
+    """Control: uniform random scores from a key folded from ``seed`` (kvpress RandomPress)."""
+
+    seed: int = 0
+
+    name: ClassVar[str] = "random"
+    is_full: ClassVar[bool] = False
+    needs_attn_sum: ClassVar[bool] = False
+
+    @property
+    def obs_window(self) -> int:
+        return 0
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32 in [0, 1): the same for the same seed and cache shape."""
+        key = jax.random.fold_in(jax.random.key(0), self.seed)
+        return _finish(jax.random.uniform(key, cache.pos.shape, jnp.float32), cache.valid())
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyNorm:
+    """Control: keep low-norm keys (arXiv 2406.11430; kvpress ``KnormPress``)."""
+
+    name: ClassVar[str] = "knorm"
+    is_full: ClassVar[bool] = False
+    needs_attn_sum: ClassVar[bool] = False
+
+    @property
+    def obs_window(self) -> int:
+        return 0
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32: -‖k‖₂ of each (post-RoPE) key, as kvpress scores it."""
+        return _finish(-jnp.linalg.norm(cache.k.astype(jnp.float32), axis=-1), cache.valid())
+
+
+@dataclasses.dataclass(frozen=True)
+class TOVA:
+    """TOVA (arXiv 2401.06104): attention of the last observed query only.
+
+    ``across_heads=True`` (default) aggregates over all query heads of the layer, as TOVA and
+    kvpress's ``TOVAPress`` do (every kv head then scores alike); False uses the GQA group.
+    """
+
+    gqa: str = "mean"
+    across_heads: bool = True
+
+    name: ClassVar[str] = "tova"
+    is_full: ClassVar[bool] = False
+    needs_attn_sum: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _check_choice("gqa", self.gqa, _GQA)
+
+    @property
+    def obs_window(self) -> int:
+        return 1
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32: the last query's attention (aggregated over heads); slots at or
+        after its position (itself, and under DGE-W the drafts) are +inf."""
+        _check_obs(obs, "q", "q_pos")
+        q_pos = obs.q_pos  # [B, W]
+        last = jnp.argmax(jnp.where(q_pos >= 0, q_pos, -1), axis=-1)  # [B] index into W
+        last_pos = jnp.take_along_axis(q_pos, last[:, None], axis=-1)  # [B, 1], -1 if none
+        q_last = jnp.take_along_axis(obs.q, last[None, :, None, None, None], axis=3)
+        # q_last: [L, B, Hq, 1, D]
+
+        def layer(args: tuple[jax.Array, ...]) -> jax.Array:
+            k, pos, q = args
+            attn = _window_attention(k, pos, q, last_pos)[:, :, :, 0]  # [B, Hkv, G, S]
+            if self.across_heads:
+                flat = attn.reshape(attn.shape[0], -1, attn.shape[-1])  # [B, Hq, S]
+                agg = _reduce(flat, axis=1, how=self.gqa)[:, None]  # [B, 1, S]
+                return jnp.broadcast_to(agg, pos.shape)
+            return _reduce(attn, axis=2, how=self.gqa)
+
+        scores = jax.lax.map(layer, (cache.k, cache.pos, q_last))
+        protected = (last_pos[:, 0] >= 0)[None, :, None, None] & (
+            cache.pos >= last_pos[None, :, :, None]
+        )
+        return _finish(scores, cache.valid(), protected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+POLICIES: dict[str, type] = {
+    cls.name: cls
+    for cls in (FullKV, SnapKV, PyramidKV, H2O, StreamingLLM, RandomScores, KeyNorm, TOVA)
+}
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """The policy registered as ``name`` built with ``options``; unknown names or options raise.
+
+    For command lines and sweeps: ``make_policy("snapkv", window=8)``.
+    """
+    key = name.lower()
+    if key not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    cls = POLICIES[key]
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {unknown} for policy {key!r}; known: {known or 'none'}"
+        )
+    return cls(**options)

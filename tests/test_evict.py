@@ -1,0 +1,180 @@
+"""Selection, masking and compaction (dge_jax/evict.py) on tiny hand-made caches."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dge_jax.cache import KVCache
+from dge_jax.evict import apply_keep, check_capacity, compact, descending_rank, select
+
+L, B, HKV, G, S, D = 2, 2, 2, 2, 12, 4
+
+
+def _cache(seed: int = 0, lengths=(12, 7), spare: int = 0) -> KVCache:
+    """Left-padded cache: row b holds positions 0..n_b-1 in its last n_b slots of S."""
+    rng = np.random.default_rng(seed)
+    k = rng.normal(size=(L, B, HKV, S + spare, D)).astype(np.float32)
+    v = rng.normal(size=(L, B, HKV, S + spare, D)).astype(np.float32)
+    pos = np.full((L, B, HKV, S + spare), -1, np.int32)
+    for b, n in enumerate(lengths):
+        pos[:, b, :, S - n : S] = np.arange(n)
+    return KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(S, jnp.int32))
+
+
+def _scores(cache: KVCache, seed: int = 1) -> jax.Array:
+    rng = np.random.default_rng(seed)
+    s = rng.normal(size=cache.pos.shape).astype(np.float32)
+    return jnp.where(cache.pos >= 0, s, -jnp.inf)
+
+
+def _attend(q: jax.Array, q_pos: jax.Array, cache: KVCache) -> jax.Array:
+    """Masked attention of one query per row: q [L, B, Hq, D], q_pos [B] -> [L, B, Hq, D]."""
+    qg = q.reshape(L, B, HKV, G, D)
+    logits = jnp.einsum("lbhgd,lbhsd->lbhgs", qg, cache.k) / np.sqrt(D)
+    mask = (cache.pos >= 0) & (cache.pos <= q_pos[None, :, None, None])
+    logits = jnp.where(mask[:, :, :, None, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("lbhgs,lbhsd->lbhgd", probs, cache.v).reshape(L, B, HKV * G, D)
+
+
+def test_descending_rank_breaks_ties_towards_later_slot():
+    rank = descending_rank(jnp.array([1.0, 3.0, 3.0, 0.0]))
+    np.testing.assert_array_equal(rank, [2, 1, 0, 3])
+    rank = descending_rank(jnp.array([jnp.inf, jnp.inf, 2.0, -jnp.inf, -jnp.inf]))
+    np.testing.assert_array_equal(rank, [1, 0, 2, 4, 3])
+
+
+@pytest.mark.parametrize("budget", [0, 1, 3, 7, 12, 20])
+def test_select_keeps_top_budget_valid_slots(budget):
+    cache = _cache()
+    scores = _scores(cache)
+    keep = np.asarray(select(scores, budget))
+    s, valid = np.asarray(scores), np.asarray(cache.valid())
+    assert not (keep & ~valid).any()  # never an empty slot
+    for idx in np.ndindex(L, B, HKV):
+        n_valid = valid[idx].sum()
+        assert keep[idx].sum() == min(budget, n_valid)  # everything when the head fits
+        expected = np.argsort(-s[idx], kind="stable")[: min(budget, n_valid)]
+        np.testing.assert_array_equal(np.flatnonzero(keep[idx]), np.sort(expected))
+
+
+def test_select_per_head_budgets_and_valid_mask():
+    cache = _cache()
+    scores = _scores(cache)
+    budgets = jnp.asarray(np.arange(L * B * HKV).reshape(L, B, HKV) + 2, jnp.int32)
+    keep = np.asarray(select(scores, budgets))
+    counts = keep.sum(-1)
+    np.testing.assert_array_equal(counts, np.minimum(budgets, cache.num_kept()))
+    # An explicit valid mask wins over finite scores in empty slots.
+    finite = jnp.where(cache.pos >= 0, scores, 100.0)
+    keep2 = np.asarray(select(finite, budgets, valid=cache.valid()))
+    np.testing.assert_array_equal(keep2, keep)
+
+
+def test_select_tie_keeps_later_slots():
+    scores = jnp.zeros((1, 1, 1, 6), jnp.float32).at[..., 0].set(5.0)
+    keep = np.asarray(select(scores, 3))[0, 0, 0]
+    np.testing.assert_array_equal(keep, [True, False, False, False, True, True])
+
+
+def test_select_rejects_ambiguous_budget_shapes():
+    scores = _scores(_cache())
+    with pytest.raises(ValueError, match="expand_budgets"):
+        select(scores, jnp.ones((L,), jnp.int32))
+    with pytest.raises(TypeError):
+        select(scores, 3.0)
+
+
+def test_select_compiles_once_over_budgets():
+    traces = []
+
+    def counted(scores, budget):
+        traces.append(1)  # runs only while tracing
+        return select(scores, budget)
+
+    fn = jax.jit(counted)
+    rng = np.random.default_rng(2)
+    scores = jnp.asarray(rng.normal(size=(L, B, HKV, 320)), jnp.float32)
+    kept = [int(fn(scores, budget).sum()) for budget in (32, 64, 128, 256)]
+    assert len(traces) == 1
+    assert fn._cache_size() == 1
+    assert kept == [L * B * HKV * b for b in (32, 64, 128, 256)]  # the budget is live
+
+
+def test_apply_keep_masks_only_pos():
+    cache = _cache()
+    keep = select(_scores(cache), 4)
+    out = apply_keep(cache, keep)
+    np.testing.assert_array_equal(out.pos, np.where(keep, cache.pos, -1))
+    np.testing.assert_array_equal(out.k, cache.k)
+    assert out.capacity == cache.capacity and int(out.index) == int(cache.index)
+    np.testing.assert_array_equal(out.num_kept(), np.asarray(keep).sum(-1))
+
+
+def test_compact_keeps_position_order_and_sets_index():
+    cache = _cache()
+    budgets = jnp.asarray([[[5, 3], [2, 6]], [[4, 4], [1, 7]]], jnp.int32)
+    masked = apply_keep(cache, select(_scores(cache), budgets))
+    out = compact(masked, 8)
+    assert out.capacity == 8
+    pos = np.asarray(out.pos)
+    counts = np.asarray(masked.num_kept())
+    for idx in np.ndindex(L, B, HKV):
+        n = counts[idx]
+        kept_pos = np.sort(np.asarray(masked.pos)[idx][np.asarray(masked.pos)[idx] >= 0])
+        np.testing.assert_array_equal(pos[idx][:n], kept_pos)  # first n slots, ascending
+        assert (pos[idx][n:] == -1).all()
+        assert (np.asarray(out.k)[idx][n:] == 0).all()
+    assert int(out.index) == counts.max() == 7
+    assert check_capacity(masked, 8) == 7
+    assert check_capacity(np.asarray(masked.valid()), 8, new_tokens=1) == 8
+    with pytest.raises(ValueError, match="capacity is 7"):
+        check_capacity(counts, 7, new_tokens=1)
+
+
+def test_compact_matches_masked_attention_and_decode_append():
+    cache = _cache(spare=1)  # slot S stays free for one decode step in the masked cache
+    rng = np.random.default_rng(3)
+    budgets = jnp.asarray(rng.integers(1, 8, size=(L, B, HKV)), jnp.int32)
+    masked = apply_keep(cache, select(_scores(cache), budgets))
+    out = compact(masked, 9)  # 9 >= max budget (7) + 1 new token
+    q = jnp.asarray(rng.normal(size=(L, B, HKV * G, D)), jnp.float32)
+    last = jnp.asarray([11, 6], jnp.int32)
+    np.testing.assert_allclose(_attend(q, last, masked), _attend(q, last, out), atol=1e-6)
+
+    # One decode step at positions 12 / 7: masked writes slot S, compacted writes slot index.
+    new_k = jnp.asarray(rng.normal(size=(L, B, HKV, D)), jnp.float32)
+    new_v = jnp.asarray(rng.normal(size=(L, B, HKV, D)), jnp.float32)
+    new_pos = jnp.broadcast_to((last + 1)[None, :, None], (L, B, HKV))
+
+    def write(c: KVCache, slot) -> KVCache:
+        return KVCache(
+            c.k.at[:, :, :, slot].set(new_k),
+            c.v.at[:, :, :, slot].set(new_v),
+            c.pos.at[:, :, :, slot].set(new_pos),
+            c.index + 1,
+        )
+
+    masked2, out2 = write(masked, S), write(out, out.index)
+    assert int(out.index) <= 8
+    np.testing.assert_allclose(_attend(q, last + 1, masked2), _attend(q, last + 1, out2), atol=1e-6)
+    for idx in np.ndindex(L, B, HKV):  # still sorted by position within every head
+        p = np.asarray(out2.pos)[idx]
+        assert (np.diff(p[p >= 0]) > 0).all()
+
+
+def test_compact_grows_capacity_and_jits():
+    cache = _cache()
+    out = jax.jit(compact, static_argnums=1)(cache, S + 4)
+    assert out.capacity == S + 4 and int(out.index) == S
+    np.testing.assert_array_equal(out.num_kept(), cache.num_kept())
+    q = jnp.asarray(np.random.default_rng(4).normal(size=(L, B, HKV * G, D)), jnp.float32)
+    last = jnp.asarray([11, 6], jnp.int32)
+    np.testing.assert_allclose(_attend(q, last, cache), _attend(q, last, out), atol=1e-6)
