@@ -16,9 +16,17 @@ import numpy as np
 
 from dge_jax import decoding as gen
 from dge_jax.cache import Observation
-from dge_jax.eviction import Eviction, check_eviction, evict_cache, kept_positions
+from dge_jax.eviction import (
+    Eviction,
+    apply_eviction,
+    capacity_for,
+    check_eviction,
+    keep_mask,
+    kept_positions,
+)
 from dge_jax.model import Model
 from dge_jax.sampling import Greedy
+from dge_jax.sharding import on_model_mesh
 
 DEFAULT_CHUNK = 512
 GREEDY = Greedy()
@@ -98,6 +106,7 @@ def generate(
     seed: int = 0,
     chunk: int = DEFAULT_CHUNK,
     extra_eos_ids: Sequence[int] = (),
+    min_new_tokens: int = 0,
     eviction: Eviction | None = None,
 ) -> GenerationResult:
     """Generates for a batch of prompts (text, or lists of token ids); each row is scored and
@@ -112,9 +121,11 @@ def generate(
         seed=seed,
         chunk=chunk,
         extra_eos_ids=extra_eos_ids,
+        min_new_tokens=min_new_tokens,
     )[0]
 
 
+@on_model_mesh  # a model loaded with a mesh runs every step on it (dge_jax.sharding)
 def generate_grid(
     model: Model,
     prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -126,6 +137,7 @@ def generate_grid(
     seed: int = 0,
     chunk: int = DEFAULT_CHUNK,
     extra_eos_ids: Sequence[int] = (),
+    min_new_tokens: int = 0,
 ) -> list[GenerationResult]:
     """One result per cell (an `Eviction`, or None for FullKV) for the same prompts.
 
@@ -150,6 +162,7 @@ def generate_grid(
         sorted(set(model.tokenizer.eos_ids if model.tokenizer else ()) | set(extra_eos_ids))
     )
     t = bucket_length(max(map(len, prompt_ids)), chunk)
+    buffer = bucket_length(max_new_tokens, chunk)  # token buffer; the loop stops at the limit
     tokens, lengths = pad_left(prompt_ids, t)
     fwd, cfg, params = model.forward, model.config, model.params
     pre = gen.prefill(
@@ -158,14 +171,16 @@ def generate_grid(
         params,
         jnp.asarray(tokens),
         jnp.asarray(lengths),
-        capacity=t + max_new_tokens,
+        capacity=t + buffer,
         chunk=chunk,
         obs_window=obs_window,
         record_attn=record_attn,
     )
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
-    first = sampler(pre.logits, first_key)
-    start = gen.start_state(pre.cache, first, jnp.asarray(lengths), max_new_tokens, eos_ids, key)
+    first = sampler(gen.suppress_eos(pre.logits, eos_ids, min_new_tokens > 0), first_key)
+    start = gen.start_state(
+        pre.cache, first, jnp.asarray(lengths), max_new_tokens, eos_ids, key, buffer=buffer
+    )
     drafted = {}  # draft steps -> (state after drafting, DraftRecord)
     for steps in sorted({ev.timing.draft_steps for ev in active} - {0}):
         drafted[steps] = gen.draft(
@@ -178,26 +193,40 @@ def generate_grid(
             num_steps=steps,
             record_q=obs_window > 0,
             record_attn=record_attn,
+            min_new_tokens=min_new_tokens,
         )
-    results = []
+    # Pass 1: every cell's keep mask (cheap), so all compacted cells can share one capacity
+    # and hence one compiled decode loop.
+    plans = []  # (state at the eviction point, keep mask or None)
     for ev in cells:
-        state, kept = start, None
-        if ev is not None:
-            steps = ev.timing.draft_steps
-            # "prefill" cells borrow a draft record (masked out) so that the three timings at
-            # one k share one compiled scorer; the pre-draft cache has no draft entries.
-            drafts = drafted[steps][1] if steps else next(iter(drafted.values()), (0, None))[1]
-            if steps:
-                state = drafted[steps][0]
-            obs, drafts = observation_for(ev.policy, pre.obs, drafts)
-            remaining = max_new_tokens - int(state.step)
-            cache, keep = evict_cache(state.cache, obs, drafts, ev, remaining)
+        if ev is None:
+            plans.append((start, None))
+            continue
+        steps = ev.timing.draft_steps
+        # "prefill" cells borrow a draft record (masked out) so that the three timings at one
+        # k share one compiled scorer; the pre-draft cache has no draft entries.
+        drafts = drafted[steps][1] if steps else next(iter(drafted.values()), (0, None))[1]
+        state = drafted[steps][0] if steps else start
+        obs, drafts = observation_for(ev.policy, pre.obs, drafts)
+        plans.append((state, keep_mask(state.cache, obs, drafts, ev)))
+    counts = [np.asarray(jnp.sum(keep, axis=-1)) for _, keep in plans if keep is not None]
+    shared_capacity = capacity_for(np.max(counts, axis=0), buffer) if counts else None
+    # Pass 2: evict (mask or compact) and decode each cell.
+    results = []
+    for ev, (state, keep) in zip(cells, plans, strict=True):
+        kept = None
+        if keep is not None:
             kept = kept_positions(state.cache, keep)
+            capacity = ev.capacity or shared_capacity
+            remaining = max_new_tokens - int(state.step)
+            cache = apply_eviction(state.cache, keep, ev, capacity, remaining)
             state = dataclasses.replace(state, cache=cache)
         # decode donates its state: give it buffers no other cell shares.
         state = jax.tree.map(jnp.copy, state)
-        state = gen.decode(fwd, cfg, params, state, sampler=sampler, eos_ids=eos_ids)
-        out_ids = cut_at_eos(np.asarray(state.tokens), eos_ids)
+        state = gen.decode(
+            fwd, cfg, params, state, sampler=sampler, eos_ids=eos_ids, min_new_tokens=min_new_tokens
+        )
+        out_ids = cut_at_eos(np.asarray(state.tokens)[:, :max_new_tokens], eos_ids)
         texts = [model.tokenizer.decode(ids) if model.tokenizer else "" for ids in out_ids]
         results.append(
             GenerationResult(

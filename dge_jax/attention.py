@@ -40,14 +40,19 @@ def cached_attention(
     b, t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
-    qg = q.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (d**-0.5)
+    s_len = k.shape[2]
+    # Group the G query heads of each kv head into one [G*T] row block, so both products are
+    # plain 4-D batched matmuls over (B, Hkv): XLA:CPU runs those ~4x faster than the 5-D
+    # grouped einsum. Row r of a block is query head r // T, query r % T.
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, hkv, g, t, s_len) * (d**-0.5)
     mask = slot_mask(slot_pos, query_pos)[:, :, None, :, :]  # [B, Hkv, 1, T, S]
     scores = jnp.where(mask, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1) * mask
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
-    probs_sum = None
+    probs = jax.nn.softmax(scores, axis=-1)
     if return_probs_sum:
-        probs_sum = probs.sum(axis=3).reshape(b, hq, -1)
-    return out.reshape(b, t, hq, d), probs_sum
+        probs = probs * mask  # padding queries (all slots masked) contribute nothing
+    out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, hkv, g * t, s_len).astype(v.dtype), v)
+    out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    probs_sum = probs.sum(axis=3).reshape(b, hq, s_len) if return_probs_sum else None
+    return out, probs_sum

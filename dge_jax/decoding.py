@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from dge_jax.cache import KVCache, Observation, init_cache
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardFn
+from dge_jax.sharding import constrain_cache, constrain_rows
 
 
 def prompt_positions(lengths: jax.Array, t: int) -> jax.Array:
@@ -83,6 +84,9 @@ def prefill(
         raise ValueError(f"cache capacity {capacity} is smaller than the prompt ({t})")
     dtype = cache_dtype or params.embed.dtype
     cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+    # Under jax.set_mesh (dge_jax.sharding): rows over data, kv heads over model; else no-ops.
+    tokens, lengths = constrain_rows(tokens, lengths)
+    cache = constrain_cache(cache, cfg)
     positions = prompt_positions(lengths, t)
     n = t // c
     w = obs_window
@@ -123,14 +127,16 @@ def prefill(
 class DecodeState:
     """The decode loop's state: one dataclass, read top to bottom by `decode_body`.
 
-    tokens: [B, N] generated ids (N = max_new_tokens), filled up to `step`; rows that hit EOS
-    are padded with their EOS id. last/pos: [B] the newest token and its position (not yet
-    fed to the model). done: [B] bool. key: PRNG key for sampling.
+    tokens: [B, N] generated ids, filled up to `step`; rows that hit EOS are padded with their
+    EOS id. N is a length bucket >= `limit`, the traced number of tokens wanted, so requests
+    of nearby lengths share one compiled loop. last/pos: [B] the newest token and its
+    position (not yet fed to the model). done: [B] bool. key: PRNG key for sampling.
     """
 
     cache: KVCache
     tokens: jax.Array
     step: jax.Array
+    limit: jax.Array
     last: jax.Array
     pos: jax.Array
     done: jax.Array
@@ -144,19 +150,35 @@ def start_state(
     max_new_tokens: int,
     eos_ids: tuple[int, ...],
     key: jax.Array,
+    buffer: int | None = None,
 ) -> DecodeState:
-    """The loop state after prefill: the first answer token [B] is already chosen."""
+    """The loop state after prefill: the first answer token [B] is already chosen.
+
+    buffer: the static token-buffer length N >= max_new_tokens (default max_new_tokens).
+    """
     b = first.shape[0]
-    tokens = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    n = buffer or max_new_tokens
+    if n < max_new_tokens:
+        raise ValueError(f"token buffer {n} is shorter than max_new_tokens={max_new_tokens}")
+    tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(first)
     return DecodeState(
         cache=cache,
         tokens=tokens,
         step=jnp.ones((), jnp.int32),
+        limit=jnp.asarray(max_new_tokens, jnp.int32),
         last=first,
         pos=lengths.astype(jnp.int32),
         done=_is_eos(first, eos_ids),
         key=key,
     )
+
+
+def suppress_eos(logits: jax.Array, eos_ids: tuple[int, ...], active) -> jax.Array:
+    """logits [B, V] with the EOS ids at -inf where `active` (a traced or static bool)."""
+    if not eos_ids:
+        return logits
+    ids = jnp.asarray(eos_ids, jnp.int32)
+    return jnp.where(active, logits.at[:, ids].set(-jnp.inf), logits)
 
 
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
@@ -173,8 +195,13 @@ def decode_body(
     *,
     obs_window: int = 0,
     record_attn: bool = False,
+    min_new_tokens: int = 0,
 ):
-    """One decode step: feed `last`, choose the next token. Returns (state, ForwardOutput)."""
+    """One decode step: feed `last`, choose the next token. Returns (state, ForwardOutput).
+
+    EOS ids are banned while fewer than `min_new_tokens` tokens exist (transformers'
+    min_length, which LongBench uses for samsum).
+    """
     out = forward(
         cfg,
         params,
@@ -185,7 +212,8 @@ def decode_body(
         record_attn=record_attn,
     )
     key, sub = jax.random.split(state.key)
-    new = sampler(out.logits, sub)
+    logits = suppress_eos(out.logits, eos_ids, state.step < min_new_tokens)
+    new = sampler(logits, sub)
     # A finished row keeps emitting its last token (an EOS id) so the output stays padded.
     new = jnp.where(state.done, state.last, new)
     tokens = jax.lax.dynamic_update_slice(state.tokens, new[:, None], (0, state.step))
@@ -193,6 +221,7 @@ def decode_body(
         cache=out.cache,
         tokens=tokens,
         step=state.step + 1,
+        limit=state.limit,
         last=new,
         pos=state.pos + 1,
         done=state.done | _is_eos(new, eos_ids),
@@ -220,6 +249,7 @@ class DraftRecord(NamedTuple):
         "num_steps",
         "record_q",
         "record_attn",
+        "min_new_tokens",
     ),
 )
 def draft(
@@ -233,6 +263,7 @@ def draft(
     num_steps: int,
     record_q: bool = True,
     record_attn: bool = False,
+    min_new_tokens: int = 0,
 ) -> tuple[DecodeState, DraftRecord]:
     """Runs `num_steps` decode steps with the full cache (lax.scan), recording their queries.
 
@@ -251,6 +282,7 @@ def draft(
             state,
             obs_window=1 if record_q else 0,
             record_attn=record_attn,
+            min_new_tokens=min_new_tokens,
         )
         return state, (out.q_window, pos, out.probs_sum)
 
@@ -262,7 +294,9 @@ def draft(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("forward", "cfg", "sampler", "eos_ids"), donate_argnames=("state",)
+    jax.jit,
+    static_argnames=("forward", "cfg", "sampler", "eos_ids", "min_new_tokens"),
+    donate_argnames=("state",),
 )
 def decode(
     forward: ForwardFn,
@@ -272,18 +306,21 @@ def decode(
     *,
     sampler,
     eos_ids: tuple[int, ...],
+    min_new_tokens: int = 0,
 ) -> DecodeState:
-    """Decodes until `tokens` is full or every row has emitted an EOS (lax.while_loop).
+    """Decodes until `limit` tokens exist or every row has emitted an EOS (lax.while_loop).
 
     The state (and its cache) is donated: decoding updates the cache in place.
     """
     n = state.tokens.shape[1]
 
     def cond(s):
-        return (s.step < n) & ~jnp.all(s.done)
+        return (s.step < s.limit) & ~jnp.all(s.done)
 
     def body(s):
-        return decode_body(forward, cfg, params, sampler, eos_ids, s)[0]
+        return decode_body(
+            forward, cfg, params, sampler, eos_ids, s, min_new_tokens=min_new_tokens
+        )[0]
 
     state = jax.lax.while_loop(cond, body, state)
     # Rows that stopped early keep their EOS as padding for the steps the loop skipped.

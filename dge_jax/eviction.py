@@ -129,15 +129,11 @@ def capacity_for(kept_counts: np.ndarray, new_tokens: int, multiple: int = 64) -
     return -(-most // multiple) * multiple + new_tokens
 
 
-def evict_cache(
-    cache: KVCache,
-    prompt_obs: Observation,
-    drafts: DraftRecord | None,
-    ev: Eviction,
-    new_tokens: int,
-) -> tuple[KVCache, jax.Array]:
-    """(evicted cache, keep mask): masked, or compacted to room for `new_tokens` more."""
-    keep = select_for(
+def keep_mask(
+    cache: KVCache, prompt_obs: Observation, drafts: DraftRecord | None, ev: Eviction
+) -> jax.Array:
+    """[L, B, Hkv, S] bool: what `ev` keeps of `cache` (the cache at its eviction point)."""
+    return select_for(
         cache,
         prompt_obs,
         drafts,
@@ -148,13 +144,32 @@ def evict_cache(
         head_budget=ev.head_budget,
         alpha=ev.alpha,
     )
+
+
+def apply_eviction(
+    cache: KVCache, keep: jax.Array, ev: Eviction, capacity: int | None, new_tokens: int
+) -> KVCache:
+    """The evicted cache: masked (same shape), or compacted to `capacity` slots (None: just
+    enough for what was kept plus `new_tokens`, rounded up)."""
     masked = evict.apply_keep(cache, keep)
     if not ev.compact:
-        return masked, keep
+        return masked
     counts = np.asarray(jnp.sum(keep, axis=-1))
-    capacity = ev.capacity or capacity_for(counts, new_tokens)
+    capacity = capacity or capacity_for(counts, new_tokens)
     evict.check_capacity(counts, capacity, new_tokens)
-    return compact(masked, capacity=capacity), keep
+    return compact(masked, capacity=capacity)
+
+
+def evict_cache(
+    cache: KVCache,
+    prompt_obs: Observation,
+    drafts: DraftRecord | None,
+    ev: Eviction,
+    new_tokens: int,
+) -> tuple[KVCache, jax.Array]:
+    """(evicted cache, keep mask): masked, or compacted to room for `new_tokens` more."""
+    keep = keep_mask(cache, prompt_obs, drafts, ev)
+    return apply_eviction(cache, keep, ev, ev.capacity, new_tokens), keep
 
 
 def kept_positions(cache: KVCache, keep: jax.Array) -> list[list[list[list[int]]]]:

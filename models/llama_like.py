@@ -226,8 +226,10 @@ def forward(
     if logits != "none":
         x = x[:, -1] if logits == "last" else x
         x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
-        head = params.embed.T if params.lm_head is None else params.lm_head
-        out = jnp.dot(x, head, preferred_element_type=jnp.float32)
+        if params.lm_head is None:  # tied: contract with embed [V, D] as stored, no transpose
+            out = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
+        else:
+            out = jnp.dot(x, params.lm_head, preferred_element_type=jnp.float32)
     return ForwardOutput(out, new_cache, q_window, probs_sum)
 
 

@@ -1,0 +1,98 @@
+"""The grid a run evaluates: methods x timings x k x budgets, each cell one `Eviction`.
+
+A method is a policy name (`snapkv`, `h2o`, ...), optionally prefixed `adakv_` for AdaKV
+head-level budgets over that policy's scores; `full` is the one cell without eviction.
+Cell ids are stable strings (`snapkv/dge/k2/b128`), the keys of predictions and tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from dge_jax.eviction import Eviction
+from dge_jax.policies import POLICIES, make_policy
+from dge_jax.timing import KINDS, Timing
+
+ADAKV_PREFIX = "adakv_"
+POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One evaluated configuration; `method == "full"` has no timing, k or budget."""
+
+    method: str
+    timing: str = "prefill"
+    k: int = 1
+    budget: int = 0
+
+    @property
+    def id(self) -> str:
+        if self.method == "full":
+            return "full"
+        k = f"/k{self.k}" if self.timing != "prefill" else ""
+        return f"{self.method}/{self.timing}{k}/b{self.budget}"
+
+    @property
+    def policy_name(self) -> str:
+        return self.method.removeprefix(ADAKV_PREFIX)
+
+    def eviction(self, policy_options: dict[str, Any]) -> Eviction | None:
+        """The `Eviction` of this cell; options a policy does not take are left out."""
+        if self.method == "full":
+            return None
+        cls = POLICIES[self.policy_name]
+        fields = {f.name for f in dataclasses.fields(cls)}
+        options = {k: v for k, v in policy_options.items() if k in fields and v is not None}
+        return Eviction(
+            policy=make_policy(self.policy_name, **options),
+            budget=self.budget,
+            timing=Timing(self.timing, self.k),
+            head_budget="adakv" if self.method.startswith(ADAKV_PREFIX) else "uniform",
+        )
+
+
+def parse_cell_id(cell_id: str) -> Cell:
+    """Inverse of `Cell.id` (reports read cells back from prediction files)."""
+    if cell_id == "full":
+        return Cell("full")
+    parts = cell_id.split("/")
+    method, timing, budget = parts[0], parts[1], int(parts[-1].removeprefix("b"))
+    k = int(parts[2].removeprefix("k")) if len(parts) == 4 else 1
+    return Cell(method, timing, k, budget)
+
+
+def check_method(method: str) -> None:
+    """Raises for a method name that names no policy (with or without the adakv_ prefix)."""
+    name = method.removeprefix(ADAKV_PREFIX)
+    if method != "full" and (name not in POLICIES or name == "full"):
+        known = sorted(n for n in POLICIES if n != "full")
+        raise ValueError(
+            f"unknown method {method!r}; known: full, {', '.join(known)}, and adakv_<policy>"
+        )
+
+
+def build_cells(
+    methods: Sequence[str], timings: Sequence[str], ks: Sequence[int], budgets: Sequence[int]
+) -> list[Cell]:
+    """Every cell of the grid, FullKV first; "prefill" cells ignore k (they evict at k=1)."""
+    for m in methods:
+        check_method(m)
+    for t in timings:
+        if t not in KINDS:
+            raise ValueError(f"unknown timing {t!r}; choose from {', '.join(KINDS)}")
+    for k in ks:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+    for b in budgets:
+        if b < 1:
+            raise ValueError(f"budgets must be >= 1, got {b}")
+    cells = [Cell("full")] if "full" in methods else []
+    for method in (m for m in methods if m != "full"):
+        for timing in timings:
+            for k in ([1] if timing == "prefill" else ks):
+                for budget in budgets:
+                    cells.append(Cell(method, timing, k, budget))
+    return list(dict.fromkeys(cells))
