@@ -47,12 +47,14 @@ def bucket_length(n: int, chunk: int = DEFAULT_CHUNK) -> int:
 class GenerationResult:
     """prompt_tokens: ids fed per row; tokens: generated ids per row (up to and including the
     first EOS); texts: decoded `tokens`; kept: per row, layer and kv head, the original
-    positions held right after eviction (None without eviction)."""
+    positions held right after eviction (None without eviction); k: per row, the answer
+    tokens generated with the full cache before eviction (None without eviction)."""
 
     prompt_tokens: list[list[int]]
     tokens: list[list[int]]
     texts: list[str]
     kept: list[list[list[list[int]]]] | None = None
+    k: list[int] | None = None
 
 
 def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
@@ -181,44 +183,54 @@ def generate_grid(
     start = gen.start_state(
         pre.cache, first, jnp.asarray(lengths), max_new_tokens, eos_ids, key, buffer=buffer
     )
-    drafted = {}  # draft steps -> (state after drafting, DraftRecord)
-    for steps in sorted({ev.timing.draft_steps for ev in active} - {0}):
-        drafted[steps] = gen.draft(
+    # One draft to the largest k any cell needs; `rewind` replays any shorter draft from it
+    # (per row, for adaptive k), so every k shares one draft and one compiled scorer.
+    max_steps = max((ev.timing.draft_steps for ev in active), default=0)
+    drafted = all_drafts = entropy = top1 = None
+    if max_steps:
+        drafted, all_drafts = gen.draft(
             fwd,
             cfg,
             params,
             start,
             sampler=sampler,
             eos_ids=eos_ids,
-            num_steps=steps,
+            num_steps=max_steps,
             record_q=obs_window > 0,
             record_attn=record_attn,
             min_new_tokens=min_new_tokens,
         )
+        # Next-token statistics of t1 (prefill logits), t2, ..., for adaptive drafting.
+        e1, p1 = gen.next_token_stats(pre.logits)
+        entropy = np.concatenate([np.asarray(e1)[:, None], np.asarray(all_drafts.entropy)], 1)
+        top1 = np.concatenate([np.asarray(p1)[:, None], np.asarray(all_drafts.top1)], 1)
     # Pass 1: every cell's keep mask (cheap), so all compacted cells can share one capacity
     # and hence one compiled decode loop.
-    plans = []  # (state at the eviction point, keep mask or None)
+    plans = []  # (state at the eviction point, keep mask or None, draft steps per row)
     for ev in cells:
         if ev is None:
-            plans.append((start, None))
+            plans.append((start, None, None))
             continue
-        steps = ev.timing.draft_steps
-        # "prefill" cells borrow a draft record (masked out) so that the three timings at one
-        # k share one compiled scorer; the pre-draft cache has no draft entries.
-        drafts = drafted[steps][1] if steps else next(iter(drafted.values()), (0, None))[1]
-        state = drafted[steps][0] if steps else start
+        state, drafts, steps = start, None, None
+        if drafted is not None:
+            # "prefill" cells rewind to 0 steps: the pre-draft cache, with the draft record
+            # masked out, so the three timings share one compiled scorer.
+            steps = ev.timing.steps_per_row(entropy, top1)
+            state, drafts = gen.rewind(
+                drafted, all_drafts, jnp.asarray(lengths), jnp.asarray(steps), eos_ids=eos_ids
+            )
         obs, drafts = observation_for(ev.policy, pre.obs, drafts)
-        plans.append((state, keep_mask(state.cache, obs, drafts, ev)))
-    counts = [np.asarray(jnp.sum(keep, axis=-1)) for _, keep in plans if keep is not None]
+        plans.append((state, keep_mask(state.cache, obs, drafts, ev), steps))
+    counts = [np.asarray(jnp.sum(keep, axis=-1)) for _, keep, _ in plans if keep is not None]
     shared_capacity = capacity_for(np.max(counts, axis=0), buffer) if counts else None
     # Pass 2: evict (mask or compact) and decode each cell.
     results = []
-    for ev, (state, keep) in zip(cells, plans, strict=True):
+    for ev, (state, keep, steps) in zip(cells, plans, strict=True):
         kept = None
         if keep is not None:
             kept = kept_positions(state.cache, keep)
             capacity = ev.capacity or shared_capacity
-            remaining = max_new_tokens - int(state.step)
+            remaining = max_new_tokens - int(np.min(np.asarray(state.step)))
             cache = apply_eviction(state.cache, keep, ev, capacity, remaining)
             state = dataclasses.replace(state, cache=cache)
         # decode donates its state: give it buffers no other cell shares.
@@ -230,7 +242,13 @@ def generate_grid(
         texts = [model.tokenizer.decode(ids) if model.tokenizer else "" for ids in out_ids]
         results.append(
             GenerationResult(
-                prompt_tokens=[list(p) for p in prompt_ids], tokens=out_ids, texts=texts, kept=kept
+                prompt_tokens=[list(p) for p in prompt_ids],
+                tokens=out_ids,
+                texts=texts,
+                kept=kept,
+                k=None
+                if keep is None
+                else [1 + int(n) for n in (steps if steps is not None else [0] * len(prompt_ids))],
             )
         )
     return results
@@ -249,10 +267,8 @@ def observation_for(policy, obs: Observation, drafts: gen.DraftRecord | None):
     attn = obs.attn_sum if policy.needs_attn_sum else None
     obs = Observation(q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end)
     if drafts is not None:
-        drafts = gen.DraftRecord(
-            q=drafts.q if w else None,
-            q_pos=drafts.q_pos,
-            probs_sum=drafts.probs_sum if policy.needs_attn_sum else None,
+        drafts = drafts._replace(
+            q=drafts.q if w else None, probs=drafts.probs if policy.needs_attn_sum else None
         )
     return obs, drafts
 

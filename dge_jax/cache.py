@@ -93,6 +93,8 @@ class Observation:
     is_draft: [W] bool          True for the queries appended by draft steps.
     prompt_end: [B] int32        position of each row's last prompt token, so that "recent"
                                  windows are measured in prompt positions whatever was drafted.
+    q_weight: [B, W] f32 or None  each query's weight in the scores (None = all 1); DGE can
+                                 weigh draft queries against prompt-window queries.
     """
 
     q: jax.Array | None
@@ -100,3 +102,4 @@ class Observation:
     attn_sum: jax.Array | None
     is_draft: jax.Array | None
     prompt_end: jax.Array | None = None
+    q_weight: jax.Array | None = None

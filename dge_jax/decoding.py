@@ -85,7 +85,7 @@ def prefill(
     dtype = cache_dtype or params.embed.dtype
     cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
     # Under jax.set_mesh (dge_jax.sharding): rows over data, kv heads over model; else no-ops.
-    tokens, lengths = constrain_rows(tokens, lengths)
+    tokens, lengths = constrain_rows(cfg, tokens, lengths)
     cache = constrain_cache(cache, cfg)
     positions = prompt_positions(lengths, t)
     n = t // c
@@ -102,7 +102,8 @@ def prefill(
             qpos_buf = jnp.concatenate([qpos_buf, pos[:, c - min(w, c) :]], axis=1)[:, -w:]
         if record_attn:
             attn = attn + out.probs_sum
-        return (out.cache, q_buf, qpos_buf, attn, out.logits), None
+        cache = constrain_cache(out.cache, cfg)  # keeps its layout through the chunk loop
+        return (cache, q_buf, qpos_buf, attn, out.logits), None
 
     q_buf = jnp.zeros((nl, b, hq, w, hd), dtype) if w else None
     qpos_buf = jnp.full((b, w), -1, jnp.int32) if w else None
@@ -127,10 +128,11 @@ def prefill(
 class DecodeState:
     """The decode loop's state: one dataclass, read top to bottom by `decode_body`.
 
-    tokens: [B, N] generated ids, filled up to `step`; rows that hit EOS are padded with their
-    EOS id. N is a length bucket >= `limit`, the traced number of tokens wanted, so requests
-    of nearby lengths share one compiled loop. last/pos: [B] the newest token and its
-    position (not yet fed to the model). done: [B] bool. key: PRNG key for sampling.
+    tokens: [B, N] generated ids; row b holds step[b] of them, then padding with its last id
+    (its EOS once finished). N is a length bucket >= `limit`, the traced number of tokens
+    wanted, so requests of nearby lengths share one compiled loop. step: [B] int32 per row
+    (rows can differ after `rewind`). last/pos: [B] the newest token and its position (not
+    yet fed to the model). done: [B] bool, EOS emitted or limit reached. key: PRNG key.
     """
 
     cache: KVCache
@@ -161,28 +163,39 @@ def start_state(
     if n < max_new_tokens:
         raise ValueError(f"token buffer {n} is shorter than max_new_tokens={max_new_tokens}")
     tokens = jnp.zeros((b, n), jnp.int32).at[:, 0].set(first)
+    limit = jnp.asarray(max_new_tokens, jnp.int32)
     return DecodeState(
         cache=cache,
         tokens=tokens,
-        step=jnp.ones((), jnp.int32),
-        limit=jnp.asarray(max_new_tokens, jnp.int32),
+        step=jnp.ones((b,), jnp.int32),
+        limit=limit,
         last=first,
         pos=lengths.astype(jnp.int32),
-        done=_is_eos(first, eos_ids),
+        done=_is_eos(first, eos_ids) | (limit <= 1),
         key=key,
     )
 
 
 def suppress_eos(logits: jax.Array, eos_ids: tuple[int, ...], active) -> jax.Array:
-    """logits [B, V] with the EOS ids at -inf where `active` (a traced or static bool)."""
+    """logits [B, V] with the EOS ids at -inf where `active` (a bool, or [B] per row)."""
     if not eos_ids:
         return logits
+    active = jnp.asarray(active)
+    active = active[:, None] if active.ndim else active
     ids = jnp.asarray(eos_ids, jnp.int32)
     return jnp.where(active, logits.at[:, ids].set(-jnp.inf), logits)
 
 
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(eos_ids or (-1,), jnp.int32))
+
+
+def next_token_stats(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(entropy in nats, top-1 probability), each [B] f32, of softmax(logits [B, V])."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    p = jnp.exp(logp)
+    entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    return entropy, jnp.max(p, axis=-1)
 
 
 def decode_body(
@@ -199,8 +212,9 @@ def decode_body(
 ):
     """One decode step: feed `last`, choose the next token. Returns (state, ForwardOutput).
 
-    EOS ids are banned while fewer than `min_new_tokens` tokens exist (transformers'
-    min_length, which LongBench uses for samsum).
+    EOS ids are banned while a row has fewer than `min_new_tokens` tokens (transformers'
+    min_length, which LongBench uses for samsum). Finished rows still run (the batch moves
+    together) but keep their tokens, step and last id unchanged.
     """
     out = forward(
         cfg,
@@ -213,30 +227,38 @@ def decode_body(
     )
     key, sub = jax.random.split(state.key)
     logits = suppress_eos(out.logits, eos_ids, state.step < min_new_tokens)
-    new = sampler(logits, sub)
-    # A finished row keeps emitting its last token (an EOS id) so the output stays padded.
-    new = jnp.where(state.done, state.last, new)
-    tokens = jax.lax.dynamic_update_slice(state.tokens, new[:, None], (0, state.step))
+    active = ~state.done
+    new = jnp.where(active, sampler(logits, sub), state.last)
+    rows = jnp.arange(new.shape[0])
+    slot = jnp.minimum(state.step, state.tokens.shape[1] - 1)
+    tokens = state.tokens.at[rows, slot].set(jnp.where(active, new, state.tokens[rows, slot]))
+    step = state.step + active.astype(jnp.int32)
     state = DecodeState(
-        cache=out.cache,
+        cache=constrain_cache(out.cache, cfg),  # its mesh layout, step after step
         tokens=tokens,
-        step=state.step + 1,
+        step=step,
         limit=state.limit,
         last=new,
         pos=state.pos + 1,
-        done=state.done | _is_eos(new, eos_ids),
+        done=state.done | _is_eos(new, eos_ids) | (step >= state.limit),
         key=key,
     )
     return state, out
 
 
 class DraftRecord(NamedTuple):
-    """What the k-1 draft steps observed: q [L, B, Hq, k-1, D], q_pos [B, k-1],
-    probs_sum [L, B, Hq, S] f32 or None (their attention summed over the steps)."""
+    """What K draft steps observed, per step (so any prefix of them can be replayed).
+
+    q: [L, B, Hq, K, D] the queries of the fed tokens, or None; q_pos: [B, K] their positions
+    (-1 = step not observed); probs: [L, B, Hq, K, S] f32 per-step attention, or None;
+    entropy, top1: [B, K] statistics of the next-token distribution each step produced.
+    """
 
     q: jax.Array | None
     q_pos: jax.Array
-    probs_sum: jax.Array | None
+    probs: jax.Array | None
+    entropy: jax.Array
+    top1: jax.Array
 
 
 @functools.partial(
@@ -284,13 +306,60 @@ def draft(
             record_attn=record_attn,
             min_new_tokens=min_new_tokens,
         )
-        return state, (out.q_window, pos, out.probs_sum)
+        entropy, top1 = next_token_stats(out.logits)
+        return state, (out.q_window, pos, out.probs_sum, entropy, top1)
 
-    state, (q, pos, probs) = jax.lax.scan(body, state, None, length=num_steps)
-    # scan stacks on a new leading axis: q [k-1, L, B, Hq, 1, D] -> [L, B, Hq, k-1, D]
+    state, (q, pos, probs, entropy, top1) = jax.lax.scan(body, state, None, length=num_steps)
+    # scan stacks steps on a new leading axis: q [K, L, B, Hq, 1, D] -> [L, B, Hq, K, D],
+    # probs [K, L, B, Hq, S] -> [L, B, Hq, K, S].
     q = jnp.moveaxis(q[..., 0, :], 0, 3) if record_q else None
-    probs = probs.sum(axis=0) if record_attn else None
-    return state, DraftRecord(q=q, q_pos=pos.T, probs_sum=probs)
+    probs = jnp.moveaxis(probs, 0, 3) if record_attn else None
+    return state, DraftRecord(q=q, q_pos=pos.T, probs=probs, entropy=entropy.T, top1=top1.T)
+
+
+@functools.partial(jax.jit, static_argnames=("eos_ids",))
+def rewind(
+    state: DecodeState,
+    drafts: DraftRecord,
+    lengths: jax.Array,
+    steps: jax.Array,
+    *,
+    eos_ids: tuple[int, ...],
+) -> tuple[DecodeState, DraftRecord]:
+    """The state and record as if row b had run only steps[b] <= K of the K draft steps.
+
+    Drafting only appends, so undoing steps is masking: the later draft slots of the row are
+    emptied (pos -1), its later tokens dropped and their queries unobserved. One draft to
+    k_max thus serves every k <= k_max (and per-row adaptive k), with shapes unchanged, so
+    the scorer compiles once for all of them. Worked example, one row, prompt length 5,
+    K = 3 draft steps, steps = 1: draft slots hold positions 5, 6, 7 (tokens t1, t2, t3 fed);
+    after rewinding, only position 5 (t1) stays, tokens keep t1, t2, and t2 (position 6)
+    is the next token to feed.
+    """
+    k = drafts.q_pos.shape[1]
+    steps = jnp.clip(steps.astype(jnp.int32), 0, k)
+    cache = state.cache
+    # Draft step j wrote position length + j; keep those with j < steps.
+    gone = cache.pos >= (lengths + steps)[None, :, None, None]
+    cache = dataclasses.replace(cache, pos=jnp.where(gone, -1, cache.pos))
+    n = state.tokens.shape[1]
+    kept = jnp.arange(n)[None, :] <= steps[:, None]  # t1 .. t_{steps+1}
+    last = jnp.take_along_axis(state.tokens, steps[:, None], axis=1)[:, 0]
+    tokens = jnp.where(kept, state.tokens, last[:, None])
+    done = jnp.any(kept & _is_eos(state.tokens, eos_ids), axis=1) | (steps + 1 >= state.limit)
+    state = DecodeState(
+        cache=cache,
+        tokens=tokens,
+        step=steps + 1,
+        limit=state.limit,
+        last=last,
+        pos=lengths + steps,
+        done=done,
+        key=state.key,
+    )
+    observed = jnp.arange(k)[None, :] < steps[:, None]
+    drafts = drafts._replace(q_pos=jnp.where(observed, drafts.q_pos, -1))
+    return state, drafts
 
 
 @functools.partial(
@@ -315,7 +384,7 @@ def decode(
     n = state.tokens.shape[1]
 
     def cond(s):
-        return (s.step < s.limit) & ~jnp.all(s.done)
+        return ~jnp.all(s.done)  # done includes reaching the limit
 
     def body(s):
         return decode_body(
@@ -324,7 +393,7 @@ def decode(
 
     state = jax.lax.while_loop(cond, body, state)
     # Rows that stopped early keep their EOS as padding for the steps the loop skipped.
-    fill = jnp.arange(n)[None, :] >= state.step
+    fill = jnp.arange(n)[None, :] >= state.step[:, None]
     return dataclasses.replace(state, tokens=jnp.where(fill, state.last[:, None], state.tokens))
 
 

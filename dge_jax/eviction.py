@@ -87,6 +87,7 @@ def select_for(
     drafts: DraftRecord | None,
     budget: jax.Array,
     observe_drafts: jax.Array,
+    draft_weight: jax.Array | float = 1.0,
     *,
     policy: Policy,
     slide: bool = False,
@@ -95,13 +96,14 @@ def select_for(
 ) -> jax.Array:
     """Keep mask [L, B, Hkv, S] for `cache` (the cache at the timing's eviction point).
 
-    budget: [] / [L] / [L, Hkv] int32 and observe_drafts: [] bool are traced, so budgets and
-    the three timings (given the same draft record) share one compilation. Draft entries
+    budget: [] / [L] / [L, Hkv] int32, observe_drafts: [] bool and draft_weight: [] f32 are
+    traced, so budgets, the three timings, every k up to the record's and any draft weight
+    share one compilation (given the same draft record, see `decoding.rewind`). Draft entries
     (valid slots past each row's last prompt position) are always kept and count against
     the budget; the pre-draft cache has none, so for "prefill" this is a no-op.
     """
     nl, b, hkv, _ = cache.pos.shape
-    obs = observation(prompt_obs, drafts, observe_drafts, slide)
+    obs = observation(prompt_obs, drafts, observe_drafts, slide, draft_weight)
     scores = policy.score(cache, obs)
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
@@ -139,6 +141,7 @@ def keep_mask(
         drafts,
         jnp.asarray(ev.budget, jnp.int32),
         jnp.asarray(ev.timing.observes_drafts),
+        jnp.asarray(ev.timing.draft_weight, jnp.float32),
         policy=ev.policy,
         slide=ev.timing.slide,
         head_budget=ev.head_budget,

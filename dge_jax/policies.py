@@ -225,12 +225,17 @@ class SnapKV:
         first = _first_query_pos(obs.q_pos)  # [B]
         protected = (cache.pos >= 0) & (cache.pos >= first[None, :, None, None])
         unprotected = (cache.pos >= 0) & ~protected
-        num_queries = jnp.maximum(jnp.sum(obs.q_pos >= 0, axis=-1), 1)  # [B]
+        # Weighted mean over observed queries (weights all 1 unless DGE re-weighs drafts).
+        weight = (obs.q_pos >= 0).astype(jnp.float32)  # [B, W]
+        if obs.q_weight is not None:
+            weight = weight * obs.q_weight
+        total = jnp.maximum(jnp.sum(weight, axis=-1), 1e-30)  # [B]
 
         def layer(args: tuple[jax.Array, ...]) -> jax.Array:
             k, pos, q, include = args  # [B, Hkv, S, D], [B, Hkv, S], [B, Hq, W, D], [B, Hkv, S]
             attn = _window_attention(k, pos, q, obs.q_pos)  # [B, Hkv, G, W, S]
-            mean = jnp.sum(attn, axis=3) / num_queries[:, None, None, None]  # [B, Hkv, G, S]
+            weighted = jnp.einsum("bhgws,bw->bhgs", attn, weight)
+            mean = weighted / total[:, None, None, None]  # [B, Hkv, G, S]
             pooled = pool1d(mean, include[:, :, None, :], self.kernel, self.pooling)
             return _reduce(pooled, axis=2, how=self.gqa)  # [B, Hkv, S]
 

@@ -20,6 +20,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dge_jax.cache import Observation
 from dge_jax.decoding import DraftRecord
@@ -27,32 +28,81 @@ from dge_jax.decoding import DraftRecord
 KINDS = ("prefill", "dge", "dge_w")
 
 
+RULES = ("entropy", "top1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """Draft until the model starts to need the context, at most k_max - 1 steps.
+
+    rule "entropy": stop at the first answer token whose next-token distribution has entropy
+    (nats) above `threshold`; "top1": whose top-1 probability is below it. That token is
+    the last one generated with the full cache, so its query is observed (k = its index).
+    """
+
+    rule: str = "entropy"
+    threshold: float = 1.0
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"unknown adaptive rule {self.rule!r}; choose from {RULES}")
+
+    def steps(self, entropy: np.ndarray, top1: np.ndarray, max_steps: int) -> np.ndarray:
+        """Draft steps per row [B] from per-token stats [B, >= max_steps + 1] (t1 first).
+
+        Worked example, entropy [0.1, 0.2, 2.5, 0.3], threshold 1.0, max_steps 3: the rule
+        fires on t3 (index 2), so t1..t3 come from the full cache: 2 draft steps, k = 3.
+        """
+        fires = (entropy > self.threshold) if self.rule == "entropy" else (top1 < self.threshold)
+        fires = fires[:, : max_steps + 1]
+        first = np.where(fires.any(axis=1), fires.argmax(axis=1), max_steps)
+        return np.minimum(first, max_steps).astype(np.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """kind: "prefill" | "dge" | "dge_w"; k: answer tokens generated with the full cache."""
+    """kind: "prefill" | "dge" | "dge_w"; k: answer tokens generated with the full cache.
+
+    adaptive: stop drafting per row by a rule (k is then k_max). draft_weight: weight of a
+    draft query relative to a prompt-window query in the scores (1 = the paper's DGE).
+    """
 
     kind: str = "dge"
     k: int = 2
     slide: bool = False
+    adaptive: Adaptive | None = None
+    draft_weight: float = 1.0
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown timing {self.kind!r}; choose one of {', '.join(KINDS)}")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
+        if self.draft_weight < 0:
+            raise ValueError(f"draft_weight must be >= 0, got {self.draft_weight}")
+        if self.adaptive is not None and self.kind == "prefill":
+            raise ValueError("an adaptive k needs timing dge or dge_w, not prefill")
 
     @property
     def draft_steps(self) -> int:
-        """Decode steps run with the full cache before eviction (k - 1; 0 for "prefill")."""
+        """Most decode steps run with the full cache before eviction (k - 1; 0 for "prefill")."""
         return 0 if self.kind == "prefill" else self.k - 1
 
     @property
     def observes_drafts(self) -> bool:
         return self.kind == "dge" and self.draft_steps > 0
 
+    def steps_per_row(self, entropy: np.ndarray, top1: np.ndarray) -> np.ndarray:
+        """Draft steps each row runs [B]: k-1, or the adaptive rule's choice (<= k-1)."""
+        if self.adaptive is None:
+            return np.full(entropy.shape[0], self.draft_steps, np.int32)
+        return self.adaptive.steps(entropy, top1, self.draft_steps)
+
     def observation(self, prompt_obs: Observation, drafts: DraftRecord | None) -> Observation:
         """The observation the policy scores with: the prompt's, plus drafts under "dge"."""
-        return observation(prompt_obs, drafts, jnp.asarray(self.observes_drafts), self.slide)
+        return observation(
+            prompt_obs, drafts, jnp.asarray(self.observes_drafts), self.slide, self.draft_weight
+        )
 
 
 def observation(
@@ -60,30 +110,44 @@ def observation(
     drafts: DraftRecord | None,
     observe_drafts: jax.Array,
     slide: bool = False,
+    draft_weight: jax.Array | float = 1.0,
 ) -> Observation:
     """Prompt observation plus the draft queries, which count only where `observe_drafts`.
 
-    observe_drafts is a traced bool, so "dge" and "dge_w" (and "prefill", given the same
-    draft record) share one compiled scorer: masked draft queries get q_pos -1 and their
-    attention is not added. Shapes: q [L, B, Hq, W + k-1, D], q_pos [B, W + k-1].
+    observe_drafts (bool) and draft_weight (f32: a draft query's weight relative to a prompt
+    query; 1 = the paper's DGE) are traced, so "dge" and "dge_w" (and "prefill", given the
+    same draft record) share one compiled scorer: unobserved draft steps get q_pos -1 and add
+    no attention. Shapes: q [L, B, Hq, W + K, D], q_pos and q_weight [B, W + K].
     """
     if drafts is None:
         return prompt_obs
     q, q_pos, attn = prompt_obs.q, prompt_obs.q_pos, prompt_obs.attn_sum
-    n = drafts.q_pos.shape[1]
-    is_draft = None
+    d_pos = jnp.where(observe_drafts, drafts.q_pos, -1)  # [B, K]
+    seen = d_pos >= 0
+    n = d_pos.shape[1]
+    weight = jnp.asarray(draft_weight, jnp.float32)
+    is_draft = q_weight = None
     if q is not None and drafts.q is not None:
         if slide:
-            # Slide the window: the oldest k-1 prompt queries drop out when drafts come in.
-            drop = (jnp.arange(q_pos.shape[1]) < n)[None, :] & observe_drafts
-            q_pos = jnp.where(drop, -1, q_pos)
+            # Slide the window: row b's oldest n_b prompt queries drop out, n_b = its
+            # observed drafts, so it sees as many queries as the baseline.
+            n_seen = jnp.sum(seen, axis=1, dtype=jnp.int32)
+            q_pos = jnp.where(jnp.arange(q_pos.shape[1])[None, :] < n_seen[:, None], -1, q_pos)
         q = jnp.concatenate([q, drafts.q.astype(q.dtype)], axis=3)
-        q_pos = jnp.concatenate([q_pos, jnp.where(observe_drafts, drafts.q_pos, -1)], axis=1)
+        q_pos = jnp.concatenate([q_pos, d_pos], axis=1)
         is_draft = jnp.concatenate([jnp.zeros((q.shape[3] - n,), bool), jnp.ones((n,), bool)])
-    if attn is not None and drafts.probs_sum is not None:
-        attn = attn + jnp.where(observe_drafts, drafts.probs_sum, 0.0)
+        q_weight = jnp.where(is_draft[None, :], weight, 1.0) * jnp.ones(q_pos.shape, jnp.float32)
+    if attn is not None and drafts.probs is not None:
+        # probs [L, B, Hq, K, S]: add the observed steps' attention, weighted.
+        step_weight = (seen * weight).astype(jnp.float32)[None, :, None, :, None]
+        attn = attn + jnp.sum(drafts.probs * step_weight, axis=3)
     return Observation(
-        q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=prompt_obs.prompt_end
+        q=q,
+        q_pos=q_pos,
+        attn_sum=attn,
+        is_draft=is_draft,
+        prompt_end=prompt_obs.prompt_end,
+        q_weight=q_weight,
     )
 
 

@@ -1,0 +1,401 @@
+"""Scale-out on a device mesh: logical axis rules, parameter and cache shardings (DESIGN §3).
+
+The mesh has two axes, ``data`` and ``model``. Every array dimension that may be split has a
+*logical* name (batch, heads, kv_heads, mlp, vocab, embed, layers, seq, head_dim); `AxisRules`
+maps each logical name to a mesh axis, several mesh axes, or None (replicated), and a
+`PartitionSpec` follows from that. The default rules:
+
+    logical    mesh     arrays
+    batch      data     tokens [B, T], cache k/v [L, B, Hkv, S, D] and pos [L, B, Hkv, S]
+    heads      model    wq columns (Hq·hd), wo rows, bq; observed queries [L, B, Hq, W, D]
+    kv_heads   model    wk/wv columns (Hkv·hd), bk/bv; the cache's Hkv axis
+    mlp        model    w_gate/w_up columns, w_down rows (F)
+    vocab      model    embedding rows, lm_head columns, logits [B, V]
+    embed, layers, seq, head_dim: replicated
+
+so attention runs head-parallel (Megatron-style: one all-reduce after wo and one after
+w_down per layer) and rows are data-parallel. Eviction needs no communication for a
+per-head budget: scores, top-k and compaction run along the slot axis, which is never split.
+AdaKV's joint allocation ranks a layer's scores across all its heads, so XLA gathers the
+scores [L, B, Hkv, S] f32 (1/D of the keys' size) over the model axis; the keys and values
+themselves never move.
+
+`AxisRules.fit` adapts the rules to one model, mesh and batch:
+
+- query heads must split evenly over the model axis (else `MeshError`): a split inside a
+  head would cut every attention score in pieces;
+- mlp or vocab sizes that do not divide are replicated (a slower but correct fallback);
+- **kv heads fewer than the model axis** (or not a multiple of it: MQA, or 8 kv heads on a
+  16-way model axis): the scaling book ("Sharding the KV cache", inference chapter) says
+  never to replicate the cache but to split the heads as far as they go and then the batch.
+  We do that: the cache's rows go over data × model together, k/v [L, B_(data·model), Hkv,
+  S, D], and wk/wv are replicated over model (they are Hq/Hkv times smaller than wq). No
+  step then moves the cache; XLA moves what attention needs to it (the book's recipe is an
+  all-to-all of q; on small models XLA may prefer to all-gather weights in prefill, so with
+  large weights keep the model axis at most the kv head count). Only when the batch does not
+  divide data × model either are the kv heads replicated over model: correct, but each
+  model device then holds its data rows' whole cache. Use batches that are multiples of
+  data × model.
+- a batch that does not divide the data axis is replicated over it (use batches that are a
+  multiple of the data axis, as the LongBench runner does).
+
+Meshes use `AxisType.Auto` axes: the model code carries no sharding annotations, JAX's
+partitioner propagates the parameter and cache shardings, and `constrain_cache` pins the cache
+where it is created. Errors for meshes that cannot work (`make_mesh`, `AxisRules.fit`) are
+raised before anything compiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dge_jax.cache import KVCache
+from dge_jax.config import ModelConfig
+
+MESH_AXES = ("data", "model")
+MeshAxes = str | tuple[str, ...] | None
+Logical = tuple[str | None, ...]
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+class MeshError(ValueError):
+    """A mesh that cannot hold this model or batch (axis sizes, heads), said before compiling."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRules:
+    """Logical axis -> mesh axis ("data", "model"), a tuple of them, or None (replicated)."""
+
+    batch: MeshAxes = "data"
+    heads: MeshAxes = "model"
+    kv_heads: MeshAxes = "model"
+    mlp: MeshAxes = "model"
+    vocab: MeshAxes = "model"
+    embed: MeshAxes = None
+    layers: MeshAxes = None
+    seq: MeshAxes = None
+    head_dim: MeshAxes = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            bad = [a for a in _as_tuple(value) if a not in MESH_AXES]
+            if bad or not isinstance(value, str | tuple | type(None)):
+                raise ValueError(
+                    f"rule {f.name}={value!r}: use None, one of {MESH_AXES} or a tuple of them"
+                )
+
+    def spec(self, logical: Logical) -> P:
+        """The PartitionSpec of an array whose dimensions have these logical names.
+
+        None in `logical` is a dimension never split. Raises when two dimensions of the
+        array land on one mesh axis (the rules collide for this array).
+        """
+        names = {f.name for f in dataclasses.fields(self)}
+        axes = []
+        for name in logical:
+            if name is not None and name not in names:
+                raise ValueError(f"unknown logical axis {name!r}; known: {sorted(names)}")
+            axes.append(None if name is None else getattr(self, name))
+        used = [a for ax in axes for a in _as_tuple(ax)]
+        clash = sorted({a for a in used if used.count(a) > 1})
+        if clash:
+            raise ValueError(
+                f"logical axes {logical} map to {tuple(axes)}: mesh axis {clash[0]!r} would "
+                "split two dimensions of one array; give one of them another mesh axis or None"
+            )
+        return P(*axes)
+
+    def fit(
+        self, cfg: ModelConfig, mesh_shape: Mapping[str, int], batch_size: int | None = None
+    ) -> AxisRules:
+        """These rules adapted to one model, mesh (axis name -> size) and, if given, batch.
+
+        Raises `MeshError` when query heads cannot split over their axis; replicates mlp,
+        vocab and kv heads that do not divide, and moves the cache's batch onto data × model
+        when kv heads are replicated (see the module docstring).
+        """
+        heads = _size(mesh_shape, self.heads)
+        if heads > cfg.num_heads:
+            raise MeshError(
+                f"the mesh axis {self.heads!r} has {heads} devices, more than the "
+                f"{cfg.num_heads} query heads it shards; use a model axis of at most "
+                f"{cfg.num_heads} (a divisor of the head count) and put the other devices on "
+                "the data axis"
+            )
+        if cfg.num_heads % heads:
+            raise MeshError(
+                f"{cfg.num_heads} query heads do not split evenly over the mesh axis "
+                f"{self.heads!r} of {heads} devices; use a divisor of {cfg.num_heads}"
+            )
+        changes: dict[str, MeshAxes] = {}
+        for name, n in (("mlp", cfg.intermediate_size), ("vocab", cfg.vocab_size)):
+            if n % _size(mesh_shape, getattr(self, name)):
+                changes[name] = None  # replicated: slower, never wrong
+        kv_split = cfg.num_kv_heads % _size(mesh_shape, self.kv_heads) == 0
+        if not kv_split:
+            changes["kv_heads"] = None
+        if batch_size is not None:
+            batch = _as_tuple(self.batch)
+            if not kv_split:  # rows take over the mesh axes the kv heads cannot use
+                wide = batch + tuple(a for a in _as_tuple(self.kv_heads) if a not in batch)
+                if batch_size % _size(mesh_shape, wide) == 0:
+                    batch = wide
+            if batch_size % _size(mesh_shape, batch):
+                batch = ()
+            changes["batch"] = batch[0] if len(batch) == 1 else (batch or None)
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULT_RULES = AxisRules()
+
+# One table of logical axes per parameter field, shared by every llama-like family (the
+# field names are those of `models.llama_like.param_shapes` and of checkpoint key maps).
+PARAM_AXES: dict[str, Logical] = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "layers.attn_norm": ("layers", "embed"),
+    "layers.mlp_norm": ("layers", "embed"),
+    "layers.wq": ("layers", "embed", "heads"),
+    "layers.wk": ("layers", "embed", "kv_heads"),
+    "layers.wv": ("layers", "embed", "kv_heads"),
+    "layers.wo": ("layers", "heads", "embed"),
+    "layers.w_gate": ("layers", "embed", "mlp"),
+    "layers.w_up": ("layers", "embed", "mlp"),
+    "layers.w_down": ("layers", "mlp", "embed"),
+    "layers.bq": ("layers", "heads"),
+    "layers.bk": ("layers", "kv_heads"),
+    "layers.bv": ("layers", "kv_heads"),
+    "layers.bo": ("layers", "embed"),
+    "layers.q_norm": ("layers", "head_dim"),
+    "layers.k_norm": ("layers", "head_dim"),
+    "layers.b_gate": ("layers", "mlp"),
+    "layers.b_up": ("layers", "mlp"),
+    "layers.b_down": ("layers", "embed"),
+}
+
+# The cache (dge_jax.cache.KVCache): k, v [L, B, Hkv, S, D], pos [L, B, Hkv, S], index [].
+CACHE_AXES = KVCache(
+    k=("layers", "batch", "kv_heads", "seq", "head_dim"),
+    v=("layers", "batch", "kv_heads", "seq", "head_dim"),
+    pos=("layers", "batch", "kv_heads", "seq"),
+    index=(),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Meshes
+# ---------------------------------------------------------------------------------------------
+
+
+def make_mesh(data: int = 1, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, model) mesh over the first data·model devices, with Auto axes.
+
+    The product must divide the device count (so the rest can form more meshes of the same
+    shape); clear `MeshError`s otherwise. Model-size checks happen in `AxisRules.fit`.
+    """
+    for name, n in (("data", data), ("model", model)):
+        if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+            raise MeshError(f"mesh axis {name} must be a positive integer, got {n!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    want = data * model
+    if want > len(devices):
+        raise MeshError(
+            f"a mesh of data={data} x model={model} needs {want} devices, but only "
+            f"{len(devices)} are available"
+        )
+    if len(devices) % want:
+        raise MeshError(
+            f"a mesh of data={data} x model={model} = {want} devices does not divide the "
+            f"{len(devices)} available devices; choose axis sizes whose product divides "
+            f"{len(devices)}"
+        )
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.make_mesh((data, model), MESH_AXES, axis_types=auto, devices=devices[:want])
+
+
+def parse_mesh(text: str, devices: Sequence[Any] | None = None) -> Mesh:
+    """`make_mesh` from a command-line spec such as "data=2,model=4" (a missing axis is 1)."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in MESH_AXES or name in sizes or not value.strip().isdigit():
+            raise MeshError(
+                f"bad mesh spec {text!r}: write data=D,model=M with positive integers "
+                f"(axes {MESH_AXES}, each at most once)"
+            )
+        sizes[name] = int(value)
+    if not sizes:
+        raise MeshError(f"empty mesh spec {text!r}: write data=D,model=M")
+    return make_mesh(sizes.get("data", 1), sizes.get("model", 1), devices=devices)
+
+
+def mesh_of(tree: Any) -> Mesh | None:
+    """The mesh a pytree's arrays are laid out on (None when none is on a named mesh)."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == MESH_AXES:
+            return sharding.mesh
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def field_name(path: tuple) -> str:
+    """The "layers.wq" style name of a parameter leaf's key path (the keys of `PARAM_AXES`)."""
+    return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+
+
+def param_specs(
+    cfg: ModelConfig,
+    fields: Sequence[str],
+    mesh_shape: Mapping[str, int],
+    rules: AxisRules = DEFAULT_RULES,
+) -> dict[str, P]:
+    """{field: PartitionSpec} for the named parameter fields under rules fitted to `cfg`."""
+    fitted = rules.fit(cfg, mesh_shape)
+    missing = [f for f in fields if f not in PARAM_AXES]
+    if missing:
+        raise ValueError(f"no logical axes for parameter(s) {missing}; add them to PARAM_AXES")
+    return {f: fitted.spec(PARAM_AXES[f]) for f in fields}
+
+
+def param_shardings(
+    cfg: ModelConfig, fields: Sequence[str], mesh: Mesh, rules: AxisRules = DEFAULT_RULES
+) -> dict[str, NamedSharding]:
+    """{field: NamedSharding} on `mesh`; what sharded loading and orbax restore place into."""
+    specs = param_specs(cfg, fields, mesh.shape, rules)
+    return {f: NamedSharding(mesh, s) for f, s in specs.items()}
+
+
+def shard_params(params: Any, cfg: ModelConfig, mesh: Mesh, rules: AxisRules = DEFAULT_RULES):
+    """The parameter pytree laid out on `mesh` (each leaf sharded by its field's axes)."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    names = [field_name(path) for path, _ in leaves]
+    shardings = param_shardings(cfg, names, mesh, rules)
+    placed = [jax.device_put(x, shardings[n]) for n, (_, x) in zip(names, leaves, strict=True)]
+    return jax.tree_util.tree_unflatten(tree, placed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches and batches
+# ---------------------------------------------------------------------------------------------
+
+
+def cache_specs(
+    cfg: ModelConfig,
+    batch_size: int,
+    mesh_shape: Mapping[str, int],
+    rules: AxisRules = DEFAULT_RULES,
+) -> KVCache:
+    """A KVCache of PartitionSpecs: rows over data, kv heads over model (see module docstring)."""
+    fitted = rules.fit(cfg, mesh_shape, batch_size)
+    return jax.tree.map(fitted.spec, CACHE_AXES, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def cache_shardings(
+    cfg: ModelConfig, batch_size: int, mesh: Mesh, rules: AxisRules = DEFAULT_RULES
+) -> KVCache:
+    """A KVCache of NamedShardings on `mesh` for a batch of `batch_size` rows."""
+    specs = cache_specs(cfg, batch_size, mesh.shape, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+
+
+def shard_cache(
+    cache: KVCache, cfg: ModelConfig, mesh: Mesh, rules: AxisRules = DEFAULT_RULES
+) -> KVCache:
+    """The cache laid out on `mesh`: rows over data, kv heads over model."""
+    shardings = cache_shardings(cfg, cache.batch_size, mesh, rules)
+    return jax.tree.map(jax.device_put, cache, shardings)
+
+
+def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT_RULES):
+    """Inside jit: pins the cache to its mesh layout when a (data, model) mesh is set.
+
+    A no-op without `jax.set_mesh` (one device), so the jitted code is the same either way;
+    called where a cache is created, so that no step has to guess its layout.
+    """
+    mesh = _context_mesh()
+    if mesh is None:
+        return cache
+    specs = cache_specs(cfg, cache.batch_size, mesh, rules)
+    return jax.tree.map(jax.lax.with_sharding_constraint, cache, specs)
+
+
+def rows_spec(
+    cfg: ModelConfig,
+    batch_size: int,
+    ndim: int,
+    mesh_shape: Mapping[str, int],
+    rules: AxisRules = DEFAULT_RULES,
+) -> P:
+    """Spec of a model input [B, ...] (tokens, lengths): rows where the cache's rows go, so
+    activations meet the cache on the devices that hold it."""
+    fitted = rules.fit(cfg, mesh_shape, batch_size)
+    return fitted.spec(("batch",) + (None,) * (ndim - 1))
+
+
+def constrain_rows(
+    cfg: ModelConfig, *arrays: jax.Array, rules: AxisRules = DEFAULT_RULES
+) -> tuple[jax.Array, ...]:
+    """Inside jit: model inputs [B, ...] laid out by `rows_spec` when a mesh is set.
+
+    A no-op without a (data, model) mesh set by `jax.set_mesh`, like `constrain_cache`.
+    """
+    mesh = _context_mesh()
+    if mesh is None:
+        return arrays
+    return tuple(
+        jax.lax.with_sharding_constraint(a, rows_spec(cfg, a.shape[0], a.ndim, mesh, rules))
+        for a in arrays
+    )
+
+
+def mesh_context(tree: Any) -> contextlib.AbstractContextManager:
+    """`jax.set_mesh` of the mesh `tree`'s arrays live on, or a null context for one device."""
+    mesh = mesh_of(tree)
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def on_model_mesh(fn):
+    """Decorator for fn(model, ...): runs it under `jax.set_mesh` of the model's parameters,
+    so that the jitted steps inside pin caches and inputs to that mesh."""
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        with mesh_context(model.params):
+            return fn(model, *args, **kwargs)
+
+    return wrapper
+
+
+def _context_mesh() -> dict[str, int] | None:
+    """Axis sizes of the (data, model) mesh set by `jax.set_mesh`, None when there is none."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or tuple(mesh.axis_names) != MESH_AXES:
+        return None
+    return dict(mesh.shape)
+
+
+def _size(mesh_shape: Mapping[str, int], axes: MeshAxes) -> int:
+    return math.prod(mesh_shape.get(a, 1) for a in _as_tuple(axes))
