@@ -13,7 +13,7 @@ from typing import Any
 
 from dge_jax.eviction import Eviction
 from dge_jax.policies import POLICIES, make_policy
-from dge_jax.timing import KINDS, Timing
+from dge_jax.timing import KINDS, Adaptive, Timing
 
 ADAKV_PREFIX = "adakv_"
 POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa")
@@ -27,29 +27,36 @@ class Cell:
     timing: str = "prefill"
     k: int = 1
     budget: int = 0
+    adaptive: bool = False  # k is then k_max; the rule and threshold are run settings
 
     @property
     def id(self) -> str:
         if self.method == "full":
             return "full"
-        k = f"/k{self.k}" if self.timing != "prefill" else ""
+        k = f"/k{self.k}{'a' if self.adaptive else ''}" if self.timing != "prefill" else ""
         return f"{self.method}/{self.timing}{k}/b{self.budget}"
 
     @property
     def policy_name(self) -> str:
         return self.method.removeprefix(ADAKV_PREFIX)
 
-    def eviction(self, policy_options: dict[str, Any]) -> Eviction | None:
+    def eviction(
+        self, policy_options: dict[str, Any], adaptive: Adaptive | None = None,
+        draft_weight: float = 1.0,
+    ) -> Eviction | None:
         """The `Eviction` of this cell; options a policy does not take are left out."""
         if self.method == "full":
             return None
         cls = POLICIES[self.policy_name]
         fields = {f.name for f in dataclasses.fields(cls)}
         options = {k: v for k, v in policy_options.items() if k in fields and v is not None}
+        if self.adaptive and adaptive is None:
+            raise ValueError(f"cell {self.id} is adaptive but no adaptive rule was given")
         return Eviction(
             policy=make_policy(self.policy_name, **options),
             budget=self.budget,
-            timing=Timing(self.timing, self.k),
+            timing=Timing(self.timing, self.k, adaptive=adaptive if self.adaptive else None,
+                          draft_weight=draft_weight if self.timing != "prefill" else 1.0),
             head_budget="adakv" if self.method.startswith(ADAKV_PREFIX) else "uniform",
         )
 
@@ -60,8 +67,9 @@ def parse_cell_id(cell_id: str) -> Cell:
         return Cell("full")
     parts = cell_id.split("/")
     method, timing, budget = parts[0], parts[1], int(parts[-1].removeprefix("b"))
-    k = int(parts[2].removeprefix("k")) if len(parts) == 4 else 1
-    return Cell(method, timing, k, budget)
+    k_text = parts[2].removeprefix("k") if len(parts) == 4 else "1"
+    adaptive = k_text.endswith("a")
+    return Cell(method, timing, int(k_text.removesuffix("a")), budget, adaptive)
 
 
 def check_method(method: str) -> None:
@@ -75,9 +83,13 @@ def check_method(method: str) -> None:
 
 
 def build_cells(
-    methods: Sequence[str], timings: Sequence[str], ks: Sequence[int], budgets: Sequence[int]
+    methods: Sequence[str], timings: Sequence[str], ks: Sequence[int], budgets: Sequence[int],
+    adaptive_k_max: int | None = None,
 ) -> list[Cell]:
-    """Every cell of the grid, FullKV first; "prefill" cells ignore k (they evict at k=1)."""
+    """Every cell of the grid, FullKV first; "prefill" cells ignore k (they evict at k=1).
+
+    adaptive_k_max adds, for each DGE timing, an adaptive cell drafting at most that k.
+    """
     for m in methods:
         check_method(m)
     for t in timings:
@@ -95,4 +107,7 @@ def build_cells(
             for k in ([1] if timing == "prefill" else ks):
                 for budget in budgets:
                     cells.append(Cell(method, timing, k, budget))
+            if adaptive_k_max and timing != "prefill":
+                for budget in budgets:
+                    cells.append(Cell(method, timing, adaptive_k_max, budget, adaptive=True))
     return list(dict.fromkeys(cells))

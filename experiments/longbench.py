@@ -24,6 +24,7 @@ import time
 
 from absl import app, flags
 
+from dge_jax.timing import Adaptive
 from experiments import protocol, synthetic
 from experiments.cells import POLICY_OPTIONS, Cell, build_cells
 from experiments.longbench_config import ALL_TASKS
@@ -56,6 +57,13 @@ flags.DEFINE_integer("kernel", 7, "SnapKV/PyramidKV pooling kernel")
 flags.DEFINE_enum("pooling", "max", ["max", "avg"], "SnapKV/PyramidKV pooling")
 flags.DEFINE_enum("gqa", "mean", ["mean", "max"], "GQA aggregation of scores")
 flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens)")
+flags.DEFINE_enum("adaptive_rule", None, ["entropy", "top1"], "also run adaptive-k DGE cells "
+                  "that stop drafting when the next-token entropy rises above / top-1 "
+                  "probability falls below --adaptive_threshold")
+flags.DEFINE_float("adaptive_threshold", 1.0, "threshold of --adaptive_rule")
+flags.DEFINE_integer("k_max", 8, "most answer tokens an adaptive cell drafts")
+flags.DEFINE_float("draft_weight", 1.0, "weight of draft queries relative to prompt-window "
+                   "queries in DGE scores (1 = the paper's DGE)")
 
 
 def default_datasets(suite: str, data_dir: str | None) -> list[str]:
@@ -88,6 +96,9 @@ def run_config(model_name: str, max_length: int) -> dict:
         "synthetic_length": FLAGS.synthetic_length if FLAGS.suite == "synthetic" else None,
         "seed": FLAGS.seed if FLAGS.suite == "synthetic" else None,
         "policy_options": {k: getattr(FLAGS, k) for k in POLICY_OPTIONS},
+        "draft_weight": FLAGS.draft_weight,
+        "adaptive": (None if FLAGS.adaptive_rule is None else
+                     {"rule": FLAGS.adaptive_rule, "threshold": FLAGS.adaptive_threshold}),
     }
 
 
@@ -102,7 +113,8 @@ def run(argv) -> int:
     if model.tokenizer is None:
         raise ValueError(f"{FLAGS.model} has no tokenizer.json; the runner needs one")
     cells = build_cells(FLAGS.methods, FLAGS.timings, [int(k) for k in FLAGS.k],
-                        [int(b) for b in FLAGS.budgets])
+                        [int(b) for b in FLAGS.budgets],
+                        adaptive_k_max=FLAGS.k_max if FLAGS.adaptive_rule else None)
     datasets = FLAGS.datasets or default_datasets(FLAGS.suite, FLAGS.data_dir)
     longest = max(protocol.max_new_tokens(d) for d in datasets)
     max_length = FLAGS.max_length or model.config.max_position_embeddings - longest
@@ -114,7 +126,10 @@ def run(argv) -> int:
          "num_samples": FLAGS.num_samples, "batch_size": FLAGS.batch_size,
          "command": " ".join(sys.argv)}, indent=2) + "\n")
     cell_hash = {c: config_hash({**config, "cell": c.id}) for c in cells}
-    options = config["policy_options"]
+    adaptive = (None if FLAGS.adaptive_rule is None else
+                Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
+    evictions = {c: c.eviction(config["policy_options"], adaptive, FLAGS.draft_weight)
+                 for c in cells}
     suite = load_suite(model, FLAGS.suite, datasets, FLAGS.num_samples, FLAGS.data_dir,
                        FLAGS.synthetic_length, FLAGS.seed)
     store = PredictionStore(out_dir)
@@ -125,8 +140,8 @@ def run(argv) -> int:
 
     bar = tqdm(total=sum(map(len, suite.values())), unit="sample", dynamic_ncols=True)
     for dataset, rows in suite.items():
-        run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, options, max_length,
-                    store, bar)
+        run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, evictions,
+                    max_length, store, bar)
         bar.write(summary_line(dataset, store, cells, cell_hash))
     bar.close()
     write_report(out_dir)
@@ -135,7 +150,7 @@ def run(argv) -> int:
     return 0
 
 
-def run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, options, max_length,
+def run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, evictions, max_length,
                 store, bar) -> None:
     """Predicts every missing (sample, cell) of one dataset, a batch of samples at a time."""
     tok = model.tokenizer
@@ -158,7 +173,7 @@ def run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, options, 
                                            tok.apply_chat_template) for row, _ in batch]
         ids = [tok.encode(s.text) for s in samples]
         t0 = time.time()
-        results = generate_grid(model, ids, [c.eviction(options) for c in todo],
+        results = generate_grid(model, ids, [evictions[c] for c in todo],
                                 max_new_tokens=max_new, extra_eos_ids=extra_eos,
                                 min_new_tokens=stop.min_new_tokens, chunk=FLAGS.chunk)
         seconds = (time.time() - t0) / len(batch)
@@ -172,6 +187,7 @@ def run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, options, 
                     "answers": row["answers"], "all_classes": row["all_classes"],
                     "prompt_tokens": len(ids[i]), "new_tokens": len(result.tokens[i]),
                     "truncated": samples[i].truncated, "grid_seconds": round(seconds, 3),
+                    "k": None if result.k is None else result.k[i],
                 })
         store.append(lines)
         bar.update(len(batch))

@@ -3,7 +3,9 @@
     python -m experiments.report OUT_DIR
 
 Reads OUT_DIR/predictions.jsonl, scores every (dataset, cell) with the official metrics,
-and writes scores.json, results.md, score_vs_budget.png and dge_delta.png. When a sample was
+and writes scores.json, results.md (with paired McNemar comparisons against the prefill
+baseline), score_vs_budget.png, dge_delta.png and, for runs over several k,
+accuracy_vs_k.png. When a sample was
 predicted under several configurations of one cell, the last line in the file wins.
 """
 
@@ -157,6 +159,108 @@ def plot(scores: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     return written
 
 
+def sample_scores(rows: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
+    """cell id -> {(dataset, sample id): row score in [0, 1]} (latest line per sample)."""
+    out: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)
+    for (dataset, cell), group in latest_rows(rows).items():
+        for r in group:
+            out[cell][(dataset, r["sample_id"])] = metrics.row_score(
+                dataset, r["pred"], r["answers"], r.get("all_classes"))
+    return out
+
+
+def mcnemar_exact(wins: int, losses: int) -> float:
+    """Two-sided exact McNemar p-value: a binomial test of wins vs losses at p = 1/2."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
+    """Each DGE / DGE-W cell against its method's prefill cell at the same budget, on the
+    samples both have: a sample is correct when its row score >= `correct_at`; wins are
+    samples only the cell gets right, losses those only the baseline gets right."""
+    per_cell = sample_scores(rows)
+    k_used: dict[str, list[int]] = defaultdict(list)
+    for (_, cell), group in latest_rows(rows).items():
+        k_used[cell] += [r["k"] for r in group if r.get("k") is not None]
+    out = []
+    for cell in sorted(per_cell, key=_cell_order):
+        c = parse_cell_id(cell)
+        if c.method == "full" or c.timing == "prefill":
+            continue
+        base_id = f"{c.method}/prefill/b{c.budget}"
+        if base_id not in per_cell:
+            continue
+        base = per_cell[base_id]
+        common = sorted(set(per_cell[cell]) & set(base))
+        if not common:
+            continue
+        mine = [per_cell[cell][s] >= correct_at for s in common]
+        theirs = [base[s] >= correct_at for s in common]
+        wins = sum(m and not t for m, t in zip(mine, theirs, strict=True))
+        losses = sum(t and not m for m, t in zip(mine, theirs, strict=True))
+        ks = k_used.get(cell, [])
+        out.append({
+            "cell": cell, "baseline": base_id, "samples": len(common),
+            "accuracy": round(100 * sum(mine) / len(common), 2),
+            "baseline_accuracy": round(100 * sum(theirs) / len(common), 2),
+            "wins": wins, "losses": losses, "p": round(mcnemar_exact(wins, losses), 4),
+            "mean_k": round(sum(ks) / len(ks), 2) if ks else None,
+        })
+    return out
+
+
+def paired_table(comparisons: list[dict]) -> str:
+    """Markdown table of `paired_comparisons`."""
+    header = ["cell", "vs", "n", "acc %", "base acc %", "wins", "losses", "McNemar p", "mean k"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in comparisons:
+        lines.append("| " + " | ".join(str(x) for x in [
+            c["cell"], c["baseline"], c["samples"], c["accuracy"], c["baseline_accuracy"],
+            c["wins"], c["losses"], c["p"], "-" if c["mean_k"] is None else c["mean_k"],
+        ]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy_vs_k(scores: dict, out_dir: pathlib.Path) -> pathlib.Path | None:
+    """accuracy_vs_k.png: mean score against k per method and budget (DGE solid, DGE-W
+    dashed, the prefill baseline at k = 1); written only when a run has several k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [parse_cell_id(c) for c in scores["averages"]]
+    if len({c.k for c in cells if c.timing != "prefill" and not c.adaptive}) < 2:
+        return None
+    methods = sorted({c.method for c in cells if c.method != "full"})
+    fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.6), squeeze=False)
+    for ax, method in zip(axes[0], methods, strict=True):
+        for budget in sorted({c.budget for c in cells if c.method == method}):
+            base = scores["averages"].get(f"{method}/prefill/b{budget}", {}).get("mean")
+            for timing, style in (("dge", "-"), ("dge_w", "--")):
+                pts = sorted((c.k, scores["averages"][c.id]["mean"]) for c in cells
+                             if c.method == method and c.budget == budget
+                             and c.timing == timing and not c.adaptive)
+                if base is not None:
+                    pts = [(1, base)] + [p for p in pts if p[0] != 1]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), style, marker="o",
+                            label=f"{timing} b={budget}")
+        ax.set_title(method)
+        ax.set_xlabel("k (answer tokens drafted with the full cache)")
+        ax.set_ylabel("mean score")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "accuracy_vs_k.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_report(out_dir: str | pathlib.Path) -> dict:
     """Scores the run in `out_dir` and writes scores.json, results.md and the plots."""
     out_dir = pathlib.Path(out_dir)
@@ -164,9 +268,16 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     if not rows:
         raise FileNotFoundError(f"no predictions in {out_dir / PREDICTIONS_FILE}")
     scores = score_rows(rows)
+    comparisons = paired_comparisons(rows)
+    scores["paired"] = comparisons
     (out_dir / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
-    (out_dir / "results.md").write_text(markdown_table(scores))
+    table = markdown_table(scores)
+    if comparisons:
+        table += ("\nPaired against the prefill baseline (correct = row score >= 0.5; exact "
+                  "McNemar test):\n\n" + paired_table(comparisons))
+    (out_dir / "results.md").write_text(table)
     plot(scores, out_dir)
+    plot_accuracy_vs_k(scores, out_dir)
     return scores
 
 
