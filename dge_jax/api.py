@@ -38,8 +38,8 @@ def bucket_length(n: int, chunk: int = DEFAULT_CHUNK) -> int:
 
     e.g. chunk 512: 10 -> 16, 300 -> 512, 513 -> 1024, 1500 -> 1536.
     """
-    if n <= chunk:
-        return max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+    if n <= chunk:  # capped at the chunk, so prefill's "multiple of the chunk" always holds
+        return min(chunk, max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()))
     return -(-n // chunk) * chunk
 
 

@@ -1,0 +1,236 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints and a tiny tokenizer, all built in code.
+
+`checkpoint(name)` builds (once per session) a random transformers model of one of the
+`VARIANTS` below with `torch.manual_seed`, saves it with `save_pretrained`, and returns the
+folder. Variants cover every family, RoPE kind, head layout and config style the loader reads:
+
+    name              family   heads q/kv  head   rope                      config keys
+    llama             llama    4/2 (GQA)   untied default                   new (rope_parameters)
+    llama_linear_old  llama    4/4 (MHA)   tied   linear x2, +attn/mlp bias old (rope_scaling.type)
+    llama3            llama    4/1 (MQA)   untied llama3, original max 32   new
+    llama3_old        llama    4/1 (MQA)   untied llama3, original max 32   old (rope_scaling)
+    mistral_old       mistral  4/2         untied default, theta 1e6        old (rope_theta)
+    qwen2             qwen2    4/2         tied   default, q/k/v biases     new
+    qwen3             qwen3    4/2, hd 32  untied default, q/k norms        new
+    llama_sharded     llama    = llama, saved as several shards + model.safetensors.index.json
+    llama_chat        llama    = llama's sizes, with tokenizer.json + chat template (text/CLI)
+
+Norm weights are 1 + N(0, 0.2²) and biases N(0, 0.2²): random init leaves them at 1 and 0,
+which would hide a missing norm weight or bias. Everything is tiny (hidden 64, 2 layers,
+vocab 128) so the whole parity suite runs in a couple of minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest
+
+VOCAB = 128
+BASE_CONFIG = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    # Wider than the default 0.02 so logits spread out and greedy argmaxes are far from ties.
+    initializer_range=0.1,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One tiny checkpoint: family, config overrides, and how it is written to disk.
+
+    old_keys: rewrite config.json with `rope_theta` + `rope_scaling` + `torch_dtype` (the
+    pre-transformers-5 spelling) instead of `rope_parameters` + `dtype`; old_rope_type_key is
+    the key naming the rope kind in `rope_scaling` ("type" in the oldest configs).
+    """
+
+    model_type: str
+    config: dict = dataclasses.field(default_factory=dict)
+    seed: int = 0
+    old_keys: bool = False
+    old_rope_type_key: str = "rope_type"
+    max_shard_size: str | None = None
+    tokenizer: bool = False
+
+
+VARIANTS: dict[str, Variant] = {
+    "llama": Variant("llama"),
+    "llama_linear_old": Variant(
+        "llama",
+        dict(
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+        seed=1,
+        old_keys=True,
+        old_rope_type_key="type",
+    ),
+    "llama3": Variant("llama", dict(num_key_value_heads=1, rope_parameters=LLAMA3_ROPE), seed=2),
+    "llama3_old": Variant(
+        "llama", dict(num_key_value_heads=1, rope_parameters=LLAMA3_ROPE), seed=3, old_keys=True
+    ),
+    "mistral_old": Variant(
+        "mistral",
+        dict(sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        seed=4,
+        old_keys=True,
+    ),
+    "qwen2": Variant("qwen2", dict(tie_word_embeddings=True), seed=5),
+    "qwen3": Variant("qwen3", dict(head_dim=32), seed=6),
+    "llama_sharded": Variant("llama", max_shard_size="20KB"),  # same seed: same weights as llama
+    "llama_chat": Variant("llama", seed=7, tokenizer=True),
+}
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer: a word-level vocabulary of exactly VOCAB entries, so every model id decodes.
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+WORDS = (
+    "system user assistant the a cat dog sat ran on mat what is capital of france paris "
+    "hello world you are helpful answer question and to in it"
+).split()
+FILLER = [f"w{i}" for i in range(VOCAB - len(SPECIAL_TOKENS) - len(WORDS))]
+VOCAB_WORDS = SPECIAL_TOKENS + WORDS + FILLER
+EOS_TOKEN, EOS_ID = "</s>", 2
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_tokenizer(folder: pathlib.Path, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Writes tokenizer.json (word level, whitespace split) and tokenizer_config.json."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    assert len(set(VOCAB_WORDS)) == VOCAB
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB_WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": EOS_TOKEN,
+        "unk_token": "<unk>",
+        "model_max_length": 256,
+        "add_bos_token": False,
+    }
+    if chat_template is not None:
+        tcfg["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def _perturb(model) -> None:
+    """Norm weights 1 + N(0, 0.2²), biases N(0, 0.2²): visible if the loader drops them."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                torch.nn.init.normal_(p, mean=1.0, std=0.2)
+            elif name.endswith(".bias"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.2)
+
+
+def to_old_keys(config: dict, rope_type_key: str = "rope_type") -> dict:
+    """config.json in the pre-transformers-5 spelling: rope_theta + rope_scaling, torch_dtype."""
+    config = dict(config)
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type")
+    config["rope_scaling"] = None if kind == "default" else {rope_type_key: kind, **rope}
+    config["torch_dtype"] = config.pop("dtype")
+    return config
+
+
+def build_checkpoint(variant: Variant, folder: pathlib.Path) -> pathlib.Path:
+    """Builds the variant's random model with transformers and saves it to `folder`."""
+    import torch
+    import transformers
+
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[variant.model_type]
+    transformers.utils.logging.disable_progress_bar()  # keeps captured stderr clean
+    torch.manual_seed(variant.seed)
+    config = config_cls(**(BASE_CONFIG | variant.config))
+    if variant.tokenizer:
+        config.bos_token_id, config.eos_token_id = 1, EOS_ID
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    _perturb(model)
+    kwargs = {"max_shard_size": variant.max_shard_size} if variant.max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    if variant.old_keys:
+        path = folder / "config.json"
+        raw = to_old_keys(json.loads(path.read_text()), variant.old_rope_type_key)
+        path.write_text(json.dumps(raw, indent=2))
+    if variant.tokenizer:
+        write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name) -> folder of the tiny `VARIANTS[name]` checkpoint (built once)."""
+    import torch
+
+    torch.set_num_threads(1)  # two shared cores: one each for torch and XLA
+    built: dict[str, pathlib.Path] = {}
+
+    def get(name: str) -> pathlib.Path:
+        if name not in built:
+            built[name] = build_checkpoint(VARIANTS[name], tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture
+def checkpoint_copy(checkpoint, tmp_path):
+    """checkpoint_copy(name) -> a writable copy of a tiny checkpoint, for breaking it."""
+
+    def copy(name: str) -> pathlib.Path:
+        target = tmp_path / name
+        shutil.copytree(checkpoint(name), target)
+        return target
+
+    return copy
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> pathlib.Path:
+    """A folder with only tokenizer.json + tokenizer_config.json (chat template, eos </s>)."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(folder)
+    return folder

@@ -1,0 +1,121 @@
+"""`python -m dge_jax generate`: JSON output, and one-line errors with exit status 2.
+
+Two runs go through a real subprocess (the acceptance criterion is about what a shell user
+sees); the other error paths call `dge_jax.cli.main` in-process, which is the same code
+without the interpreter start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import dge_jax
+from dge_jax import cli
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-m", "dge_jax", "generate", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_json_output(checkpoint):
+    folder = checkpoint("llama_chat")
+    proc = run_cli(
+        "--model", str(folder), "--prompt", "hello world", "--max_new_tokens", "6", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert set(out) == {"prompt_tokens", "tokens", "text"}
+    assert 1 <= len(out["tokens"][0]) <= 6
+    # the same as the library call, greedy by default
+    model = dge_jax.load(folder)
+    want = dge_jax.generate(model, ["hello world"], max_new_tokens=6)
+    assert out["prompt_tokens"] == want.prompt_tokens == [model.tokenizer.encode("hello world")]
+    assert out["tokens"] == want.tokens
+    assert out["text"] == want.texts
+
+
+def test_missing_model_folder_exits_2_with_one_line(tmp_path):
+    missing = tmp_path / "no_such_model"
+    proc = run_cli("--model", str(missing), "--prompt", "hello", "--json")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and str(missing) in lines[0]
+    assert proc.stdout == ""
+
+
+def main_json(capsys, *args: str) -> dict:
+    assert cli.main(["generate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_chat_and_sampling_flags(checkpoint, capsys):
+    folder = str(checkpoint("llama_chat"))
+    model = dge_jax.load(folder)
+    args = ["--model", folder, "--prompt", "the cat", "--max_new_tokens", "6"]
+    chat = main_json(capsys, *args, "--chat")
+    assert chat["prompt_tokens"] == [model.tokenizer.encode_chat("the cat")]
+    assert 1 <= len(chat["tokens"][0]) <= 6
+    sampled = ["--temperature", "1.5", "--top_k", "10", "--seed", "3"]
+    a = main_json(capsys, *args, *sampled)
+    b = main_json(capsys, *args, *sampled)
+    assert a == b  # an explicit seed reproduces
+    assert cli.main(["generate", *args]) == 0
+    assert capsys.readouterr().out.strip() == main_json(capsys, *args)["text"][0]
+
+
+def _broken_checkpoint(checkpoint_copy):
+    folder = checkpoint_copy("llama")
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    return folder
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("truncated", "truncated"),
+        ("no_tokenizer", "no tokenizer.json"),
+        ("zero_tokens", "max_new_tokens must be >= 1"),
+        ("yarn", "rope type 'yarn'"),
+    ],
+)
+def test_errors_exit_2_with_one_line(checkpoint, checkpoint_copy, capsys, case, message):
+    folder = checkpoint("llama_chat")
+    extra = []
+    if case == "truncated":
+        folder = _broken_checkpoint(checkpoint_copy)
+    elif case == "no_tokenizer":
+        folder = checkpoint("llama")
+    elif case == "zero_tokens":
+        extra = ["--max_new_tokens", "0"]
+    elif case == "yarn":
+        folder = checkpoint_copy("llama")
+        raw = json.loads((folder / "config.json").read_text())
+        raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+        (folder / "config.json").write_text(json.dumps(raw))
+    capsys.readouterr()  # drop whatever building the checkpoint printed
+    code = cli.main(["generate", "--model", str(folder), "--prompt", "hello", *extra])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
