@@ -40,6 +40,13 @@ class Cell:
     def policy_name(self) -> str:
         return self.method.removeprefix(ADAKV_PREFIX)
 
+    def policy_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The subset of `options` this cell's policy takes (none for full)."""
+        if self.method == "full":
+            return {}
+        fields = {f.name for f in dataclasses.fields(POLICIES[self.policy_name])}
+        return {k: v for k, v in options.items() if k in fields and v is not None}
+
     def eviction(
         self, policy_options: dict[str, Any], adaptive: Adaptive | None = None,
         draft_weight: float = 1.0,
@@ -47,9 +54,7 @@ class Cell:
         """The `Eviction` of this cell; options a policy does not take are left out."""
         if self.method == "full":
             return None
-        cls = POLICIES[self.policy_name]
-        fields = {f.name for f in dataclasses.fields(cls)}
-        options = {k: v for k, v in policy_options.items() if k in fields and v is not None}
+        options = self.policy_options(policy_options)
         if self.adaptive and adaptive is None:
             raise ValueError(f"cell {self.id} is adaptive but no adaptive rule was given")
         return Eviction(

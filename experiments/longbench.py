@@ -51,8 +51,8 @@ flags.DEFINE_integer("synthetic_length", 2048, "synthetic prompt length in model
 flags.DEFINE_integer("batch_size", 1, "samples per batch (left-padded)")
 flags.DEFINE_string("out_dir", None, "output folder (default runs/<suite>)")
 flags.DEFINE_integer("seed", 0, "synthetic suite seed (decoding is greedy)")
-flags.DEFINE_integer("window", 8, "observation window (SnapKV/PyramidKV/TOVA) or recent "
-                     "window (H2O)")
+flags.DEFINE_integer("window", 8, "observation window (SnapKV/PyramidKV) or recent window "
+                     "(H2O)")
 flags.DEFINE_integer("kernel", 7, "SnapKV/PyramidKV pooling kernel")
 flags.DEFINE_enum("pooling", "max", ["max", "avg"], "SnapKV/PyramidKV pooling")
 flags.DEFINE_enum("gqa", "mean", ["mean", "max"], "GQA aggregation of scores")
@@ -102,6 +102,19 @@ def run_config(model_name: str, max_length: int) -> dict:
     }
 
 
+def cell_config(config: dict, cell: Cell) -> dict:
+    """What a cell's predictions depend on: the run settings, cut to what the cell uses (so
+    changing SnapKV's window does not recompute FullKV or StreamingLLM)."""
+    uses_drafts = cell.timing == "dge"
+    return {
+        **config, "cell": cell.id,
+        "policy_options": cell.policy_options(config["policy_options"]),
+        "draft_weight": config["draft_weight"] if uses_drafts else None,
+        "adaptive": config["adaptive"] if cell.adaptive else None,
+        "batch_size": FLAGS.batch_size,  # left padding may change results in the last bits
+    }
+
+
 def run(argv) -> int:
     del argv
     import dge_jax
@@ -125,7 +138,7 @@ def run(argv) -> int:
         {**config, "datasets": datasets, "cells": [c.id for c in cells],
          "num_samples": FLAGS.num_samples, "batch_size": FLAGS.batch_size,
          "command": " ".join(sys.argv)}, indent=2) + "\n")
-    cell_hash = {c: config_hash({**config, "cell": c.id}) for c in cells}
+    cell_hash = {c: config_hash(cell_config(config, c)) for c in cells}
     adaptive = (None if FLAGS.adaptive_rule is None else
                 Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
     evictions = {c: c.eviction(config["policy_options"], adaptive, FLAGS.draft_weight)

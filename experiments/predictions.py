@@ -73,7 +73,12 @@ class PredictionStore:
 
     def append(self, rows: Iterable[dict]) -> None:
         """Writes rows not already present, then flushes and fsyncs the file."""
-        new = [r for r in rows if r["key"] not in self.done]
+        seen = set(self.done)
+        new = []
+        for r in rows:  # also drops a key repeated within `rows`
+            if r["key"] not in seen:
+                seen.add(r["key"])
+                new.append(r)
         if not new:
             return
         with self.path.open("a", encoding="utf-8") as f:

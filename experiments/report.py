@@ -66,7 +66,7 @@ def _round(x: float) -> float | None:
 def _cell_order(cell_id: str) -> tuple:
     c = parse_cell_id(cell_id)
     timing = {"prefill": 0, "dge": 1, "dge_w": 2}.get(c.timing, 3)
-    return (c.method != "full", c.method, c.budget, timing, c.k)
+    return (c.method != "full", c.method, c.budget, timing, c.k, c.adaptive)
 
 
 def markdown_table(scores: dict) -> str:
@@ -80,7 +80,7 @@ def markdown_table(scores: dict) -> str:
     for cell in sorted(averages, key=_cell_order):
         c = parse_cell_id(cell)
         row = [c.method, "-" if c.method == "full" else c.timing,
-               "-" if c.method == "full" else str(c.k),
+               "-" if c.method == "full" else f"{c.k}{'a' if c.adaptive else ''}",
                "-" if c.method == "full" else str(c.budget)]
         row += [_fmt(scores["datasets"][d].get(cell)) for d in datasets]
         row += [_fmt(averages[cell].get(name)) for name in ["mean", *extra]]
@@ -104,7 +104,7 @@ def plot(scores: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     full = averages.get("full", {}).get("mean")
     for cell, avg in averages.items():
         c = parse_cell_id(cell)
-        if c.method != "full":
+        if c.method != "full" and not c.adaptive:  # adaptive cells: see the paired table
             series[(c.method, c.timing, c.k)][c.budget] = avg["mean"]
     methods = sorted({m for m, _, _ in series})
     written = []

@@ -1,0 +1,130 @@
+"""The evaluation grid (`experiments.cells`): ids, ordering, errors, and the Eviction of a cell."""
+
+import pytest
+
+from dge_jax.policies import H2O, SnapKV, StreamingLLM
+from dge_jax.timing import Adaptive, Timing
+from experiments.cells import Cell, build_cells, check_method, parse_cell_id
+
+OPTIONS = {"window": 4, "kernel": 5, "pooling": "avg", "gqa": "max"}
+
+
+def test_ids_round_trip_through_parse_cell_id():
+    cells = build_cells(
+        ["full", "snapkv", "adakv_snapkv", "h2o", "streamingllm"],
+        ["prefill", "dge", "dge_w"],
+        [1, 2, 8],
+        [16, 128],
+    )
+    assert len({c.id for c in cells}) == len(cells)
+    for cell in cells:
+        assert parse_cell_id(cell.id) == cell
+    # A cell built by hand (a dge cell at k=1 keeps its k in the id).
+    assert parse_cell_id("snapkv/dge/k1/b16") == Cell("snapkv", "dge", 1, 16)
+    assert Cell("snapkv", "dge", 1, 16).id == "snapkv/dge/k1/b16"
+    adaptive = build_cells(["snapkv"], ["dge", "dge_w"], [2, 8], [16], adaptive_k_max=8)
+    assert sum(c.adaptive for c in adaptive) == 2
+    for cell in adaptive:
+        assert parse_cell_id(cell.id) == cell
+
+
+def test_id_spelling():
+    assert Cell("full").id == "full"
+    assert Cell("snapkv", "prefill", 1, 128).id == "snapkv/prefill/b128"
+    assert Cell("adakv_snapkv", "dge_w", 4, 64).id == "adakv_snapkv/dge_w/k4/b64"
+    assert Cell("snapkv", "dge", 8, 64, adaptive=True).id == "snapkv/dge/k8a/b64"
+
+
+def test_build_cells_ordering():
+    """FullKV first wherever it is listed; then method, timing, k, budget in the order given;
+    prefill cells once (k=1) whatever the ks; duplicates dropped."""
+    ids = [c.id for c in build_cells(["snapkv", "full", "h2o"], ["dge", "prefill"], [2, 4],
+                                     [128, 64])]
+    assert ids == [
+        "full",
+        "snapkv/dge/k2/b128", "snapkv/dge/k2/b64", "snapkv/dge/k4/b128", "snapkv/dge/k4/b64",
+        "snapkv/prefill/b128", "snapkv/prefill/b64",
+        "h2o/dge/k2/b128", "h2o/dge/k2/b64", "h2o/dge/k4/b128", "h2o/dge/k4/b64",
+        "h2o/prefill/b128", "h2o/prefill/b64",
+    ]
+    dup = build_cells(["snapkv", "snapkv"], ["prefill", "prefill"], [2, 2], [16, 16])
+    assert [c.id for c in dup] == ["snapkv/prefill/b16"]
+    assert build_cells(["full"], ["dge"], [2], [16]) == [Cell("full")]
+    assert build_cells(["snapkv"], ["prefill"], [3], [16]) == [Cell("snapkv", "prefill", 1, 16)]
+
+
+def test_build_cells_adaptive_cells_follow_each_dge_timing():
+    ids = [c.id for c in build_cells(["full", "snapkv"], ["prefill", "dge", "dge_w"], [2],
+                                     [16, 64], adaptive_k_max=8)]
+    assert ids == [
+        "full", "snapkv/prefill/b16", "snapkv/prefill/b64",
+        "snapkv/dge/k2/b16", "snapkv/dge/k2/b64", "snapkv/dge/k8a/b16", "snapkv/dge/k8a/b64",
+        "snapkv/dge_w/k2/b16", "snapkv/dge_w/k2/b64", "snapkv/dge_w/k8a/b16",
+        "snapkv/dge_w/k8a/b64",
+    ]
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((["snapkvv"], ["prefill"], [2], [16]), "unknown method 'snapkvv'"),
+        ((["adakv_nope"], ["prefill"], [2], [16]), "unknown method 'adakv_nope'"),
+        ((["adakv_full"], ["prefill"], [2], [16]), "unknown method 'adakv_full'"),
+        ((["snapkv"], ["later"], [2], [16]), "unknown timing 'later'"),
+        ((["snapkv"], ["dge"], [0], [16]), "k must be >= 1"),
+        ((["snapkv"], ["dge"], [2], [0]), "budgets must be >= 1"),
+        ((["snapkv"], ["dge"], [2], [16, -4]), "budgets must be >= 1"),
+    ],
+)
+def test_build_cells_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        build_cells(*args)
+
+
+def test_check_method_lists_the_known_methods():
+    with pytest.raises(ValueError, match=r"known: full, .*snapkv.*adakv_<policy>"):
+        check_method("bogus")
+    for ok in ("full", "snapkv", "pyramidkv", "h2o", "streamingllm", "tova", "adakv_pyramidkv"):
+        check_method(ok)
+
+
+def test_full_cell_has_no_eviction():
+    assert Cell("full").eviction(OPTIONS) is None
+
+
+def test_adakv_prefix_sets_head_budget():
+    ada = Cell("adakv_snapkv", "dge", 2, 64).eviction(OPTIONS)
+    plain = Cell("snapkv", "dge", 2, 64).eviction(OPTIONS)
+    assert ada.head_budget == "adakv" and plain.head_budget == "uniform"
+    assert ada.policy == plain.policy == SnapKV(window=4, kernel=5, pooling="avg", gqa="max")
+    assert ada.budget == 64 and ada.timing == Timing("dge", 2)
+    assert Cell("adakv_snapkv", "dge", 2, 64).policy_name == "snapkv"
+
+
+def test_prefill_cell_eviction_timing():
+    ev = Cell("snapkv", "prefill", 1, 32).eviction(OPTIONS)
+    assert ev.timing == Timing("prefill", 1) and ev.budget == 32
+
+
+def test_policy_options_are_filtered_per_policy():
+    """H2O takes window and gqa, not kernel or pooling; StreamingLLM takes none of them."""
+    h2o = Cell("h2o", "dge_w", 2, 16).eviction(OPTIONS).policy
+    assert h2o == H2O(window=4, gqa="max")
+    stream = Cell("streamingllm", "prefill", 1, 16).eviction(OPTIONS).policy
+    assert stream == StreamingLLM()
+    # None means "the policy's default".
+    snap = Cell("snapkv", "prefill", 1, 16).eviction({"window": None, "kernel": 3}).policy
+    assert snap == SnapKV(kernel=3)
+
+
+def test_adaptive_cell_eviction():
+    cell = Cell("snapkv", "dge", 8, 16, adaptive=True)
+    rule = Adaptive("top1", 0.5)
+    ev = cell.eviction(OPTIONS, rule, draft_weight=0.5)
+    assert ev.timing == Timing("dge", 8, adaptive=rule, draft_weight=0.5)
+    with pytest.raises(ValueError, match="adaptive"):
+        cell.eviction(OPTIONS)
+    # A fixed-k cell ignores the rule; a prefill cell ignores the draft weight.
+    assert Cell("snapkv", "dge", 2, 16).eviction(OPTIONS, rule).timing == Timing("dge", 2)
+    prefill = Cell("snapkv", "prefill", 1, 16).eviction(OPTIONS, None, draft_weight=0.5)
+    assert prefill.timing == Timing("prefill", 1)

@@ -1,0 +1,206 @@
+"""`experiments.report`: scores and averages of hand-made prediction rows, table, plots, CLI.
+
+Expected numbers are worked out by hand from the official metric definitions (see comments).
+"""
+
+import json
+
+import pytest
+
+from experiments import report
+from experiments.predictions import PREDICTIONS_FILE
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TREC_CLASSES = ["Food", "Date", "Individual", "Location"]
+SNAP = "snapkv/prefill/b16"
+
+
+def line(dataset, cell, sample, pred, answers, all_classes=None):
+    return {"key": f"{cell}|{dataset}|{sample}", "config_hash": "h", "dataset": dataset,
+            "sample_id": sample, "cell": cell, "pred": pred, "answers": answers,
+            "all_classes": all_classes}
+
+
+def longbench_rows() -> list[dict]:
+    t = TREC_CLASSES
+    return [
+        # trec (classification; first line only). full: s1 "Individual" -> 1; s2: an earlier
+        # line said "Location" (1) but the later line "Date" (0) wins -> 50.00.
+        line("trec", "full", "s1", "Individual\nFood", ["Individual"], t),
+        line("trec", "full", "s2", "Location", ["Location"], t),
+        line("trec", "full", "s2", "Date", ["Location"], t),
+        # snapkv: s1 finds Food and Individual -> 1/2; s2 -> 1: 75.00.
+        line("trec", SNAP, "s1", "Food or Individual", ["Individual"], t),
+        line("trec", SNAP, "s2", "Location", ["Location"], t),
+        # passage_count (share of numbers equal to the answer). full: 1/2, 1 -> 75.00;
+        # snapkv: 0, 1 -> 50.00.
+        line("passage_count", "full", "s1", "3 or 4", ["3"]),
+        line("passage_count", "full", "s2", "7", ["7"]),
+        line("passage_count", SNAP, "s1", "none", ["3"]),
+        line("passage_count", SNAP, "s2", "7 7", ["7"]),
+        # hotpotqa (qa_f1). full: exact after normalization -> 100.00; snapkv: "city of paris"
+        # vs "paris": precision 1/3, recall 1, F1 1/2 -> 50.00. Max over the two answers.
+        line("hotpotqa", "full", "s1", "Paris", ["paris", "London"]),
+        line("hotpotqa", SNAP, "s1", "the city of Paris", ["Paris", "Rome"]),
+        # passage_retrieval_en. full: 100.00; snapkv: numbers 2 and 3, one right -> 50.00.
+        line("passage_retrieval_en", "full", "s1", "Paragraph 3", ["Paragraph 3"]),
+        line("passage_retrieval_en", SNAP, "s1", "Paragraph 2 and 3", ["Paragraph 3"]),
+        # passage_retrieval_zh (Chinese: in "mean", not in the English averages). full: 100.
+        line("passage_retrieval_zh", "full", "s1", "段落2", ["段落2"]),
+    ]
+
+
+def test_score_rows_longbench_by_hand():
+    scores = report.score_rows(longbench_rows())
+    assert scores["datasets"] == {
+        "hotpotqa": {"full": 100.0, SNAP: 50.0},
+        "passage_count": {"full": 75.0, SNAP: 50.0},
+        "passage_retrieval_en": {"full": 100.0, SNAP: 50.0},
+        "passage_retrieval_zh": {"full": 100.0},
+        "trec": {"full": 50.0, SNAP: 75.0},
+    }
+    assert scores["counts"]["trec"] == {"full": 2, SNAP: 2}
+    # full: mean over all five = 425/5; English plain mean = 325/4; categories: multi-doc QA
+    # 100, few-shot 50, synthetic (75 + 100)/2 = 87.5 -> (100 + 50 + 87.5)/3 = 79.1666...
+    # snapkv: 225/4 = 56.25 (no zh row); categories 50, 75, 50 -> 58.333...
+    assert scores["averages"] == {
+        "full": {"mean": 85.0, "mean_en16": 81.25, "category_mean": 79.17},
+        SNAP: {"mean": 56.25, "mean_en16": 56.25, "category_mean": 58.33},
+    }
+    assert list(scores["averages"]) == ["full", SNAP]
+
+
+def test_score_rows_synthetic_has_only_the_mean():
+    rows = [
+        # passkey (match_any, whole words): 1, 0 -> 50.00
+        line("passkey", "full", "a", "The pass key is 12345.", ["12345"]),
+        line("passkey", "full", "b", "The pass key is 123456.", ["12345"]),
+        # niah_multivalue (match_fraction): 2 of 4 -> 50.00 ... and 4 of 4 -> 100: 75.00
+        line("niah_multivalue", "full", "a", "11, 22 and 99", ["11", "22", "33", "44"]),
+        line("niah_multivalue", "full", "b", "44 33 22 11", ["11", "22", "33", "44"]),
+    ]
+    scores = report.score_rows(rows)
+    assert scores["datasets"] == {"passkey": {"full": 50.0}, "niah_multivalue": {"full": 75.0}}
+    assert scores["averages"] == {"full": {"mean": 62.5}}
+    table = report.markdown_table(scores)
+    assert table.splitlines()[0] == (
+        "| method | timing | k | budget | niah_multivalue | passkey | mean |")
+    assert "mean_en16" not in table
+
+
+def test_latest_rows_last_line_wins_per_sample():
+    rows = [line("passkey", "full", "a", "old", ["1"]), line("passkey", "full", "b", "b", ["1"]),
+            line("passkey", "full", "a", "new", ["1"])]
+    grouped = report.latest_rows(rows)
+    assert {r["pred"] for r in grouped[("passkey", "full")]} == {"new", "b"}
+
+
+def test_markdown_table_by_hand():
+    table = report.markdown_table(report.score_rows(longbench_rows()))
+    assert table == (
+        "| method | timing | k | budget | hotpotqa | passage_count | passage_retrieval_en | "
+        "passage_retrieval_zh | trec | mean | mean_en16 | category_mean |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| full | - | - | - | 100.00 | 75.00 | 100.00 | 100.00 | 50.00 | 85.00 | 81.25 | 79.17 |\n"
+        "| snapkv | prefill | 1 | 16 | 50.00 | 50.00 | 50.00 | - | 75.00 | 56.25 | 56.25 | "
+        "58.33 |\n"
+    )
+
+
+def test_cell_order_in_table():
+    cells = ["snapkv/dge_w/k2/b64", "snapkv/dge/k2/b64", "snapkv/prefill/b64",
+             "snapkv/prefill/b16", "h2o/prefill/b16", "full", "snapkv/dge/k1/b64"]
+    rows = [line("passkey", c, "a", "1", ["1"]) for c in cells]
+    assert list(report.score_rows(rows)["averages"]) == [
+        "full", "h2o/prefill/b16", "snapkv/prefill/b16", "snapkv/prefill/b64",
+        "snapkv/dge/k1/b64", "snapkv/dge/k2/b64", "snapkv/dge_w/k2/b64"]
+
+
+def write_predictions(folder, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / PREDICTIONS_FILE).open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def test_write_report_and_cli(tmp_path, capsys):
+    rows = []
+    for cell, preds in {"full": ["1", "1"], "snapkv/prefill/b16": ["1", "x"],
+                        "snapkv/prefill/b64": ["1", "1"], "snapkv/dge/k2/b16": ["x", "x"],
+                        "snapkv/dge_w/k2/b16": ["1", "x"]}.items():
+        rows += [line("passkey", cell, s, p, ["1"]) for s, p in zip("ab", preds, strict=True)]
+    write_predictions(tmp_path, rows)
+    scores = report.write_report(tmp_path)
+    assert json.loads((tmp_path / "scores.json").read_text()) == scores
+    assert scores["averages"]["snapkv/dge/k2/b16"] == {"mean": 0.0}
+    results = (tmp_path / "results.md").read_text()
+    assert results.startswith(report.markdown_table(scores))
+    # Paired section: dge k2 b16 (0/2 right) vs prefill b16 (1/2): 0 wins, 1 loss, p = 1.
+    assert scores["paired"] == report.paired_comparisons(rows)
+    assert "McNemar" in results and results.endswith(report.paired_table(scores["paired"]))
+    for name in ("score_vs_budget.png", "dge_delta.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
+    first = {p: (tmp_path / p).read_bytes() for p in ("scores.json", "results.md")}
+    assert report.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out == first["results.md"].decode()
+    assert {p: (tmp_path / p).read_bytes() for p in first} == first
+
+
+def test_plot_without_dge_cells_writes_only_score_vs_budget(tmp_path):
+    rows = [line("passkey", c, "a", "1", ["1"]) for c in ("full", "snapkv/prefill/b16")]
+    written = report.plot(report.score_rows(rows), tmp_path)
+    assert [p.name for p in written] == ["score_vs_budget.png"]
+    assert report.plot(report.score_rows([line("passkey", "full", "a", "1", ["1"])]),
+                       tmp_path) == []
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert report.main([]) == 2
+    assert "usage" in capsys.readouterr().err
+    assert report.main([str(tmp_path)]) == 2
+    assert "no predictions" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError):
+        report.write_report(tmp_path)
+
+
+def test_mcnemar_exact_by_hand():
+    assert report.mcnemar_exact(0, 0) == 1.0
+    assert report.mcnemar_exact(3, 0) == 0.25  # 2 * C(3,0) / 2^3
+    assert report.mcnemar_exact(1, 5) == pytest.approx(2 * 7 / 64)  # 2 * (1 + 6) / 2^6
+    assert report.mcnemar_exact(2, 2) == 1.0  # 2 * 11/16 capped at 1
+    assert report.mcnemar_exact(10, 0) == pytest.approx(2 / 1024)
+
+
+def test_paired_comparisons_by_hand():
+    base, dge, dge_w = "snapkv/prefill/b16", "snapkv/dge/k2/b16", "snapkv/dge_w/k2/b64"
+    rows = []
+    for sample, b, d, k in zip("abcd", "xxx1", "1111", (2, 2, 3, 1), strict=True):
+        rows.append(line("passkey", base, sample, b, ["1"]))
+        rows.append({**line("passkey", dge, sample, d, ["1"]), "k": k})
+        rows.append(line("passkey", "full", sample, "1", ["1"]))
+    rows.append(line("passkey", dge_w, "a", "1", ["1"]))  # no prefill cell at b64: skipped
+    assert report.paired_comparisons(rows) == [{
+        "cell": dge, "baseline": base, "samples": 4, "accuracy": 100.0,
+        "baseline_accuracy": 25.0, "wins": 3, "losses": 0, "p": 0.25, "mean_k": 2.0,
+    }]
+
+
+ADAPTIVE_PAIR = ("snapkv/dge/k8/b16", "snapkv/dge/k8a/b16")
+
+
+def test_markdown_table_tells_adaptive_cells_apart():
+    """A fixed k=8 cell and an adaptive k_max=8 cell are different rows of the table."""
+    rows = [line("passkey", ADAPTIVE_PAIR[0], "a", "1", ["1"]),
+            line("passkey", ADAPTIVE_PAIR[1], "a", "x", ["1"])]
+    body = report.markdown_table(report.score_rows(rows)).splitlines()[2:]
+    labels = [row.split(" | ")[:4] for row in body]  # method, timing, k, budget
+    assert len(labels) == 2 and labels[0] != labels[1], body
+
+
+def test_cell_order_is_total_for_adaptive_cells():
+    """Order must not depend on input (set / dict) order, or reports differ between runs."""
+    averages = {ADAPTIVE_PAIR[0]: {"mean": 100.0}, ADAPTIVE_PAIR[1]: {"mean": 0.0}}
+    datasets = {"passkey": {c: a["mean"] for c, a in averages.items()}}
+    scores = {"datasets": datasets, "averages": averages}
+    flipped = {"datasets": datasets, "averages": dict(reversed(averages.items()))}
+    assert report.markdown_table(scores) == report.markdown_table(flipped)
