@@ -51,6 +51,7 @@ class ModelFamily:
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
+_BUILTINS_IMPORTED = False
 
 
 def register_family(family: ModelFamily) -> None:
@@ -60,8 +61,10 @@ def register_family(family: ModelFamily) -> None:
 
 def get_family(model_type: str) -> ModelFamily:
     """The family registered for `model_type`; a clear error for an unknown one."""
-    if not _FAMILIES:
+    global _BUILTINS_IMPORTED
+    if not _BUILTINS_IMPORTED:  # the built-in families, even if a user registered one first
         importlib.import_module("models")
+        _BUILTINS_IMPORTED = True
     if model_type not in _FAMILIES:
         raise ConfigError(
             f"unknown model_type {model_type!r} in config.json; supported: "

