@@ -274,7 +274,10 @@ def observation_for(policy, obs: Observation, drafts: gen.DraftRecord | None):
 
 
 def cut_at_eos(tokens: np.ndarray, eos_ids: Sequence[int]) -> list[list[int]]:
-    """Per row, the ids up to and including the first EOS (as transformers returns them)."""
+    """Per row, the ids up to and including the first EOS (as transformers returns them).
+
+    tokens: [B, N] int -> B lists of ints.
+    """
     rows = []
     for row in tokens.tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))

@@ -38,14 +38,17 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
+        """Slots per head (S), static."""
         return self.k.shape[3]
 
     @property
     def num_layers(self) -> int:
+        """L, static."""
         return self.k.shape[0]
 
     @property
     def batch_size(self) -> int:
+        """B, static."""
         return self.k.shape[1]
 
     def valid(self) -> jax.Array:
@@ -69,7 +72,11 @@ def init_cache(
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
 ) -> KVCache:
-    """An empty cache of static ``capacity`` slots per head."""
+    """An empty cache of static ``capacity`` slots per head.
+
+    k, v: [L, B, Hkv, capacity, D] zeros of `dtype`; pos: [L, B, Hkv, capacity] int32 all -1;
+    index: int32 scalar 0.
+    """
     shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype),

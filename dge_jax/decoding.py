@@ -210,7 +210,10 @@ def decode_body(
     record_attn: bool = False,
     min_new_tokens: int = 0,
 ):
-    """One decode step: feed `last`, choose the next token. Returns (state, ForwardOutput).
+    """One decode step: feed `last` [B], choose the next token. Returns (state, ForwardOutput).
+
+    The token is written at slot `cache.index` of every head (position `pos`), the sampled id
+    at tokens[b, step[b]]; ForwardOutput.logits is [B, V] f32.
 
     EOS ids are banned while a row has fewer than `min_new_tokens` tokens (transformers'
     min_length, which LongBench uses for samsum). Finished rows still run (the batch moves
@@ -290,7 +293,9 @@ def draft(
     """Runs `num_steps` decode steps with the full cache (lax.scan), recording their queries.
 
     These are DGE's draft steps: the tokens they produce are real answer tokens, and their
-    queries (and attention) are what the scoring rule gains by waiting.
+    queries (and attention) are what the scoring rule gains by waiting. Returns the state after
+    K = num_steps steps (cache with K more entries per head) and a `DraftRecord` (q [L, B, Hq,
+    K, D], q_pos [B, K] int32, probs [L, B, Hq, K, S] f32 if record_attn, stats [B, K] f32).
     """
 
     def body(state, _):
@@ -379,7 +384,9 @@ def decode(
 ) -> DecodeState:
     """Decodes until `limit` tokens exist or every row has emitted an EOS (lax.while_loop).
 
-    The state (and its cache) is donated: decoding updates the cache in place.
+    The state (and its cache) is donated: decoding updates the cache in place. Returns the
+    final state; tokens [B, N] int32 holds each row's ids, padded with its last id after
+    `step[b]` (callers cut at `limit` and at the first EOS).
     """
     n = state.tokens.shape[1]
 

@@ -76,6 +76,9 @@ def apply_keep(cache: KVCache, keep: jax.Array) -> KVCache:
 def compact(cache: KVCache, capacity: int) -> KVCache:
     """A cache of ``capacity`` slots holding each head's valid slots first, in position order.
 
+    k, v: [L, B, Hkv, S, D] -> [L, B, Hkv, capacity, D]; pos: [L, B, Hkv, S] -> [..., capacity]
+    int32; index: max kept count (int32 scalar), where decoding appends next.
+
     Precondition (check on the host with ``check_capacity``): no head holds more than
     ``capacity`` entries; under jit the extra ones would be dropped silently (the newest first).
     """

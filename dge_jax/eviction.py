@@ -126,7 +126,10 @@ compact = jax.jit(evict.compact, static_argnames=("capacity",))
 
 
 def capacity_for(kept_counts: np.ndarray, new_tokens: int, multiple: int = 64) -> int:
-    """Slots for a compacted cache: the most kept by any head, rounded up, plus new tokens."""
+    """Slots for a compacted cache: the most kept by any head, rounded up, plus new tokens.
+
+    kept_counts: [L, B, Hkv] int (entries each head keeps); returns a static int capacity.
+    """
     most = int(np.max(kept_counts, initial=0))
     return -(-most // multiple) * multiple + new_tokens
 
@@ -153,7 +156,7 @@ def apply_eviction(
     cache: KVCache, keep: jax.Array, ev: Eviction, capacity: int | None, new_tokens: int
 ) -> KVCache:
     """The evicted cache: masked (same shape), or compacted to `capacity` slots (None: just
-    enough for what was kept plus `new_tokens`, rounded up)."""
+    enough for what was kept plus `new_tokens`, rounded up). keep: [L, B, Hkv, S] bool."""
     masked = evict.apply_keep(cache, keep)
     if not ev.compact:
         return masked
@@ -170,13 +173,17 @@ def evict_cache(
     ev: Eviction,
     new_tokens: int,
 ) -> tuple[KVCache, jax.Array]:
-    """(evicted cache, keep mask): masked, or compacted to room for `new_tokens` more."""
+    """(evicted cache, keep mask [L, B, Hkv, S] bool): masked, or compacted to room for
+    `new_tokens` more; the one-call form of `keep_mask` + `apply_eviction`."""
     keep = keep_mask(cache, prompt_obs, drafts, ev)
     return apply_eviction(cache, keep, ev, ev.capacity, new_tokens), keep
 
 
 def kept_positions(cache: KVCache, keep: jax.Array) -> list[list[list[list[int]]]]:
-    """Per row, layer and kv head: the sorted original positions kept (for analysis/plots)."""
+    """Per row, layer and kv head: the sorted original positions kept (for analysis/plots).
+
+    cache.pos: [L, B, Hkv, S] int32 and keep: [L, B, Hkv, S] bool -> nested lists [B][L][Hkv].
+    """
     pos = np.asarray(cache.pos)
     mask = np.asarray(keep)
     nl, b, h, _ = pos.shape

@@ -41,9 +41,13 @@ class Policy(Protocol):
     needs_attn_sum: ClassVar[bool]
 
     @property
-    def obs_window(self) -> int: ...
+    def obs_window(self) -> int:
+        """Trailing prompt queries per layer the forward must record (0 = none)."""
+        ...
 
-    def score(self, cache: KVCache, obs: Observation) -> jax.Array: ...
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32: higher = keep; empty slots -inf, always-kept slots +inf."""
+        ...
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +121,8 @@ def _window_attention(k: jax.Array, pos: jax.Array, q: jax.Array, q_pos: jax.Arr
 def pool1d(x: jax.Array, include: jax.Array, kernel: int, how: str) -> jax.Array:
     """Same-length 1-D pooling along the last axis where only ``include``d slots carry values.
 
+    x: [..., S] f32, include: [..., S] bool -> [..., S] f32.
+
     Excluded slots (empty, protected) and the borders act as padding: zeros counted in the
     divisor for ``avg`` (torch ``avg_pool1d`` with count_include_pad), absent for ``max``.
     """
@@ -163,6 +169,7 @@ class FullKV:
 
     @property
     def obs_window(self) -> int:
+        """Trailing prompt queries per layer this rule reads (0 = none)."""
         return 0
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
@@ -203,6 +210,7 @@ class SnapKV:
 
     @property
     def obs_window(self) -> int:
+        """Trailing prompt queries per layer this rule reads (0 = none)."""
         return self.window
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
@@ -314,6 +322,7 @@ class H2O:
 
     @property
     def obs_window(self) -> int:
+        """Trailing prompt queries per layer this rule reads (0 = none)."""
         return 0
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
@@ -345,6 +354,7 @@ class StreamingLLM:
 
     @property
     def obs_window(self) -> int:
+        """Trailing prompt queries per layer this rule reads (0 = none)."""
         return 0
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
@@ -368,6 +378,7 @@ class RandomScores:
 
     @property
     def obs_window(self) -> int:
+        """Trailing prompt queries per layer this rule reads (0 = none)."""
         return 0
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
@@ -386,6 +397,7 @@ class KeyNorm:
 
     @property
     def obs_window(self) -> int:
+        """Trailing prompt queries per layer this rule reads (0 = none)."""
         return 0
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
@@ -413,6 +425,7 @@ class TOVA:
 
     @property
     def obs_window(self) -> int:
+        """Trailing prompt queries per layer this rule reads (0 = none)."""
         return 1
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:

@@ -90,6 +90,7 @@ class Timing:
 
     @property
     def observes_drafts(self) -> bool:
+        """Whether the draft queries enter the scores ("dge" with k > 1)."""
         return self.kind == "dge" and self.draft_steps > 0
 
     def steps_per_row(self, entropy: np.ndarray, top1: np.ndarray) -> np.ndarray:
@@ -99,7 +100,10 @@ class Timing:
         return self.adaptive.steps(entropy, top1, self.draft_steps)
 
     def observation(self, prompt_obs: Observation, drafts: DraftRecord | None) -> Observation:
-        """The observation the policy scores with: the prompt's, plus drafts under "dge"."""
+        """The observation the policy scores with: the prompt's, plus drafts under "dge".
+
+        q: [L, B, Hq, W (+ K), D], q_pos / q_weight: [B, W (+ K)]; see `observation`.
+        """
         return observation(
             prompt_obs, drafts, jnp.asarray(self.observes_drafts), self.slide, self.draft_weight
         )

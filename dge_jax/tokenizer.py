@@ -66,6 +66,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -77,6 +78,7 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int | None:
+        """The id of a token string, or None if it is not in the vocabulary."""
         return self.backend.token_to_id(token)
 
     def apply_chat_template(
