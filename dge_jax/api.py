@@ -223,23 +223,40 @@ def generate_grid(
         plans.append((state, keep_mask(state.cache, obs, drafts, ev), steps))
     counts = [np.asarray(jnp.sum(keep, axis=-1)) for _, keep, _ in plans if keep is not None]
     shared_capacity = capacity_for(np.max(counts, axis=0), buffer) if counts else None
-    # Pass 2: evict (mask or compact) and decode each cell.
-    results = []
-    for ev, (state, keep, steps) in zip(cells, plans, strict=True):
-        kept = None
+    # Pass 2: evict each cell (mask or compact) ...
+    evicted = []
+    for ev, (state, keep, _) in zip(cells, plans, strict=True):
         if keep is not None:
-            kept = kept_positions(state.cache, keep)
             capacity = ev.capacity or shared_capacity
             remaining = max_new_tokens - int(np.min(np.asarray(state.step)))
             cache = apply_eviction(state.cache, keep, ev, capacity, remaining)
             state = dataclasses.replace(state, cache=cache)
-        # decode donates its state: give it buffers no other cell shares.
-        state = jax.tree.map(jnp.copy, state)
-        state = gen.decode(
-            fwd, cfg, params, state, sampler=sampler, eos_ids=eos_ids, min_new_tokens=min_new_tokens
+        evicted.append(state)
+    # ... then decode cells whose caches have the same shape as one batch: decoding reads
+    # the weights once per step for all of them, so a grid costs little more than one cell.
+    groups: dict[tuple, list[int]] = {}
+    for i, state in enumerate(evicted):
+        groups.setdefault((state.cache.capacity, state.cache.k.dtype), []).append(i)
+    finals: list[gen.DecodeState | None] = [None] * len(cells)
+    for members in groups.values():
+        # stack_states copies, so the decode below may donate it (cells share buffers).
+        stacked = gen.stack_states([evicted[i] for i in members])
+        stacked = gen.decode(
+            fwd,
+            cfg,
+            params,
+            stacked,
+            sampler=sampler,
+            eos_ids=eos_ids,
+            min_new_tokens=min_new_tokens,
         )
+        for i, part in zip(members, gen.split_state(stacked, len(members)), strict=True):
+            finals[i] = part
+    results = []
+    for state, (at_eviction, keep, steps) in zip(finals, plans, strict=True):
         out_ids = cut_at_eos(np.asarray(state.tokens)[:, :max_new_tokens], eos_ids)
         texts = [model.tokenizer.decode(ids) if model.tokenizer else "" for ids in out_ids]
+        kept = None if keep is None else kept_positions(at_eviction.cache, keep)
         results.append(
             GenerationResult(
                 prompt_tokens=[list(p) for p in prompt_ids],

@@ -367,6 +367,63 @@ def rewind(
     return state, drafts
 
 
+@jax.jit
+def stack_states(states: list[DecodeState]) -> DecodeState:
+    """One state whose batch is the given states' rows, in order (a copy of all of them).
+
+    Every cache must have the same capacity; the next write slot becomes the largest
+    `index` among them: a cache whose entries end earlier just has empty slots before it
+    (pos -1, ignored by the mask), as after compaction. limit and key come from the first.
+    """
+    first = states[0]
+    cache = KVCache(
+        k=jnp.concatenate([s.cache.k for s in states], axis=1),
+        v=jnp.concatenate([s.cache.v for s in states], axis=1),
+        pos=jnp.concatenate([s.cache.pos for s in states], axis=1),
+        index=jnp.max(jnp.stack([s.cache.index for s in states])),
+    )
+
+    def rows(name):
+        return jnp.concatenate([getattr(s, name) for s in states], axis=0)
+
+    return DecodeState(
+        cache=cache,
+        tokens=rows("tokens"),
+        step=rows("step"),
+        limit=first.limit,
+        last=rows("last"),
+        pos=rows("pos"),
+        done=rows("done"),
+        key=first.key,
+    )
+
+
+def split_state(state: DecodeState, parts: int) -> list[DecodeState]:
+    """Inverse of `stack_states` for `parts` states of equal batch size."""
+    b = state.tokens.shape[0] // parts
+
+    def take(i):
+        r = slice(i * b, (i + 1) * b)
+        cache = KVCache(
+            k=state.cache.k[:, r],
+            v=state.cache.v[:, r],
+            pos=state.cache.pos[:, r],
+            index=state.cache.index,
+        )
+        return DecodeState(
+            cache=cache,
+            tokens=state.tokens[r],
+            step=state.step[r],
+            limit=state.limit,
+            last=state.last[r],
+            pos=state.pos[r],
+            done=state.done[r],
+            key=state.key,
+        )
+
+    return [take(i) for i in range(parts)]
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("forward", "cfg", "sampler", "eos_ids", "min_new_tokens"),
