@@ -109,8 +109,10 @@ def select_for(
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
     # A row whose every head holds no more than the nominal budget is not compressed at all
     # (DESIGN §2), whatever a schedule or allocator would move between layers and heads.
+    # Only prompt entries count here: drafts are answer tokens, kept on top of a whole prompt.
     nominal = expand_budgets(budget, nl, b, hkv)
-    fits = jnp.all(cache.num_kept() <= nominal, axis=(0, 2))  # [B]
+    prompt_entries = jnp.sum(cache.valid() & ~is_draft, axis=-1, dtype=jnp.int32)
+    fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
     layer_budgets = getattr(policy, "layer_budgets", None)
     if layer_budgets is not None:
         budget = layer_budgets(budget, nl)

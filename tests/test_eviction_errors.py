@@ -1,0 +1,237 @@
+"""Bad eviction requests fail early with a clear error naming the fix (issue #3).
+
+Most checks run before anything is compiled; the few that need a model use a 1-layer random
+Llama that is never asked to generate past the check.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dge_jax import cli
+from dge_jax.api import generate
+from dge_jax.cache import Observation, init_cache
+from dge_jax.config import ModelConfig
+from dge_jax.decoding import DraftRecord
+from dge_jax.eviction import Eviction, check_eviction, select_for
+from dge_jax.families import get_family
+from dge_jax.model import Model
+from dge_jax.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM, make_policy
+from dge_jax.timing import Timing
+
+NL, B, HQ, HKV, S, D = 2, 1, 4, 2, 12, 8
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    from models.llama_like import init_params
+
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
+    return Model(get_family("llama"), cfg, init_params(cfg, jax.random.PRNGKey(0)), None)
+
+
+def _generate(model: Model, ev: Eviction, n: int = 20, max_new_tokens: int = 4):
+    prompt = [i % 32 for i in range(n)]
+    return generate(model, [prompt], max_new_tokens=max_new_tokens, eviction=ev)
+
+
+# ---------------------------------------------------------------------------------------------
+# Budgets
+
+
+@pytest.mark.parametrize("budget", [0, -3, np.array([4, 0])], ids=["0", "-3", "per-layer"])
+def test_budget_below_one(model, budget):
+    ev = Eviction(StreamingLLM(sinks=0), budget=budget, timing=Timing("prefill", 1))
+    with pytest.raises(ValueError, match=r"budget must be >= 1 entry per head, got (0|-3)"):
+        _generate(model, ev)
+
+
+def test_budget_not_an_integer():
+    with pytest.raises(ValueError, match="budget must be an integer"):
+        check_eviction(Eviction(SnapKV(), budget=64.5), max_new_tokens=8)
+
+
+@pytest.mark.parametrize(
+    "policy, timing, budget, need",
+    [
+        (SnapKV(window=8), Timing("prefill", 1), 7, 8),
+        (SnapKV(window=8), Timing("dge", 2), 8, 9),  # the draft entry is kept too
+        (SnapKV(window=8), Timing("dge_w", 4), 10, 11),  # three draft entries
+        (H2O(window=16), Timing("dge", 2), 16, 17),
+        (StreamingLLM(sinks=4), Timing("prefill", 1), 3, 4),
+        (StreamingLLM(sinks=4), Timing("dge", 3), 5, 6),
+        (PyramidKV(window=32), Timing("prefill", 1), 31, 32),
+    ],
+    ids=["snapkv", "snapkv-dge2", "snapkv-dge_w4", "h2o-dge2", "sinks", "sinks-dge3", "pyramid"],
+)
+def test_budget_smaller_than_protected_entries(model, policy, timing, budget, need):
+    ev = Eviction(policy, budget=budget, timing=timing)
+    name = type(policy).__name__
+    with pytest.raises(ValueError, match=rf"budget {budget} is smaller than what {name} always"):
+        _generate(model, ev, n=40)
+    with pytest.raises(ValueError, match=rf"= {need}\); raise the budget or shrink the window"):
+        check_eviction(ev, max_new_tokens=8)
+    check_eviction(Eviction(policy, budget=need, timing=timing), max_new_tokens=8)  # enough
+
+
+def test_per_layer_budget_for_a_scheduling_policy():
+    ev = Eviction(PyramidKV(window=8), budget=np.array([64, 32]))
+    with pytest.raises(ValueError, match="PyramidKV sets per-layer budgets itself"):
+        check_eviction(ev, max_new_tokens=8)
+
+
+def test_capacity_too_small_for_what_is_kept(model):
+    # After the draft step 2 of the 4 answer tokens exist: 10 kept + 2 to come > 11 slots.
+    ev = Eviction(SnapKV(window=4), budget=10, timing=Timing("dge", 2), capacity=11)
+    with pytest.raises(ValueError, match=r"compaction needs 12 slots per head \(10 kept \+ 2 new"):
+        _generate(model, ev, n=40, max_new_tokens=4)
+
+
+def test_unknown_head_budget():
+    with pytest.raises(ValueError, match="head_budget must be one of"):
+        Eviction(SnapKV(), head_budget="pyramid")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timings
+
+
+@pytest.mark.parametrize("k", [0, -1, 1.5, True])
+def test_k_below_one_or_not_an_integer(k):
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        Timing("dge", k)
+
+
+def test_unknown_timing_kind():
+    with pytest.raises(ValueError, match="unknown timing 'later'; choose one of prefill, dge"):
+        Timing("later", 2)
+
+
+@pytest.mark.parametrize("kind", ["dge", "dge_w"])
+def test_k_above_max_new_tokens(model, kind):
+    ev = Eviction(SnapKV(window=4), budget=8, timing=Timing(kind, 5))
+    with pytest.raises(ValueError, match="k=5 answer tokens are drafted .* max_new_tokens=4"):
+        _generate(model, ev, max_new_tokens=4)
+    check_eviction(Eviction(SnapKV(window=4), budget=8, timing=Timing(kind, 4)), 4)  # k == max
+
+
+# ---------------------------------------------------------------------------------------------
+# Policies
+
+
+def test_unknown_policy_name():
+    with pytest.raises(ValueError, match=r"unknown policy 'snapkv2'; known: full, h2o, .*tova"):
+        make_policy("snapkv2")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for policy 'snapkv'"):
+        make_policy("snapkv", windw=8)
+    assert make_policy("SnapKV", window=8) == SnapKV(window=8)  # names are case-insensitive
+
+
+def _cache_and_obs():
+    cache = init_cache(NL, B, HKV, S, D)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (NL, B, HKV, S))
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.normal(size=cache.k.shape), jnp.float32)
+    cache = type(cache)(k=k, v=k, pos=pos, index=jnp.asarray(S, jnp.int32))
+    full = Observation(
+        q=jnp.asarray(rng.normal(size=(NL, B, HQ, 4, D)), jnp.float32),
+        q_pos=jnp.asarray([[8, 9, 10, 11]], jnp.int32),
+        attn_sum=jnp.ones((NL, B, HQ, S), jnp.float32),
+        is_draft=jnp.zeros((4,), bool),
+        prompt_end=jnp.asarray([S - 1], jnp.int32),
+    )
+    return cache, full
+
+
+@pytest.mark.parametrize(
+    "policy, missing",
+    [
+        (SnapKV(window=4), "q"),
+        (TOVA(), "q"),
+        (PyramidKV(window=4), "q"),
+        (H2O(window=2), "attn_sum"),
+    ],
+    ids=["snapkv", "tova", "pyramidkv", "h2o"],
+)
+def test_policy_needs_data_the_forward_did_not_record(policy, missing):
+    cache, full = _cache_and_obs()
+    lacking = Observation(
+        q=None if missing == "q" else full.q,
+        q_pos=None if missing == "q" else full.q_pos,
+        attn_sum=None,
+        is_draft=None,
+        prompt_end=full.prompt_end,
+    )
+    message = f"this policy needs obs.{missing}, which the forward did not record"
+    with pytest.raises(ValueError, match=message):
+        policy.score(cache, lacking)
+    with pytest.raises(ValueError, match=message):
+        select_for(
+            cache, lacking, None, jnp.int32(6), jnp.asarray(False), policy=policy
+        ).block_until_ready()
+    # A draft record does not stand in for the prompt's observation.
+    none = jnp.zeros((B, 1), jnp.float32)
+    drafts = DraftRecord(
+        q=None, q_pos=jnp.full((B, 1), -1, jnp.int32), probs=None, entropy=none, top1=none
+    )
+    with pytest.raises(ValueError, match=message):
+        select_for(cache, lacking, drafts, jnp.int32(6), jnp.asarray(True), policy=policy)
+    # With everything recorded the same call works and keeps 6 entries per head on average
+    # (PyramidKV moves some between layers).
+    keep = select_for(cache, full, None, jnp.int32(6), jnp.asarray(False), policy=policy)
+    assert int(np.asarray(keep).sum()) == NL * B * HKV * 6
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def test_cli_prefill_with_k_exits_2_with_one_line(capsys):
+    argv = ["generate", "--prompt", "hello", "--policy", "snapkv", "--timing", "prefill"]
+    assert cli.main(argv + ["--k", "3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert lines == ["error: --k applies to --timing dge/dge_w; prefill evicts at k=1"]
+
+
+def test_cli_unknown_policy_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", "--prompt", "hello", "--policy", "snapkv2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --policy: invalid choice: 'snapkv2'" in err
+
+
+def test_cli_unknown_policy_option_is_one_line(checkpoint, capsys):
+    """An option the policy does not take (--kernel for H2O) is one line, not a traceback."""
+    argv = ["generate", "--model", str(checkpoint("llama_chat")), "--prompt", "hi"]
+    argv += ["--policy", "h2o"]
+    assert cli.main(argv + ["--kernel", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: unknown option(s) ['kernel'] for policy")
+
+
+def test_cli_budget_too_small_is_one_line(checkpoint, capsys):
+    argv = ["generate", "--model", str(checkpoint("llama_chat")), "--prompt", "the cat sat"]
+    argv += ["--policy", "snapkv", "--window", "8", "--budget", "8", "--timing", "dge"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: budget 8 is smaller than what SnapKV")
