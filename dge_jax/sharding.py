@@ -11,38 +11,38 @@ maps each logical name to a mesh axis, several mesh axes, or None (replicated), 
     kv_heads   model    wk/wv columns (Hkv·hd), bk/bv; the cache's Hkv axis
     mlp        model    w_gate/w_up columns, w_down rows (F)
     vocab      model    embedding rows, lm_head columns, logits [B, V]
-    embed, layers, seq, head_dim: replicated
+    embed, layers, seq, head_dim: never split
 
-so attention runs head-parallel (Megatron-style: one all-reduce after wo and one after
-w_down per layer) and rows are data-parallel. Eviction needs no communication for a
-per-head budget: scores, top-k and compaction run along the slot axis, which is never split.
-AdaKV's joint allocation ranks a layer's scores across all its heads, so XLA gathers the
-scores [L, B, Hkv, S] f32 (1/D of the keys' size) over the model axis; the keys and values
-themselves never move.
+Attention runs head-parallel (Megatron-style: an all-reduce after wo and one after w_down per
+layer) and rows data-parallel. Eviction needs no communication for per-head budgets: scores,
+top-k and compaction run along the slot axis, which is never split. AdaKV ranks a layer's
+scores across all its heads, so XLA exchanges scores [L, B, Hkv, S] f32 (1/D of the keys)
+between the model devices; keys and values never move.
 
 `AxisRules.fit` adapts the rules to one model, mesh and batch:
 
-- query heads must split evenly over the model axis (else `MeshError`): a split inside a
-  head would cut every attention score in pieces;
-- mlp or vocab sizes that do not divide are replicated (a slower but correct fallback);
-- **kv heads fewer than the model axis** (or not a multiple of it: MQA, or 8 kv heads on a
-  16-way model axis): the scaling book ("Sharding the KV cache", inference chapter) says
-  never to replicate the cache but to split the heads as far as they go and then the batch.
-  We do that: the cache's rows go over data × model together, k/v [L, B_(data·model), Hkv,
-  S, D], and wk/wv are replicated over model (they are Hq/Hkv times smaller than wq). No
-  step then moves the cache; XLA moves what attention needs to it (the book's recipe is an
-  all-to-all of q; on small models XLA may prefer to all-gather weights in prefill, so with
-  large weights keep the model axis at most the kv head count). Only when the batch does not
-  divide data × model either are the kv heads replicated over model: correct, but each
-  model device then holds its data rows' whole cache. Use batches that are multiples of
-  data × model.
+- query heads must split evenly over the model axis, else `MeshError` (a model axis wider
+  than the heads, or one that would cut a head in two); put extra devices on data.
+- mlp or vocab sizes that do not divide the model axis are replicated (slower, never wrong).
+- **kv heads fewer than the model axis** (or not a multiple of it: MQA, 8 kv heads on a 16-way
+  model axis). The scaling book (inference chapter, "sharding the KV cache") advises never to
+  replicate the cache: split its heads as far as they go, then its batch. We split the batch:
+  the cache's rows go over data × model, k/v [L, B_(data·model), Hkv, S, D], and attention
+  becomes data-parallel over the same devices: wq/wk/wv/wo are replicated over model (they are
+  the small part of a GQA model), each device computes every head for its own rows, and the
+  MLP and vocab stay split over model, so only activations of one layer's width cross devices
+  (the book moves q with all-to-alls instead; that needs annotations inside the model code,
+  and without them XLA moves a layer of the cache to the queries, which is what we avoid).
+  When the batch does not divide data × model either, rows split over data only and each
+  model device holds its rows' whole cache: correct, but the memory is not split by model.
 - a batch that does not divide the data axis is replicated over it (use batches that are a
-  multiple of the data axis, as the LongBench runner does).
+  multiple of data, or of data × model in the case above, as the LongBench runner does).
 
-Meshes use `AxisType.Auto` axes: the model code carries no sharding annotations, JAX's
-partitioner propagates the parameter and cache shardings, and `constrain_cache` pins the cache
-where it is created. Errors for meshes that cannot work (`make_mesh`, `AxisRules.fit`) are
-raised before anything compiles.
+Meshes use `AxisType.Auto` axes: the model code carries no sharding annotations and JAX's
+partitioner propagates the parameter shardings; `constrain_rows` and `constrain_cache` pin the
+inputs and the cache where the decoding steps create or update them (no-ops without a mesh).
+Errors for meshes that cannot work (`make_mesh`, `AxisRules.fit`) come before anything
+compiles.
 """
 
 from __future__ import annotations
@@ -55,11 +55,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dge_jax.cache import KVCache
+from dge_jax.cache import KVCache, init_cache
 from dge_jax.config import ModelConfig
 
 MESH_AXES = ("data", "model")
@@ -126,9 +127,9 @@ class AxisRules:
     ) -> AxisRules:
         """These rules adapted to one model, mesh (axis name -> size) and, if given, batch.
 
-        Raises `MeshError` when query heads cannot split over their axis; replicates mlp,
-        vocab and kv heads that do not divide, and moves the cache's batch onto data × model
-        when kv heads are replicated (see the module docstring).
+        Raises `MeshError` when query heads cannot split over their axis; replicates mlp and
+        vocab that do not divide; when kv heads do not divide, makes attention data-parallel
+        and, given the batch, moves its rows onto data × model (see the module docstring).
         """
         heads = _size(mesh_shape, self.heads)
         if heads > cfg.num_heads:
@@ -148,8 +149,8 @@ class AxisRules:
             if n % _size(mesh_shape, getattr(self, name)):
                 changes[name] = None  # replicated: slower, never wrong
         kv_split = cfg.num_kv_heads % _size(mesh_shape, self.kv_heads) == 0
-        if not kv_split:
-            changes["kv_heads"] = None
+        if not kv_split:  # data-parallel attention (module docstring)
+            changes["kv_heads"] = changes["heads"] = None
         if batch_size is not None:
             batch = _as_tuple(self.batch)
             if not kv_split:  # rows take over the mesh axes the kv heads cannot use
@@ -247,6 +248,28 @@ def parse_mesh(text: str, devices: Sequence[Any] | None = None) -> Mesh:
     return make_mesh(sizes.get("data", 1), sizes.get("model", 1), devices=devices)
 
 
+def row_multiple(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> int:
+    """Batch sizes should be multiples of this to split the cache fully: data, or data ×
+    model when the kv heads do not divide the model axis (data-parallel attention)."""
+    fitted = DEFAULT_RULES.fit(cfg, mesh_shape)
+    wide = _as_tuple(DEFAULT_RULES.batch)
+    if fitted.kv_heads is None:
+        wide += tuple(a for a in _as_tuple(DEFAULT_RULES.kv_heads) if a not in wide)
+    return _size(mesh_shape, wide)
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """Raises `MeshError` for a mesh this library cannot run on: other axis names, or
+    Explicit axes (`jax.make_mesh`'s default), which the unannotated model code cannot use."""
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise MeshError(f"mesh axes {mesh.axis_names} must be {MESH_AXES}; use make_mesh")
+    if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        raise MeshError(
+            f"mesh axis types {mesh.axis_types} must be Auto; build the mesh with "
+            "dge_jax.sharding.make_mesh (jax.make_mesh defaults to Explicit axes)"
+        )
+
+
 def mesh_of(tree: Any) -> Mesh | None:
     """The mesh a pytree's arrays are laid out on (None when none is on a named mesh)."""
     for leaf in jax.tree.leaves(tree):
@@ -284,6 +307,7 @@ def param_shardings(
     cfg: ModelConfig, fields: Sequence[str], mesh: Mesh, rules: AxisRules = DEFAULT_RULES
 ) -> dict[str, NamedSharding]:
     """{field: NamedSharding} on `mesh`; what sharded loading and orbax restore place into."""
+    check_mesh(mesh)
     specs = param_specs(cfg, fields, mesh.shape, rules)
     return {f: NamedSharding(mesh, s) for f, s in specs.items()}
 
@@ -324,9 +348,24 @@ def cache_shardings(
 def shard_cache(
     cache: KVCache, cfg: ModelConfig, mesh: Mesh, rules: AxisRules = DEFAULT_RULES
 ) -> KVCache:
-    """The cache laid out on `mesh`: rows over data, kv heads over model."""
+    """An existing cache laid out on `mesh`: rows over data, kv heads over model."""
     shardings = cache_shardings(cfg, cache.batch_size, mesh, rules)
     return jax.tree.map(jax.device_put, cache, shardings)
+
+
+def init_sharded_cache(
+    cfg: ModelConfig,
+    batch_size: int,
+    capacity: int,
+    mesh: Mesh,
+    dtype=jnp.float32,
+    rules: AxisRules = DEFAULT_RULES,
+) -> KVCache:
+    """An empty cache created in place on `mesh`: each device allocates only its block (no
+    whole cache is ever built on one device, unlike `shard_cache(init_cache(...))`)."""
+    shardings = cache_shardings(cfg, batch_size, mesh, rules)
+    dims = (cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+    return jax.jit(lambda: init_cache(*dims), out_shardings=shardings)()
 
 
 def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT_RULES):

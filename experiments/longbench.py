@@ -43,11 +43,11 @@ flags.DEFINE_list("methods", ["full", "snapkv"], "full, snapkv, pyramidkv, h2o, 
 flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w")
 flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
 flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")
-flags.DEFINE_integer("num_samples", None, "samples per dataset (default: synthetic 4, "
+flags.DEFINE_integer("num_samples", None, "samples per dataset (default: synthetic 3, "
                      "longbench all)")
 flags.DEFINE_integer("max_length", None, "prompt tokens kept by middle truncation (default: "
                      "the model's context minus the longest generation)")
-flags.DEFINE_integer("synthetic_length", 2048, "synthetic prompt length in model tokens")
+flags.DEFINE_integer("synthetic_length", 1536, "synthetic prompt length in model tokens")
 flags.DEFINE_integer("batch_size", 1, "samples per batch (left-padded)")
 flags.DEFINE_string("out_dir", None, "output folder (default runs/<suite>)")
 flags.DEFINE_integer("seed", 0, "synthetic suite seed (decoding is greedy)")
@@ -57,6 +57,9 @@ flags.DEFINE_integer("kernel", 7, "SnapKV/PyramidKV pooling kernel")
 flags.DEFINE_enum("pooling", "max", ["max", "avg"], "SnapKV/PyramidKV pooling")
 flags.DEFINE_enum("gqa", "mean", ["mean", "max"], "GQA aggregation of scores")
 flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens)")
+flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
+                    "sharded, and each batch of --batch_size samples is spread over the data "
+                    "axis (--batch_size must then be a multiple of it)")
 flags.DEFINE_enum("adaptive_rule", None, ["entropy", "top1"], "also run adaptive-k DGE cells "
                   "that stop drafting when the next-token entropy rises above / top-1 "
                   "probability falls below --adaptive_threshold")
@@ -84,7 +87,7 @@ def load_suite(model, suite: str, datasets: list[str], num_samples: int | None,
         unknown = [d for d in datasets if d not in synthetic.TASKS]
         if unknown:
             raise ValueError(f"unknown synthetic tasks {unknown}; known: {list(synthetic.TASKS)}")
-        return synthetic.make_suite(model.tokenizer, datasets, num_samples or 4, length, seed)
+        return synthetic.make_suite(model.tokenizer, datasets, num_samples or 3, length, seed)
     return {d: protocol.load_rows(data_dir, d, num_samples) for d in datasets}
 
 
@@ -122,7 +125,17 @@ def run(argv) -> int:
     from experiments.report import write_report
 
     started = time.time()
-    model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype)
+    mesh = None
+    if FLAGS.mesh:
+        from dge_jax.sharding import parse_mesh, row_multiple
+
+        mesh = parse_mesh(FLAGS.mesh)
+    model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
+    if mesh is not None:
+        rows = row_multiple(model.config, dict(mesh.shape))
+        if FLAGS.batch_size % rows:
+            raise ValueError(f"--batch_size {FLAGS.batch_size} must be a multiple of {rows} "
+                             f"to spread samples over the mesh {FLAGS.mesh}")
     if model.tokenizer is None:
         raise ValueError(f"{FLAGS.model} has no tokenizer.json; the runner needs one")
     cells = build_cells(FLAGS.methods, FLAGS.timings, [int(k) for k in FLAGS.k],
