@@ -188,8 +188,12 @@ def forward(
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, hkv, t)).astype(jnp.int32)
     w = min(obs_window, t)
 
-    def layer(x, scanned):
-        lp, k_l, v_l, pos_l = scanned
+    def layer(carry, scanned):
+        # The cache rides in the carry and only the T new slots of layer `i` are written
+        # (in place under jit), instead of returning every layer as a fresh stacked output,
+        # which made each decode step copy the whole cache.
+        x, k_all, v_all, pos_all = carry
+        lp, i = scanned
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         q = _linear(h, lp.wq, lp.bq).reshape(b, t, hq, hd)
         k = _linear(h, lp.wk, lp.bk).reshape(b, t, hkv, hd)
@@ -199,27 +203,28 @@ def forward(
             k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        # Write the new entries at slots [slot, slot + T) of every head of this layer.
-        k_l = jax.lax.dynamic_update_slice(
-            k_l, k.transpose(0, 2, 1, 3).astype(k_l.dtype), (0, 0, slot, 0)
+        # Write the new entries at slots [slot, slot + T) of every head of layer i.
+        k_all = jax.lax.dynamic_update_slice(
+            k_all, k.transpose(0, 2, 1, 3)[None].astype(k_all.dtype), (i, 0, 0, slot, 0)
         )
-        v_l = jax.lax.dynamic_update_slice(
-            v_l, v.transpose(0, 2, 1, 3).astype(v_l.dtype), (0, 0, slot, 0)
+        v_all = jax.lax.dynamic_update_slice(
+            v_all, v.transpose(0, 2, 1, 3)[None].astype(v_all.dtype), (i, 0, 0, slot, 0)
         )
-        pos_l = jax.lax.dynamic_update_slice(pos_l, new_pos, (0, 0, slot))
+        pos_all = jax.lax.dynamic_update_slice(pos_all, new_pos[None], (i, 0, 0, slot))
         attn, probs_sum = cached_attention(
-            q, k_l, v_l, pos_l, positions, return_probs_sum=record_attn
+            q, k_all[i], v_all[i], pos_all[i], positions, return_probs_sum=record_attn
         )
         x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         gate = jax.nn.silu(_linear(h, lp.w_gate, lp.b_gate))
         x = x + _linear(gate * _linear(h, lp.w_up, lp.b_up), lp.w_down, lp.b_down)
         q_win = q[:, t - w :].transpose(0, 2, 1, 3) if w else None  # [B, Hq, W, D]
-        return x, (k_l, v_l, pos_l, q_win, probs_sum)
+        return (x, k_all, v_all, pos_all), (q_win, probs_sum)
 
     x = params.embed[tokens]
-    x, (k_all, v_all, pos_all, q_window, probs_sum) = jax.lax.scan(
-        layer, x, (params.layers, cache.k, cache.v, cache.pos)
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_all, v_all, pos_all), (q_window, probs_sum) = jax.lax.scan(
+        layer, (x, cache.k, cache.v, cache.pos), (params.layers, layer_ids)
     )
     new_cache = KVCache(k=k_all, v=v_all, pos=pos_all, index=cache.index + t)
     out = None
