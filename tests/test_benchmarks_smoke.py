@@ -1,0 +1,247 @@
+"""Smoke test of `python -m benchmarks.run` (issue 9) at tiny sizes, without the peers' venv.
+
+The CPU suite runs its pure-JAX parts (scenario (a) on the tiny random Llama of
+`tests/tiny_model.py`, the research grid, scenario (b)) with `--tiny --no-peers`; the GPU
+suite's code path runs on CPU in bf16. Both check the JSON schema and the Markdown. The
+helpers that turn measurements into figures (FLOP counts, stage attribution, agreement, the
+kvpress compression ratio, the GPU table, the Hugging Face folder writer) are checked on
+hand-made inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from tiny_model import build_tiny_llama
+
+import dge_jax
+from benchmarks import machine, run
+from benchmarks.peers import ratio_for
+from dge_jax.config import ModelConfig
+
+
+def _finite_positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    folder = build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+    out = tmp_path_factory.mktemp("results")
+    argv = ["--suite", "cpu", "--tiny", "--model", str(folder), "--no-peers", "--out", str(out)]
+    result = run.main(argv)
+    return result, out
+
+
+def test_cpu_suite_json_schema(cpu_run):
+    result, out = cpu_run
+    saved = json.loads((out / "cpu-tiny.json").read_text())
+    assert saved["suite"] == "cpu" and saved["size"] == "tiny"
+    assert saved["command"].startswith("python -m benchmarks.run --suite cpu --tiny")
+    for key in (
+        "machine",
+        "limits",
+        "rows",
+        "grid",
+        "headline",
+        "prefill_profile",
+        "agreement",
+        "b_extras",
+        "targets",
+        "peers",
+        "load_start",
+        "load_end",
+        "date",
+        "wall_s",
+    ):
+        assert key in saved, key
+    assert _finite_positive(saved["limits"]["gflops"]) and _finite_positive(saved["limits"]["gb_s"])
+    assert saved["peers"] == {"available": False, "reason": "--no-peers"}
+
+    rows = saved["rows"]
+    for row in rows:
+        assert set(run.ROW_FIELDS) <= set(row), set(run.ROW_FIELDS) - set(row)
+        assert row["system"] == "dge_jax"  # no peers
+        for field in (
+            "prefill_tok_s",
+            "ttft_s",
+            "decode_tok_s",
+            "e2e_s",
+            "peak_mem",
+            "cache_bytes",
+            "compile_s",
+            "compilations",
+        ):
+            assert _finite_positive(row[field]), (field, row)
+    a = [r for r in rows if r["scenario"] == "a"]
+    assert {(r["prompt_tokens"], r["batch"], r["method"]) for r in a} == {
+        (256, 1, m) for m in run.A_METHODS
+    }
+    for r in a:
+        assert r["decode_steps"] == (4 if r["method"] == "SnapKV dge(2)" else 5)  # 6 new tokens
+        evicts = r["method"] != "FullKV"
+        assert (r["evict_s"] is not None) == evicts
+        assert (r["cache_bytes"] < r["cache_bytes_full"]) == evicts
+    b = [r for r in rows if r["scenario"] == "b"]
+    assert {r["method"] for r in b} == {"FullKV", "SnapKV dge(2) compacted"}
+    (extras,) = saved["b_extras"]
+    assert extras["kept_max"] <= 48 and extras["compacted_capacity"] >= 48 + 4
+
+    grid = saved["grid"]
+    assert grid["cells"] == 27 and grid["warm_compilations"] == 0
+    assert all(r["warm_compilations"] == 0 for r in a)  # the warm call compiled nothing
+    assert set(saved["headline"]["e2e_s"]) >= {f"dge_jax {m}" for m in run.A_METHODS}
+    assert saved["agreement"]["fullkv"]["prompts"] == 0  # needs the peers
+    names = [t["name"] for t in saved["targets"]]
+    assert len(names) == 9
+    measured = {t["name"]: t["met"] for t in saved["targets"] if t["met"] is not None}
+    assert any(n.startswith("(b) compacted / full decode") for n in measured)
+
+    md = (out / "cpu-tiny.md").read_text()
+    for heading in (
+        "# Benchmarks: `cpu` suite (tiny)",
+        "## Scenario (a)",
+        "## Scenario (b)",
+        "## Research grid: 27 cells",
+        "## Agreement",
+        "## Targets",
+    ):
+        assert heading in md, heading
+    assert "peers: not run (--no-peers)" in md
+
+
+def test_gpu_suite_code_path_on_cpu(tmp_path):
+    result = run.main(["--suite", "gpu", "--tiny", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "gpu-tiny.json").read_text())
+    assert saved == json.loads(json.dumps(result, default=run._json_default))
+    assert saved["peaks"]["source"] == "measured"  # a CPU is in no GPU table
+    rows = saved["rows"]
+    assert [r["method"] for r in rows] == ["FullKV", "SnapKV dge(2) compacted"]
+    for r in rows:
+        assert r["scenario"] == "gpu" and r["dtype"] == "bfloat16"
+        assert _finite_positive(r["mfu"]) and _finite_positive(r["bw_util"])
+    assert "MFU %" in (tmp_path / "gpu-tiny.md").read_text()
+
+
+def test_prefill_flops_by_hand():
+    cfg = ModelConfig(
+        "llama",
+        vocab_size=10,
+        hidden_size=4,
+        intermediate_size=6,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=2,
+    )
+    # per layer: q 4x4, k 4x2, v 4x2, o 4x4, gate/up/down 3 x 4x6 = 16+8+8+16+72 = 120
+    assert run.linear_params(cfg) == 2 * 120
+    t = 3
+    linear = 2 * 240 * t
+    attention = 2 * 2 * 2 * 2 * 2 * (1 + 2 + 3)  # q.k and p.v over 1, 2, 3 visible keys
+    assert run.prefill_flops(cfg, t, rows=2) == 2 * (linear + attention + 2 * 4 * 10)
+
+
+def _rec(stage, wall=1.0, compile_s=0.0, **extra):
+    return {"stage": stage, "wall_s": wall, "compile_s": compile_s, "compilations": 0,
+            "peak_mem": 1, **extra}  # fmt: skip
+
+
+def test_call_row_nets_out_compilation():
+    # A cold dge(2) call: it began at t = 8; its prefill compiled for 1 s and ended at t = 12.
+    records = [
+        _rec("prefill", 3.0, compile_s=1.0, t_end=12.0, compile_at_end=1.5, cache_bytes=100),
+        _rec("draft", 0.5),
+        _rec("rewind", 0.1),
+        _rec("keep_mask", 0.7, compile_s=0.5),
+        _rec("apply_eviction", 0.2, cache_bytes=10),
+        _rec("stack_states", 0.05),
+        _rec("decode", 3.5, compile_s=0.5, cache_bytes=10, steps=62),
+        _rec("split_state", 0.05),
+    ]
+    call = run.Call(wall_s=9.0, compile_s=2.5, compilations=7, records=records, t0=8.0,
+                    peak_mem=123)  # fmt: skip
+    cfg = ModelConfig("llama", vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=2)  # fmt: skip
+    limits = {"gflops": 1.0, "gb_s": 1.0}
+    row = run.call_row(call, cfg, rows=2, tokens=3, param_bytes=50, limits=limits)
+    assert row["prefill_s"] == pytest.approx(2.0)
+    assert row["ttft_s"] == pytest.approx(12.0 - 8.0 - 1.5)
+    assert row["draft_s"] == pytest.approx(0.5)
+    assert row["evict_s"] == pytest.approx(0.1 + 0.2 + 0.2)
+    assert row["decode_s"] == pytest.approx(3.0)
+    assert row["decode_tok_s"] == pytest.approx(2 * 62 / 3.0)
+    assert row["decode_gb_s"] == pytest.approx((50 + 10) * 62 / 3.0 / 1e9)
+    assert row["e2e_s"] == pytest.approx(9.0 - 2.5)
+    assert (row["compile_s"], row["compilations"], row["peak_mem"]) == (2.5, 7, 123)
+    assert (row["cache_bytes"], row["cache_bytes_full"]) == (10, 100)
+    assert row["prefill_gflops"] == pytest.approx(run.prefill_flops(cfg, 3, 2) / 2.0 / 1e9)
+
+
+def test_agreement_helpers():
+    assert run.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert run.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    full = run.fullkv_agreement(
+        [
+            {"label": "p0", "ours": [1, 2], "theirs": [1, 2], "margins": [1.0, 1.0]},
+            {"label": "p1", "ours": [1, 2], "theirs": [1, 3], "margins": [1.0, 0.01]},
+        ]
+    )
+    assert full["identical"] == 1 and full["fraction"] == 0.5
+    assert full["diverged"] == [
+        {"prompt": "p1", "step": 1, "ours": 2, "transformers": 3, "transformers_margin": 0.01}
+    ]
+    kept = run.kept_agreement(
+        [
+            {
+                "label": "p0",
+                "ours": [1],
+                "theirs": [1],
+                "ours_kept": [[[0, 5, 3]], [[1, 2]]],
+                "theirs_kept": [[[3, 5, 0]], [[1, 4]]],
+            },
+        ]
+    )
+    assert (kept["heads"], kept["kept_identical_heads"], kept["kept_identical_prompts"]) == (
+        2,
+        1,
+        0,
+    )
+    assert kept["details"][0]["first_differing_head"] == (1, 0)
+
+
+def test_kvpress_ratio_keeps_exactly_the_budget():
+    for k_len in (129, 512, 2048, 4096, 8128, 16384):
+        for budget in (64, 96, 128, 256, 512):
+            if budget < k_len:
+                assert int(k_len * (1 - ratio_for(k_len, budget))) == budget
+
+
+def test_gpu_table_and_flags():
+    assert machine.known_gpu("NVIDIA H100 80GB HBM3").name == "H100 SXM"
+    assert machine.known_gpu("NVIDIA H100 PCIe").name == "H100 PCIe"
+    assert machine.known_gpu("NVIDIA H200").name == "H200 SXM"
+    assert machine.known_gpu("cpu") is None
+    measured = {"gflops": 100.0, "gb_s": 10.0}
+    h200 = machine.peaks_for("NVIDIA H200", measured)
+    assert (h200["gflops"], h200["gb_s"]) == (989e3, 4.8e3)
+    assert machine.peaks_for("cpu", measured)["source"] == "measured"
+    flags = machine.peaks_for("cpu", measured, tflops=2.0, tb_s=0.5)
+    assert (flags["gflops"], flags["gb_s"], flags["source"]) == (2e3, 500.0, "flags")
+
+
+def test_hf_folder_round_trip(tmp_path):
+    plan = run.make_plan("cpu", "tiny")
+    _, cfg = run.kv_config(plan, 256, 1)
+    from models.llama_like import init_params
+
+    params = init_params(cfg, jax.random.PRNGKey(1))
+    run.write_hf_folder(cfg, params, tmp_path)
+    model = dge_jax.load(tmp_path)
+    assert model.config == cfg
+    for ours, loaded in zip(jax.tree.leaves(params), jax.tree.leaves(model.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(loaded))
