@@ -110,19 +110,29 @@ def _match(name: str, key_map: KeyMap) -> tuple[re.Match, str, str]:
     raise CheckpointError(f"checkpoint tensor {name!r} matches no parameter of the model")
 
 
+def _expected_match(name: str, key_map: KeyMap, cfg: ModelConfig):
+    """`_match`, then: None for a tied head saved anyway (the embedding is the head), and an
+    error for a tensor of a field this config does not have."""
+    m, field, transform = _match(name, key_map)
+    if field not in key_map.shapes:
+        if field == "lm_head" and cfg.tie_word_embeddings:
+            return None
+        raise CheckpointError(
+            f"checkpoint tensor {name!r} ({field}) is not expected by this config "
+            "(check attention_bias, qk-norm, tie_word_embeddings)"
+        )
+    return m, field, transform
+
+
 def convert(tensors, key_map: KeyMap, cfg: ModelConfig, dtype) -> Any:
     """Applies the key table to (name, array) pairs and builds the parameter pytree."""
     per_layer: dict[str, dict[int, np.ndarray]] = {}
     flat: dict[str, np.ndarray] = {}
     for name, array in tensors:
-        m, field, transform = _match(name, key_map)
-        if field not in key_map.shapes:
-            if field == "lm_head" and cfg.tie_word_embeddings:
-                continue  # a tied head saved anyway: the embedding is the head
-            raise CheckpointError(
-                f"checkpoint tensor {name!r} ({field}) is not expected by this config "
-                "(check attention_bias, qk-norm, tie_word_embeddings)"
-            )
+        matched = _expected_match(name, key_map, cfg)
+        if matched is None:
+            continue
+        m, field, transform = matched
         value = array.T if transform == "transpose" else array
         if m.groups():
             per_layer.setdefault(field, {})[int(m.group(1))] = value
@@ -206,14 +216,10 @@ def plan_tensors(
                 "not a safetensors file"
             ) from e
         for name, shape in headers:
-            m, field, transform = _match(name, key_map)
-            if field not in key_map.shapes:
-                if field == "lm_head" and cfg.tie_word_embeddings:
-                    continue  # a tied head saved anyway: the embedding is the head
-                raise CheckpointError(
-                    f"checkpoint tensor {name!r} ({field}) is not expected by this config "
-                    "(check attention_bias, qk-norm, tie_word_embeddings)"
-                )
+            matched = _expected_match(name, key_map, cfg)
+            if matched is None:
+                continue
+            m, field, transform = matched
             source = TensorSource(file, name, transform == "transpose")
             shape = shape[::-1] if source.transpose else shape
             want = key_map.shapes[field][1:] if m.groups() else key_map.shapes[field]
