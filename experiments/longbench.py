@@ -47,7 +47,8 @@ flags.DEFINE_integer("num_samples", None, "samples per dataset (default: synthet
                      "longbench all)")
 flags.DEFINE_integer("max_length", None, "prompt tokens kept by middle truncation (default: "
                      "the model's context minus the longest generation)")
-flags.DEFINE_integer("synthetic_length", 1536, "synthetic prompt length in model tokens")
+flags.DEFINE_integer("synthetic_length", 960, "synthetic prompt length in model tokens "
+                     "(with the chat template, prompts fit the 1024-token bucket)")
 flags.DEFINE_integer("batch_size", 1, "samples per batch (left-padded)")
 flags.DEFINE_string("out_dir", None, "output folder (default runs/<suite>)")
 flags.DEFINE_integer("seed", 0, "synthetic suite seed (decoding is greedy)")
