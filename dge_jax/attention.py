@@ -43,8 +43,8 @@ def cached_attention(
     s_len = k.shape[2]
     # Group the G query heads of each kv head into one [G*T] row block, so both products are
     # plain 4-D batched matmuls over (B, Hkv): XLA:CPU runs those ~4x faster than the 5-D
-    # grouped einsum. Row r of a block is query head r // T, query r % T.
-    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    # grouped einsum.
+    qg = _group_queries(q, hkv)
     scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, hkv, g, t, s_len) * (d**-0.5)
     mask = slot_mask(slot_pos, query_pos)[:, :, None, :, :]  # [B, Hkv, 1, T, S]
@@ -56,3 +56,89 @@ def cached_attention(
     out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
     probs_sum = probs.sum(axis=3).reshape(b, hq, s_len) if return_probs_sum else None
     return out, probs_sum
+
+
+def _group_queries(q: jax.Array, hkv: int) -> jax.Array:
+    """[B, T, Hq, D] -> [B, Hkv, G*T, D]: row r of a kv head's block is query head r // T,
+    query r % T (the layout `cached_attention` uses; see there)."""
+    b, t, hq, d = q.shape
+    g = hq // hkv
+    return q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+
+
+def written_slot_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_pos: jax.Array,
+    query_pos: jax.Array,
+    num_slots: jax.Array,
+    *,
+    block: int,
+    return_probs_sum: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`cached_attention` over slots [0, num_slots) only, in key blocks with an online softmax.
+
+    The cache is written front to back, so no slot at or past `num_slots` (the traced write
+    index after this call's tokens) is visible to anyone. A prefill chunk i then reads
+    (i + 1) blocks instead of the whole capacity, about half the FLOPs of a causal prompt,
+    and its score tiles are [G*T, block] instead of [G*T, S] (they stay in cache memory).
+
+    Same arguments and results as `cached_attention`, up to float summation order. Blocks:
+    block j covers slots [j*block, (j+1)*block); the last one is clamped to end at S, and
+    its slots that an earlier block already covered are masked out, so any S works.
+    """
+    b, t, hq, d = q.shape
+    hkv, s_len = k.shape[1], k.shape[2]
+    g = hq // hkv
+    block = min(block, s_len)
+    qg = _group_queries(q, hkv) * jnp.asarray(d**-0.5, q.dtype)
+    row_pos = jnp.tile(query_pos, (1, g))[:, None, :, None]  # [B, 1, G*T, 1]
+    num_blocks = (num_slots + block - 1) // block
+
+    def scores_of(j):
+        """Block j's start, masked scores [B, Hkv, G*T, block] f32 and mask."""
+        start = jnp.minimum(j * block, s_len - block)
+        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
+        pb = jax.lax.dynamic_slice_in_dim(slot_pos, start, block, axis=2)[:, :, None, :]
+        fresh = start + jnp.arange(block) >= j * block  # not already seen by block j - 1
+        mask = (pb >= 0) & (pb <= row_pos) & fresh
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, kb, preferred_element_type=jnp.float32)
+        return start, jnp.where(mask, s, _MASKED), mask
+
+    def online(j, carry):
+        # Running max m, normaliser norm and unnormalised output acc: rescaled by exp(m - m_new)
+        # whenever a block raises the max. A row whose blocks are all masked so far holds
+        # m = _MASKED and p = 1 per slot (the dense version's uniform row); its first visible
+        # slot resets it, as exp(_MASKED - m_new) = 0.
+        m, norm, acc = carry
+        start, s, _ = scores_of(j)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
+        pv = jnp.einsum("bkqs,bksd->bkqd", p.astype(v.dtype), vb,
+                        preferred_element_type=jnp.float32)  # fmt: skip
+        return m_new, norm * scale + p.sum(axis=-1), acc * scale[..., None] + pv
+
+    rows = (b, hkv, g * t)
+    init = (jnp.full(rows, _MASKED, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros((*rows, d), jnp.float32))  # fmt: skip
+    m, norm, acc = jax.lax.fori_loop(0, num_blocks, online, init)
+    out = (acc / norm[..., None]).astype(v.dtype)
+    out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    if not return_probs_sum:
+        return out, None
+
+    def probs_sum(j, total):
+        # Second pass with the final (m, norm): each block's normalised probabilities, summed
+        # over the T queries; padding queries (every slot masked) contribute nothing.
+        start, s, mask = scores_of(j)
+        p = jnp.exp(s - m[..., None]) / norm[..., None] * mask
+        part = p.reshape(b, hkv, g, t, block).sum(axis=3).reshape(b, hq, block)
+        return jax.lax.dynamic_update_slice_in_dim(
+            total, jax.lax.dynamic_slice_in_dim(total, start, block, axis=2) + part, start, axis=2
+        )
+
+    total = jax.lax.fori_loop(0, num_blocks, probs_sum, jnp.zeros((b, hq, s_len), jnp.float32))
+    return out, total

@@ -95,7 +95,9 @@ def prefill(
     def step(carry, xs):
         cache, q_buf, qpos_buf, attn, _ = carry
         tok, pos = xs
-        out = forward(cfg, params, tok, pos, cache, obs_window=w, record_attn=record_attn)
+        out = forward(
+            cfg, params, tok, pos, cache, obs_window=w, record_attn=record_attn, key_block=c
+        )
         if w:
             # Rolling window: append this chunk's last min(W, c) queries, keep the last W.
             q_buf = jnp.concatenate([q_buf, out.q_window], axis=3)[:, :, :, -w:]

@@ -35,7 +35,7 @@ class ForwardOutput(NamedTuple):
 
 
 # forward(config, params, tokens [B, T], positions [B, T], cache, *, obs_window, record_attn,
-#         logits) -> ForwardOutput
+#         logits, key_block) -> ForwardOutput
 ForwardFn = Callable[..., ForwardOutput]
 
 

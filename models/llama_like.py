@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.attention import cached_attention
+from dge_jax.attention import cached_attention, written_slot_attention
 from dge_jax.cache import KVCache
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardOutput
@@ -173,13 +173,16 @@ def forward(
     obs_window: int = 0,
     record_attn: bool = False,
     logits: str = "last",
+    key_block: int = 0,
 ) -> ForwardOutput:
     """Runs T new tokens through the model, writing their K/V at slots [index, index + T).
 
     tokens, positions: [B, T] int32 (position -1 marks a padding token: it is written with
     pos -1, so no query ever sees it). logits: "last" -> [B, V], "all" -> [B, T, V], "none".
     obs_window > 0 also returns the last min(obs_window, T) queries per layer; record_attn
-    returns per-slot attention sums of these T queries (see `ForwardOutput`).
+    returns per-slot attention sums of these T queries (see `ForwardOutput`). key_block > 0
+    attends over the written slots [0, index + T) only, in blocks of that many keys
+    (`written_slot_attention`: what a prefill chunk wants); 0 reads the whole capacity.
     """
     b, t = tokens.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -211,9 +214,15 @@ def forward(
             v_all, v.transpose(0, 2, 1, 3)[None].astype(v_all.dtype), (i, 0, 0, slot, 0)
         )
         pos_all = jax.lax.dynamic_update_slice(pos_all, new_pos[None], (i, 0, 0, slot))
-        attn, probs_sum = cached_attention(
-            q, k_all[i], v_all[i], pos_all[i], positions, return_probs_sum=record_attn
-        )
+        if key_block:
+            attn, probs_sum = written_slot_attention(
+                q, k_all[i], v_all[i], pos_all[i], positions, slot + t, block=key_block,
+                return_probs_sum=record_attn,
+            )  # fmt: skip
+        else:
+            attn, probs_sum = cached_attention(
+                q, k_all[i], v_all[i], pos_all[i], positions, return_probs_sum=record_attn
+            )
         x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         gate = jax.nn.silu(_linear(h, lp.w_gate, lp.b_gate))
