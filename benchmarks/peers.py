@@ -1,13 +1,13 @@
 """The peers' side of the benchmark: transformers `generate` (FullKV) and kvpress presses.
 
 Runs inside the peers' virtual environment (`bash benchmarks/setup_peers.sh`), never in
-dge_jax's own: kvpress 0.5.5 needs transformers < 5.3. `python -m benchmarks.run` writes a
-JSON file of jobs, runs
+dge_jax's own: kvpress 0.5.5 needs transformers < 5.3. `python -m benchmarks.run` starts
 
-    benchmarks/.peers/venv/bin/python benchmarks/peers.py --jobs JOBS.json --out OUT.json
+    benchmarks/.peers/venv/bin/python benchmarks/peers.py --serve
 
-and reads the results back. Self-contained on purpose: it imports only torch, transformers,
-kvpress, psutil and the standard library, never dge_jax or jax.
+once and exchanges JSON lines with it (a job in, its figures out); `--jobs JOBS.json --out
+OUT.json` runs a file of jobs by hand. Self-contained on purpose: it imports only torch,
+transformers, kvpress, psutil and the standard library, never dge_jax or jax.
 
 Every job loads its model folder (the same config.json + model.safetensors dge_jax loads) in
 float32 once per process, feeds the given token ids (no tokenizer: both sides see identical
@@ -325,31 +325,59 @@ def versions() -> dict:
 RUNNERS = {"transformers": run_transformers, "kvpress": run_kvpress}
 
 
+def run_job(job: dict, rss: RssSampler, warmed: set[str]) -> dict:
+    """Loads (and warms up, once per folder) the job's model, runs it, returns its figures."""
+    start = time.perf_counter()
+    load_model(job["folder"])
+    if job["folder"] not in warmed:
+        warm_up(job["folder"])
+        warmed.add(job["folder"])
+    setup_s = time.perf_counter() - start
+    result = RUNNERS[job["system"]](job, rss)
+    result |= {"id": job["id"], "system": job["system"], "setup_s": setup_s}
+    print(
+        f"[peers] {job['id']}: {result['e2e_s']:.2f} s (prefill {result['prefill_s']:.2f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+def serve() -> None:
+    """Worker mode: a first line {"versions": ...}, then one JSON job per stdin line answered
+    by one JSON result line on stdout (everything else the libraries print goes to stderr).
+
+    `benchmarks.run` keeps one worker for the whole run and sends it each configuration's
+    jobs right after timing dge_jax on it, so both sides are measured minutes apart, under
+    the same machine load, and the models load once.
+    """
+    out, sys.stdout = sys.stdout, sys.stderr
+    rss, warmed = RssSampler(), set()
+    out.write(json.dumps({"versions": versions(), "pid": os.getpid()}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        if line.strip():
+            out.write(json.dumps(run_job(json.loads(line), rss, warmed)) + "\n")
+            out.flush()
+    rss.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--jobs", required=True, help="JSON file: {'jobs': [...]}")
-    p.add_argument("--out", required=True, help="JSON file to write the results to")
+    p.add_argument("--serve", action="store_true", help="worker mode: JSON lines on stdin/out")
+    p.add_argument("--jobs", help="JSON file: {'jobs': [...]}")
+    p.add_argument("--out", help="JSON file to write the results to")
     args = p.parse_args(argv)
+    if args.serve:
+        serve()
+        return
+    if not (args.jobs and args.out):
+        p.error("give --serve, or --jobs and --out")
     with open(args.jobs) as f:
         spec = json.load(f)
-    rss = RssSampler()
-    results, warmed = [], set()
+    rss, warmed = RssSampler(), set()
     start = time.perf_counter()
-    for job in spec["jobs"]:
-        load_start = time.perf_counter()
-        load_model(job["folder"])
-        if job["folder"] not in warmed:
-            warm_up(job["folder"])
-            warmed.add(job["folder"])
-        setup_s = time.perf_counter() - load_start
-        result = RUNNERS[job["system"]](job, rss)
-        result |= {"id": job["id"], "system": job["system"], "setup_s": setup_s}
-        results.append(result)
-        print(
-            f"[peers] {job['id']}: {result['e2e_s']:.2f} s (prefill {result['prefill_s']:.2f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+    results = [run_job(job, rss, warmed) for job in spec["jobs"]]
     rss.close()
     with open(args.out, "w") as f:
         json.dump(

@@ -579,11 +579,11 @@ def prefill_profile(model, tokens: int, new_tokens: int, chunk: int = api.DEFAUL
 
     Times, each compiled ahead and on random data of the prefill's own shapes: the linear
     layers alone (q, k, v, o, gate, up, down, chunk by chunk over every layer) and the library's
-    `cached_attention` alone (every chunk of queries over the full-capacity cache layer, which
+    `written_slot_attention` alone (chunk i's queries over the i + 1 written key blocks, which
     is what the chunked prefill computes); the rest of the prefill is norms, RoPE, cache
     writes and the LM head. (XLA's cost analysis does not see inside the prefill's scans.)
     """
-    from dge_jax.attention import cached_attention
+    from dge_jax.attention import written_slot_attention
 
     cfg, params = model.config, model.params
     t = api.bucket_length(tokens, chunk)
@@ -620,7 +620,9 @@ def prefill_profile(model, tokens: int, new_tokens: int, chunk: int = api.DEFAUL
             )
 
             def per_layer(acc, kv):
-                out, _ = cached_attention(q[i], kv[0], kv[1], slot_pos, query_pos)
+                out, _ = written_slot_attention(
+                    q[i], kv[0], kv[1], slot_pos, query_pos, (i + 1) * c, block=c
+                )
                 return acc + jnp.sum(out), None
 
             return jax.lax.scan(per_layer, acc, (k, v))[0], None
@@ -634,6 +636,7 @@ def prefill_profile(model, tokens: int, new_tokens: int, chunk: int = api.DEFAUL
     linear_s = best(linear_only, params.layers, x)
     attention_s = best(attention_only, q, k, v)
     linear_flops = 2 * linear_params(cfg) * t
+    done = 4.0 * cfg.num_layers * hq * hd * c * c * n * (n + 1) / 2
     return {
         "tokens": tokens,
         "bucket": t,
@@ -642,11 +645,11 @@ def prefill_profile(model, tokens: int, new_tokens: int, chunk: int = api.DEFAUL
         "linear_s": linear_s,
         "linear_gflops": linear_flops / linear_s / 1e9,
         "attention_s": attention_s,
-        # What the chunked attention performs (every chunk over all `capacity` slots) and the
-        # causal part of it that the model needs.
-        "attention_flops_done": 4.0 * cfg.num_layers * hq * hd * t * capacity,
+        # What the chunked attention performs (chunk i over (i + 1) * c slots) and the causal
+        # part of it that the model needs.
+        "attention_flops_done": done,
         "attention_flops_causal": 4.0 * cfg.num_layers * hq * hd * t * (t + 1) / 2,
-        "attention_gflops_done": 4.0 * cfg.num_layers * hq * hd * t * capacity / attention_s / 1e9,
+        "attention_gflops_done": done / attention_s / 1e9,
     }
 
 
@@ -906,42 +909,45 @@ def write_hf_folder(cfg: ModelConfig, params, folder: pathlib.Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_peers(jobs: list[dict], python: pathlib.Path = PEERS_PYTHON) -> dict:
-    """Runs `jobs` with benchmarks/peers.py in the peers' venv; {"available", ...results}."""
-    if not jobs:
-        return {"available": False, "reason": "no peer jobs in this plan", "results": {}}
-    if not python.exists():
-        return {
-            "available": False,
-            "results": {},
-            "reason": f"{python} is missing; run `{SETUP_COMMAND}`",
-        }
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs_path, out_path = pathlib.Path(tmp, "jobs.json"), pathlib.Path(tmp, "out.json")
-        jobs_path.write_text(json.dumps({"jobs": jobs}))
-        cmd = [
-            str(python),
-            str(ROOT / "peers.py"),
-            "--jobs",
-            str(jobs_path),
-            "--out",
-            str(out_path),
-        ]
-        log(f"[peers] {len(jobs)} jobs in {python.parent.parent}")
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
-        if proc.returncode:
-            return {
-                "available": False,
-                "results": {},
-                "reason": f"peers.py exited with {proc.returncode}: {proc.stdout[-2000:]}",
-            }
-        data = json.loads(out_path.read_text())
-    return {
-        "available": True,
-        "versions": data["versions"],
-        "wall_s": data["wall_s"],
-        "results": {r["id"]: r for r in data["results"]},
-    }
+class Peers:
+    """The peers' worker: `benchmarks/peers.py --serve` in the peers' venv, one for the run.
+
+    `run(jobs)` sends jobs as JSON lines and waits for each result, so a configuration's peer
+    runs follow its dge_jax runs within minutes, under the same machine load, and the two
+    processes never compute at the same time.
+    """
+
+    def __init__(self, python: pathlib.Path = PEERS_PYTHON):
+        cmd = [str(python), str(ROOT / "peers.py"), "--serve"]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)  # fmt: skip
+        hello = self.proc.stdout.readline()
+        if not hello:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {self.proc.wait()}")
+        self.versions = json.loads(hello)["versions"]
+        self.results: dict[str, dict] = {}
+
+    @classmethod
+    def start(cls, use: bool) -> tuple[Peers | None, str]:
+        """(the worker, "") or (None, why there is none)."""
+        if not use:
+            return None, "--no-peers"
+        if not PEERS_PYTHON.exists():
+            return None, f"{PEERS_PYTHON} is missing; run `{SETUP_COMMAND}`"
+        return cls(), ""
+
+    def run(self, jobs: list[dict]) -> None:
+        for job in jobs:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the peers' worker died on job {job['id']}")
+            self.results[job["id"]] = json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def peer_row(
@@ -1051,133 +1057,26 @@ def kept_agreement(pairs: list[dict]) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def cpu_suite(
-    plan: Plan, limits: dict, compiles: CompileLog, memory: Memory, use_peers: bool
-) -> dict:
-    """Scenarios (a) and (b), the grid, peers and agreement; returns the result sections."""
+def cpu_suite(plan: Plan, limits: dict, compiles: CompileLog, memory: Memory,
+              use_peers: bool) -> dict:  # fmt: skip
+    """Scenarios (a) and (b), the grid, peers and agreement; returns the result sections.
+
+    Every configuration runs dge_jax first, then the peers' jobs of that configuration."""
     timer = StageTimer(compiles, memory)
     out: dict = {"rows": [], "b_extras": []}
-    jobs: list[dict] = []
-    model = eos_ids = None
-    prompts: dict[int, list[list[int]]] = {}
-    a_results: dict[tuple[int, int], dict] = {}
-    if plan.a_configs:
-        start = time.perf_counter()
-        model = dge_jax.load(plan.model)
-        eos_ids = list(model.tokenizer.eos_ids)
-        out["model"] = {
-            "name": plan.model,
-            "path": str(model.path),
-            "config": str(model.config),
-            "load_s": time.perf_counter() - start,
-            "param_bytes": tree_bytes(model.params),
-        }
-        for tokens in sorted({t for t, _ in plan.a_configs}):
-            count = max(b for t, b in plan.a_configs if t == tokens)
-            prompts[tokens] = make_prompts(model.tokenizer, tokens, count)
-        for tokens, batch in plan.a_configs:
-            log(f"[a] {tokens} tokens x {batch}")
-            rows, results = run_embedded_config(
-                model, prompts[tokens], tokens, batch, plan, timer, limits
-            )
-            out["rows"] += rows
-            a_results[(tokens, batch)] = results
-        head_tokens, _ = plan.headline
-        log(f"[a] prefill profile at {head_tokens} tokens")
-        out["prefill_profile"] = prefill_profile(model, head_tokens, plan.new_tokens)
-        log(f"[grid] {len(GRID_POLICIES) * len(GRID_TIMINGS) * len(plan.grid_budgets)} cells")
-        out["grid"] = run_grid(model, prompts[head_tokens][0], plan, timer)
-        folder, n = str(model.path), plan.new_tokens
-        for tokens, batch in plan.a_configs:
-            jobs.append(
-                {
-                    "id": f"a/{tokens}/{batch}/transformers",
-                    "system": "transformers",
-                    "folder": folder,
-                    "prompts": prompts[tokens][:batch],
-                    "new_tokens": n,
-                    "eos_ids": eos_ids,
-                }
-            )
-        for tokens, rows in prompts.items():
-            for p, ids in enumerate(rows):
-                jobs.append(
-                    {
-                        "id": f"a/{tokens}/p{p}/kvpress",
-                        "system": "kvpress",
-                        "folder": folder,
-                        "prompts": [ids],
-                        "new_tokens": n,
-                        "eos_ids": eos_ids,
-                        "press": "snapkv",
-                        "budget": plan.budget,
-                        "record_kept": True,
-                    }
-                )
-        # kvpress has no draft timing: its three "timings" of a (policy, budget) cell are one
-        # and the same run, so each distinct run is timed once and counted for all three.
-        for name, _ in GRID_POLICIES:
-            for timing in ("prefill",):
-                for budget in plan.grid_budgets:
-                    jobs.append(
-                        {
-                            "id": f"grid/{name}/{timing}/{budget}",
-                            "system": "kvpress",
-                            "folder": folder,
-                            "prompts": [prompts[head_tokens][0]],
-                            "new_tokens": n,
-                            "eos_ids": eos_ids,
-                            "press": name,
-                            "budget": budget,
-                        }
-                    )
-    b_prompts = {}
-    for tokens, batch in plan.b_configs:
-        log(f"[b] {tokens} tokens x {batch}")
-        rows, extras = run_kv_config(plan, tokens, batch, compiles, memory, limits)
-        out["rows"] += rows
-        b_prompts[(tokens, batch)] = extras.pop("prompt")
-        out["b_extras"].append(extras)
-    if plan.b_peers and plan.b_configs and use_peers and PEERS_PYTHON.exists():
-        from models.llama_like import init_params
-
-        longest = max(t for t, _ in plan.b_configs)
-        _, cfg = kv_config(plan, longest, 1, max_tokens=longest + plan.b_new_tokens)
-        folder = pathlib.Path(tempfile.mkdtemp(prefix="dge_bench_b_"))
-        write_hf_folder(cfg, init_params(cfg, jax.random.PRNGKey(0), jnp.float32), folder)
-        out["b_folder"] = str(folder)
-        for (tokens, batch), prompt in b_prompts.items():
-            if batch != 1:
-                continue
-            common = {
-                "folder": str(folder),
-                "prompts": prompt,
-                "new_tokens": plan.b_new_tokens,
-                "eos_ids": [],
-            }
-            jobs.append({"id": f"b/{tokens}/1/transformers", "system": "transformers", **common})
-            jobs.append(
-                {
-                    "id": f"b/{tokens}/1/kvpress",
-                    "system": "kvpress",
-                    "press": "snapkv",
-                    "budget": plan.b_budget,
-                    "window": plan.b_window,
-                    **common,
-                }
-            )
-    peers = (
-        run_peers(jobs)
-        if use_peers
-        else {"available": False, "results": {}, "reason": "--no-peers"}
-    )
-    out["peers"] = {k: v for k, v in peers.items() if k != "results"}
+    peers, reason = Peers.start(use_peers)
+    out["peers"] = {"available": True, "versions": peers.versions} if peers else {
+        "available": False, "reason": reason}  # fmt: skip
+    try:
+        a_results = embedded_suite(plan, limits, timer, peers, out) if plan.a_configs else {}
+        kv_suite(plan, limits, compiles, memory, peers, out)
+    finally:
+        if peers:
+            peers.close()
+    res = peers.results if peers else {}
     out["peer_results"] = {
-        k: {f: v for f, v in r.items() if f not in ("kept", "margins")}
-        for k, r in peers["results"].items()
+        k: {f: v for f, v in r.items() if f not in ("kept", "margins")} for k, r in res.items()
     }
-    res = peers["results"]
-    # Peer rows of the tables.
     for tokens, batch in plan.a_configs:
         if (r := res.get(f"a/{tokens}/{batch}/transformers")) is not None:
             out["rows"].append(peer_row(r, "a", "FullKV", tokens, batch, None))
@@ -1199,6 +1098,91 @@ def cpu_suite(
             out["grid"]["kvpress_total_s"] = len(GRID_TIMINGS) * sum(r["e2e_s"] for r in grid_jobs)
         out["agreement"] = agreement(plan, a_results, res)
     return out
+
+
+def embedded_suite(plan: Plan, limits: dict, timer: StageTimer, peers: Peers | None,
+                   out: dict) -> dict:  # fmt: skip
+    """Scenario (a), the prefill profile and the grid, each configuration followed by its
+    peer jobs. Returns the warm dge_jax results per configuration (for agreement)."""
+    start = time.perf_counter()
+    model = dge_jax.load(plan.model)
+    eos_ids = list(model.tokenizer.eos_ids)
+    out["model"] = {
+        "name": plan.model,
+        "path": str(model.path),
+        "config": str(model.config),
+        "load_s": time.perf_counter() - start,
+        "param_bytes": tree_bytes(model.params),
+    }
+    prompts: dict[int, list[list[int]]] = {}
+    for tokens in sorted({t for t, _ in plan.a_configs}):
+        count = max(b for t, b in plan.a_configs if t == tokens)
+        prompts[tokens] = make_prompts(model.tokenizer, tokens, count)
+    common = {"folder": str(model.path), "new_tokens": plan.new_tokens, "eos_ids": eos_ids}
+    a_results: dict[tuple[int, int], dict] = {}
+    kvpress_done: set[tuple[int, int]] = set()
+    for tokens, batch in plan.a_configs:
+        log(f"[a] {tokens} tokens x {batch}")
+        rows, results = run_embedded_config(
+            model, prompts[tokens], tokens, batch, plan, timer, limits
+        )
+        out["rows"] += rows
+        a_results[(tokens, batch)] = results
+        if peers:
+            jobs = [{"id": f"a/{tokens}/{batch}/transformers", "system": "transformers",
+                     "prompts": prompts[tokens][:batch], **common}]  # fmt: skip
+            for p in range(batch):  # kvpress runs batch 1: one job per prompt (agreement)
+                if (tokens, p) not in kvpress_done:
+                    kvpress_done.add((tokens, p))
+                    jobs.append({"id": f"a/{tokens}/p{p}/kvpress", "system": "kvpress",
+                                 "prompts": [prompts[tokens][p]], "press": "snapkv",
+                                 "budget": plan.budget, "record_kept": True, **common})  # fmt: skip
+            log(f"[a] peers: {len(jobs)} jobs")
+            peers.run(jobs)
+    head_tokens, _ = plan.headline
+    log(f"[a] prefill profile at {head_tokens} tokens")
+    out["prefill_profile"] = prefill_profile(model, head_tokens, plan.new_tokens)
+    log(f"[grid] {len(GRID_POLICIES) * len(GRID_TIMINGS) * len(plan.grid_budgets)} cells")
+    out["grid"] = run_grid(model, prompts[head_tokens][0], plan, timer)
+    if peers:
+        # kvpress has no draft timing: the three "timings" of a (policy, budget) cell are one
+        # and the same run, so each distinct run is timed once and counted for all three.
+        jobs = [{"id": f"grid/{name}/prefill/{budget}", "system": "kvpress",
+                 "prompts": [prompts[head_tokens][0]], "press": name, "budget": budget, **common}
+                for name, _ in GRID_POLICIES for budget in plan.grid_budgets]  # fmt: skip
+        log(f"[grid] peers: {len(jobs)} kvpress runs")
+        peers.run(jobs)
+    return a_results
+
+
+def kv_suite(plan: Plan, limits: dict, compiles: CompileLog, memory: Memory,
+             peers: Peers | None, out: dict) -> None:  # fmt: skip
+    """Scenario (b), each batch-1 configuration followed by its peer jobs (same weights,
+    written as a Hugging Face folder)."""
+    folder = None
+    if peers and plan.b_peers and plan.b_configs:
+        from models.llama_like import init_params
+
+        longest = max(t for t, _ in plan.b_configs)
+        _, cfg = kv_config(plan, longest, 1, max_tokens=longest + plan.b_new_tokens)
+        folder = pathlib.Path(tempfile.mkdtemp(prefix="dge_bench_b_"))
+        write_hf_folder(cfg, init_params(cfg, jax.random.PRNGKey(0), jnp.float32), folder)
+        out["b_folder"] = str(folder)
+    for tokens, batch in plan.b_configs:
+        log(f"[b] {tokens} tokens x {batch}")
+        rows, extras = run_kv_config(plan, tokens, batch, compiles, memory, limits)
+        out["rows"] += rows
+        prompt = extras.pop("prompt")
+        out["b_extras"].append(extras)
+        if folder is not None and batch == 1:
+            common = {"folder": str(folder), "prompts": prompt, "new_tokens": plan.b_new_tokens,
+                      "eos_ids": []}  # fmt: skip
+            log("[b] peers: 2 jobs")
+            peers.run([
+                {"id": f"b/{tokens}/1/transformers", "system": "transformers", **common},
+                {"id": f"b/{tokens}/1/kvpress", "system": "kvpress", "press": "snapkv",
+                 "budget": plan.b_budget, "window": plan.b_window, **common},
+            ])  # fmt: skip
 
 
 def agreement(plan: Plan, a_results: dict, res: dict) -> dict:
@@ -1593,7 +1577,7 @@ def markdown(result: dict) -> str:
                 ["linear layers alone", _f(p["linear_s"]), _f(p["linear_gflops"], ".1f"),
                  f"chunks of {p['chunk']} tokens"],
                 ["chunked attention alone", _f(p["attention_s"]), _f(p["attention_gflops_done"],
-                 ".1f"), f"every chunk over all {p['capacity']} slots: "
+                 ".1f"), f"chunk i over its {p['chunk']}-key blocks 0..i: "
                  f"{p['attention_flops_done'] / p['attention_flops_causal']:.2f}x causal FLOPs"],
                 ["the rest", _f(other), "–", "norms, RoPE, cache writes, LM head"],
             ],
