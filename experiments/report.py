@@ -179,38 +179,39 @@ def mcnemar_exact(wins: int, losses: int) -> float:
 
 
 def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
-    """Each DGE / DGE-W cell against its method's prefill cell at the same budget, on the
-    samples both have: a sample is correct when its row score >= `correct_at`; wins are
-    samples only the cell gets right, losses those only the baseline gets right."""
+    """Each DGE / DGE-W cell against its method's prefill cell at the same budget, then each
+    DGE cell against the DGE-W cell of the same k and budget (the drafted queries' own effect,
+    timing held fixed), on the samples both have: a sample is correct when its row score >=
+    `correct_at`; wins are samples only the cell gets right, losses those only the other."""
     per_cell = sample_scores(rows)
     k_used: dict[str, list[int]] = defaultdict(list)
     for (_, cell), group in latest_rows(rows).items():
         k_used[cell] += [r["k"] for r in group if r.get("k") is not None]
-    out = []
-    for cell in sorted(per_cell, key=_cell_order):
-        c = parse_cell_id(cell)
-        if c.method == "full" or c.timing == "prefill":
-            continue
-        base_id = f"{c.method}/prefill/b{c.budget}"
-        if base_id not in per_cell:
-            continue
-        base = per_cell[base_id]
-        common = sorted(set(per_cell[cell]) & set(base))
+
+    def pair(cell: str, base_id: str) -> dict | None:
+        base = per_cell.get(base_id)
+        common = sorted(set(per_cell[cell]) & set(base or ()))
         if not common:
-            continue
+            return None
         mine = [per_cell[cell][s] >= correct_at for s in common]
         theirs = [base[s] >= correct_at for s in common]
         wins = sum(m and not t for m, t in zip(mine, theirs, strict=True))
         losses = sum(t and not m for m, t in zip(mine, theirs, strict=True))
         ks = k_used.get(cell, [])
-        out.append({
+        return {
             "cell": cell, "baseline": base_id, "samples": len(common),
             "accuracy": round(100 * sum(mine) / len(common), 2),
             "baseline_accuracy": round(100 * sum(theirs) / len(common), 2),
             "wins": wins, "losses": losses, "p": round(mcnemar_exact(wins, losses), 4),
             "mean_k": round(sum(ks) / len(ks), 2) if ks else None,
-        })
-    return out
+        }
+
+    cells = [(cell, parse_cell_id(cell)) for cell in sorted(per_cell, key=_cell_order)]
+    drafted = [(cell, c) for cell, c in cells if c.method != "full" and c.timing != "prefill"]
+    against_prefill = [pair(cell, f"{c.method}/prefill/b{c.budget}") for cell, c in drafted]
+    against_dge_w = [pair(cell, cell.replace("/dge/", "/dge_w/", 1))
+                     for cell, c in drafted if c.timing == "dge"]  # fmt: skip
+    return [p for p in against_prefill + against_dge_w if p is not None]
 
 
 def paired_table(comparisons: list[dict]) -> str:
@@ -273,8 +274,9 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     (out_dir / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
     table = markdown_table(scores)
     if comparisons:
-        table += ("\nPaired against the prefill baseline (correct = row score >= 0.5; exact "
-                  "McNemar test):\n\n" + paired_table(comparisons))
+        table += ("\nPaired comparisons on the same samples: each DGE / DGE-W cell against the "
+                  "prefill baseline, then DGE against DGE-W at the same k and budget (correct = "
+                  "row score >= 0.5; exact McNemar test):\n\n" + paired_table(comparisons))
     (out_dir / "results.md").write_text(table)
     plot(scores, out_dir)
     plot_accuracy_vs_k(scores, out_dir)

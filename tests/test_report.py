@@ -185,6 +185,22 @@ def test_paired_comparisons_by_hand():
     }]
 
 
+def test_dge_is_also_paired_with_dge_w_at_the_same_k_and_budget():
+    """DGE vs DGE-W isolates the drafted queries: same eviction time, same kept drafts."""
+    base, dge, dge_w = "snapkv/prefill/b16", "snapkv/dge/k3/b16", "snapkv/dge_w/k3/b16"
+    rows = []
+    # samples: a b c d e; prefill right on a; DGE right on a b c d; DGE-W right on a e.
+    for sample, b, d, w in zip("abcde", "1xxxx", "1111x", "1xxx1", strict=True):
+        rows += [line("passkey", base, sample, b, ["1"]), line("passkey", dge, sample, d, ["1"]),
+                 line("passkey", dge_w, sample, w, ["1"])]
+    pairs = {(p["cell"], p["baseline"]): p for p in report.paired_comparisons(rows)}
+    assert set(pairs) == {(dge, base), (dge_w, base), (dge, dge_w)}
+    vs_w = pairs[(dge, dge_w)]
+    assert (vs_w["accuracy"], vs_w["baseline_accuracy"]) == (80.0, 40.0)
+    assert (vs_w["wins"], vs_w["losses"]) == (3, 1)  # b c d vs e
+    assert vs_w["p"] == report.mcnemar_exact(3, 1) == 0.625  # 2 * (1 + 4) / 16
+
+
 ADAPTIVE_PAIR = ("snapkv/dge/k8/b16", "snapkv/dge/k8a/b16")
 
 
