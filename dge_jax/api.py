@@ -207,6 +207,10 @@ def generate_grid(
     # Pass 1: every cell's keep mask (cheap), so all compacted cells can share one capacity
     # and hence one compiled decode loop.
     plans = []  # (state at the eviction point, keep mask or None, draft steps per row)
+    # One rewound state per distinct steps-per-row, shared by the cells that need it: each
+    # rewind returns a fresh copy of the whole cache, which per cell made a 45-cell grid
+    # hold 45 full caches at once.
+    rewound: dict[tuple[int, ...], tuple[gen.DecodeState, gen.DraftRecord]] = {}
     for ev in cells:
         if ev is None:
             plans.append((start, None, None))
@@ -216,9 +220,12 @@ def generate_grid(
             # "prefill" cells rewind to 0 steps: the pre-draft cache, with the draft record
             # masked out, so the three timings share one compiled scorer.
             steps = ev.timing.steps_per_row(entropy, top1)
-            state, drafts = gen.rewind(
-                drafted, all_drafts, jnp.asarray(lengths), jnp.asarray(steps), eos_ids=eos_ids
-            )
+            key = tuple(int(s) for s in steps)
+            if key not in rewound:
+                rewound[key] = gen.rewind(
+                    drafted, all_drafts, jnp.asarray(lengths), jnp.asarray(steps), eos_ids=eos_ids
+                )
+            state, drafts = rewound[key]
         obs, drafts = observation_for(ev.policy, pre.obs, drafts)
         plans.append((state, keep_mask(state.cache, obs, drafts, ev), steps))
     counts = [np.asarray(jnp.sum(keep, axis=-1)) for _, keep, _ in plans if keep is not None]
