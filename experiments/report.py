@@ -11,6 +11,7 @@ predicted under several configurations of one cell, the last line in the file wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -209,7 +210,7 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     cells = [(cell, parse_cell_id(cell)) for cell in sorted(per_cell, key=_cell_order)]
     drafted = [(cell, c) for cell, c in cells if c.method != "full" and c.timing != "prefill"]
     against_prefill = [pair(cell, f"{c.method}/prefill/b{c.budget}") for cell, c in drafted]
-    against_dge_w = [pair(cell, cell.replace("/dge/", "/dge_w/", 1))
+    against_dge_w = [pair(cell, dataclasses.replace(c, timing="dge_w").id)
                      for cell, c in drafted if c.timing == "dge"]  # fmt: skip
     return [p for p in against_prefill + against_dge_w if p is not None]
 
