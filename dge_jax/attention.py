@@ -10,15 +10,11 @@ import jax.numpy as jnp
 _MASKED = -1e30
 
 
-def slot_mask(slot_pos: jax.Array, query_pos: jax.Array) -> jax.Array:
-    """[B, Hkv, T, S] bool: slot s is visible to query t iff 0 <= pos[s] <= query_pos[t].
-
-    slot_pos: [B, Hkv, S] int32; query_pos: [B, T] int32 (-1 for padding queries, which see
-    nothing). One rule covers padding, eviction and causality (see `dge_jax.cache`).
-    """
-    sp = slot_pos[:, :, None, :]
-    qp = query_pos[:, None, :, None]
-    return (sp >= 0) & (sp <= qp)
+# At most this many query rows per kv head (G query heads x T tokens: decode and draft steps)
+# lay the scores out keys-major, [B, Hkv, S, rows]; more rows (prefill, teacher forcing) use
+# [B, Hkv, rows, S]. With a handful of rows, XLA:CPU runs the keys-major batched matmul about
+# 2x faster (`python -m benchmarks.attention_layouts`); both give the same numbers.
+KEYS_MAJOR_MAX_ROWS = 16
 
 
 def cached_attention(
@@ -29,33 +25,48 @@ def cached_attention(
     query_pos: jax.Array,
     *,
     return_probs_sum: bool = False,
+    keys_major: bool | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Softmax attention of q over the cache layer; returns (out, per-slot prob sums or None).
 
     q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [B, Hkv, S]; query_pos: [B, T].
     out: [B, T, Hq, D] in q's dtype. probs sum: [B, Hq, S] f32, the attention each slot got
     summed over the T queries (H2O's accumulated attention), padding queries contributing 0.
-    Scores and softmax are f32 whatever the parameter dtype.
+    Scores and softmax are f32 whatever the parameter dtype. keys_major: the score layout
+    (None: keys-major for at most `KEYS_MAJOR_MAX_ROWS` rows per kv head); a speed choice only.
     """
     b, t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     s_len = k.shape[2]
+    if keys_major is None:
+        keys_major = g * t <= KEYS_MAJOR_MAX_ROWS
     # Group the G query heads of each kv head into one [G*T] row block, so both products are
     # plain 4-D batched matmuls over (B, Hkv): XLA:CPU runs those ~4x faster than the 5-D
-    # grouped einsum.
+    # grouped einsum. Row r is query head r // T, query r % T, hence the tiled positions.
     qg = _group_queries(q, hkv)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, hkv, g, t, s_len) * (d**-0.5)
-    mask = slot_mask(slot_pos, query_pos)[:, :, None, :, :]  # [B, Hkv, 1, T, S]
-    scores = jnp.where(mask, scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1)
+    row_pos = jnp.tile(query_pos, (1, g))[:, None, :]  # [B, 1, G*T]
+    if keys_major:  # scores [B, Hkv, S, G*T]
+        scores = jnp.einsum("bksd,bkrd->bksr", k, qg, preferred_element_type=jnp.float32)
+        sp, rp, slot_axis = slot_pos[:, :, :, None], row_pos[:, :, None, :], 2
+    else:  # scores [B, Hkv, G*T, S]
+        scores = jnp.einsum("bkrd,bksd->bkrs", qg, k, preferred_element_type=jnp.float32)
+        sp, rp, slot_axis = slot_pos[:, :, None, :], row_pos[:, :, :, None], 3
+    mask = (sp >= 0) & (sp <= rp)  # slot visible iff 0 <= its pos <= the query's (dge_jax.cache)
+    scores = jnp.where(mask, scores * (d**-0.5), _MASKED)
+    probs = jax.nn.softmax(scores, axis=slot_axis)
     if return_probs_sum:
         probs = probs * mask  # padding queries (all slots masked) contribute nothing
-    out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, hkv, g * t, s_len).astype(v.dtype), v)
+    pv = "bksr,bksd->bkrd" if keys_major else "bkrs,bksd->bkrd"
+    out = jnp.einsum(pv, probs.astype(v.dtype), v)
     out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
-    probs_sum = probs.sum(axis=3).reshape(b, hq, s_len) if return_probs_sum else None
-    return out, probs_sum
+    if not return_probs_sum:
+        return out, None
+    if keys_major:  # [B, Hkv, S, G, T] -> sum over T -> [B, Hkv, G, S]
+        per_head = probs.reshape(b, hkv, s_len, g, t).sum(axis=4).transpose(0, 1, 3, 2)
+    else:
+        per_head = probs.reshape(b, hkv, g, t, s_len).sum(axis=3)
+    return out, per_head.reshape(b, hq, s_len)
 
 
 def _group_queries(q: jax.Array, hkv: int) -> jax.Array:

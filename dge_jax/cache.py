@@ -31,25 +31,30 @@ import jax.numpy as jnp
 class KVCache:
     """Padded per-head KV cache; see the module docstring for the layout."""
 
-    k: jax.Array  # [L, B, Hkv, S, D]
+    k: jax.Array  # [L, B, Hkv, S, D] (per-layer form: a tuple of L [B, Hkv, S, D])
     v: jax.Array  # [L, B, Hkv, S, D]
     pos: jax.Array  # [L, B, Hkv, S] int32, -1 = empty
     index: jax.Array  # [] int32, next slot to write
 
     @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """(B, Hkv, S, D) of one layer, static, in the stacked or per-layer form."""
+        return self.k[0].shape if isinstance(self.k, tuple) else self.k.shape[1:]
+
+    @property
     def capacity(self) -> int:
         """Slots per head (S), static."""
-        return self.k.shape[3]
+        return self.layer_shape[2]
 
     @property
     def num_layers(self) -> int:
         """L, static."""
-        return self.k.shape[0]
+        return len(self.k) if isinstance(self.k, tuple) else self.k.shape[0]
 
     @property
     def batch_size(self) -> int:
         """B, static."""
-        return self.k.shape[1]
+        return self.layer_shape[0]
 
     def valid(self) -> jax.Array:
         """[L, B, Hkv, S] bool: slots holding a token."""
@@ -84,6 +89,27 @@ def init_cache(
         pos=jnp.full(shape[:-1], -1, jnp.int32),
         index=jnp.zeros((), jnp.int32),
     )
+
+
+def split_layers(cache: KVCache) -> KVCache:
+    """The cache with k, v and pos as tuples of per-layer arrays (k[i]: [B, Hkv, S, D]).
+
+    A forward given this form runs its layers as a Python loop over separate buffers. The
+    stacked layout makes XLA:CPU copy each layer's slice out of the [L, ...] array before
+    attention reads it, every step; separate buffers are read in place (`decoding.decode`).
+    Only forward passes take this form; `stack_layers` turns it back.
+    """
+    if isinstance(cache.k, tuple):
+        return cache
+    return KVCache(k=tuple(cache.k), v=tuple(cache.v), pos=tuple(cache.pos), index=cache.index)
+
+
+def stack_layers(cache: KVCache) -> KVCache:
+    """Inverse of `split_layers`."""
+    if not isinstance(cache.k, tuple):
+        return cache
+    return KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v), pos=jnp.stack(cache.pos),
+                   index=cache.index)  # fmt: skip
 
 
 @jax.tree_util.register_dataclass

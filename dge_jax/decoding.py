@@ -24,9 +24,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dge_jax.cache import KVCache, Observation, init_cache
+from dge_jax.cache import KVCache, Observation, init_cache, split_layers, stack_layers
 from dge_jax.config import ModelConfig
-from dge_jax.families import ForwardFn
+from dge_jax.families import ForwardFn, split_layer_params
 from dge_jax.sharding import constrain_cache, constrain_rows
 
 
@@ -137,7 +137,7 @@ class DecodeState:
     yet fed to the model). done: [B] bool, EOS emitted or limit reached. key: PRNG key.
     """
 
-    cache: KVCache
+    cache: KVCache  # inside `decode`'s unrolled loop: a tuple of per-layer caches
     tokens: jax.Array
     step: jax.Array
     limit: jax.Array
@@ -445,9 +445,14 @@ def split_state(state: DecodeState, parts: int) -> list[DecodeState]:
     return [take(i) for i in range(parts)]
 
 
+def default_layer_loop() -> str:
+    """"unrolled" on CPU, "scan" elsewhere: see `decode`."""
+    return "unrolled" if jax.default_backend() == "cpu" else "scan"
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("forward", "cfg", "sampler", "eos_ids", "min_new_tokens"),
+    static_argnames=("forward", "cfg", "sampler", "eos_ids", "min_new_tokens", "layer_loop"),
     donate_argnames=("state",),
 )
 def decode(
@@ -459,14 +464,29 @@ def decode(
     sampler,
     eos_ids: tuple[int, ...],
     min_new_tokens: int = 0,
+    layer_loop: str | None = None,
 ) -> DecodeState:
     """Decodes until `limit` tokens exist or every row has emitted an EOS (lax.while_loop).
 
     The state (and its cache) is donated: decoding updates the cache in place. Returns the
     final state; tokens [B, N] int32 holds each row's ids, padded with its last id after
     `step[b]` (callers cut at `limit` and at the first EOS).
+
+    layer_loop: "scan" runs the layers under `lax.scan` over the stacked weights and cache;
+    "unrolled" splits both into per-layer buffers once, before the loop, and back after it.
+    XLA:CPU copies each layer's slice of a stacked array before using it, so a scanned step
+    moves the weights and cache several times: unrolled steps run ~2x faster there
+    (`python -m benchmarks.decode_step`), for one extra copy of the layer weights while
+    decoding and a longer compile. None: `default_layer_loop()`. Same tokens either way.
     """
     n = state.tokens.shape[1]
+    layer_loop = layer_loop or default_layer_loop()
+    if layer_loop not in ("scan", "unrolled"):
+        raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
+    if layer_loop == "unrolled":
+        # The barrier keeps the slices out of the loop body, so they are made once.
+        params = jax.lax.optimization_barrier(split_layer_params(params))
+        state = dataclasses.replace(state, cache=split_layers(state.cache))
 
     def cond(s):
         return ~jnp.all(s.done)  # done includes reaching the limit
@@ -477,6 +497,8 @@ def decode(
         )[0]
 
     state = jax.lax.while_loop(cond, body, state)
+    if layer_loop == "unrolled":
+        state = dataclasses.replace(state, cache=stack_layers(state.cache))
     # Rows that stopped early keep their EOS as padding for the steps the loop skipped.
     fill = jnp.arange(n)[None, :] >= state.step[:, None]
     return dataclasses.replace(state, tokens=jnp.where(fill, state.last[:, None], state.tokens))

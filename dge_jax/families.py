@@ -35,8 +35,25 @@ class ForwardOutput(NamedTuple):
 
 
 # forward(config, params, tokens [B, T], positions [B, T], cache, *, obs_window, record_attn,
-#         logits, key_block) -> ForwardOutput
+#         logits, key_block) -> ForwardOutput. `cache` is a stacked KVCache, or a tuple of
+# one-layer caches (`dge_jax.cache.split_layers`) with `split_layer_params(params)`, for which
+# the layers run as an unrolled loop and the output holds the same tuple type.
 ForwardFn = Callable[..., ForwardOutput]
+
+
+def split_layer_params(params: Any) -> Any:
+    """`params` with its per-layer weights as a tuple of one tree per layer.
+
+    Every family keeps its layer weights in a pytree field `layers` stacked on a leading [L]
+    axis (what `lax.scan` over layers reads). An unrolled layer loop wants separate buffers
+    instead: split once, outside any decode loop, since slicing the stack inside the loop
+    copies every layer's weights every step. Idempotent.
+    """
+    if isinstance(params.layers, tuple):
+        return params
+    num_layers = jax.tree.leaves(params.layers)[0].shape[0]
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(num_layers))
+    return dataclasses.replace(params, layers=layers)
 
 
 @dataclasses.dataclass(frozen=True)

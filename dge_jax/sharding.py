@@ -372,11 +372,21 @@ def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT
     """Inside jit: pins the cache to its mesh layout when a (data, model) mesh is set.
 
     A no-op without `jax.set_mesh` (one device), so the jitted code is the same either way;
-    called where a cache is created, so that no step has to guess its layout.
+    called where a cache is created, so that no step has to guess its layout. A cache in
+    per-layer form (`dge_jax.cache.split_layers`) is pinned layer by layer.
     """
     mesh = _context_mesh()
     if mesh is None:
         return cache
+    if isinstance(cache.k, tuple):  # per layer: each layer's spec without the layer axis
+        specs = cache_specs(cfg, cache.batch_size, mesh, rules)
+        per_layer = jax.tree.map(lambda s: P(*s[1:]), specs)
+
+        def pin(arrays, spec):
+            return tuple(jax.lax.with_sharding_constraint(a, spec) for a in arrays)
+
+        return KVCache(k=pin(cache.k, per_layer.k), v=pin(cache.v, per_layer.v),
+                       pos=pin(cache.pos, per_layer.pos), index=cache.index)  # fmt: skip
     specs = cache_specs(cfg, cache.batch_size, mesh, rules)
     return jax.tree.map(jax.lax.with_sharding_constraint, cache, specs)
 

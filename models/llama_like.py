@@ -18,7 +18,7 @@ import numpy as np
 from dge_jax.attention import cached_attention, written_slot_attention
 from dge_jax.cache import KVCache
 from dge_jax.config import ModelConfig
-from dge_jax.families import ForwardOutput
+from dge_jax.families import ForwardOutput, split_layer_params
 from dge_jax.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -168,7 +168,7 @@ def forward(
     params: Params,
     tokens: jax.Array,
     positions: jax.Array,
-    cache: KVCache,
+    cache: KVCache | tuple[KVCache, ...],
     *,
     obs_window: int = 0,
     record_attn: bool = False,
@@ -183,6 +183,11 @@ def forward(
     returns per-slot attention sums of these T queries (see `ForwardOutput`). key_block > 0
     attends over the written slots [0, index + T) only, in blocks of that many keys
     (`written_slot_attention`: what a prefill chunk wants); 0 reads the whole capacity.
+
+    The layers run under `lax.scan` over a stacked cache. Given a cache in per-layer form
+    (`dge_jax.cache.split_layers`), they run as an unrolled loop over separate buffers
+    instead (pass `families.split_layer_params(params)` too, made once outside any loop),
+    and the cache comes back in that form.
     """
     b, t = tokens.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -191,12 +196,10 @@ def forward(
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, hkv, t)).astype(jnp.int32)
     w = min(obs_window, t)
 
-    def layer(carry, scanned):
-        # The cache rides in the carry and only the T new slots of layer `i` are written
-        # (in place under jit), instead of returning every layer as a fresh stacked output,
-        # which made each decode step copy the whole cache.
-        x, k_all, v_all, pos_all = carry
-        lp, i = scanned
+    def layer(x, lp, k_all, v_all, pos_all, i):
+        """Layer i of x [B, T, D]; writes slots [slot, slot + T) of k_all[i] (in place under
+        jit), v_all[i] and pos_all[i]. i = None: k_all, v_all, pos_all are this layer's own
+        [B, Hkv, S, ...] buffers."""
         h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
         q = _linear(h, lp.wq, lp.bq).reshape(b, t, hq, hd)
         k = _linear(h, lp.wk, lp.bk).reshape(b, t, hkv, hd)
@@ -206,36 +209,68 @@ def forward(
             k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        # Write the new entries at slots [slot, slot + T) of every head of layer i.
-        k_all = jax.lax.dynamic_update_slice(
-            k_all, k.transpose(0, 2, 1, 3)[None].astype(k_all.dtype), (i, 0, 0, slot, 0)
-        )
-        v_all = jax.lax.dynamic_update_slice(
-            v_all, v.transpose(0, 2, 1, 3)[None].astype(v_all.dtype), (i, 0, 0, slot, 0)
-        )
-        pos_all = jax.lax.dynamic_update_slice(pos_all, new_pos[None], (i, 0, 0, slot))
+        # Write the new entries at slots [slot, slot + T) of every head of this layer.
+        k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
+        if i is None:
+            k_all = jax.lax.dynamic_update_slice(k_all, k_new.astype(k_all.dtype), (0, 0, slot, 0))
+            v_all = jax.lax.dynamic_update_slice(v_all, v_new.astype(v_all.dtype), (0, 0, slot, 0))
+            pos_all = jax.lax.dynamic_update_slice(pos_all, new_pos, (0, 0, slot))
+            k_l, v_l, pos_l = k_all, v_all, pos_all
+        else:
+            k_all = jax.lax.dynamic_update_slice(
+                k_all, k_new[None].astype(k_all.dtype), (i, 0, 0, slot, 0)
+            )
+            v_all = jax.lax.dynamic_update_slice(
+                v_all, v_new[None].astype(v_all.dtype), (i, 0, 0, slot, 0)
+            )
+            pos_all = jax.lax.dynamic_update_slice(pos_all, new_pos[None], (i, 0, 0, slot))
+            k_l, v_l, pos_l = k_all[i], v_all[i], pos_all[i]
         if key_block:
             attn, probs_sum = written_slot_attention(
-                q, k_all[i], v_all[i], pos_all[i], positions, slot + t, block=key_block,
+                q, k_l, v_l, pos_l, positions, slot + t, block=key_block,
                 return_probs_sum=record_attn,
             )  # fmt: skip
         else:
             attn, probs_sum = cached_attention(
-                q, k_all[i], v_all[i], pos_all[i], positions, return_probs_sum=record_attn
+                q, k_l, v_l, pos_l, positions, return_probs_sum=record_attn
             )
         x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
         h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
         gate = jax.nn.silu(_linear(h, lp.w_gate, lp.b_gate))
         x = x + _linear(gate * _linear(h, lp.w_up, lp.b_up), lp.w_down, lp.b_down)
         q_win = q[:, t - w :].transpose(0, 2, 1, 3) if w else None  # [B, Hq, W, D]
-        return (x, k_all, v_all, pos_all), (q_win, probs_sum)
+        return x, k_all, v_all, pos_all, q_win, probs_sum
 
     x = params.embed[tokens]
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_all, v_all, pos_all), (q_window, probs_sum) = jax.lax.scan(
-        layer, (x, cache.k, cache.v, cache.pos), (params.layers, layer_ids)
-    )
-    new_cache = KVCache(k=k_all, v=v_all, pos=pos_all, index=cache.index + t)
+    if not isinstance(cache.k, tuple):
+
+        def scanned_layer(carry, scanned):
+            # The cache rides in the carry and only the T new slots of layer `i` are written,
+            # instead of returning every layer as a fresh stacked output, which made each
+            # decode step copy the whole cache.
+            x, k_all, v_all, pos_all = carry
+            lp, i = scanned
+            x, k_all, v_all, pos_all, q_win, probs_sum = layer(x, lp, k_all, v_all, pos_all, i)
+            return (x, k_all, v_all, pos_all), (q_win, probs_sum)
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k_all, v_all, pos_all), (q_window, probs_sum) = jax.lax.scan(
+            scanned_layer, (x, cache.k, cache.v, cache.pos), (params.layers, layer_ids)
+        )
+        new_cache = KVCache(k=k_all, v=v_all, pos=pos_all, index=cache.index + t)
+    else:
+        layers = split_layer_params(params).layers
+        ks, vs, ps, wins, sums = [], [], [], [], []
+        for lp, k_l, v_l, pos_l in zip(layers, cache.k, cache.v, cache.pos, strict=True):
+            x, k_l, v_l, pos_l, q_win, probs_sum = layer(x, lp, k_l, v_l, pos_l, None)
+            ks.append(k_l)
+            vs.append(v_l)
+            ps.append(pos_l)
+            wins.append(q_win)
+            sums.append(probs_sum)
+        new_cache = KVCache(k=tuple(ks), v=tuple(vs), pos=tuple(ps), index=cache.index + t)
+        q_window = jnp.stack(wins) if w else None
+        probs_sum = jnp.stack(sums) if record_attn else None
     out = None
     if logits != "none":
         x = x[:, -1] if logits == "last" else x

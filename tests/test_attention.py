@@ -60,3 +60,40 @@ def test_slots_past_num_slots_are_never_read(inputs):
         q, poisoned_k, poisoned_v, pos, query_pos, jnp.int32(WRITTEN), block=10
     )
     assert np.isfinite(np.asarray(out)).all()
+
+
+def reference_attention(q, k, v, pos, query_pos):
+    """Per row, query and head, in numpy: softmax over the visible slots (0 <= pos <= p)."""
+    q, k, v, pos, query_pos = map(np.asarray, (q, k, v, pos, query_pos))
+    b, t, hq, d = q.shape
+    g = hq // k.shape[1]
+    out = np.zeros_like(q)
+    sums = np.zeros((b, hq, k.shape[2]))
+    for r in range(b):
+        for i in range(t):
+            for h in range(hq):
+                visible = (pos[r, h // g] >= 0) & (pos[r, h // g] <= query_pos[r, i])
+                if not visible.any():
+                    continue  # a padding query: output unused, contributes no attention
+                s = k[r, h // g] @ q[r, i, h] / np.sqrt(d)
+                p = np.where(visible, np.exp(s - s[visible].max()), 0.0)
+                p /= p.sum()
+                out[r, i, h] = p @ v[r, h // g]
+                sums[r, h] += p
+    return out, sums
+
+
+@pytest.mark.parametrize("t", [1, 3, T])
+@pytest.mark.parametrize("keys_major", [True, False])
+def test_score_layouts_equal_reference(inputs, t, keys_major):
+    """Both score layouts (keys-major for decode-sized T, rows-major for prefill) give the
+    numpy reference's output and per-slot sums on padding, holes and unwritten slots."""
+    q, k, v, pos, query_pos = inputs
+    q, query_pos = q[:, -t:], query_pos[:, -t:]
+    out, sums = cached_attention(
+        q, k, v, pos, query_pos, return_probs_sum=True, keys_major=keys_major
+    )
+    want_out, want_sums = reference_attention(q, k, v, pos, query_pos)
+    real = np.asarray(query_pos >= 0)[:, :, None, None]
+    np.testing.assert_allclose(np.asarray(out) * real, want_out, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(sums), want_sums, atol=2e-6)

@@ -242,3 +242,70 @@ def test_eos_as_first_token_stops_at_once(model, prompts, greedy):
 def test_a_single_new_token_is_the_prefill_argmax(model, prompts, greedy):
     out = dge_jax.generate(model, prompts, max_new_tokens=1)
     assert out.tokens == [row[:1] for row in greedy]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer loops: lax.scan over stacked buffers vs an unrolled loop over per-layer buffers
+
+
+def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
+    """decode's two layer loops are one computation: same tokens, same final cache (up to
+    float summation order), and the cache comes back stacked from either."""
+    cfg, params = model.config, model.params
+    tokens, lengths = pad_left(prompts, 32)
+    pre = decoding.prefill(
+        model.forward, cfg, params, jnp.asarray(tokens), jnp.asarray(lengths), capacity=48
+    )
+    first = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
+    finals = {}
+    for loop in ("scan", "unrolled"):
+        start = decoding.start_state(
+            pre.cache, first, jnp.asarray(lengths), N, (), jax.random.PRNGKey(0)
+        )
+        start = jax.tree.map(jnp.copy, start)  # decode donates its state: one copy per loop
+        finals[loop] = decoding.decode(
+            model.forward, cfg, params, start, sampler=Greedy(), eos_ids=(), layer_loop=loop
+        )
+    scan, unrolled = finals["scan"], finals["unrolled"]
+    np.testing.assert_array_equal(np.asarray(unrolled.tokens), np.asarray(scan.tokens))
+    assert not isinstance(unrolled.cache.k, tuple)
+    np.testing.assert_array_equal(np.asarray(unrolled.cache.pos), np.asarray(scan.cache.pos))
+    np.testing.assert_allclose(np.asarray(unrolled.cache.k), np.asarray(scan.cache.k), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(unrolled.cache.v), np.asarray(scan.cache.v), atol=1e-5)
+
+
+def test_forward_on_per_layer_caches_equals_the_stacked_forward(model, prompts):
+    """One forward over `split_layers(cache)` returns the same logits, and a per-layer cache
+    that `stack_layers` turns into the stacked forward's cache."""
+    from dge_jax.cache import init_cache, split_layers, stack_layers
+    from dge_jax.families import split_layer_params
+
+    cfg = model.config
+    tokens, lengths = pad_left(prompts, 32)
+    positions = decoding.prompt_positions(jnp.asarray(lengths), 32)
+    cache = init_cache(cfg.num_layers, 2, cfg.num_kv_heads, 40, cfg.head_dim)
+    args = (jnp.asarray(tokens), positions)
+    stacked = model.forward(cfg, model.params, *args, cache, logits="all", obs_window=4)
+    split = model.forward(
+        cfg, split_layer_params(model.params), *args, split_layers(cache), logits="all",
+        obs_window=4,
+    )  # fmt: skip
+    assert isinstance(split.cache.k, tuple) and len(split.cache.k) == cfg.num_layers
+    np.testing.assert_allclose(np.asarray(split.logits), np.asarray(stacked.logits), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(split.q_window), np.asarray(stacked.q_window), atol=1e-5)
+    both = zip(jax.tree.leaves(stack_layers(split.cache)), jax.tree.leaves(stacked.cache))
+    for got, want in both:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def test_unknown_layer_loop_is_a_clear_error(model, prompts):
+    state = decoding.start_state(
+        dge_jax.cache.init_cache(model.config.num_layers, 1, model.config.num_kv_heads, 8,
+                                 model.config.head_dim),
+        jnp.zeros((1,), jnp.int32), jnp.asarray([4]), 2, (), jax.random.PRNGKey(0),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="layer_loop must be 'scan' or 'unrolled'"):
+        decoding.decode(
+            model.forward, model.config, model.params, state, sampler=Greedy(), eos_ids=(),
+            layer_loop="python",
+        )  # fmt: skip
