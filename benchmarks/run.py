@@ -27,7 +27,7 @@ What runs (issue 9), in one process, peers in a subprocess afterwards (never con
   bandwidth utilisation, full vs compacted, against the GPU's peaks (`machine.GPU_PEAKS`).
 
 How dge_jax is timed. Scenario (a) calls the public API (`dge_jax.api.generate`, one call
-per method) with its jitted steps (`decoding.prefill/draft/rewind/decode`, `api.keep_mask`,
+per method) with its jitted steps (`decoding.prefill/draft/rewind/decode`, `api.keep_masks`,
 `api.apply_eviction`, ...) wrapped for the duration of the call by timers that block on each
 result (`StageTimer`), so one call gives both its wall time and where it went. Each call is
 the first at its shapes, so it compiles: JAX reports every trace, lowering and XLA compile
@@ -276,7 +276,7 @@ class StageTimer:
 
     Patched only inside `measure` (module attributes, restored afterwards): `decoding.prefill`,
     `draft` and `decode` (looked up as `gen.<name>` by the API at call time) and the API's own
-    `keep_mask` and `apply_eviction`.
+    `keep_masks` and `apply_eviction`.
     """
 
     # (module, name): wrapped when the module has it (`rewind` came with per-row draft steps).
@@ -287,7 +287,7 @@ class StageTimer:
         (gen, "decode"),
         (gen, "stack_states"),
         (gen, "split_state"),
-        (api, "keep_mask"),
+        (api, "keep_masks"),
         (api, "apply_eviction"),
     )
 
@@ -443,7 +443,7 @@ def call_row(call: Call, cfg: ModelConfig, rows: int, tokens: int, param_bytes: 
 
     (pre,) = stage("prefill")
     (dec,) = stage("decode")  # one cell: one decode group
-    drafts, evicts = stage("draft"), stage("rewind", "keep_mask", "apply_eviction")
+    drafts, evicts = stage("draft"), stage("rewind", "keep_masks", "apply_eviction")
     evicted = stage("apply_eviction")
     decode_s = _net(dec)
     gflops = prefill_flops(cfg, tokens, rows) / _net(pre) / 1e9
@@ -565,7 +565,7 @@ def run_grid(model, prompt: list[int], plan: Plan, timer: StageTimer) -> dict:
         "warm_compilations": warm.compilations,
         "prefill_s": total("prefill"),
         "draft_s": total("draft"),
-        "evict_s": total("rewind", "keep_mask", "apply_eviction"),
+        "evict_s": total("rewind", "keep_masks", "apply_eviction"),
         "decode_s": total("decode"),
         "decode_groups": sum(r["stage"] == "decode" for r in warm.records),
         "stack_split_s": total("stack_states", "split_state"),

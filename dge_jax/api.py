@@ -21,8 +21,9 @@ from dge_jax.eviction import (
     apply_eviction,
     capacity_for,
     check_eviction,
-    keep_mask,
+    keep_masks,
     kept_positions,
+    scoring_key,
 )
 from dge_jax.model import Model
 from dge_jax.sampling import Greedy
@@ -211,11 +212,13 @@ def generate_grid(
     # rewind returns a fresh copy of the whole cache, which per cell made a 45-cell grid
     # hold 45 full caches at once.
     rewound: dict[tuple[int, ...], tuple[gen.DecodeState, gen.DraftRecord]] = {}
-    for ev in cells:
+    # Cells with the same state and scoring that differ only by budget: scored once.
+    sweeps: dict[tuple, list[int]] = {}
+    for i, ev in enumerate(cells):
         if ev is None:
             plans.append((start, None, None))
             continue
-        state, drafts, steps = start, None, None
+        state, drafts, steps, key = start, None, None, ()
         if drafted is not None:
             # "prefill" cells rewind to 0 steps: the pre-draft cache, with the draft record
             # masked out, so the three timings share one compiled scorer.
@@ -226,8 +229,14 @@ def generate_grid(
                     drafted, all_drafts, jnp.asarray(lengths), jnp.asarray(steps), eos_ids=eos_ids
                 )
             state, drafts = rewound[key]
-        obs, drafts = observation_for(ev.policy, pre.obs, drafts)
-        plans.append((state, keep_mask(state.cache, obs, drafts, ev), steps))
+        sweeps.setdefault((key, scoring_key(ev)), []).append(i)
+        plans.append((state, drafts, steps))
+    for members in sweeps.values():
+        state, drafts, _ = plans[members[0]]
+        obs, drafts = observation_for(cells[members[0]].policy, pre.obs, drafts)
+        masks = keep_masks(state.cache, obs, drafts, [cells[i] for i in members])
+        for i, keep in zip(members, masks, strict=True):
+            plans[i] = (state, keep, plans[i][2])
     counts = [np.asarray(jnp.sum(keep, axis=-1)) for _, keep, _ in plans if keep is not None]
     shared_capacity = capacity_for(np.max(counts, axis=0), buffer) if counts else None
     # Pass 2: evict each cell (mask or compact) ...

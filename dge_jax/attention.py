@@ -11,9 +11,9 @@ _MASKED = -1e30
 
 
 # At most this many query rows per kv head (G query heads x T tokens: decode and draft steps)
-# lay the scores out keys-major, [B, Hkv, S, rows]; more rows (prefill, teacher forcing) use
-# [B, Hkv, rows, S]. With a handful of rows, XLA:CPU runs the keys-major batched matmul about
-# 2x faster (`python -m benchmarks.attention_layouts`); both give the same numbers.
+# compute the scores keys-major, K [S, D] @ Q^T [D, rows] -> [S, rows], instead of Q @ K^T:
+# with a handful of rows, XLA:CPU runs that batched matmul 2-3x faster
+# (`python -m benchmarks.decode_step`). Same numbers either way.
 KEYS_MAJOR_MAX_ROWS = 16
 
 
@@ -45,28 +45,29 @@ def cached_attention(
     # plain 4-D batched matmuls over (B, Hkv): XLA:CPU runs those ~4x faster than the 5-D
     # grouped einsum. Row r is query head r // T, query r % T, hence the tiled positions.
     qg = _group_queries(q, hkv)
-    row_pos = jnp.tile(query_pos, (1, g))[:, None, :]  # [B, 1, G*T]
-    if keys_major:  # scores [B, Hkv, S, G*T]
+    scale = d**-0.5
+    if keys_major:
+        # Computed as [B, Hkv, S, G*T] and scaled there, then the small score array is
+        # transposed to the common layout (scaled after the transpose instead, it measured
+        # as slow as the rows-major form on XLA:CPU).
         scores = jnp.einsum("bksd,bkrd->bksr", k, qg, preferred_element_type=jnp.float32)
-        sp, rp, slot_axis = slot_pos[:, :, :, None], row_pos[:, :, None, :], 2
-    else:  # scores [B, Hkv, G*T, S]
+        scores = (scores * scale).transpose(0, 1, 3, 2)
+    else:
         scores = jnp.einsum("bkrd,bksd->bkrs", qg, k, preferred_element_type=jnp.float32)
-        sp, rp, slot_axis = slot_pos[:, :, None, :], row_pos[:, :, :, None], 3
-    mask = (sp >= 0) & (sp <= rp)  # slot visible iff 0 <= its pos <= the query's (dge_jax.cache)
-    scores = jnp.where(mask, scores * (d**-0.5), _MASKED)
-    probs = jax.nn.softmax(scores, axis=slot_axis)
+        scores = scores * scale
+    # [B, Hkv, G*T, S]; slot visible iff 0 <= its pos <= the row's query pos (dge_jax.cache)
+    row_pos = jnp.tile(query_pos, (1, g))[:, None, :, None]
+    sp = slot_pos[:, :, None, :]
+    mask = (sp >= 0) & (sp <= row_pos)
+    scores = jnp.where(mask, scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1)
     if return_probs_sum:
         probs = probs * mask  # padding queries (all slots masked) contribute nothing
-    pv = "bksr,bksd->bkrd" if keys_major else "bkrs,bksd->bkrd"
-    out = jnp.einsum(pv, probs.astype(v.dtype), v)
+    out = jnp.einsum("bkrs,bksd->bkrd", probs.astype(v.dtype), v)
     out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
     if not return_probs_sum:
         return out, None
-    if keys_major:  # [B, Hkv, S, G, T] -> sum over T -> [B, Hkv, G, S]
-        per_head = probs.reshape(b, hkv, s_len, g, t).sum(axis=4).transpose(0, 1, 3, 2)
-    else:
-        per_head = probs.reshape(b, hkv, g, t, s_len).sum(axis=3)
-    return out, per_head.reshape(b, hq, s_len)
+    return out, probs.reshape(b, hkv, g, t, s_len).sum(axis=3).reshape(b, hq, s_len)
 
 
 def _group_queries(q: jax.Array, hkv: int) -> jax.Array:

@@ -102,26 +102,53 @@ def select_for(
     (valid slots past each row's last prompt position) are always kept and count against
     the budget; the pre-draft cache has none, so for "prefill" this is a no-op.
     """
+    return select_for_budgets(
+        cache, prompt_obs, drafts, (budget,), observe_drafts, draft_weight, policy=policy,
+        slide=slide, head_budget=head_budget, alpha=alpha,
+    )[0]  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha"))
+def select_for_budgets(
+    cache: KVCache,
+    prompt_obs: Observation,
+    drafts: DraftRecord | None,
+    budgets: tuple[jax.Array, ...],
+    observe_drafts: jax.Array,
+    draft_weight: jax.Array | float = 1.0,
+    *,
+    policy: Policy,
+    slide: bool = False,
+    head_budget: str = "uniform",
+    alpha: float = 0.2,
+) -> tuple[jax.Array, ...]:
+    """`select_for` under several budgets at once: the policy scores the cache once, then
+    each budget selects from those scores (what a budget sweep wants). One keep mask per
+    budget, in order; each equals `select_for` with that budget."""
     nl, b, hkv, _ = cache.pos.shape
     obs = observation(prompt_obs, drafts, observe_drafts, slide, draft_weight)
     scores = policy.score(cache, obs)
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
-    # A row whose every head holds no more than the nominal budget is not compressed at all
-    # (DESIGN §2), whatever a schedule or allocator would move between layers and heads.
-    # Only prompt entries count here: drafts are answer tokens, kept on top of a whole prompt.
-    nominal = expand_budgets(budget, nl, b, hkv)
+    # Only prompt entries count towards "fits" below: drafts are answer tokens, kept on top
+    # of a whole prompt.
     prompt_entries = jnp.sum(cache.valid() & ~is_draft, axis=-1, dtype=jnp.int32)
-    fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
     layer_budgets = getattr(policy, "layer_budgets", None)
-    if layer_budgets is not None:
-        budget = layer_budgets(budget, nl)
-    if head_budget == "adakv":
-        per_head = adakv_budgets(scores, budget, alpha)
-    else:
-        per_head = expand_budgets(budget, nl, b, hkv)
-    keep = evict.select(scores, per_head)
-    return jnp.where(fits[None, :, None, None], cache.valid(), keep)
+    masks = []
+    for budget in budgets:
+        # A row whose every head holds no more than the nominal budget is not compressed at
+        # all (DESIGN §2), whatever a schedule or allocator would move between layers/heads.
+        nominal = expand_budgets(budget, nl, b, hkv)
+        fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
+        if layer_budgets is not None:
+            budget = layer_budgets(budget, nl)
+        if head_budget == "adakv":
+            per_head = adakv_budgets(scores, budget, alpha)
+        else:
+            per_head = expand_budgets(budget, nl, b, hkv)
+        keep = evict.select(scores, per_head)
+        masks.append(jnp.where(fits[None, :, None, None], cache.valid(), keep))
+    return tuple(masks)
 
 
 compact = jax.jit(evict.compact, static_argnames=("capacity",))
@@ -140,17 +167,36 @@ def keep_mask(
     cache: KVCache, prompt_obs: Observation, drafts: DraftRecord | None, ev: Eviction
 ) -> jax.Array:
     """[L, B, Hkv, S] bool: what `ev` keeps of `cache` (the cache at its eviction point)."""
-    return select_for(
-        cache,
-        prompt_obs,
-        drafts,
-        jnp.asarray(ev.budget, jnp.int32),
-        jnp.asarray(ev.timing.observes_drafts),
-        jnp.asarray(ev.timing.draft_weight, jnp.float32),
-        policy=ev.policy,
-        slide=ev.timing.slide,
-        head_budget=ev.head_budget,
-        alpha=ev.alpha,
+    return keep_masks(cache, prompt_obs, drafts, [ev])[0]
+
+
+def scoring_key(ev: Eviction) -> tuple:
+    """Evictions with equal keys score a cache identically and differ at most by budget."""
+    t = ev.timing
+    return (ev.policy, t.observes_drafts, t.draft_weight, t.slide, ev.head_budget, ev.alpha)
+
+
+def keep_masks(
+    cache: KVCache, prompt_obs: Observation, drafts: DraftRecord | None, evs: list[Eviction]
+) -> list[jax.Array]:
+    """`keep_mask` of each eviction in `evs`, which must share a `scoring_key` (a budget
+    sweep): the cache is scored once for all of them."""
+    if len({scoring_key(ev) for ev in evs}) != 1:
+        raise ValueError("keep_masks: the evictions must differ by budget only")
+    ev = evs[0]
+    return list(
+        select_for_budgets(
+            cache,
+            prompt_obs,
+            drafts,
+            tuple(jnp.asarray(e.budget, jnp.int32) for e in evs),
+            jnp.asarray(ev.timing.observes_drafts),
+            jnp.asarray(ev.timing.draft_weight, jnp.float32),
+            policy=ev.policy,
+            slide=ev.timing.slide,
+            head_budget=ev.head_budget,
+            alpha=ev.alpha,
+        )
     )
 
 

@@ -157,7 +157,7 @@ def test_call_row_nets_out_compilation():
         _rec("prefill", 3.0, compile_s=1.0, t_end=12.0, compile_at_end=1.5, cache_bytes=100),
         _rec("draft", 0.5),
         _rec("rewind", 0.1),
-        _rec("keep_mask", 0.7, compile_s=0.5),
+        _rec("keep_masks", 0.7, compile_s=0.5),
         _rec("apply_eviction", 0.2, cache_bytes=10),
         _rec("stack_states", 0.05),
         _rec("decode", 3.5, compile_s=0.5, cache_bytes=10, steps=62),

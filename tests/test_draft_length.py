@@ -20,7 +20,7 @@ from dge_jax import api
 from dge_jax import decoding as gen
 from dge_jax.api import generate_grid
 from dge_jax.config import ModelConfig
-from dge_jax.eviction import Eviction, select_for
+from dge_jax.eviction import Eviction, select_for_budgets
 from dge_jax.families import get_family
 from dge_jax.model import Model
 from dge_jax.policies import H2O, SnapKV
@@ -143,9 +143,9 @@ def test_adaptive_k_in_generation_compiles_once_across_thresholds(model):
         return generate_grid(model, prompts(), [cell(timing)], max_new_tokens=N_NEW)[0]
 
     run(1.0)
-    before = (select_for._cache_size(), gen.rewind._cache_size(), gen.draft._cache_size())
+    before = (select_for_budgets._cache_size(), gen.rewind._cache_size(), gen.draft._cache_size())
     results = {th: run(th) for th in thresholds}
-    after = (select_for._cache_size(), gen.rewind._cache_size(), gen.draft._cache_size())
+    after = (select_for_budgets._cache_size(), gen.rewind._cache_size(), gen.draft._cache_size())
     assert after == before
     assert results[0.0].k == [1, 1]  # fires on t1: the prefill baseline
     assert results[1e9].k == [4, 4]  # never fires: k_max

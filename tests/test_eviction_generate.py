@@ -29,7 +29,7 @@ from dge_jax import eviction as eviction_mod
 from dge_jax.api import generate, generate_grid, pad_left
 from dge_jax.config import ModelConfig
 from dge_jax.evict import apply_keep, compact
-from dge_jax.eviction import Eviction, select_for
+from dge_jax.eviction import Eviction, keep_masks, select_for, select_for_budgets
 from dge_jax.families import get_family
 from dge_jax.model import Model
 from dge_jax.policies import H2O, TOVA, KeyNorm, PyramidKV, RandomScores, SnapKV, StreamingLLM
@@ -314,6 +314,40 @@ def test_decode_body_logits_masked_vs_compacted(model, step, timing):
 # Batching
 
 
+@pytest.mark.parametrize(
+    "policy, head_budget",
+    [(SnapKV(window=WINDOW), "uniform"), (SnapKV(window=WINDOW), "adakv"),
+     (PyramidKV(window=WINDOW), "uniform"), (H2O(window=WINDOW), "uniform")],
+    ids=["snapkv", "snapkv-adakv", "pyramidkv", "h2o"],
+)  # fmt: skip
+def test_one_scoring_for_many_budgets_equals_one_selection_each(model, policy, head_budget):
+    """keep_masks (score once, select per budget: the grid's budget sweeps) gives each
+    budget exactly `select_for`'s mask, per-layer and per-head budgets included."""
+    fwd, cfg, params = model.forward, model.config, model.params
+    tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    pre = gen.prefill(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
+                      obs_window=WINDOW, record_attn=policy.needs_attn_sum)  # fmt: skip
+    key = jax.random.PRNGKey(0)
+    state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
+    state, drafts = gen.draft(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1,
+                              record_attn=policy.needs_attn_sum)  # fmt: skip
+    budgets = [12, 20, 30] if isinstance(policy, PyramidKV) else [12, np.array([20, 16]), 30]
+    if type(policy) is SnapKV and head_budget == "uniform":
+        budgets.append(np.array([[12, 14], [16, 18]]))  # per head
+    evs = [Eviction(policy, b, DGE2, head_budget=head_budget) for b in budgets]
+    masks = keep_masks(state.cache, pre.obs, drafts, evs)
+    for ev, got in zip(evs, masks, strict=True):
+        want = select_for(
+            state.cache, pre.obs, drafts, jnp.asarray(ev.budget, jnp.int32),
+            jnp.asarray(True), policy=policy, head_budget=head_budget,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert len({np.asarray(m).sum() for m in masks}) == len(masks)  # the budgets are live
+    with pytest.raises(ValueError, match="differ by budget only"):
+        keep_masks(state.cache, pre.obs, drafts, [evs[0], Eviction(policy, 12, DGE_W2)])
+
+
 def test_batch_rows_get_what_they_get_alone(model):
     """Left-padded rows of different lengths (buckets 64 vs 32 alone) are evicted per row."""
     p_long, p_short = PROMPTS
@@ -343,14 +377,15 @@ def test_batch_rows_get_what_they_get_alone(model):
 
 def test_budget_and_timing_sweep_compiles_once():
     """Budgets {32, 64, 128, 256} x {prefill, dge(2), dge_w(2)} at one capacity: one compile of
-    select_for, prefill, draft, decode and compaction each."""
+    the selection (each timing scores once for its four budgets), prefill, draft, decode and
+    compaction each."""
     # A config and policy no other test uses, so each jitted function compiles exactly once here.
     model = tiny_model(tiny_config(rms_norm_eps=1.25e-6), seed=4)
     policy = SnapKV(window=WINDOW, kernel=5)
     p, n_new, capacity = prompt(300, seed=40), 4, 264
     cells = [Eviction(policy, b, t, capacity=capacity) for b in (32, 64, 128, 256) for t in TIMINGS]
     fns = {
-        "select_for": select_for,
+        "select_for_budgets": select_for_budgets,
         "prefill": gen.prefill,
         "draft": gen.draft,
         "decode": gen.decode,

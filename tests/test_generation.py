@@ -293,7 +293,8 @@ def test_forward_on_per_layer_caches_equals_the_stacked_forward(model, prompts):
     assert isinstance(split.cache.k, tuple) and len(split.cache.k) == cfg.num_layers
     np.testing.assert_allclose(np.asarray(split.logits), np.asarray(stacked.logits), atol=1e-4)
     np.testing.assert_allclose(np.asarray(split.q_window), np.asarray(stacked.q_window), atol=1e-5)
-    both = zip(jax.tree.leaves(stack_layers(split.cache)), jax.tree.leaves(stacked.cache))
+    leaves = jax.tree.leaves(stack_layers(split.cache)), jax.tree.leaves(stacked.cache)
+    both = zip(*leaves, strict=True)
     for got, want in both:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
