@@ -191,8 +191,10 @@ def ratio_for(k_len: int, budget: int) -> float:
 
 
 @contextlib.contextmanager
-def instrumented(press, kept: dict, timer: list[float]):
-    """Times every `compress` call and records the kept positions per layer (ScorerPress)."""
+def instrumented(press, kept: dict, timer: list[float], gaps: dict | None = None):
+    """Times every `compress` call and records the kept positions per layer (ScorerPress),
+    and in `gaps` per layer [B][Hkv] the relative score gap at the budget boundary: (last
+    kept - first evicted) / |last kept|, to tell a near-tie from a real disagreement."""
     from kvpress.presses.scorer_press import ScorerPress
 
     compress, score = press.compress, getattr(press, "score", None)
@@ -215,6 +217,11 @@ def instrumented(press, kept: dict, timer: list[float]):
             idx = last_scores[0].topk(n_kept, dim=-1).indices.sort(dim=-1).values
             kept[module.layer_idx] = idx.tolist()  # [B][Hkv][n_kept]
             assert k_len >= n_kept
+            if gaps is not None and k_len > n_kept:
+                top = last_scores[0].float().topk(n_kept + 1, dim=-1).values
+                last, first_out = top[..., -2], top[..., -1]
+                gap = (last - first_out) / last.abs().clamp_min(1e-30)
+                gaps[module.layer_idx] = gap.tolist()  # [B][Hkv]
         return keys_out, values_out
 
     press.compress = timed_compress
@@ -241,6 +248,7 @@ def run_kvpress(job: dict, rss: RssSampler) -> dict:
     ratio = ratio_for(k_len, job["budget"])
     press = make_press(job["press"], ratio, job.get("window"))
     kept: dict[int, list] = {}
+    gaps: dict[int, list] = {}
     compress_times: list[float] = []
 
     def pick(logits: torch.Tensor) -> torch.Tensor:
@@ -253,7 +261,7 @@ def run_kvpress(job: dict, rss: RssSampler) -> dict:
     start = time.perf_counter()
     with torch.inference_mode():
         cache = DynamicCache()
-        with instrumented(press, kept, compress_times), press(model):
+        with instrumented(press, kept, compress_times, gaps), press(model):
             out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
         token = pick(out.logits[:, -1])
         ttft = time.perf_counter() - start
@@ -283,6 +291,8 @@ def run_kvpress(job: dict, rss: RssSampler) -> dict:
     if job.get("record_kept") and kept:
         # [B][L][Hkv][kept positions]: positions are cache indices = original positions.
         result["kept"] = [[kept[layer][r] for layer in sorted(kept)] for r in range(b)]
+        if gaps:
+            result["boundary_gap"] = [[gaps[layer][r] for layer in sorted(gaps)] for r in range(b)]
     return result
 
 

@@ -1015,7 +1015,11 @@ def fullkv_agreement(pairs: list[dict]) -> dict:
 
 
 def kept_agreement(pairs: list[dict]) -> dict:
-    """pairs: {"label", "ours_kept" [L][H][pos], "theirs_kept", "ours", "theirs" (tokens)}."""
+    """pairs: {"label", "ours_kept" [L][H][pos], "theirs_kept", "ours", "theirs" (tokens),
+    "theirs_gap" [L][H] or None: kvpress's relative score gap at the budget boundary}.
+
+    A differing head whose gap is tiny (~1e-6, float rounding) is a near-tie that summation
+    order can flip; the details list each differing head with its gap."""
     heads = same_heads = same_prompts = same_tokens = 0
     details = []
     for p in pairs:
@@ -1037,6 +1041,13 @@ def kept_agreement(pairs: list[dict]) -> dict:
                 "prompt": p["label"],
                 "heads_differing": len(diff),
                 "first_differing_head": diff[0] if diff else None,
+                "differing_heads": [
+                    {"layer": layer, "head": h,
+                     "boundary_gap": p["theirs_gap"][layer][h] if p.get("theirs_gap") else None,
+                     "only_ours": sorted(set(ours[layer][h]) - set(theirs[layer][h]))[:8],
+                     "only_theirs": sorted(set(theirs[layer][h]) - set(ours[layer][h]))[:8]}
+                    for layer, h in diff[:8]
+                ],  # fmt: skip
                 "tokens_identical": tokens_equal,
                 "token_divergence": first_divergence(p["ours"], p["theirs"]),
             }
@@ -1216,6 +1227,7 @@ def agreement(plan: Plan, a_results: dict, res: dict) -> dict:
                     "theirs": r["tokens"][0],
                     "ours_kept": snap.kept[row],
                     "theirs_kept": r["kept"][0],
+                    "theirs_gap": (r.get("boundary_gap") or [None])[0],
                 }
             )
     return {"fullkv": fullkv_agreement(full_pairs), "kvpress": kept_agreement(kept_pairs)}
@@ -1619,7 +1631,8 @@ def markdown(result: dict) -> str:
             f"3 policies (SnapKV and PyramidKV with kvpress's window 64 / kernel 5 / avg-pool, "
             f"StreamingLLM with 4 sinks) x 3 timings (prefill, dge(2), dge_w(2)) x budgets "
             f"{', '.join(map(str, plan['grid_budgets']))}, {g['new_tokens']} new tokens each. "
-            f"dge_jax: one `generate_grid` call: one prefill, one draft, a selection per cell, "
+            "dge_jax: one `generate_grid` call: one prefill, one draft, one scoring per "
+            "(policy, timing) and a selection per budget, "
             f"cells of one cache shape decoded as one batch ({g['decode_groups']} decode "
             "call(s)); compile s (#) from the cold call. kvpress (SnapKVPress, PyramidKVPress, "
             "StreamingLLMPress at the same budgets) has no draft timing, so the three timings of "
@@ -1653,6 +1666,12 @@ def markdown(result: dict) -> str:
                     f"{d['first_differing_head']}), tokens diverge at "
                     f"{d['token_divergence']}"
                 )
+                for h in d.get("differing_heads", []):
+                    lines.append(
+                        f"    - layer {h['layer']}, kv head {h['head']}: kept only by dge_jax "
+                        f"{h['only_ours']}, only by kvpress {h['only_theirs']}; kvpress's "
+                        f"relative score gap at the budget boundary {_f(h['boundary_gap'], '.2e')}"
+                    )
         lines.append("")
     if result.get("b_extras") and result["suite"] == "cpu":
         lines += ["## Scenario (b): eviction at decode time", ""]

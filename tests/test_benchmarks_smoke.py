@@ -203,6 +203,7 @@ def test_agreement_helpers():
                 "theirs": [1],
                 "ours_kept": [[[0, 5, 3]], [[1, 2]]],
                 "theirs_kept": [[[3, 5, 0]], [[1, 4]]],
+                "theirs_gap": [[0.5], [3e-7]],
             },
         ]
     )
@@ -212,6 +213,9 @@ def test_agreement_helpers():
         0,
     )
     assert kept["details"][0]["first_differing_head"] == (1, 0)
+    assert kept["details"][0]["differing_heads"] == [
+        {"layer": 1, "head": 0, "boundary_gap": 3e-7, "only_ours": [2], "only_theirs": [4]}
+    ]
 
 
 def test_kvpress_ratio_keeps_exactly_the_budget():
