@@ -26,7 +26,9 @@ from dge_jax.config import ModelConfig
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ("8x1", "2x4", "1x8")
 CELLS = ("fullkv", "snapkv_dge2", "adakv_dge2")
-STEPS = ("prefill", "draft", "select_for", "compact", "stack_states", "split_state", "decode")
+STEPS = (
+    "prefill", "draft", "select_for_budgets", "compact", "stack_states", "split_state", "decode"
+)
 
 
 def config(heads=8, kv_heads=4, **overrides) -> ModelConfig:
