@@ -57,16 +57,18 @@ class KVCache:
         return self.layer_shape[0]
 
     def valid(self) -> jax.Array:
-        """[L, B, Hkv, S] bool: slots holding a token."""
-        return self.pos >= 0
+        """[L, B, Hkv, S] bool: slots holding a token (either form)."""
+        pos = jnp.stack(self.pos) if isinstance(self.pos, tuple) else self.pos
+        return pos >= 0
 
     def num_kept(self) -> jax.Array:
         """[L, B, Hkv] int32: occupied slots per head."""
         return jnp.sum(self.valid(), axis=-1, dtype=jnp.int32)
 
     def nbytes(self) -> int:
-        """Bytes held by the cache arrays (k, v and pos)."""
-        return sum(int(x.size) * x.dtype.itemsize for x in (self.k, self.v, self.pos))
+        """Bytes held by the cache arrays (k, v and pos), in either form."""
+        arrays = jax.tree.leaves((self.k, self.v, self.pos))
+        return sum(int(x.size) * x.dtype.itemsize for x in arrays)
 
 
 def init_cache(

@@ -291,6 +291,11 @@ def test_forward_on_per_layer_caches_equals_the_stacked_forward(model, prompts):
         obs_window=4,
     )  # fmt: skip
     assert isinstance(split.cache.k, tuple) and len(split.cache.k) == cfg.num_layers
+    per_layer = split.cache  # the per-layer form answers the same questions as the stacked one
+    assert (per_layer.num_layers, per_layer.batch_size, per_layer.capacity) == (
+        stacked.cache.num_layers, stacked.cache.batch_size, stacked.cache.capacity)
+    assert per_layer.nbytes() == stacked.cache.nbytes()
+    np.testing.assert_array_equal(per_layer.num_kept(), stacked.cache.num_kept())
     np.testing.assert_allclose(np.asarray(split.logits), np.asarray(stacked.logits), atol=1e-4)
     np.testing.assert_allclose(np.asarray(split.q_window), np.asarray(stacked.q_window), atol=1e-5)
     leaves = jax.tree.leaves(stack_layers(split.cache)), jax.tree.leaves(stacked.cache)
