@@ -213,7 +213,8 @@ def generate_grid(
     # hold 45 full caches at once.
     rewound: dict[tuple[int, ...], tuple[gen.DecodeState, gen.DraftRecord]] = {}
     # Cells with the same state and scoring that differ only by budget: scored once.
-    sweeps: dict[tuple, list[int]] = {}
+    # (rewound steps, scoring key) -> (state, draft record, cell indices)
+    sweeps: dict[tuple, tuple[gen.DecodeState, gen.DraftRecord | None, list[int]]] = {}
     for i, ev in enumerate(cells):
         if ev is None:
             plans.append((start, None, None))
@@ -229,14 +230,14 @@ def generate_grid(
                     drafted, all_drafts, jnp.asarray(lengths), jnp.asarray(steps), eos_ids=eos_ids
                 )
             state, drafts = rewound[key]
-        sweeps.setdefault((key, scoring_key(ev)), []).append(i)
-        plans.append((state, drafts, steps))
-    for members in sweeps.values():
-        state, drafts, _ = plans[members[0]]
+        sweeps.setdefault((key, scoring_key(ev)), (state, drafts, []))[2].append(i)
+        plans.append((state, None, steps))  # keep mask filled in below
+    for state, drafts, members in sweeps.values():
         obs, drafts = observation_for(cells[members[0]].policy, pre.obs, drafts)
         masks = keep_masks(state.cache, obs, drafts, [cells[i] for i in members])
         for i, keep in zip(members, masks, strict=True):
-            plans[i] = (state, keep, plans[i][2])
+            _, _, steps = plans[i]
+            plans[i] = (state, keep, steps)
     counts = [np.asarray(jnp.sum(keep, axis=-1)) for _, keep, _ in plans if keep is not None]
     shared_capacity = capacity_for(np.max(counts, axis=0), buffer) if counts else None
     # Pass 2: evict each cell (mask or compact) ...

@@ -137,7 +137,7 @@ class DecodeState:
     yet fed to the model). done: [B] bool, EOS emitted or limit reached. key: PRNG key.
     """
 
-    cache: KVCache  # inside `decode`'s unrolled loop: a tuple of per-layer caches
+    cache: KVCache  # inside `decode`'s unrolled loop: in per-layer form (`split_layers`)
     tokens: jax.Array
     step: jax.Array
     limit: jax.Array
@@ -475,8 +475,8 @@ def decode(
     layer_loop: "scan" runs the layers under `lax.scan` over the stacked weights and cache;
     "unrolled" splits both into per-layer buffers once, before the loop, and back after it.
     XLA:CPU copies each layer's slice of a stacked array before using it, so a scanned step
-    moves the weights and cache several times: unrolled steps run ~2x faster there
-    (`python -m benchmarks.decode_step`), for one extra copy of the layer weights while
+    moves the weights and cache several times: unrolled steps measured 1.1-1.4x faster
+    there (`python -m benchmarks.decode_step`), for one extra copy of the layer weights while
     decoding and a longer compile. None: `default_layer_loop()`. Same tokens either way.
     """
     n = state.tokens.shape[1]

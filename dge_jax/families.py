@@ -35,9 +35,9 @@ class ForwardOutput(NamedTuple):
 
 
 # forward(config, params, tokens [B, T], positions [B, T], cache, *, obs_window, record_attn,
-#         logits, key_block) -> ForwardOutput. `cache` is a stacked KVCache, or a tuple of
-# one-layer caches (`dge_jax.cache.split_layers`) with `split_layer_params(params)`, for which
-# the layers run as an unrolled loop and the output holds the same tuple type.
+#         logits, key_block) -> ForwardOutput. `cache` is a stacked KVCache, or one in
+# per-layer form (`dge_jax.cache.split_layers`) with `split_layer_params(params)`, for which
+# the layers run as an unrolled loop and the output cache keeps that form.
 ForwardFn = Callable[..., ForwardOutput]
 
 

@@ -378,8 +378,8 @@ def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT
     mesh = _context_mesh()
     if mesh is None:
         return cache
+    specs = cache_specs(cfg, cache.batch_size, mesh, rules)
     if isinstance(cache.k, tuple):  # per layer: each layer's spec without the layer axis
-        specs = cache_specs(cfg, cache.batch_size, mesh, rules)
         per_layer = jax.tree.map(lambda s: P(*s[1:]), specs)
 
         def pin(arrays, spec):
@@ -387,7 +387,6 @@ def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT
 
         return KVCache(k=pin(cache.k, per_layer.k), v=pin(cache.v, per_layer.v),
                        pos=pin(cache.pos, per_layer.pos), index=cache.index)  # fmt: skip
-    specs = cache_specs(cfg, cache.batch_size, mesh, rules)
     return jax.tree.map(jax.lax.with_sharding_constraint, cache, specs)
 
 

@@ -168,7 +168,7 @@ def forward(
     params: Params,
     tokens: jax.Array,
     positions: jax.Array,
-    cache: KVCache | tuple[KVCache, ...],
+    cache: KVCache,
     *,
     obs_window: int = 0,
     record_attn: bool = False,
@@ -209,22 +209,18 @@ def forward(
             k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        # Write the new entries at slots [slot, slot + T) of every head of this layer.
-        k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
-        if i is None:
-            k_all = jax.lax.dynamic_update_slice(k_all, k_new.astype(k_all.dtype), (0, 0, slot, 0))
-            v_all = jax.lax.dynamic_update_slice(v_all, v_new.astype(v_all.dtype), (0, 0, slot, 0))
-            pos_all = jax.lax.dynamic_update_slice(pos_all, new_pos, (0, 0, slot))
-            k_l, v_l, pos_l = k_all, v_all, pos_all
-        else:
-            k_all = jax.lax.dynamic_update_slice(
-                k_all, k_new[None].astype(k_all.dtype), (i, 0, 0, slot, 0)
-            )
-            v_all = jax.lax.dynamic_update_slice(
-                v_all, v_new[None].astype(v_all.dtype), (i, 0, 0, slot, 0)
-            )
-            pos_all = jax.lax.dynamic_update_slice(pos_all, new_pos[None], (i, 0, 0, slot))
-            k_l, v_l, pos_l = k_all[i], v_all[i], pos_all[i]
+
+        def write(buf, new):
+            """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of this layer."""
+            start = (0, 0, slot) + (0,) * (new.ndim - 3)
+            if i is None:
+                return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
+            return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), (i, *start))
+
+        k_all = write(k_all, k.transpose(0, 2, 1, 3))
+        v_all = write(v_all, v.transpose(0, 2, 1, 3))
+        pos_all = write(pos_all, new_pos)
+        k_l, v_l, pos_l = (k_all, v_all, pos_all) if i is None else (k_all[i], v_all[i], pos_all[i])
         if key_block:
             attn, probs_sum = written_slot_attention(
                 q, k_l, v_l, pos_l, positions, slot + t, block=key_block,
