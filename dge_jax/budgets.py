@@ -16,7 +16,7 @@ from fractions import Fraction
 import jax
 import jax.numpy as jnp
 
-from dge_jax.evict import descending_rank
+from dge_jax.evict import top_mask
 
 
 def _floor_times(n: jax.Array, alpha: float) -> jax.Array:
@@ -88,10 +88,12 @@ def adakv_budgets(
     n_safe = _floor_times(budget, alpha)
     valid = scores > -jnp.inf
     scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
-    floor = (descending_rank(scores) < n_safe[..., None]) & valid  # [L, B, H, S]
+    floor = top_mask(scores, jnp.broadcast_to(n_safe, (L, B, H)), valid)  # [L, B, H, S]
     raised = jnp.where(floor, jnp.inf, scores)
     # Joint ranking over the layer's heads: flatten [H, S] per (layer, row). Ties follow the
     # same rule as select (later flat index first, i.e. later head, then later slot).
-    joint_rank = descending_rank(raised.reshape(L, B, H * S)).reshape(L, B, H, S)
-    chosen = (joint_rank < (H * budget)[..., None]) & valid
+    chosen = top_mask(
+        raised.reshape(L, B, H * S), jnp.broadcast_to(H * budget[..., 0], (L, B)),
+        valid.reshape(L, B, H * S),
+    ).reshape(L, B, H, S)  # fmt: skip
     return jnp.sum(chosen, axis=-1, dtype=jnp.int32)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dge_jax.cache import KVCache
-from dge_jax.evict import apply_keep, check_capacity, compact, descending_rank, select
+from dge_jax.evict import apply_keep, check_capacity, compact, select, top_mask
 
 L, B, HKV, G, S, D = 2, 2, 2, 2, 12, 4
 
@@ -44,11 +44,51 @@ def _attend(q: jax.Array, q_pos: jax.Array, cache: KVCache) -> jax.Array:
     return jnp.einsum("lbhgs,lbhsd->lbhgd", probs, cache.v).reshape(L, B, HKV * G, D)
 
 
-def test_descending_rank_breaks_ties_towards_later_slot():
-    rank = descending_rank(jnp.array([1.0, 3.0, 3.0, 0.0]))
-    np.testing.assert_array_equal(rank, [2, 1, 0, 3])
-    rank = descending_rank(jnp.array([jnp.inf, jnp.inf, 2.0, -jnp.inf, -jnp.inf]))
-    np.testing.assert_array_equal(rank, [1, 0, 2, 4, 3])
+def _ranked_keep(scores: np.ndarray, budgets: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """Reference: rank each row's candidates (highest score first, equal scores later slot
+    first) with a sort, keep ranks below the budget."""
+    keep = np.zeros(scores.shape, bool)
+    for idx in np.ndindex(scores.shape[:-1]):
+        slots = np.flatnonzero(candidate[idx])
+        # lexsort sorts by the last key first: score descending, then slot descending.
+        order = slots[np.lexsort((-slots, -scores[idx][slots].astype(np.float64)))]
+        keep[idx][order[: max(int(budgets[idx]), 0)]] = True
+    return keep
+
+
+def test_top_mask_breaks_ties_towards_later_slot():
+    def top(scores, budget):
+        s = jnp.array(scores, jnp.float32)
+        return np.asarray(top_mask(s, jnp.array(budget), s > -jnp.inf)).astype(int).tolist()
+
+    assert top([1.0, 3.0, 3.0, 0.0], 1) == [0, 0, 1, 0]
+    assert top([1.0, 3.0, 3.0, 0.0], 2) == [0, 1, 1, 0]
+    assert top([1.0, 3.0, 3.0, 0.0], 3) == [1, 1, 1, 0]
+    assert top([jnp.inf, jnp.inf, 2.0, -jnp.inf, -jnp.inf], 1) == [0, 1, 0, 0, 0]
+    assert top([jnp.inf, jnp.inf, 2.0, -jnp.inf, -jnp.inf], 9) == [1, 1, 1, 0, 0]
+    assert top([0.0, -0.0, 0.0, -1.0], 2) == [0, 1, 1, 0]  # the two zeros tie
+    assert top([5.0, 4.0], 0) == [0, 0]
+
+
+@pytest.mark.parametrize("pool", ["normal", "ties"])
+def test_top_mask_equals_ranking_by_sort(pool):
+    # Many rows of random length, budgets from 0 to past the candidate count; "ties" draws
+    # from a few values (signed zeros, infinities, float extremes) so most rows tie at the
+    # threshold.
+    rng = np.random.default_rng(7)
+    values = np.array([0.0, -0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, 1e-30, -3e38, 3e38], np.float32)
+    for trial in range(40):
+        shape = (3, 4, int(rng.integers(1, 50)))
+        if pool == "ties":
+            scores = rng.choice(values, size=shape)
+        else:
+            scores = rng.normal(size=shape).astype(np.float32)
+        candidate = (rng.random(shape) < 0.8) & (scores > -np.inf)
+        budgets = rng.integers(-1, shape[-1] + 2, size=shape[:-1]).astype(np.int32)
+        got = np.asarray(
+            top_mask(jnp.asarray(scores), jnp.asarray(budgets), jnp.asarray(candidate))
+        )
+        np.testing.assert_array_equal(got, _ranked_keep(scores, budgets, candidate), str(trial))
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 7, 12, 20])
@@ -178,3 +218,26 @@ def test_compact_grows_capacity_and_jits():
     q = jnp.asarray(np.random.default_rng(4).normal(size=(L, B, HKV * G, D)), jnp.float32)
     last = jnp.asarray([11, 6], jnp.int32)
     np.testing.assert_allclose(_attend(q, last, cache), _attend(q, last, out), atol=1e-6)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_compact_orders_by_position_with_k_v_following(shuffled):
+    # The usual cache has its valid slots in position order (compact partitions it); a
+    # shuffled one takes the sorting path. Either way slot j holds the j-th kept position,
+    # with that entry's own key and value.
+    cache = apply_keep(_cache(), select(_scores(_cache()), 5))
+    if shuffled:
+        perm = np.random.default_rng(5).permutation(S)
+        cache = KVCache(cache.k[..., perm, :], cache.v[..., perm, :], cache.pos[..., perm],
+                        cache.index)  # fmt: skip
+    out = jax.jit(compact, static_argnums=1)(cache, 7)
+    pos, k, v = np.asarray(cache.pos), np.asarray(cache.k), np.asarray(cache.v)
+    for idx in np.ndindex(L, B, HKV):
+        slots = np.flatnonzero(pos[idx] >= 0)
+        slots = slots[np.argsort(pos[idx][slots])]
+        n = len(slots)
+        np.testing.assert_array_equal(np.asarray(out.pos)[idx][:n], pos[idx][slots])
+        np.testing.assert_array_equal(np.asarray(out.k)[idx][:n], k[idx][slots])
+        np.testing.assert_array_equal(np.asarray(out.v)[idx][:n], v[idx][slots])
+        assert (np.asarray(out.pos)[idx][n:] == -1).all()
+        assert (np.asarray(out.v)[idx][n:] == 0).all()
