@@ -1632,7 +1632,7 @@ def markdown(result: dict) -> str:
             f"StreamingLLM with 4 sinks) x 3 timings (prefill, dge(2), dge_w(2)) x budgets "
             f"{', '.join(map(str, plan['grid_budgets']))}, {g['new_tokens']} new tokens each. "
             "dge_jax: one `generate_grid` call: one prefill, one draft, one scoring per "
-            "(policy, timing) and a selection per budget, "
+            "(scorer, timing: SnapKV and PyramidKV share theirs) and a selection per budget, "
             f"cells of one cache shape decoded as one batch ({g['decode_groups']} decode "
             "call(s)); compile s (#) from the cold call. kvpress (SnapKVPress, PyramidKVPress, "
             "StreamingLLMPress at the same budgets) has no draft timing, so the three timings of "

@@ -17,6 +17,7 @@ import numpy as np
 from dge_jax import decoding as gen
 from dge_jax.cache import Observation
 from dge_jax.eviction import (
+    SLOT_MULTIPLE,
     Eviction,
     apply_eviction,
     capacity_for,
@@ -239,7 +240,12 @@ def generate_grid(
             _, _, steps = plans[i]
             plans[i] = (state, keep, steps)
     counts = [np.asarray(jnp.sum(keep, axis=-1)) for _, keep, _ in plans if keep is not None]
-    shared_capacity = capacity_for(np.max(counts, axis=0), buffer) if counts else None
+    # Room for every new token, rounded up like the kept entries, so that grids with nearby
+    # max_new_tokens still share a compiled decode. (Not the token buffer's chunk bucket:
+    # every decode step reads every slot, and a 512-token bucket for 64 new tokens made a
+    # budget-512 grid attend over 1024 slots instead of 640.)
+    room = -(-max_new_tokens // SLOT_MULTIPLE) * SLOT_MULTIPLE
+    shared_capacity = capacity_for(np.max(counts, axis=0), room) if counts else None
     # Pass 2: evict each cell (mask or compact) ...
     evicted = []
     for ev, (state, keep, _) in zip(cells, plans, strict=True):
@@ -254,7 +260,7 @@ def generate_grid(
     groups: dict[tuple, list[int]] = {}
     for i, state in enumerate(evicted):
         groups.setdefault((state.cache.capacity, state.cache.k.dtype), []).append(i)
-    finals: list[gen.DecodeState | None] = [None] * len(cells)
+    tokens_of: list[np.ndarray | None] = [None] * len(cells)  # each cell's [B, N] tokens
     for members in groups.values():
         # stack_states copies, so the decode below may donate it (cells share buffers).
         stacked = gen.stack_states([evicted[i] for i in members])
@@ -267,11 +273,15 @@ def generate_grid(
             eos_ids=eos_ids,
             min_new_tokens=min_new_tokens,
         )
-        for i, part in zip(members, gen.split_state(stacked, len(members)), strict=True):
-            finals[i] = part
+        # Only the tokens come back: the stack interleaves rows (row r of member c is row
+        # r·C + c), so member c's rows are every C-th row from c. Splitting the whole state
+        # would copy every cell's final cache for nothing.
+        tokens = np.asarray(stacked.tokens)
+        for c, i in enumerate(members):
+            tokens_of[i] = tokens[c :: len(members)]
     results = []
-    for state, (at_eviction, keep, steps) in zip(finals, plans, strict=True):
-        out_ids = cut_at_eos(np.asarray(state.tokens)[:, :max_new_tokens], eos_ids)
+    for tokens, (at_eviction, keep, steps) in zip(tokens_of, plans, strict=True):
+        out_ids = cut_at_eos(tokens[:, :max_new_tokens], eos_ids)
         texts = [model.tokenizer.decode(ids) if model.tokenizer else "" for ids in out_ids]
         kept = None if keep is None else kept_positions(at_eviction.cache, keep)
         results.append(

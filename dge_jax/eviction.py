@@ -108,6 +108,11 @@ def select_for(
     )[0]  # fmt: skip
 
 
+def scorer(policy: Policy) -> Policy:
+    """The policy whose `score` `policy` selects from (itself, or e.g. PyramidKV's SnapKV)."""
+    return getattr(policy, "scorer", policy)
+
+
 @functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha"))
 def select_for_budgets(
     cache: KVCache,
@@ -117,25 +122,31 @@ def select_for_budgets(
     observe_drafts: jax.Array,
     draft_weight: jax.Array | float = 1.0,
     *,
-    policy: Policy,
+    policy: Policy | tuple[Policy, ...],
     slide: bool = False,
     head_budget: str = "uniform",
     alpha: float = 0.2,
 ) -> tuple[jax.Array, ...]:
-    """`select_for` under several budgets at once: the policy scores the cache once, then
-    each budget selects from those scores (what a budget sweep wants). One keep mask per
-    budget, in order; each equals `select_for` with that budget."""
+    """`select_for` under several budgets at once: the cache is scored once, then each budget
+    selects from those scores (what a budget sweep wants). One keep mask per budget, in
+    order; each equals `select_for` with that budget. policy: one for every budget, or one
+    per budget, all with the same `scorer` (SnapKV and PyramidKV cells share a scoring)."""
     nl, b, hkv, _ = cache.pos.shape
+    policies = policy if isinstance(policy, tuple) else (policy,) * len(budgets)
+    if len(policies) != len(budgets) or len({scorer(p) for p in policies}) != 1:
+        raise ValueError(
+            "select_for_budgets: give one policy, or one per budget with the same scorer"
+        )
     obs = observation(prompt_obs, drafts, observe_drafts, slide, draft_weight)
-    scores = policy.score(cache, obs)
+    scores = scorer(policies[0]).score(cache, obs)
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
     # Only prompt entries count towards "fits" below: drafts are answer tokens, kept on top
     # of a whole prompt.
     prompt_entries = jnp.sum(cache.valid() & ~is_draft, axis=-1, dtype=jnp.int32)
-    layer_budgets = getattr(policy, "layer_budgets", None)
     masks = []
-    for budget in budgets:
+    for budget, pol in zip(budgets, policies, strict=True):
+        layer_budgets = getattr(pol, "layer_budgets", None)
         # A row whose every head holds no more than the nominal budget is not compressed at
         # all (DESIGN §2), whatever a schedule or allocator would move between layers/heads.
         nominal = expand_budgets(budget, nl, b, hkv)
@@ -154,7 +165,11 @@ def select_for_budgets(
 compact = jax.jit(evict.compact, static_argnames=("capacity",))
 
 
-def capacity_for(kept_counts: np.ndarray, new_tokens: int, multiple: int = 64) -> int:
+# Compacted capacities are rounded to this many slots, so nearby sizes share a compilation.
+SLOT_MULTIPLE = 64
+
+
+def capacity_for(kept_counts: np.ndarray, new_tokens: int, multiple: int = SLOT_MULTIPLE) -> int:
     """Slots for a compacted cache: the most kept by any head, rounded up, plus new tokens.
 
     kept_counts: [L, B, Hkv] int (entries each head keeps); returns a static int capacity.
@@ -171,19 +186,25 @@ def keep_mask(
 
 
 def scoring_key(ev: Eviction) -> tuple:
-    """Evictions with equal keys score a cache identically and differ at most by budget."""
+    """Evictions with equal keys score a cache identically: they differ at most by budget,
+    or by a policy that selects from the same scores (SnapKV and PyramidKV)."""
     t = ev.timing
-    return (ev.policy, t.observes_drafts, t.draft_weight, t.slide, ev.head_budget, ev.alpha)
+    return (scorer(ev.policy), t.observes_drafts, t.draft_weight, t.slide, ev.head_budget,
+            ev.alpha)  # fmt: skip
 
 
 def keep_masks(
     cache: KVCache, prompt_obs: Observation, drafts: DraftRecord | None, evs: list[Eviction]
 ) -> list[jax.Array]:
     """`keep_mask` of each eviction in `evs`, which must share a `scoring_key` (a budget
-    sweep): the cache is scored once for all of them."""
+    sweep, SnapKV and PyramidKV cells together): the cache is scored once for all of them."""
     if len({scoring_key(ev) for ev in evs}) != 1:
-        raise ValueError("keep_masks: the evictions must differ by budget only")
+        raise ValueError(
+            "keep_masks: the evictions must share one scoring (differ by budget, or by "
+            "policies with the same scorer such as SnapKV and PyramidKV)"
+        )
     ev = evs[0]
+    policies = tuple(e.policy for e in evs)
     return list(
         select_for_budgets(
             cache,
@@ -192,7 +213,8 @@ def keep_masks(
             tuple(jnp.asarray(e.budget, jnp.int32) for e in evs),
             jnp.asarray(ev.timing.observes_drafts),
             jnp.asarray(ev.timing.draft_weight, jnp.float32),
-            policy=ev.policy,
+            # one policy when all agree, so that a plain sweep shares select_for's compilation
+            policy=policies[0] if len(set(policies)) == 1 else policies,
             slide=ev.timing.slide,
             head_budget=ev.head_budget,
             alpha=ev.alpha,

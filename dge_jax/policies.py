@@ -97,12 +97,15 @@ def _first_query_pos(q_pos: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(q_pos >= 0, q_pos, _INT32_MAX), axis=-1)
 
 
-def _window_attention(k: jax.Array, pos: jax.Array, q: jax.Array, q_pos: jax.Array) -> jax.Array:
-    """Softmax attention of observed queries to the cache of one layer, [B, Hkv, G, W, S] f32.
+def _window_attention_sum(
+    k: jax.Array, pos: jax.Array, q: jax.Array, q_pos: jax.Array, weight: jax.Array
+) -> jax.Array:
+    """Weighted sum over observed queries of their softmax attention to one layer's cache.
 
-    Causal per query (``0 <= pos <= q_pos``); a query slot with q_pos = -1 gets an all-zero row.
+    k: [B, Hkv, S, D], pos: [B, Hkv, S], q: [B, Hq, W, D], q_pos: [B, W], weight: [B, W] f32
+    -> [B, Hkv, G, S] f32, sum_w weight[w] * softmax_s(q[w] . k[s] / sqrt(D)). Causal per
+    query (``0 <= pos <= q_pos``); a query slot with q_pos = -1 adds nothing.
     """
-    # k: [B, Hkv, S, D], pos: [B, Hkv, S], q: [B, Hq, W, D], q_pos: [B, W]
     num_kv_heads, head_dim = k.shape[1], k.shape[-1]
     qg = _group(q.astype(jnp.float32), num_kv_heads, axis=1)  # [B, Hkv, G, W, D]
     logits = jnp.einsum("bhgwd,bhsd->bhgws", qg, k.astype(jnp.float32)) / math.sqrt(head_dim)
@@ -113,9 +116,12 @@ def _window_attention(k: jax.Array, pos: jax.Array, q: jax.Array, q_pos: jax.Arr
     logits = jnp.where(mask, logits, -jnp.inf)
     peak = jnp.max(logits, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # fully masked rows: avoid inf - inf
-    weights = jnp.where(mask, jnp.exp(logits - peak), 0.0)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    return jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)
+    unnormalised = jnp.exp(logits - peak)  # masked slots: exp(-inf) = 0
+    total = jnp.sum(unnormalised, axis=-1)  # [B, Hkv, G, W]
+    # Each query's 1 / total folds into its weight, so the [.., W, S] probabilities are never
+    # written out: one pass fewer over the largest array of a scoring (~1.8x faster on CPU).
+    coef = jnp.where(total > 0, weight[:, None, None, :] / jnp.where(total > 0, total, 1.0), 0.0)
+    return jnp.einsum("bhgws,bhgw->bhgs", unnormalised, coef)
 
 
 def pool1d(x: jax.Array, include: jax.Array, kernel: int, how: str) -> jax.Array:
@@ -241,9 +247,8 @@ class SnapKV:
 
         def layer(args: tuple[jax.Array, ...]) -> jax.Array:
             k, pos, q, include = args  # [B, Hkv, S, D], [B, Hkv, S], [B, Hq, W, D], [B, Hkv, S]
-            attn = _window_attention(k, pos, q, obs.q_pos)  # [B, Hkv, G, W, S]
-            weighted = jnp.einsum("bhgws,bw->bhgs", attn, weight)
-            mean = weighted / total[:, None, None, None]  # [B, Hkv, G, S]
+            weighted = _window_attention_sum(k, pos, q, obs.q_pos, weight)  # [B, Hkv, G, S]
+            mean = weighted / total[:, None, None, None]
             pooled = pool1d(mean, include[:, :, None, :], self.kernel, self.pooling)
             return _reduce(pooled, axis=2, how=self.gqa)  # [B, Hkv, S]
 
@@ -267,6 +272,12 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         if self.beta < 1:
             raise ValueError(f"beta must be >= 1, got {self.beta}")
+
+    @property
+    def scorer(self) -> SnapKV:
+        """The policy whose scores this one selects from: SnapKV with the same settings (a
+        grid scores SnapKV and PyramidKV cells of one timing once)."""
+        return SnapKV(window=self.window, kernel=self.kernel, pooling=self.pooling, gqa=self.gqa)
 
     def layer_budgets(self, budget: jax.Array | int, num_layers: int) -> jax.Array:
         """Per-layer budgets [L] int32, bottom layer largest, summing exactly to L·budget.
@@ -440,7 +451,8 @@ class TOVA:
 
         def layer(args: tuple[jax.Array, ...]) -> jax.Array:
             k, pos, q = args
-            attn = _window_attention(k, pos, q, last_pos)[:, :, :, 0]  # [B, Hkv, G, S]
+            ones = jnp.ones(last_pos.shape, jnp.float32)
+            attn = _window_attention_sum(k, pos, q, last_pos, ones)  # [B, Hkv, G, S]
             if self.across_heads:
                 flat = attn.reshape(attn.shape[0], -1, attn.shape[-1])  # [B, Hq, S]
                 agg = _reduce(flat, axis=1, how=self.gqa)[:, None]  # [B, 1, S]

@@ -344,8 +344,35 @@ def test_one_scoring_for_many_budgets_equals_one_selection_each(model, policy, h
         )  # fmt: skip
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert len({np.asarray(m).sum() for m in masks}) == len(masks)  # the budgets are live
-    with pytest.raises(ValueError, match="differ by budget only"):
+    with pytest.raises(ValueError, match="share one scoring"):
         keep_masks(state.cache, pre.obs, drafts, [evs[0], Eviction(policy, 12, DGE_W2)])
+
+
+def test_snapkv_and_pyramidkv_share_one_scoring(model):
+    """PyramidKV selects from SnapKV's scores: a sweep mixing them scores once and still
+    gives each cell its own `select_for` mask; a different SnapKV setting is refused."""
+    fwd, cfg, params = model.forward, model.config, model.params
+    tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    pre = gen.prefill(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
+                      obs_window=WINDOW)  # fmt: skip
+    key = jax.random.PRNGKey(0)
+    state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
+    state, drafts = gen.draft(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1)
+    snap, pyramid = SnapKV(window=WINDOW), PyramidKV(window=WINDOW)
+    assert pyramid.scorer == snap
+    evs = [Eviction(p, b, DGE2) for p in (snap, pyramid) for b in (12, 20)]
+    masks = keep_masks(state.cache, pre.obs, drafts, evs)
+    for ev, got in zip(evs, masks, strict=True):
+        want = select_for(
+            state.cache, pre.obs, drafts, jnp.asarray(ev.budget, jnp.int32),
+            jnp.asarray(True), policy=ev.policy,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Same budget, different layer schedules: the pyramid moves entries between layers.
+    assert not np.array_equal(np.asarray(masks[0]), np.asarray(masks[2]))
+    with pytest.raises(ValueError, match="share one scoring"):
+        keep_masks(state.cache, pre.obs, drafts, [evs[0], Eviction(SnapKV(window=4), 12, DGE2)])
 
 
 def test_batch_rows_get_what_they_get_alone(model):
