@@ -19,7 +19,7 @@ import pytest
 from tiny_model import build_tiny_llama
 
 import dge_jax
-from benchmarks import machine, run
+from benchmarks import machine, run, selection
 from benchmarks.peers import ratio_for
 from dge_jax.config import ModelConfig
 
@@ -125,6 +125,15 @@ def test_gpu_suite_code_path_on_cpu(tmp_path):
         assert r["scenario"] == "gpu" and r["dtype"] == "bfloat16"
         assert _finite_positive(r["mfu"]) and _finite_positive(r["bw_util"])
     assert "MFU %" in (tmp_path / "gpu-tiny.md").read_text()
+
+
+def test_selection_benchmark_quick(capsys):
+    """`python -m benchmarks.selection --quick`: checks its replacements agree (it raises
+    otherwise) and prints one table row per part."""
+    figures = selection.main(["--quick", "--runs", "1"])
+    assert all(_finite_positive(v) for v in figures.values()), figures
+    table = capsys.readouterr().out
+    assert "| select (bisection) |" in table and "| compact (partition) |" in table
 
 
 def test_prefill_flops_by_hand():
