@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from benchmarks import machine
 from dge_jax import decoding as gen
 from dge_jax.attention import cached_attention
 from dge_jax.cache import KVCache, init_cache
@@ -108,13 +109,7 @@ def attention_ms(cfg, cache: KVCache, keys_major: bool, runs: int) -> float:
     qpos = jnp.full((b, 1), int(cache.index), jnp.int32)
     f = jax.jit(lambda q, k, v, p: cached_attention(q, k, v, p, qpos, keys_major=keys_major)[0])
     layer = (cache.k[0], cache.v[0], cache.pos[0])
-    f(q, *layer).block_until_ready()
-    times = []
-    for _ in range(max(runs, 5)):
-        t0 = time.perf_counter()
-        f(q, *layer).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(machine.call_seconds(f, q, *layer, runs=max(runs, 5)))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

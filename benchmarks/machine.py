@@ -59,15 +59,21 @@ def known_gpu(device_kind: str) -> GpuPeak | None:
     return None
 
 
-def _best_seconds(fn, *args, runs: int) -> float:
-    """Fastest of `runs` timed calls of a compiled function (each ended by block_until_ready)."""
-    jax.block_until_ready(fn(*args))  # warm: the first run of a buffer size pays page faults
+def call_seconds(fn, *args, runs: int) -> list[float]:
+    """Wall seconds of `runs` calls of fn(*args), each ended by block_until_ready, after one
+    untimed call (it compiles, and the first run of a buffer size pays page faults)."""
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(runs):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def _best_seconds(fn, *args, runs: int) -> float:
+    """Fastest of `runs` timed calls of a compiled function."""
+    return min(call_seconds(fn, *args, runs=runs))
 
 
 def matmul_gflops(n: int = 4096, dtype=jnp.float32, runs: int = 5) -> dict:

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import machine
 from dge_jax import evict
 from dge_jax.cache import KVCache, Observation
 from dge_jax.policies import SnapKV
@@ -48,13 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def median_ms(fn, *args, runs: int) -> float:
     """Median wall ms of fn(*args) over `runs` calls, after one compiling call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(machine.call_seconds(fn, *args, runs=runs))
 
 
 def sort_ranked_keep(scores: jax.Array, budget: int) -> jax.Array:
