@@ -1591,7 +1591,9 @@ def markdown(result: dict) -> str:
                 ["chunked attention alone", _f(p["attention_s"]), _f(p["attention_gflops_done"],
                  ".1f"), f"chunk i over its {p['chunk']}-key blocks 0..i: "
                  f"{p['attention_flops_done'] / p['attention_flops_causal']:.2f}x causal FLOPs"],
-                ["the rest", _f(other), "–", "norms, RoPE, cache writes, LM head"],
+                ["the rest", _f(other), "–", "norms, RoPE, cache writes, LM head"
+                 + (" (below 0: the parts timed alone, in other runs, add up to more than "
+                    "the whole; machine noise)" if other is not None and other < 0 else "")],
             ],
             align="lrrl",
         )  # fmt: skip
@@ -1661,10 +1663,13 @@ def markdown(result: dict) -> str:
         )
         for d in kv["details"]:
             if d["heads_differing"] or not d["tokens_identical"]:
+                first = d["first_differing_head"]
+                where = "none" if first is None else "layer {}, kv head {}".format(*first)
+                tokens = ("tokens identical" if d["token_divergence"] is None
+                          else f"tokens diverge at step {d['token_divergence']}")  # fmt: skip
                 lines.append(
-                    f"  - {d['prompt']}: {d['heads_differing']} heads differ (first "
-                    f"{d['first_differing_head']}), tokens diverge at "
-                    f"{d['token_divergence']}"
+                    f"  - {d['prompt']}: {d['heads_differing']} head(s) differ (first: "
+                    f"{where}); {tokens}"
                 )
                 for h in d.get("differing_heads", []):
                     lines.append(
