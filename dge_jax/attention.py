@@ -26,6 +26,8 @@ def cached_attention(
     *,
     return_probs_sum: bool = False,
     keys_major: bool | None = None,
+    new: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    new_slot: jax.Array | int = 0,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Softmax attention of q over the cache layer; returns (out, per-slot prob sums or None).
 
@@ -34,6 +36,13 @@ def cached_attention(
     summed over the T queries (H2O's accumulated attention), padding queries contributing 0.
     Scores and softmax are f32 whatever the parameter dtype. keys_major: the score layout
     (None: keys-major for at most `KEYS_MAJOR_MAX_ROWS` rows per kv head); a speed choice only.
+
+    new: (k_new, v_new [B, Hkv, T, D], pos_new [B, Hkv, T]), this call's own entries, not yet
+    written: the attention is the one the cache would give with them written at slots
+    [new_slot, new_slot + T) (whatever those slots hold now is ignored), and the probs sum
+    counts them there. Reading the cache before the write lets the write happen in place:
+    when attention read the written buffer, XLA:CPU copied every batch-1 cache buffer
+    several times per decode step.
     """
     b, t, hq, d = q.shape
     hkv = k.shape[1]
@@ -57,17 +66,35 @@ def cached_attention(
         scores = scores * scale
     # [B, Hkv, G*T, S]; slot visible iff 0 <= its pos <= the row's query pos (dge_jax.cache)
     row_pos = jnp.tile(query_pos, (1, g))[:, None, :, None]
+    if new is not None:
+        # The slots the new entries will take are read as empty; the new entries' scores
+        # [B, Hkv, G*T, T] go after the S cached ones, so one softmax covers both.
+        k_new, v_new, pos_new = new
+        t_new = k_new.shape[2]
+        taken = (jnp.arange(s_len) >= new_slot) & (jnp.arange(s_len) < new_slot + t_new)
+        slot_pos = jnp.where(taken, -1, slot_pos)
+        new_scores = jnp.einsum("bkrd,bktd->bkrt", qg, k_new, preferred_element_type=jnp.float32)
+        scores = jnp.concatenate([scores, new_scores * scale], axis=-1)
+        slot_pos = jnp.concatenate([slot_pos, pos_new], axis=-1)
     sp = slot_pos[:, :, None, :]
     mask = (sp >= 0) & (sp <= row_pos)
     scores = jnp.where(mask, scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     if return_probs_sum:
         probs = probs * mask  # padding queries (all slots masked) contribute nothing
-    out = jnp.einsum("bkrs,bksd->bkrd", probs.astype(v.dtype), v)
+    out = jnp.einsum("bkrs,bksd->bkrd", probs[..., :s_len].astype(v.dtype), v)
+    if new is not None:
+        out = out + jnp.einsum("bkrt,bktd->bkrd", probs[..., s_len:].astype(v.dtype), v_new)
     out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
     if not return_probs_sum:
         return out, None
-    return out, probs.reshape(b, hkv, g, t, s_len).sum(axis=3).reshape(b, hq, s_len)
+    sums = probs.reshape(b, hkv, g, t, -1).sum(axis=3).reshape(b, hq, -1)
+    if new is None:
+        return out, sums
+    # The new entries' sums go to their slots (read as empty above, so those hold 0).
+    return out, jax.lax.dynamic_update_slice_in_dim(
+        sums[..., :s_len], sums[..., s_len:], new_slot, axis=2
+    )
 
 
 def _group_queries(q: jax.Array, hkv: int) -> jax.Array:

@@ -97,3 +97,27 @@ def test_score_layouts_equal_reference(inputs, t, keys_major):
     real = np.asarray(query_pos >= 0)[:, :, None, None]
     np.testing.assert_allclose(np.asarray(out) * real, want_out, atol=2e-6)
     np.testing.assert_allclose(np.asarray(sums), want_sums, atol=2e-6)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_new_entries_beside_the_cache_equal_writing_them_first(inputs, t):
+    """`new=` (decode and draft steps: attend, then write) gives what writing the T new
+    entries at `new_slot` and attending gives: outputs and per-slot sums, whatever the
+    target slots held before (here stale entries, which must be ignored)."""
+    q, k, v, pos, query_pos = inputs
+    slot = WRITTEN - t  # the new entries are the last t written ones
+    q, query_pos = q[:, -t:], query_pos[:, -t:]
+    new = slice(slot, slot + t)
+    k_new, v_new, pos_new = k[:, :, new], v[:, :, new], pos[:, :, new]
+    written_out, written_sums = cached_attention(q, k, v, pos, query_pos, return_probs_sum=True)
+    stale = jnp.zeros_like(k).at[:, :, new].set(7.0)  # anything but the new values
+    stale_pos = pos.at[:, :, new].set(3)  # visible to every query, if it were read
+    for keys_major in (True, False):
+        out, sums = cached_attention(
+            q, k + stale, v - stale, stale_pos, query_pos, return_probs_sum=True,
+            keys_major=keys_major, new=(k_new, v_new, pos_new), new_slot=jnp.int32(slot),
+        )  # fmt: skip
+        real = np.asarray(query_pos >= 0)[:, :, None, None]
+        np.testing.assert_allclose(np.asarray(out) * real, np.asarray(written_out) * real,
+                                   atol=2e-6)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(sums), np.asarray(written_sums), atol=2e-6)

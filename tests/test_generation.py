@@ -274,6 +274,35 @@ def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
     np.testing.assert_allclose(np.asarray(unrolled.cache.v), np.asarray(scan.cache.v), atol=1e-5)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
+    """The decode loop updates its cache buffers in place: its compiled body holds no copy
+    of a cache-sized array. (XLA:CPU copied every batch-1 buffer 2-4 times per step while
+    attention read the buffer its write had just produced; see models/llama_like.py.)"""
+    import re
+
+    cfg = model.config
+    slots = 40
+    cache = dge_jax.cache.init_cache(cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    state = decoding.start_state(cache, jnp.ones((batch,), jnp.int32), jnp.full((batch,), 8), 4,
+                                 (), jax.random.PRNGKey(0))  # fmt: skip
+    for loop in ("scan", "unrolled"):
+        hlo = decoding.decode.lower(
+            model.forward, cfg, model.params, state, sampler=Greedy(), eos_ids=(),
+            layer_loop=loop,
+        ).compile().as_text()  # fmt: skip
+        layer = rf"f32\[{batch},{cfg.num_kv_heads},{slots},{cfg.head_dim}\]"
+        stacked = rf"f32\[{cfg.num_layers},{batch},{cfg.num_kv_heads},{slots},{cfg.head_dim}\]"
+        copies = re.findall(rf"= (?:{layer}|{stacked})\{{[\d,]*\}} copy\(", hlo)
+        # Copies outside the loop (the unrolled loop's one split and restack) are allowed:
+        # count those of the while body only, the largest computation with "region" in its
+        # name.
+        bodies = [c for c in re.split(r"\n(?=\S)", hlo) if "region" in c.split("\n")[0]]
+        body = max(bodies, key=len)
+        in_loop = re.findall(rf"= (?:{layer}|{stacked})\{{[\d,]*\}} copy\(", body)
+        assert in_loop == [], f"{loop}: {len(in_loop)} cache copies per step ({len(copies)} in all)"
+
+
 def test_forward_on_per_layer_caches_equals_the_stacked_forward(model, prompts):
     """One forward over `split_layers(cache)` returns the same logits, and a per-layer cache
     that `stack_layers` turns into the stacked forward's cache."""
