@@ -217,12 +217,15 @@ def forward(
                 return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
             return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), (i, *start))
 
+        def this_layer(*bufs):
+            """This layer's [B, Hkv, S, ...] views of the given buffers."""
+            return bufs if i is None else tuple(buf[i] for buf in bufs)
+
         k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         if key_block:  # a prefill chunk: attends over the written cache, its own keys included
             k_all, v_all = write(k_all, k_new), write(v_all, v_new)
             pos_all = write(pos_all, new_pos)
-            k_l, v_l, pos_l = (k_all, v_all, pos_all) if i is None else (k_all[i], v_all[i],
-                                                                         pos_all[i])  # fmt: skip
+            k_l, v_l, pos_l = this_layer(k_all, v_all, pos_all)
             attn, probs_sum = written_slot_attention(
                 q, k_l, v_l, pos_l, positions, slot + t, block=key_block,
                 return_probs_sum=record_attn,
@@ -235,8 +238,7 @@ def forward(
             # of the loop 2-4 times per decode step (2.2x slower at batch 1 and 4,608 slots;
             # tests/test_generation.py checks the compiled loop for such copies). The zero
             # is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a.
-            k_l, v_l, pos_l = (k_all, v_all, pos_all) if i is None else (k_all[i], v_all[i],
-                                                                         pos_all[i])  # fmt: skip
+            k_l, v_l, pos_l = this_layer(k_all, v_all, pos_all)
             attn, probs_sum = cached_attention(
                 q, k_l, v_l, pos_l, positions, return_probs_sum=record_attn,
                 new=(k_new, v_new, new_pos), new_slot=slot,
