@@ -286,7 +286,6 @@ class StageTimer:
         (gen, "rewind"),
         (gen, "decode"),
         (gen, "stack_states"),
-        (gen, "split_state"),
         (api, "keep_masks"),
         (api, "apply_eviction"),
     )
@@ -568,7 +567,7 @@ def run_grid(model, prompt: list[int], plan: Plan, timer: StageTimer) -> dict:
         "evict_s": total("rewind", "keep_masks", "apply_eviction"),
         "decode_s": total("decode"),
         "decode_groups": sum(r["stage"] == "decode" for r in warm.records),
-        "stack_split_s": total("stack_states", "split_state"),
+        "stack_s": total("stack_states"),
         "host_s": warm.wall_s - sum(r["wall_s"] for r in warm.records),
         "jit_cache": jit_cache_sizes(),
     }

@@ -273,12 +273,11 @@ def generate_grid(
             eos_ids=eos_ids,
             min_new_tokens=min_new_tokens,
         )
-        # Only the tokens come back: the stack interleaves rows (row r of member c is row
-        # r·C + c), so member c's rows are every C-th row from c. Splitting the whole state
-        # would copy every cell's final cache for nothing.
-        tokens = np.asarray(stacked.tokens)
-        for c, i in enumerate(members):
-            tokens_of[i] = tokens[c :: len(members)]
+        # Only the tokens come back: splitting the whole state would copy every cell's
+        # final cache for nothing.
+        parts = gen.split_rows(np.asarray(stacked.tokens), len(members))
+        for i, tokens in zip(members, parts, strict=True):
+            tokens_of[i] = tokens
     results = []
     for tokens, (at_eviction, keep, steps) in zip(tokens_of, plans, strict=True):
         out_ids = cut_at_eos(tokens[:, :max_new_tokens], eos_ids)

@@ -375,16 +375,16 @@ def _interleave(xs: list[jax.Array], axis: int) -> jax.Array:
     return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2 :])
 
 
-def _deinterleave(x: jax.Array, axis: int, parts: int, i: int) -> jax.Array:
-    """Rows i, i + parts, i + 2·parts, ... of `x` along `axis` (inverse of `_interleave`)."""
-    shape = x.shape[:axis] + (x.shape[axis] // parts, parts) + x.shape[axis + 1 :]
-    return jnp.take(x.reshape(shape), i, axis=axis + 1)
+def split_rows(x, parts: int) -> list:
+    """The `parts` member arrays [B, ...] of rows interleaved by `stack_states` along the
+    first axis of x [B·C, ...]: member c holds rows c, c + C, c + 2C, ... (numpy or JAX)."""
+    return [x[c::parts] for c in range(parts)]
 
 
 @jax.jit
 def stack_states(states: list[DecodeState]) -> DecodeState:
     """One state holding the given states' rows, interleaved: row r of state c becomes row
-    r·C + c of C states (a copy of all of them; `split_state` undoes it).
+    r·C + c of C states (a copy of all of them; `split_rows` undoes it per array).
 
     Interleaved, not concatenated, so that on a device mesh (dge_jax.sharding) every row
     stays on the device that holds it: a device's block of rows of each state becomes one
@@ -414,35 +414,6 @@ def stack_states(states: list[DecodeState]) -> DecodeState:
         done=rows("done"),
         key=first.key,
     )
-
-
-@functools.partial(jax.jit, static_argnames=("parts",))
-def split_state(state: DecodeState, parts: int) -> list[DecodeState]:
-    """Inverse of `stack_states` for `parts` states of equal batch size."""
-
-    def take(i):
-        cache = KVCache(
-            k=_deinterleave(state.cache.k, 1, parts, i),
-            v=_deinterleave(state.cache.v, 1, parts, i),
-            pos=_deinterleave(state.cache.pos, 1, parts, i),
-            index=state.cache.index,
-        )
-
-        def rows(name):
-            return _deinterleave(getattr(state, name), 0, parts, i)
-
-        return DecodeState(
-            cache=cache,
-            tokens=rows("tokens"),
-            step=rows("step"),
-            limit=state.limit,
-            last=rows("last"),
-            pos=rows("pos"),
-            done=rows("done"),
-            key=state.key,
-        )
-
-    return [take(i) for i in range(parts)]
 
 
 def default_layer_loop() -> str:

@@ -170,7 +170,6 @@ def test_call_row_nets_out_compilation():
         _rec("apply_eviction", 0.2, cache_bytes=10),
         _rec("stack_states", 0.05),
         _rec("decode", 3.5, compile_s=0.5, cache_bytes=10, steps=62),
-        _rec("split_state", 0.05),
     ]
     call = run.Call(wall_s=9.0, compile_s=2.5, compilations=7, records=records, t0=8.0,
                     peak_mem=123)  # fmt: skip

@@ -344,3 +344,18 @@ def test_unknown_layer_loop_is_a_clear_error(model, prompts):
             model.forward, model.config, model.params, state, sampler=Greedy(), eos_ids=(),
             layer_loop="python",
         )  # fmt: skip
+
+
+def test_split_rows_undoes_stack_states(model):
+    """stack_states interleaves the members' rows; split_rows gives each member its own."""
+    cfg = model.config
+    states = []
+    for c in range(3):
+        cache = dge_jax.cache.init_cache(cfg.num_layers, 2, cfg.num_kv_heads, 8, cfg.head_dim)
+        first = jnp.asarray([10 * c + 1, 10 * c + 2], jnp.int32)
+        states.append(decoding.start_state(cache, first, jnp.full((2,), 4), 3, (),
+                                           jax.random.PRNGKey(0)))  # fmt: skip
+    stacked = decoding.stack_states(states)
+    for got, state in zip(decoding.split_rows(np.asarray(stacked.tokens), 3), states, strict=True):
+        np.testing.assert_array_equal(got, np.asarray(state.tokens))
+    assert np.asarray(stacked.tokens)[:, 0].tolist() == [1, 11, 21, 2, 12, 22]
