@@ -20,10 +20,10 @@ from dge_jax.eviction import (
     SLOT_MULTIPLE,
     Eviction,
     apply_eviction,
-    capacity_for,
     check_eviction,
     keep_masks,
     kept_positions,
+    layer_capacities,
     scoring_key,
 )
 from dge_jax.model import Model
@@ -244,8 +244,11 @@ def generate_grid(
     # max_new_tokens still share a compiled decode. (Not the token buffer's chunk bucket:
     # every decode step reads every slot, and a 512-token bucket for 64 new tokens made a
     # budget-512 grid attend over 1024 slots instead of 640.)
+    # Capacities are per layer: a grid with PyramidKV cells would otherwise give every layer
+    # the bottom layer's slots (1,024 for all 30 layers of SmolLM2 at budget 512, where the
+    # layers' largest heads need 576 to 1,024), and every decode step reads every slot.
     room = -(-max_new_tokens // SLOT_MULTIPLE) * SLOT_MULTIPLE
-    shared_capacity = capacity_for(np.max(counts, axis=0), room) if counts else None
+    shared_capacity = layer_capacities(np.max(counts, axis=0), room) if counts else None
     # Pass 2: evict each cell (mask or compact) ...
     evicted = []
     for ev, (state, keep, _) in zip(cells, plans, strict=True):
@@ -259,7 +262,8 @@ def generate_grid(
     # the weights once per step for all of them, so a grid costs little more than one cell.
     groups: dict[tuple, list[int]] = {}
     for i, state in enumerate(evicted):
-        groups.setdefault((state.cache.capacity, state.cache.k.dtype), []).append(i)
+        cache = state.cache
+        groups.setdefault((cache.capacities, isinstance(cache.k, tuple), cache.dtype), []).append(i)
     tokens_of: list[np.ndarray | None] = [None] * len(cells)  # each cell's [B, N] tokens
     for members in groups.values():
         # stack_states copies, so the decode below may donate it (cells share buffers).

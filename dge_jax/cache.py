@@ -6,6 +6,11 @@ One layout for every stage (DESIGN §3):
     pos  : [L, B, Hkv, S]      original token position of each slot, -1 = empty
     index: []                  next slot to write (shared by all rows, layers and heads)
 
+Compaction to per-layer capacities (`dge_jax.evict.compact` given one capacity per layer,
+for budgets that differ by layer such as PyramidKV's) gives the per-layer form with layer i
+holding S_i slots, and ``index`` [L]: layer i's next slot. Only the unrolled layer loop
+reads that form; every forward writes layer i at ``index[i]`` when ``index`` has a layer axis.
+
 A query at position p may attend to slot s of its head iff ``0 <= pos[s] <= p``. That one
 rule covers left padding (padded slots hold -1), eviction (evicted slots get -1) and
 causality, so a masked cache, a compacted cache and a full cache all run the same code.
@@ -34,17 +39,35 @@ class KVCache:
     k: jax.Array  # [L, B, Hkv, S, D] (per-layer form: a tuple of L [B, Hkv, S, D])
     v: jax.Array  # [L, B, Hkv, S, D]
     pos: jax.Array  # [L, B, Hkv, S] int32, -1 = empty
-    index: jax.Array  # [] int32, next slot to write
+    index: jax.Array  # [] int32, next slot to write; [L] with per-layer capacities
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
-        """(B, Hkv, S, D) of one layer, static, in the stacked or per-layer form."""
+        """(B, Hkv, S, D) of one layer, static, in the stacked or per-layer form (the first
+        layer's S when capacities differ by layer)."""
         return self.k[0].shape if isinstance(self.k, tuple) else self.k.shape[1:]
 
     @property
+    def capacities(self) -> tuple[int, ...]:
+        """Slots per head of each layer (S_i), static."""
+        if isinstance(self.k, tuple):
+            return tuple(k.shape[2] for k in self.k)
+        return (self.k.shape[3],) * self.k.shape[0]
+
+    @property
     def capacity(self) -> int:
-        """Slots per head (S), static."""
-        return self.layer_shape[2]
+        """Slots per head (S), static; the largest layer's when capacities differ by layer."""
+        return max(self.capacities)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """dtype of the stored keys and values."""
+        return (self.k[0] if isinstance(self.k, tuple) else self.k).dtype
+
+    @property
+    def ragged(self) -> bool:
+        """True when layers hold different numbers of slots (per-layer form only)."""
+        return len(set(self.capacities)) > 1
 
     @property
     def num_layers(self) -> int:
@@ -57,13 +80,20 @@ class KVCache:
         return self.layer_shape[0]
 
     def valid(self) -> jax.Array:
-        """[L, B, Hkv, S] bool: slots holding a token (either form)."""
+        """[L, B, Hkv, S] bool: slots holding a token (either form; not for ragged caches)."""
+        if self.ragged:
+            raise ValueError(
+                f"valid() needs one capacity for all layers, got {self.capacities}; read the "
+                "per-layer pos arrays (cache.pos[i] >= 0) of a cache with per-layer capacities"
+            )
         pos = jnp.stack(self.pos) if isinstance(self.pos, tuple) else self.pos
         return pos >= 0
 
     def num_kept(self) -> jax.Array:
-        """[L, B, Hkv] int32: occupied slots per head."""
-        return jnp.sum(self.valid(), axis=-1, dtype=jnp.int32)
+        """[L, B, Hkv] int32: occupied slots per head (either form, ragged too)."""
+        if isinstance(self.pos, tuple):
+            return jnp.stack([jnp.sum(p >= 0, axis=-1, dtype=jnp.int32) for p in self.pos])
+        return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
 
     def nbytes(self) -> int:
         """Bytes held by the cache arrays (k, v and pos), in either form."""
@@ -107,9 +137,15 @@ def split_layers(cache: KVCache) -> KVCache:
 
 
 def stack_layers(cache: KVCache) -> KVCache:
-    """Inverse of `split_layers`."""
+    """Inverse of `split_layers` (raises for a cache with per-layer capacities)."""
     if not isinstance(cache.k, tuple):
         return cache
+    if cache.ragged:
+        raise ValueError(
+            f"cannot stack a cache whose layers hold different numbers of slots "
+            f"{cache.capacities}; it stays in per-layer form (decode it with the unrolled "
+            "layer loop)"
+        )
     return KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v), pos=jnp.stack(cache.pos),
                    index=cache.index)  # fmt: skip
 

@@ -389,16 +389,30 @@ def stack_states(states: list[DecodeState]) -> DecodeState:
     Interleaved, not concatenated, so that on a device mesh (dge_jax.sharding) every row
     stays on the device that holds it: a device's block of rows of each state becomes one
     block of the stack, and neither stacking nor splitting moves a cache entry.
-    Every cache must have the same capacity; the next write slot becomes the largest
-    `index` among them: a cache whose entries end earlier just has empty slots before it
-    (pos -1, ignored by the mask), as after compaction. limit and key come from the first.
+    Every cache must have the same capacities and form (stacked, or per-layer); the next
+    write slot becomes the largest `index` among them (per layer, for per-layer indices): a
+    cache whose entries end earlier just has empty slots before it (pos -1, ignored by the
+    mask), as after compaction. limit and key come from the first.
     """
     first = states[0]
+    caches = [s.cache for s in states]
+    if len({(c.capacities, isinstance(c.k, tuple)) for c in caches}) != 1:
+        raise ValueError(
+            "stack_states: caches differ in capacities or form: "
+            f"{sorted({c.capacities for c in caches})}"
+        )
+
+    def interleaved(name):
+        arrays = [getattr(c, name) for c in caches]
+        if isinstance(arrays[0], tuple):  # per-layer form: rows are axis 0 of each layer
+            return tuple(_interleave(list(layer), axis=0) for layer in zip(*arrays, strict=True))
+        return _interleave(arrays, axis=1)
+
     cache = KVCache(
-        k=_interleave([s.cache.k for s in states], axis=1),
-        v=_interleave([s.cache.v for s in states], axis=1),
-        pos=_interleave([s.cache.pos for s in states], axis=1),
-        index=jnp.max(jnp.stack([s.cache.index for s in states])),
+        k=interleaved("k"),
+        v=interleaved("v"),
+        pos=interleaved("pos"),
+        index=jnp.max(jnp.stack([c.index for c in caches]), axis=0),
     )
 
     def rows(name):
@@ -448,13 +462,24 @@ def decode(
     XLA:CPU copies each layer's slice of a stacked array before using it, so a scanned step
     moves the weights and cache several times: unrolled steps measured 1.1-1.4x faster
     there (`python -m benchmarks.decode_step`), for one extra copy of the layer weights while
-    decoding and a longer compile. None: `default_layer_loop()`. Same tokens either way.
+    decoding and a longer compile. None: `default_layer_loop()`, or "unrolled" for a cache
+    with per-layer capacities (`evict.compact`), which only that loop can run; such a cache
+    comes back in per-layer form. Same tokens either way.
     """
     n = state.tokens.shape[1]
-    layer_loop = layer_loop or default_layer_loop()
+    ragged = isinstance(state.cache.k, tuple) and state.cache.ragged
+    layer_loop = layer_loop or ("unrolled" if ragged else default_layer_loop())
     if layer_loop not in ("scan", "unrolled"):
         raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
-    if layer_loop == "unrolled":
+    if ragged and layer_loop == "scan":
+        raise ValueError(
+            f"layer_loop='scan' needs one capacity for all layers, but the cache's layers hold "
+            f"{state.cache.capacities} slots; use layer_loop='unrolled' (or None)"
+        )
+    per_layer_input = isinstance(state.cache.k, tuple)
+    if layer_loop == "scan":
+        state = dataclasses.replace(state, cache=stack_layers(state.cache))
+    else:
         # The barrier keeps the slices out of the loop body, so they are made once.
         params = jax.lax.optimization_barrier(split_layer_params(params))
         state = dataclasses.replace(state, cache=split_layers(state.cache))
@@ -468,8 +493,8 @@ def decode(
         )[0]
 
     state = jax.lax.while_loop(cond, body, state)
-    if layer_loop == "unrolled":
-        state = dataclasses.replace(state, cache=stack_layers(state.cache))
+    restore = split_layers if per_layer_input else stack_layers  # the form it came in
+    state = dataclasses.replace(state, cache=restore(state.cache))
     # Rows that stopped early keep their EOS as padding for the steps the loop skipped.
     fill = jnp.arange(n)[None, :] >= state.step[:, None]
     return dataclasses.replace(state, tokens=jnp.where(fill, state.last[:, None], state.tokens))

@@ -14,11 +14,13 @@ when a budget is smaller than the protected window, whose slots all score +inf).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.cache import KVCache
+from dge_jax.cache import KVCache, stack_layers
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -122,23 +124,56 @@ def _first_reaching(running: jax.Array, targets: jax.Array) -> jax.Array:
     return lo
 
 
-def compact(cache: KVCache, capacity: int) -> KVCache:
+def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
     """A cache of ``capacity`` slots holding each head's valid slots first, in position order.
 
     k, v: [L, B, Hkv, S, D] -> [L, B, Hkv, capacity, D]; pos: [L, B, Hkv, S] -> [..., capacity]
     int32; index: max kept count (int32 scalar), where decoding appends next.
 
-    Precondition (check on the host with ``check_capacity``): no head holds more than
-    ``capacity`` entries; under jit the extra ones would be dropped silently (the newest first).
+    ``capacity`` may instead give each layer its own (a sequence of L ints: budgets that differ
+    by layer, as PyramidKV's, then cost only what each layer keeps). The result is then in
+    per-layer form (`dge_jax.cache.split_layers`) with layer i of capacity[i] slots and
+    ``index`` [L], each layer's max kept count.
+
+    Precondition (check on the host with ``check_capacity``): no head holds more than its
+    layer's capacity entries; under jit the extra ones would be dropped silently (the newest
+    first).
     """
-    # k, v: [L, B, Hkv, S, D] -> [L, B, Hkv, capacity, D]; pos: [L, B, Hkv, S] -> [..., capacity]
-    length = cache.capacity
-    k, v, pos = cache.k, cache.v, cache.pos
+    if isinstance(capacity, int | np.integer):
+        if isinstance(cache.k, tuple):
+            cache = stack_layers(cache)
+        k, v, pos, count = _compact_heads(cache.k, cache.v, cache.pos, int(capacity))
+        return KVCache(k=k, v=v, pos=pos, index=jnp.max(count).astype(jnp.int32))
+    capacities = tuple(int(c) for c in capacity)
+    if len(capacities) != cache.num_layers:
+        raise ValueError(
+            f"compact: {len(capacities)} capacities for a cache of {cache.num_layers} layers; "
+            "give one int, or one per layer"
+        )
+    # All layers are compacted at the largest capacity in one batched op, then each is cut
+    # to its own: slots past a layer's capacity hold nothing it kept (the precondition), and
+    # one op compiles in a fraction of the time of L ops of different shapes.
+    widest = compact(cache, max(capacities))
+    cut = [(widest.k[i, ..., :c, :], widest.v[i, ..., :c, :], widest.pos[i, ..., :c])
+           for i, c in enumerate(capacities)]  # fmt: skip
+    ks, vs, ps = (tuple(x) for x in zip(*cut, strict=True))
+    most = jnp.max(jnp.sum(widest.pos >= 0, axis=-1, dtype=jnp.int32), axis=(1, 2))  # [L]
+    index = jnp.minimum(most, jnp.asarray(capacities, jnp.int32))
+    return KVCache(k=ks, v=vs, pos=ps, index=index)
+
+
+def _compact_heads(
+    k: jax.Array, v: jax.Array, pos: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`compact` of arrays with any leading axes: k, v [..., S, D], pos [..., S] ->
+    [..., capacity(, D)], and count [...] int32, the entries each head now holds."""
+    length = pos.shape[-1]
     if capacity > length:  # growing: append empty slots so the gather below can fill them
         extra = capacity - length
-        k = jnp.pad(k, ((0, 0),) * 3 + ((0, extra), (0, 0)))
-        v = jnp.pad(v, ((0, 0),) * 3 + ((0, extra), (0, 0)))
-        pos = jnp.pad(pos, ((0, 0),) * 3 + ((0, extra),), constant_values=-1)
+        lead = ((0, 0),) * (pos.ndim - 1)
+        k = jnp.pad(k, lead + ((0, extra), (0, 0)))
+        v = jnp.pad(v, lead + ((0, extra), (0, 0)))
+        pos = jnp.pad(pos, lead + ((0, extra),), constant_values=-1)
     valid = pos >= 0
     count = jnp.sum(valid, axis=-1, keepdims=True, dtype=jnp.int32)
     # Target slot j takes the head's (j+1)-th valid slot: the first slot s whose running
@@ -152,7 +187,7 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
     order = _first_reaching(running, jnp.arange(1, capacity + 1, dtype=jnp.int32))
     order = jnp.minimum(order, pos.shape[-1] - 1)
     taken = jnp.take_along_axis(pos, order, axis=-1)
-    empty = jnp.arange(capacity) >= count  # [L, B, Hkv, capacity]
+    empty = jnp.arange(capacity) >= count  # [..., capacity]
     taken = jnp.where(empty, -1, taken)
     in_order = jnp.all((taken[..., 1:] > taken[..., :-1]) | (taken[..., 1:] < 0))
     order = jax.lax.cond(
@@ -166,39 +201,49 @@ def compact(cache: KVCache, capacity: int) -> KVCache:
     filled = (new_pos >= 0)[..., None]
     new_k = jnp.where(filled, jnp.take_along_axis(k, order[..., None], axis=-2), 0)
     new_v = jnp.where(filled, jnp.take_along_axis(v, order[..., None], axis=-2), 0)
-    # Why one shared `index` = max kept count is right. cache.index is a single next-write slot
-    # for every layer, row and head (decode writes token t of all heads into slot `index`).
-    # After compaction head h holds n_h entries in slots [0, n_h). Writing the next token at
-    # max(n_h) overwrites nobody's entry; a head with fewer entries keeps empty slots (pos -1)
-    # in [n_h, max), which the mask `0 <= pos <= query_pos` ignores, and its entries stay sorted
-    # by position because new tokens have larger positions than anything kept. Example, 2 heads
-    # after compaction to capacity 6 (budgets 3 and 2), next token at position 9:
+    # Why one shared next-write slot = max kept count is right. cache.index is a single
+    # next-write slot for every row and head of a layer (every layer, unless capacities are
+    # per layer): decode writes token t of all heads into slot `index`. After compaction head
+    # h holds n_h entries in slots [0, n_h). Writing the next token at max(n_h) overwrites
+    # nobody's entry; a head with fewer entries keeps empty slots (pos -1) in [n_h, max),
+    # which the mask `0 <= pos <= query_pos` ignores, and its entries stay sorted by position
+    # because new tokens have larger positions than anything kept. Example, 2 heads after
+    # compaction to capacity 6 (budgets 3 and 2), next token at position 9:
     #     slot:      0   1   2   3   4   5
     #     head 0:    0   4   8  -1  -1  -1     n_0 = 3
     #     head 1:    2   8  -1  -1  -1  -1     n_1 = 2     index = 3
     #     decode ->  head 0: 0 4 8 9 -1 -1     head 1: 2 8 -1 9 -1 -1
-    # The gap (slot 2 of head 1) costs max(n) - n_h slots, the price of a per-cache index.
-    index = jnp.minimum(jnp.max(count), capacity)
-    return KVCache(k=new_k, v=new_v, pos=new_pos, index=index.astype(jnp.int32))
+    # The gap (slot 2 of head 1) costs max(n) - n_h slots, the price of a shared index.
+    return new_k, new_v, new_pos, jnp.minimum(count[..., 0], capacity)
 
 
 def check_capacity(
-    kept: KVCache | jax.Array | np.ndarray, capacity: int, new_tokens: int = 0
+    kept: KVCache | jax.Array | np.ndarray,
+    capacity: int | Sequence[int],
+    new_tokens: int = 0,
 ) -> int:
     """The slots needed (max kept entries per head + ``new_tokens``); raises if over ``capacity``.
 
     Host-side check of ``compact``'s precondition. ``kept``: a cache, a keep mask
-    [L, B, Hkv, S] bool or per-head counts [L, B, Hkv] int.
+    [L, B, Hkv, S] bool or per-head counts [L, B, Hkv] int; ``capacity``: one for every layer
+    or one per layer (then each layer is checked against its own).
     """
     if isinstance(kept, KVCache):
         counts = np.asarray(kept.num_kept())
     else:
         arr = np.asarray(kept)
         counts = arr.sum(axis=-1) if arr.dtype == np.bool_ else arr
-    needed = int(counts.max(initial=0)) + int(new_tokens)
-    if needed > capacity:
+    per_layer = counts.reshape(counts.shape[0], -1).max(axis=1, initial=0) + int(new_tokens)
+    if np.ndim(capacity) and len(capacity) != len(per_layer):
         raise ValueError(
-            f"compaction needs {needed} slots per head ({needed - new_tokens} kept + "
-            f"{new_tokens} new tokens) but capacity is {capacity}"
+            f"{len(capacity)} capacities for {len(per_layer)} layers; give one, or one per layer"
         )
-    return needed
+    limits = np.broadcast_to(np.asarray(capacity), per_layer.shape)
+    for layer, (needed, limit) in enumerate(zip(per_layer, limits, strict=True)):
+        if needed > limit:
+            where = "" if np.ndim(capacity) == 0 else f" in layer {layer}"
+            raise ValueError(
+                f"compaction needs {needed} slots per head{where} ({needed - new_tokens} kept "
+                f"+ {new_tokens} new tokens) but capacity is {int(limit)}"
+            )
+    return int(per_layer.max(initial=int(new_tokens)))

@@ -32,8 +32,9 @@ class Eviction:
     budget: entries per kv head kept right after eviction (window and drafts included): an
     int, or a per-layer [L] / per-head [L, Hkv] array. head_budget "adakv" re-splits each
     layer's pool Hkv·B across heads by score (floor alpha·B per head). compact=False keeps the
-    masked cache (same shape); capacity fixes the compacted cache's slots (None = derived from
-    what was kept), so that a sweep can share one compilation of decode.
+    masked cache (same shape); capacity fixes the compacted cache's slots, one for all layers
+    (None = derived from what each layer kept: `layer_capacities`), so that a sweep can share
+    one compilation of decode.
     """
 
     policy: Policy = SnapKV()
@@ -178,6 +179,22 @@ def capacity_for(kept_counts: np.ndarray, new_tokens: int, multiple: int = SLOT_
     return -(-most // multiple) * multiple + new_tokens
 
 
+def layer_capacities(
+    kept_counts: np.ndarray, new_tokens: int, multiple: int = SLOT_MULTIPLE
+) -> int | tuple[int, ...]:
+    """`capacity_for` of each layer: one int when every layer needs the same, else a tuple
+    of L (for `evict.compact`), so budgets that differ by layer (PyramidKV's, AdaKV's) pay
+    for each layer's own largest head rather than the whole cache's.
+
+    kept_counts: [L, B, Hkv] int. Example, PyramidKV at budget 512 on SmolLM2 (30 layers)
+    gives the bottom layer 968 entries per head and the top one 56: one capacity would give
+    every layer 1,024 slots (+ new tokens); per layer they fall with the budgets.
+    """
+    counts = np.asarray(kept_counts)
+    caps = tuple(capacity_for(c, new_tokens, multiple) for c in counts)
+    return caps[0] if len(set(caps)) == 1 else caps
+
+
 def keep_mask(
     cache: KVCache, prompt_obs: Observation, drafts: DraftRecord | None, ev: Eviction
 ) -> jax.Array:
@@ -223,15 +240,20 @@ def keep_masks(
 
 
 def apply_eviction(
-    cache: KVCache, keep: jax.Array, ev: Eviction, capacity: int | None, new_tokens: int
+    cache: KVCache,
+    keep: jax.Array,
+    ev: Eviction,
+    capacity: int | tuple[int, ...] | None,
+    new_tokens: int,
 ) -> KVCache:
-    """The evicted cache: masked (same shape), or compacted to `capacity` slots (None: just
-    enough for what was kept plus `new_tokens`, rounded up). keep: [L, B, Hkv, S] bool."""
+    """The evicted cache: masked (same shape), or compacted to `capacity` slots, one for all
+    layers or one per layer (None: per layer, just enough for what each layer kept plus
+    `new_tokens`, rounded up: `layer_capacities`). keep: [L, B, Hkv, S] bool."""
     masked = evict.apply_keep(cache, keep)
     if not ev.compact:
         return masked
     counts = np.asarray(jnp.sum(keep, axis=-1))
-    capacity = capacity or capacity_for(counts, new_tokens)
+    capacity = capacity or layer_capacities(counts, new_tokens)
     evict.check_capacity(counts, capacity, new_tokens)
     return compact(masked, capacity=capacity)
 

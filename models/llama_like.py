@@ -175,7 +175,8 @@ def forward(
     logits: str = "last",
     key_block: int = 0,
 ) -> ForwardOutput:
-    """Runs T new tokens through the model, writing their K/V at slots [index, index + T).
+    """Runs T new tokens through the model, writing their K/V at slots [index, index + T)
+    (layer i at [index[i], index[i] + T) when the cache has per-layer next slots).
 
     tokens, positions: [B, T] int32 (position -1 marks a padding token: it is written with
     pos -1, so no query ever sees it). logits: "last" -> [B, V], "all" -> [B, T, V], "none".
@@ -192,11 +193,16 @@ def forward(
     b, t = tokens.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = rope_tables(positions, inverse_frequencies(cfg.rope, hd))
-    slot = cache.index
+    if record_attn and isinstance(cache.k, tuple) and cache.ragged:
+        raise ValueError(
+            f"record_attn needs one capacity for all layers (per-slot sums are stacked), got "
+            f"{cache.capacities}"
+        )
+    per_layer_index = cache.index.ndim == 1  # [L] after compaction to per-layer capacities
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, hkv, t)).astype(jnp.int32)
     w = min(obs_window, t)
 
-    def layer(x, lp, k_all, v_all, pos_all, i):
+    def layer(x, lp, k_all, v_all, pos_all, i, slot):
         """Layer i of x [B, T, D]; writes slots [slot, slot + T) of k_all[i] (in place under
         jit), v_all[i] and pos_all[i]. i = None: k_all, v_all, pos_all are this layer's own
         [B, Hkv, S, ...] buffers."""
@@ -262,7 +268,10 @@ def forward(
             # decode step copy the whole cache.
             x, k_all, v_all, pos_all = carry
             lp, i = scanned
-            x, k_all, v_all, pos_all, q_win, probs_sum = layer(x, lp, k_all, v_all, pos_all, i)
+            slot = cache.index[i] if per_layer_index else cache.index
+            x, k_all, v_all, pos_all, q_win, probs_sum = layer(
+                x, lp, k_all, v_all, pos_all, i, slot
+            )
             return (x, k_all, v_all, pos_all), (q_win, probs_sum)
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -273,8 +282,11 @@ def forward(
     else:
         layers = split_layer_params(params).layers
         ks, vs, ps, wins, sums = [], [], [], [], []
-        for lp, k_l, v_l, pos_l in zip(layers, cache.k, cache.v, cache.pos, strict=True):
-            x, k_l, v_l, pos_l, q_win, probs_sum = layer(x, lp, k_l, v_l, pos_l, None)
+        for i, (lp, k_l, v_l, pos_l) in enumerate(
+            zip(layers, cache.k, cache.v, cache.pos, strict=True)
+        ):
+            slot = cache.index[i] if per_layer_index else cache.index
+            x, k_l, v_l, pos_l, q_win, probs_sum = layer(x, lp, k_l, v_l, pos_l, None, slot)
             ks.append(k_l)
             vs.append(v_l)
             ps.append(pos_l)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.cache import KVCache
+from dge_jax.cache import KVCache, stack_layers
 from dge_jax.evict import apply_keep, check_capacity, compact, select, top_mask
 
 L, B, HKV, G, S, D = 2, 2, 2, 2, 12, 4
@@ -241,3 +241,33 @@ def test_compact_orders_by_position_with_k_v_following(shuffled):
         np.testing.assert_array_equal(np.asarray(out.v)[idx][:n], v[idx][slots])
         assert (np.asarray(out.pos)[idx][n:] == -1).all()
         assert (np.asarray(out.v)[idx][n:] == 0).all()
+
+
+def test_compact_to_per_layer_capacities_equals_one_capacity_cut():
+    # Layer 0 keeps up to 7 per head, layer 1 up to 3: capacities (8, 4) hold each layer's
+    # kept entries exactly as one capacity of 8 does, in fewer slots, with per-layer indices.
+    cache = _cache()
+    budgets = jnp.asarray([[[5, 7], [2, 6]], [[3, 1], [2, 3]]], jnp.int32)
+    masked = apply_keep(cache, select(_scores(cache), budgets))
+    uniform = compact(masked, 8)
+    ragged = jax.jit(compact, static_argnums=1)(masked, (8, 4))
+    assert isinstance(ragged.k, tuple) and ragged.capacities == (8, 4) and ragged.ragged
+    assert not uniform.ragged and uniform.capacities == (8, 8)
+    np.testing.assert_array_equal(ragged.index, [7, 3])
+    for i, cap in enumerate((8, 4)):
+        np.testing.assert_array_equal(ragged.pos[i], uniform.pos[i, ..., :cap])
+        np.testing.assert_array_equal(ragged.k[i], uniform.k[i, ..., :cap, :])
+        np.testing.assert_array_equal(ragged.v[i], uniform.v[i, ..., :cap, :])
+    np.testing.assert_array_equal(ragged.num_kept(), masked.num_kept())
+    assert ragged.nbytes() == uniform.nbytes() * 12 // 16
+    assert check_capacity(masked, (8, 4)) == 7
+    with pytest.raises(ValueError, match="needs 3 slots per head in layer 1 .* capacity is 2"):
+        check_capacity(masked, (8, 2))
+    with pytest.raises(ValueError, match="3 capacities for 2 layers"):
+        check_capacity(masked, (8, 4, 4))
+    with pytest.raises(ValueError, match="one per layer"):
+        compact(masked, (8, 4, 4))
+    with pytest.raises(ValueError, match="per-layer capacities"):
+        ragged.valid()
+    with pytest.raises(ValueError, match="cannot stack"):
+        stack_layers(ragged)

@@ -451,6 +451,62 @@ def test_generate_grid_equals_generate(model):
 
 
 # ---------------------------------------------------------------------------------------------
+# Per-layer capacities
+
+
+LONG_PROMPTS = [prompt(150, seed=150), prompt(121, seed=121)]
+
+
+def test_pyramidkv_compacts_to_per_layer_capacities(model):
+    """PyramidKV's budgets fall by layer (here about 115 and 13 entries per head): compaction
+    gives each layer its own capacity, and decoding that ragged cache gives the tokens a
+    cache of one capacity gives, for fewer bytes."""
+    fwd, cfg, params = model.forward, model.config, model.params
+    tokens, lengths = pad_left(LONG_PROMPTS, 256)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    pre = gen.prefill(fwd, cfg, params, tokens, lengths, capacity=256 + 64, chunk=512,
+                      obs_window=WINDOW)  # fmt: skip
+    key = jax.random.PRNGKey(0)
+    state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
+    ev = Eviction(PyramidKV(window=WINDOW), 64, PREFILL)
+    keep = eviction_mod.keep_mask(state.cache, pre.obs, None, ev)
+    counts = np.asarray(jnp.sum(keep, axis=-1))
+    assert counts[0].max() > 64 > counts[1].max()  # the layers need 128 and 64 slots + N_NEW
+    ragged = eviction_mod.apply_eviction(state.cache, keep, ev, None, N_NEW)
+    uniform = eviction_mod.apply_eviction(state.cache, keep, ev, 128 + N_NEW, N_NEW)
+    assert ragged.capacities == (128 + N_NEW, 64 + N_NEW) and ragged.ragged
+    assert uniform.capacities == (128 + N_NEW,) * L
+    assert ragged.nbytes() < uniform.nbytes()
+    np.testing.assert_array_equal(ragged.num_kept(), counts)
+
+    def decode(cache, **loop):  # decode donates its state: each call gets its own copy
+        fresh = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=cache))
+        return gen.decode(fwd, cfg, params, fresh, sampler=GREEDY, eos_ids=(), **loop)
+
+    with pytest.raises(ValueError, match="layer_loop='scan' needs one capacity"):
+        decode(ragged, layer_loop="scan")
+    out = decode(ragged)  # unrolled: the only loop it runs
+    ref = decode(uniform, layer_loop="scan")
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    assert out.cache.capacities == ragged.capacities  # comes back in its per-layer form
+    np.testing.assert_array_equal(out.cache.index, np.asarray(ragged.index) + N_NEW - 1)
+
+
+def test_grid_with_per_layer_capacities_equals_one_capacity(model):
+    """A grid's compacted cells share per-layer capacities (PyramidKV's and SnapKV's cells in
+    one decode batch); they generate and keep what they do at one fixed capacity, and alone."""
+    pyramid, snap = PyramidKV(window=WINDOW), SnapKV(window=WINDOW)
+    cells = [Eviction(pol, 64, t) for pol in (pyramid, snap) for t in (PREFILL, DGE2)]
+    fixed = [dataclasses.replace(ev, capacity=256) for ev in cells]
+    grid = generate_grid(model, LONG_PROMPTS, cells + fixed, max_new_tokens=N_NEW)
+    for ev, res, ref in zip(cells, grid[: len(cells)], grid[len(cells) :], strict=True):
+        assert res.tokens == ref.tokens, ev
+        assert res.kept == ref.kept, ev
+    alone = generate(model, LONG_PROMPTS, max_new_tokens=N_NEW, eviction=cells[1])
+    assert alone.tokens == grid[1].tokens and alone.kept == grid[1].kept
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 
 
