@@ -534,8 +534,8 @@ def headline(plan: Plan, rows: list[dict]) -> dict:
 
 def run_grid(model, prompt: list[int], plan: Plan, timer: StageTimer) -> dict:
     """The research loop: 3 policies x 3 timings x 3 budgets on one prompt in one
-    `generate_grid` call (one prefill, one draft, cells of one cache shape decoded as one
-    batch), cold then warm."""
+    `generate_grid` call (one prefill, one draft, cells of one cache shape, its capacities
+    per layer, decoded as one batch), cold then warm."""
     n = plan.new_tokens
     cells = [
         Eviction(policy, budget, timing)
@@ -1634,6 +1634,7 @@ def markdown(result: dict) -> str:
             f"{', '.join(map(str, plan['grid_budgets']))}, {g['new_tokens']} new tokens each. "
             "dge_jax: one `generate_grid` call: one prefill, one draft, one scoring per "
             "(scorer, timing: SnapKV and PyramidKV share theirs) and a selection per budget, "
+            "compacted cells sized per layer (PyramidKV's layers keep different counts) and "
             f"cells of one cache shape decoded as one batch ({g['decode_groups']} decode "
             "call(s)); compile s (#) from the cold call. kvpress (SnapKVPress, PyramidKVPress, "
             "StreamingLLMPress at the same budgets) has no draft timing, so the three timings of "

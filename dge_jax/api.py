@@ -206,7 +206,7 @@ def generate_grid(
         e1, p1 = gen.next_token_stats(pre.logits)
         entropy = np.concatenate([np.asarray(e1)[:, None], np.asarray(all_drafts.entropy)], 1)
         top1 = np.concatenate([np.asarray(p1)[:, None], np.asarray(all_drafts.top1)], 1)
-    # Pass 1: every cell's keep mask (cheap), so all compacted cells can share one capacity
+    # Pass 1: every cell's keep mask (cheap), so all compacted cells can share capacities
     # and hence one compiled decode loop.
     plans = []  # (state at the eviction point, keep mask or None, draft steps per row)
     # One rewound state per distinct steps-per-row, shared by the cells that need it: each
