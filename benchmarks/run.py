@@ -315,6 +315,10 @@ class StageTimer:
                 info["cache_bytes"] = out.cache.nbytes()
             elif name == "apply_eviction":
                 info["cache_bytes"] = out.nbytes()
+                # What one capacity for all layers (the largest) would hold: k, v and pos all
+                # scale with the slots.
+                caps = out.capacities
+                info["one_capacity_bytes"] = out.nbytes() * len(caps) * max(caps) // sum(caps)
             elif name == "decode":
                 # The loop runs until the slowest row is done: its steps are the loop's.
                 info["steps"] = int(np.max(np.asarray(out.step) - info.pop("start_step")))
@@ -553,6 +557,10 @@ def run_grid(model, prompt: list[int], plan: Plan, timer: StageTimer) -> dict:
     def total(*stages: str) -> float:
         return sum(r["wall_s"] for r in warm.records if r["stage"] in stages)
 
+    def evicted(key: str) -> int:
+        """Sum of `key` over the evicted caches (one record per cell)."""
+        return sum(r.get(key, 0) for r in warm.records if r["stage"] == "apply_eviction")
+
     return {
         "cells": len(cells),
         "prompt_tokens": len(prompt),
@@ -568,6 +576,8 @@ def run_grid(model, prompt: list[int], plan: Plan, timer: StageTimer) -> dict:
         "decode_s": total("decode"),
         "decode_groups": sum(r["stage"] == "decode" for r in warm.records),
         "stack_s": total("stack_states"),
+        "evicted_cache_bytes": evicted("cache_bytes"),
+        "one_capacity_cache_bytes": evicted("one_capacity_bytes"),
         "host_s": warm.wall_s - sum(r["wall_s"] for r in warm.records),
         "jit_cache": jit_cache_sizes(),
     }
@@ -1639,7 +1649,14 @@ def markdown(result: dict) -> str:
             "call(s)); compile s (#) from the cold call. kvpress (SnapKVPress, PyramidKVPress, "
             "StreamingLLMPress at the same budgets) has no draft timing, so the three timings of "
             "a (policy, budget) cell are one and the same run: each distinct run is timed once "
-            "and counted three times.",
+            "and counted three times."
+            + (
+                f" The evicted cells' caches hold {g['evicted_cache_bytes'] / 2**20:,.1f} MiB in "
+                f"all ({g['one_capacity_cache_bytes'] / 2**20:,.1f} MiB if every layer had its "
+                "cache's largest layer capacity)."
+                if g.get("evicted_cache_bytes")
+                else ""
+            ),
             "",
         ]
     if result.get("agreement"):
