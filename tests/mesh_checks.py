@@ -14,6 +14,7 @@ data-parallel attention, the cache's rows over data x model) every sharding rule
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -30,12 +31,13 @@ from safetensors.numpy import save_file
 
 import dge_jax
 from dge_jax import decoding as gen
-from dge_jax import orbax_io
+from dge_jax import eviction, orbax_io
 from dge_jax import sharding as sh
 from dge_jax.api import generate_grid, pad_left
 from dge_jax.eviction import Eviction
 from dge_jax.policies import SnapKV
-from dge_jax.timing import dge
+from dge_jax.sampling import Greedy
+from dge_jax.timing import dge, prefill
 
 MESHES = ((8, 1), (2, 4), (1, 8))
 CONFIG = {
@@ -240,6 +242,52 @@ def error_of(fn) -> str | None:
     return None
 
 
+# Per-layer budgets 8 and 4 keep 8 and 4 entries per head; the capacities (16, 12) hold
+# them plus MAX_NEW tokens, so the compacted cache is ragged (per-layer form, index [L]).
+RAGGED_BUDGET = np.array([8, 4])
+RAGGED_CAPACITIES = (16, 12)
+
+
+def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
+    """Compaction to per-layer capacities on the model's mesh: the tokens decoded from the
+    ragged cache and from one capacity (16) for both layers, and every collective of the
+    modules compiled for it that carries keys or values ([.., S, D] with S a capacity)."""
+    cfg = model.config
+    tokens, lengths = (jnp.asarray(a) for a in pad_left(ids, 16))
+    ev = Eviction(POLICY, budget=RAGGED_BUDGET, timing=prefill(), capacity=None)
+    out: dict = {"tokens": {}}
+    with sh.mesh_context(model.params):
+        pre = gen.prefill(model.forward, cfg, model.params, tokens, lengths, capacity=CAPACITY,
+                          chunk=16, obs_window=POLICY.obs_window)  # fmt: skip
+        key = jax.random.PRNGKey(0)
+        state = gen.start_state(pre.cache, Greedy()(pre.logits, key), lengths, MAX_NEW, (), key)
+        keep = eviction.keep_mask(state.cache, pre.obs, None, ev)
+        for name, capacity in (("ragged", RAGGED_CAPACITIES), ("one_capacity", 16)):
+            cache = eviction.apply_eviction(state.cache, keep, ev, capacity, MAX_NEW)
+            out.setdefault("capacities", {})[name] = list(cache.capacities)
+            fresh = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=cache))
+            done = gen.decode(model.forward, cfg, model.params, fresh, sampler=Greedy(), eos_ids=())
+            out["tokens"][name] = np.asarray(done.tokens).tolist()
+    slots = {*RAGGED_CAPACITIES, 16, CAPACITY}
+    modules = compiled_modules(dump, seen)
+    out["modules"] = sorted({name for name, _, _ in modules})
+    out["kv_moves"] = [
+        f"{name}: {op} {dt}{list(shape)}"
+        for name, _, after in modules
+        for op, dt, shape in collectives(after)
+        if len(shape) >= 2 and shape[-1] == cfg.head_dim and shape[-2] in slots
+    ]
+    # Layer 1's keys, whole ([B, Hkv, 12, D]) or as this mesh's per-device block (rows over
+    # data = 2, kv heads over model = 4), in the per-device decode module.
+    b, hkv, hd = len(ids), cfg.num_kv_heads, cfg.head_dim
+    decode = " ".join(after.replace(" ", "") for name, _, after in modules if name == "decode")
+    out["decode_layer1_keys"] = {
+        "whole": f"f32[{b},{hkv},12,{hd}]" in decode,
+        "block": f"f32[{b // 2},{hkv // 4},12,{hd}]" in decode,
+    }
+    return out
+
+
 def main(out_path: str, dump_dir: str) -> None:
     facts: dict = {"devices": jax.device_count(), "meshes": {}, "seconds": {}}
     started = time.time()
@@ -270,6 +318,8 @@ def main(out_path: str, dump_dir: str) -> None:
             "cache": {"k": describe(cache.k), "pos": describe(cache.pos)},
             "steps": steps,
         }
+        if (data, model_axis) == (2, 4):  # rows and kv heads both split
+            facts["ragged"] = ragged_facts(model, ids, dump, seen)
         facts["seconds"][f"{data}x{model_axis}"] = time.time() - t0
 
     # Orbax round trip: convert (read sharded on a 1x8 mesh) -> restore under 2x4 -> logits.

@@ -213,6 +213,17 @@ def test_params_and_cache_are_sharded(facts, mesh):
     assert entry["cache"]["k"]["devices"] == 8
 
 
+def test_per_layer_capacities_on_a_mesh(facts):
+    """On the 2x4 mesh, a cache compacted to per-layer capacities (16, 12) decodes to the
+    tokens one capacity gives, and no step compiled for it moves keys or values."""
+    ragged = facts["ragged"]
+    assert ragged["capacities"] == {"ragged": [16, 12], "one_capacity": [16, 16]}
+    assert ragged["tokens"]["ragged"] == ragged["tokens"]["one_capacity"]
+    assert {"compact", "decode"} <= set(ragged["modules"]), ragged["modules"]
+    assert ragged["kv_moves"] == []
+    assert ragged["decode_layer1_keys"] == {"whole": False, "block": True}
+
+
 @pytest.mark.parametrize("mesh", MESHES)
 def test_no_step_gathers_the_cache(facts, mesh):
     """Every compiled step takes and returns caches as per-device blocks, and no module that
