@@ -467,7 +467,7 @@ def decode(
     comes back in per-layer form. Same tokens either way.
     """
     n = state.tokens.shape[1]
-    ragged = isinstance(state.cache.k, tuple) and state.cache.ragged
+    ragged = state.cache.ragged
     layer_loop = layer_loop or ("unrolled" if ragged else default_layer_loop())
     if layer_loop not in ("scan", "unrolled"):
         raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")

@@ -139,9 +139,9 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
     layer's capacity entries; under jit the extra ones would be dropped silently (the newest
     first).
     """
+    if isinstance(cache.k, tuple):
+        cache = stack_layers(cache)
     if isinstance(capacity, int | np.integer):
-        if isinstance(cache.k, tuple):
-            cache = stack_layers(cache)
         k, v, pos, count = _compact_heads(cache.k, cache.v, cache.pos, int(capacity))
         return KVCache(k=k, v=v, pos=pos, index=jnp.max(count).astype(jnp.int32))
     capacities = tuple(int(c) for c in capacity)
@@ -153,13 +153,14 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
     # All layers are compacted at the largest capacity in one batched op, then each is cut
     # to its own: slots past a layer's capacity hold nothing it kept (the precondition), and
     # one op compiles in a fraction of the time of L ops of different shapes.
-    widest = compact(cache, max(capacities))
-    cut = [(widest.k[i, ..., :c, :], widest.v[i, ..., :c, :], widest.pos[i, ..., :c])
-           for i, c in enumerate(capacities)]  # fmt: skip
-    ks, vs, ps = (tuple(x) for x in zip(*cut, strict=True))
-    most = jnp.max(jnp.sum(widest.pos >= 0, axis=-1, dtype=jnp.int32), axis=(1, 2))  # [L]
-    index = jnp.minimum(most, jnp.asarray(capacities, jnp.int32))
-    return KVCache(k=ks, v=vs, pos=ps, index=index)
+    k, v, pos, count = _compact_heads(cache.k, cache.v, cache.pos, max(capacities))
+    index = jnp.minimum(jnp.max(count, axis=(1, 2)), jnp.asarray(capacities))  # [L]
+    return KVCache(
+        k=tuple(k[i, ..., :c, :] for i, c in enumerate(capacities)),
+        v=tuple(v[i, ..., :c, :] for i, c in enumerate(capacities)),
+        pos=tuple(pos[i, ..., :c] for i, c in enumerate(capacities)),
+        index=index.astype(jnp.int32),
+    )
 
 
 def _compact_heads(

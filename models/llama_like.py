@@ -193,12 +193,16 @@ def forward(
     b, t = tokens.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos, sin = rope_tables(positions, inverse_frequencies(cfg.rope, hd))
-    if record_attn and isinstance(cache.k, tuple) and cache.ragged:
+    if record_attn and cache.ragged:
         raise ValueError(
             f"record_attn needs one capacity for all layers (per-slot sums are stacked), got "
             f"{cache.capacities}"
         )
-    per_layer_index = cache.index.ndim == 1  # [L] after compaction to per-layer capacities
+
+    def slot_of(i):
+        """Layer i's next slot: index [L] after compaction to per-layer capacities, else []."""
+        return cache.index[i] if cache.index.ndim == 1 else cache.index
+
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, hkv, t)).astype(jnp.int32)
     w = min(obs_window, t)
 
@@ -268,9 +272,8 @@ def forward(
             # decode step copy the whole cache.
             x, k_all, v_all, pos_all = carry
             lp, i = scanned
-            slot = cache.index[i] if per_layer_index else cache.index
             x, k_all, v_all, pos_all, q_win, probs_sum = layer(
-                x, lp, k_all, v_all, pos_all, i, slot
+                x, lp, k_all, v_all, pos_all, i, slot_of(i)
             )
             return (x, k_all, v_all, pos_all), (q_win, probs_sum)
 
@@ -285,8 +288,7 @@ def forward(
         for i, (lp, k_l, v_l, pos_l) in enumerate(
             zip(layers, cache.k, cache.v, cache.pos, strict=True)
         ):
-            slot = cache.index[i] if per_layer_index else cache.index
-            x, k_l, v_l, pos_l, q_win, probs_sum = layer(x, lp, k_l, v_l, pos_l, None, slot)
+            x, k_l, v_l, pos_l, q_win, probs_sum = layer(x, lp, k_l, v_l, pos_l, None, slot_of(i))
             ks.append(k_l)
             vs.append(v_l)
             ps.append(pos_l)
