@@ -19,7 +19,7 @@ import pytest
 from tiny_model import build_tiny_llama
 
 import dge_jax
-from benchmarks import machine, run, selection
+from benchmarks import cpu_kernels, machine, run, selection
 from benchmarks.peers import ratio_for
 from dge_jax.config import ModelConfig
 
@@ -134,6 +134,30 @@ def test_selection_benchmark_quick(capsys):
     assert all(_finite_positive(v) for v in figures.values()), figures
     table = capsys.readouterr().out
     assert "| select (bisection) |" in table and "| compact (partition) |" in table
+
+
+def test_cpu_kernels_benchmark_quick(capsys):
+    """`python -m benchmarks.cpu_kernels --quick`: a figure per row count and per attention
+    variant, and the table that says so."""
+    figures = cpu_kernels.main(["--quick", "--runs", "1"])
+    assert [r["rows"] for r in figures["projections"]] == list(cpu_kernels.ROWS)
+    for r in figures["projections"]:
+        assert _finite_positive(r["ynnpack_ms"]) and _finite_positive(r["eigen_ms"]), r
+    assert all(_finite_positive(v) for v in figures["attention"].values())
+    out = capsys.readouterr().out
+    assert "| 4 |" in out and "| written_slot_attention (the library) |" in out
+
+
+def test_eigen_dots_option_moves_the_dots_off_ynnpack():
+    """The benchmark's Eigen column is what it says: with the option, the projections compile
+    without YNNPACK fusions, and they compute the same numbers."""
+    layers = cpu_kernels.layer_weights(cpu_kernels.QUICK, jax.random.PRNGKey(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, cpu_kernels.QUICK[1]))
+    default = jax.jit(cpu_kernels.projections).lower(layers, x).compile()
+    eigen = jax.jit(cpu_kernels.projections, compiler_options=cpu_kernels.EIGEN_DOTS)
+    eigen = eigen.lower(layers, x).compile()
+    assert "__ynn_fusion" in default.as_text() and "__ynn_fusion" not in eigen.as_text()
+    np.testing.assert_allclose(eigen(layers, x), default(layers, x), rtol=1e-5, atol=1e-6)
 
 
 def test_prefill_flops_by_hand():
