@@ -25,7 +25,6 @@ machine is noisy.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +49,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes")
     return p.parse_args(argv)
 
-
-def median_ms(fn, *args, runs: int) -> float:
-    return 1e3 * statistics.median(machine.call_seconds(fn, *args, runs=runs))
 
 
 def layer_weights(shape, key: jax.Array) -> tuple[dict, ...]:
@@ -84,13 +80,14 @@ def projection_figures(shape, runs: int) -> list[dict]:
     rows = []
     for m in ROWS:
         x = jax.random.normal(jax.random.PRNGKey(m), (m, shape[1]))
-        row = {"rows": m, "ynnpack_ms": median_ms(jax.jit(projections), layers, x, runs=runs)}
+        ynnpack_ms = machine.median_ms(jax.jit(projections), layers, x, runs=runs)
+        row = {"rows": m, "ynnpack_ms": ynnpack_ms}
         try:
             eigen = jax.jit(projections, compiler_options=EIGEN_DOTS).lower(layers, x).compile()
         except jax.errors.JaxRuntimeError as err:  # an XLA without the option: say so, go on
             row["eigen_ms"], row["eigen_error"] = None, str(err).splitlines()[0]
         else:
-            row["eigen_ms"] = median_ms(eigen, layers, x, runs=runs)
+            row["eigen_ms"] = machine.median_ms(eigen, layers, x, runs=runs)
         rows.append(row)
     return rows
 
@@ -145,9 +142,9 @@ def attention_figures(shape, runs: int) -> dict:
     flops = 4 * hq * chunk * hd * chunk * n * (n + 1) // 2
     return {
         "gflop": flops / 1e9,
-        "library_ms": median_ms(library, q, k, v, runs=runs),
-        "matmuls_ms": median_ms(dots, q, k, v, runs=runs),
-        "matmuls_exp_ms": median_ms(dots_exp, q, k, v, runs=runs),
+        "library_ms": machine.median_ms(library, q, k, v, runs=runs),
+        "matmuls_ms": machine.median_ms(dots, q, k, v, runs=runs),
+        "matmuls_exp_ms": machine.median_ms(dots_exp, q, k, v, runs=runs),
     }
 
 

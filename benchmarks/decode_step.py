@@ -109,7 +109,7 @@ def attention_ms(cfg, cache: KVCache, keys_major: bool, runs: int) -> float:
     qpos = jnp.full((b, 1), int(cache.index), jnp.int32)
     f = jax.jit(lambda q, k, v, p: cached_attention(q, k, v, p, qpos, keys_major=keys_major)[0])
     layer = (cache.k[0], cache.v[0], cache.pos[0])
-    return 1e3 * statistics.median(machine.call_seconds(f, q, *layer, runs=max(runs, 5)))
+    return machine.median_ms(f, q, *layer, runs=max(runs, 5))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

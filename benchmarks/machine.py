@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import statistics
 import time
 
 import jax
@@ -69,6 +70,11 @@ def call_seconds(fn, *args, runs: int) -> list[float]:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return times
+
+
+def median_ms(fn, *args, runs: int) -> float:
+    """Median wall ms of fn(*args) over `runs` calls, after one compiling call."""
+    return 1e3 * statistics.median(call_seconds(fn, *args, runs=runs))
 
 
 def _best_seconds(fn, *args, runs: int) -> float:

@@ -22,7 +22,6 @@ calls after a compiling one. Ratios come from the same run; the machine is noisy
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
     return p.parse_args(argv)
 
-
-def median_ms(fn, *args, runs: int) -> float:
-    """Median wall ms of fn(*args) over `runs` calls, after one compiling call."""
-    return 1e3 * statistics.median(machine.call_seconds(fn, *args, runs=runs))
 
 
 def sort_ranked_keep(scores: jax.Array, budget: int) -> jax.Array:
@@ -105,11 +100,11 @@ def main(argv: list[str] | None = None) -> dict:
         if not np.array_equal(np.asarray(a), np.asarray(b)):
             raise AssertionError("compaction by partition and by sorting differ")
     figures = {
-        "score_ms": median_ms(score, cache, obs, runs=args.runs),
-        "select_ms": median_ms(select, scores, budget, runs=args.runs),
-        "select_by_sort_ms": median_ms(by_sort, scores, budget, runs=args.runs),
-        "compact_ms": median_ms(compact, masked, capacity, runs=args.runs),
-        "compact_by_sort_ms": median_ms(compact, shuffled, capacity, runs=args.runs),
+        "score_ms": machine.median_ms(score, cache, obs, runs=args.runs),
+        "select_ms": machine.median_ms(select, scores, budget, runs=args.runs),
+        "select_by_sort_ms": machine.median_ms(by_sort, scores, budget, runs=args.runs),
+        "compact_ms": machine.median_ms(compact, masked, capacity, runs=args.runs),
+        "compact_by_sort_ms": machine.median_ms(compact, shuffled, capacity, runs=args.runs),
     }
     print(f"# eviction parts: {nl} layers x {hkv} kv heads x {slots} slots ({prompt}-token "
           f"prompt + 2 drafts), budget {budget}, {jax.default_backend()}, median of "
