@@ -1,6 +1,6 @@
 """What XLA:CPU's own kernels cost at SmolLM2's shapes: the floors under the cpu suite's misses.
 
-    python -m benchmarks.cpu_kernels            # SmolLM2-135M geometry, about 2 minutes
+    python -m benchmarks.cpu_kernels            # SmolLM2-135M geometry, about 20 s
     python -m benchmarks.cpu_kernels --quick    # tiny shapes, seconds
 
 Why: three targets of the cpu suite (prefill share of the matmul peak, end-to-end time
@@ -48,7 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=5, help="timed calls per figure (median)")
     p.add_argument("--quick", action="store_true", help="tiny shapes")
     return p.parse_args(argv)
-
 
 
 def layer_weights(shape, key: jax.Array) -> tuple[dict, ...]:

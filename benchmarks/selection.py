@@ -45,7 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-
 def sort_ranked_keep(scores: jax.Array, budget: int) -> jax.Array:
     """The keep mask by ranking every slot: two stable argsorts per head (the reference)."""
     candidate = scores > -jnp.inf
