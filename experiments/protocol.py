@@ -22,17 +22,17 @@ pred.py's `skip_special_tokens=True` does; `dge_jax.tokenizer.Tokenizer` qualifi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from experiments import longbench_config as config
-from experiments import synthetic
+from experiments import rows, synthetic
 
 DATA_DIR_ENV = "DGE_LONGBENCH_DIR"
-ROW_KEYS = ("input", "context", "answers", "length", "dataset", "language", "all_classes", "_id")
+ROW_KEYS = rows.LONGBENCH_KEYS
+OFFICIAL_FIX = "fix the row or re-download the official file"
 
 
 class Tokenizer(Protocol):
@@ -190,12 +190,23 @@ def resolve_data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
     return folder
 
 
+def row_schema(dataset: str) -> rows.Schema:
+    """The strict schema of a dataset's rows: official LongBench, or the synthetic task's."""
+    _check_dataset(dataset)
+    if dataset in synthetic.TASKS:
+        return synthetic.row_schema(dataset)
+    return rows.longbench_schema(dataset, config.DATASET2PROMPT[dataset],
+                                 needs_classes=config.DATASET2METRIC[dataset] == "classification")
+
+
 def load_rows(
     data_dir: str | os.PathLike | None, dataset: str, num_samples: int | None = None
 ) -> list[dict]:
     """The first `num_samples` rows (all if None) of `{data_dir}/{dataset}.jsonl`.
 
-    `data_dir=None` reads $DGE_LONGBENCH_DIR. Rows must have the official keys.
+    `data_dir=None` reads $DGE_LONGBENCH_DIR. Every row of the file is checked against
+    `row_schema(dataset)` (types of the official keys, unique `_id`s, the file's task), so a bad
+    row is a `rows.RowError` naming the file, line and field, not a silently wrong score.
     """
     path = resolve_data_dir(data_dir) / f"{dataset}.jsonl"
     if not path.is_file():
@@ -203,16 +214,5 @@ def load_rows(
             f"{path} is missing: put the official {dataset}.jsonl in the folder named by "
             f"{DATA_DIR_ENV} (or the runner's data-dir flag)"
         )
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if num_samples is not None and len(rows) >= num_samples:
-                break
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = [k for k in ROW_KEYS if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{number} lacks the LongBench keys {missing}")
-            rows.append(row)
-    return rows
+    checked = rows.read_jsonl(path, row_schema(dataset), OFFICIAL_FIX)
+    return checked if num_samples is None else checked[:num_samples]

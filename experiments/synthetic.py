@@ -11,7 +11,8 @@ for more samples never changes the earlier ones.
 Rows have the official LongBench keys (input, context, answers, length, dataset, language,
 all_classes, _id); `length` is the prompt's token count, not a word count. The prompt template,
 answer prefix, generation length and metric of each task are in `TASKS`; `protocol` and `metrics`
-read them, and this module imports neither (it is a leaf).
+read them, and this module imports neither (only `rows`, whose checker every generated row
+passes through, so that a generator bug is an error instead of a wrong score).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
+
+from experiments import rows
 
 if TYPE_CHECKING:  # type only: protocol imports this module, not the other way round
     from experiments.protocol import Tokenizer
@@ -434,6 +437,7 @@ def make_suite(
     """`num_samples` rows per task, each prompt at most `length_tokens` tokens of `tokenizer`.
 
     `sentences` overrides the haystack (tests); by default the Paul Graham essays are used.
+    Every row passes the LongBench row check (`check_rows`), as an official file's would.
     """
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -441,10 +445,22 @@ def make_suite(
     sentences = tuple(sentences) if sentences is not None else load_haystack()
     counts = sentence_token_counts(tokenizer, sentences)
     return {
-        task: [make_row(task, i, tokenizer, length_tokens, seed, sentences, counts)
-               for i in range(num_samples)]
+        task: check_rows(task, [make_row(task, i, tokenizer, length_tokens, seed, sentences,
+                                         counts) for i in range(num_samples)])
         for task in tasks
     }
+
+
+def row_schema(task: str) -> rows.Schema:
+    """The LongBench row schema under the task's own template (every task uses its input)."""
+    return rows.longbench_schema(task, TASKS[task].template)
+
+
+def check_rows(task: str, generated: Sequence[dict]) -> list[dict]:
+    """Generated rows of `task` checked like official ones; a RowError names the row index."""
+    return rows.check_rows(((f"row {i}", row) for i, row in enumerate(generated)),
+                           row_schema(task), f"synthetic task {task!r}",
+                           "a bug in experiments/synthetic.py's generator: report it")
 
 
 def max_new_tokens(task: str) -> int:
