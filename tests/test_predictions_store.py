@@ -1,14 +1,26 @@
 """`experiments.predictions`: durable appends, torn-line repair, keys and configuration hashes."""
 
 import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
 
 from experiments.predictions import (
     PREDICTIONS_FILE,
+    QUARANTINE_FILE,
     PredictionStore,
     config_hash,
     prediction_key,
     read_predictions,
 )
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def row(key: str, pred: str = "p", **extra) -> dict:
@@ -112,3 +124,92 @@ def test_prediction_key_depends_on_every_part():
     assert key == prediction_key("h1", "trec", "id1")
     assert len({key, prediction_key("h2", "trec", "id1"), prediction_key("h1", "samsum", "id1"),
                 prediction_key("h1", "trec", "id2")}) == 4
+
+
+def quarantined(out_dir) -> list[dict]:
+    path = out_dir / QUARANTINE_FILE
+    return [json.loads(line) for line in path.read_bytes().split(b"\n")[:-1]]
+
+
+def test_a_corrupt_line_in_the_middle_loses_nothing_else(tmp_path):
+    """The old repair cut the file at the first bad line, dropping every line after it."""
+    store = PredictionStore(tmp_path)
+    store.append([row(f"k{i}") for i in range(75)])
+    path = tmp_path / PREDICTIONS_FILE
+    lines = path.read_bytes().split(b"\n")[:-1]
+    damaged = lines[27][: len(lines[27]) // 2] + b"\xff garbage"
+    path.write_bytes(b"".join(line + b"\n" for line in [*lines[:27], damaged, *lines[28:]]))
+    warnings: list[str] = []
+
+    store = PredictionStore(tmp_path, warn=warnings.append)
+
+    assert [r["key"] for r in store] == [f"k{i}" for i in range(75) if i != 27]
+    assert path.read_bytes() == b"".join(line + b"\n" for i, line in enumerate(lines) if i != 27)
+    (record,) = quarantined(tmp_path)
+    assert record["line"] == 28 and "not JSON" in record["reason"]
+    assert record["raw"].encode("utf-8", "surrogateescape") == damaged  # byte for byte
+    assert len(warnings) == 1 and "line 28" in warnings[0] and QUARANTINE_FILE in warnings[0]
+    store.append([row("k27")])  # the run recomputes only what is missing
+    assert {r["key"] for r in PredictionStore(tmp_path)} == {f"k{i}" for i in range(75)}
+
+
+def test_lines_that_parse_but_are_not_predictions_are_quarantined(tmp_path):
+    path = tmp_path / PREDICTIONS_FILE
+    good = json.dumps(row("a")) + "\n"
+    path.write_text(good + "[1, 2]\n" + json.dumps({"key": "x"}) + "\n\n" + json.dumps(row("b"))
+                    + "\n")
+    warnings: list[str] = []
+    store = PredictionStore(tmp_path, warn=warnings.append)
+    assert [r["key"] for r in store] == ["a", "b"]
+    reasons = {r["line"]: r["reason"] for r in quarantined(tmp_path)}
+    assert set(reasons) == {2, 3}
+    assert "not an object" in reasons[2] and "lacks the field(s)" in reasons[3]
+    assert len(warnings) == 2
+    assert read_predictions(path) == [row("a"), row("b")]
+
+
+def test_reading_warns_but_never_changes_the_file(tmp_path):
+    path = tmp_path / PREDICTIONS_FILE
+    data = (json.dumps(row("a")) + "\nnot json\n" + json.dumps(row("b")) + "\n").encode()
+    path.write_bytes(data)
+    warnings: list[str] = []
+    assert [r["key"] for r in read_predictions(path, warn=warnings.append)] == ["a", "b"]
+    assert path.read_bytes() == data and not (tmp_path / QUARANTINE_FILE).exists()
+    assert len(warnings) == 1 and "line 2" in warnings[0]
+
+
+WRITER = """
+import sys
+from experiments.predictions import PredictionStore
+store = PredictionStore(sys.argv[1], warn=lambda m: None)
+print(len(store.rows), flush=True)
+i = 0
+while True:
+    store.append([{"key": f"{sys.argv[2]}-{i}-{j}", "config_hash": "h", "dataset": "d",
+                   "sample_id": str(i), "cell": "c", "pred": "x" * 2000, "answers": ["a"]}
+                  for j in range(3)])
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_killed_writers_never_shrink_the_set_of_lines(tmp_path, seed):
+    """SIGKILL a writer at random moments, again and again: every line that was whole in the
+    file before a kill is still there (or in quarantine, for a torn tail) afterwards."""
+    rng = random.Random(seed)
+    path = tmp_path / PREDICTIONS_FILE
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    before: set[str] = set()
+    for attempt in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(attempt)],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE)
+        proc.stdout.readline()  # the store is open (and repaired): now let it write a while
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        proc.stdout.close()
+        after = {r["key"] for r in PredictionStore(tmp_path, warn=lambda m: None)}
+        assert before <= after, f"attempt {attempt}: lines lost: {sorted(before - after)[:5]}"
+        assert path.read_bytes().endswith(b"\n") or not path.read_bytes()
+        before = after
+    assert before, "no writer got to write a line"
