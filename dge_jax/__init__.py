@@ -1,6 +1,13 @@
 """dge_jax: training-free KV-cache compression in JAX, built around Draft-Guided Eviction."""
 
+from importlib import metadata
+
 from dge_jax.api import GenerationResult, generate
 from dge_jax.model import DEFAULT_MODEL, Model, load
 
-__all__ = ["DEFAULT_MODEL", "GenerationResult", "Model", "generate", "load"]
+try:
+    __version__ = metadata.version("dge_jax")
+except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["DEFAULT_MODEL", "GenerationResult", "Model", "__version__", "generate", "load"]

@@ -17,18 +17,29 @@ nothing useful at small budgets (DESIGN §6). Change them with --window/--kernel
 
 from __future__ import annotations
 
-import json
+import logging
 import pathlib
 import sys
 import time
 
 from absl import app, flags
+from absl import logging as absl_logging
 
 from dge_jax.timing import Adaptive
 from experiments import protocol, synthetic
 from experiments.cells import POLICY_OPTIONS, Cell, build_cells
 from experiments.longbench_config import ALL_TASKS
 from experiments.predictions import PredictionStore, config_hash, prediction_key
+from experiments.run_folder import (
+    default_out_dir,
+    files_fingerprint,
+    open_run,
+    run_id,
+    sha256_file,
+)
+
+PROTOCOL = "longbench-v1-pred.py"  # experiments.protocol's steps; bump if they change
+SYNTHETIC_SAMPLES = 3  # --num_samples default of the synthetic suite
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "checkpoint folder or embedded name")
@@ -50,7 +61,12 @@ flags.DEFINE_integer("max_length", None, "prompt tokens kept by middle truncatio
 flags.DEFINE_integer("synthetic_length", 960, "synthetic prompt length in model tokens "
                      "(with the chat template, prompts fit the 1024-token bucket)")
 flags.DEFINE_integer("batch_size", 1, "samples per batch (left-padded)")
-flags.DEFINE_string("out_dir", None, "output folder (default runs/<suite>)")
+flags.DEFINE_string("out_dir", None, "output folder (default runs/<suite>/<model>-<run id>: "
+                    "one folder per configuration)")
+flags.DEFINE_bool("extend", False, "add cells, datasets or samples to an --out_dir that holds "
+                  "the same configuration (without it, asking for more than it holds is "
+                  "refused)")
+flags.DEFINE_bool("verbose", False, "show third-party INFO logging and tracebacks of errors")
 flags.DEFINE_integer("seed", 0, "synthetic suite seed (decoding is greedy)")
 flags.DEFINE_integer("window", 8, "observation window (SnapKV/PyramidKV) or recent window "
                      "(H2O)")
@@ -88,87 +104,126 @@ def load_suite(model, suite: str, datasets: list[str], num_samples: int | None,
         unknown = [d for d in datasets if d not in synthetic.TASKS]
         if unknown:
             raise ValueError(f"unknown synthetic tasks {unknown}; known: {list(synthetic.TASKS)}")
-        return synthetic.make_suite(model.tokenizer, datasets, num_samples or 3, length, seed)
+        return synthetic.make_suite(model.tokenizer, datasets, num_samples, length, seed)
     return {d: protocol.load_rows(data_dir, d, num_samples) for d in datasets}
 
 
-def run_config(model_name: str, max_length: int) -> dict:
-    """Everything besides the cell that changes a prediction (hashed into each line's key)."""
+def run_identity(model, max_length: int) -> dict:
+    """Everything besides the grid and the samples that changes a prediction: a run folder
+    holds one identity (`experiments.run_folder`)."""
+    import dge_jax
+
     return {
-        "model": model_name, "dtype": FLAGS.dtype, "suite": FLAGS.suite,
-        "max_length": max_length, "chunk": FLAGS.chunk,
+        "model": str(FLAGS.model), "model_files": files_fingerprint(model.path),
+        "dtype": FLAGS.dtype, "suite": FLAGS.suite, "protocol": PROTOCOL,
+        "dge_jax": dge_jax.__version__, "max_length": max_length, "chunk": FLAGS.chunk,
+        "batch_size": FLAGS.batch_size,  # left padding may change results in the last bits
         "synthetic_length": FLAGS.synthetic_length if FLAGS.suite == "synthetic" else None,
         "seed": FLAGS.seed if FLAGS.suite == "synthetic" else None,
         "policy_options": {k: getattr(FLAGS, k) for k in POLICY_OPTIONS},
         "draft_weight": FLAGS.draft_weight,
         "adaptive": (None if FLAGS.adaptive_rule is None else
-                     {"rule": FLAGS.adaptive_rule, "threshold": FLAGS.adaptive_threshold}),
+                     {"rule": FLAGS.adaptive_rule, "threshold": FLAGS.adaptive_threshold,
+                      "k_max": FLAGS.k_max}),
     }
 
 
-def cell_config(config: dict, cell: Cell) -> dict:
-    """What a cell's predictions depend on: the run settings, cut to what the cell uses (so
-    changing SnapKV's window does not recompute FullKV or StreamingLLM)."""
+def cell_config(identity: dict, cell: Cell) -> dict:
+    """What a cell's predictions depend on: the run identity, cut to what the cell uses (a
+    line's key hashes it, so a line is only ever reused by the cell that wrote it)."""
     uses_drafts = cell.timing == "dge"
     return {
-        **config, "cell": cell.id,
-        "policy_options": cell.policy_options(config["policy_options"]),
-        "draft_weight": config["draft_weight"] if uses_drafts else None,
-        "adaptive": config["adaptive"] if cell.adaptive else None,
-        "batch_size": FLAGS.batch_size,  # left padding may change results in the last bits
+        **identity, "cell": cell.id,
+        "policy_options": cell.policy_options(identity["policy_options"]),
+        "draft_weight": identity["draft_weight"] if uses_drafts else None,
+        "adaptive": identity["adaptive"] if cell.adaptive else None,
     }
+
+
+def data_checksums(datasets: list[str]) -> dict[str, str]:
+    """sha256 of where each dataset's rows come from: the LongBench file, or the synthetic
+    task's definition and the haystack essays it fills with."""
+    if FLAGS.suite == "longbench":
+        folder = protocol.resolve_data_dir(FLAGS.data_dir)
+        return {d: sha256_file(folder / f"{d}.jsonl") for d in datasets}
+    haystack = files_fingerprint(synthetic.haystack_dir())
+    return {d: config_hash({"task": repr(synthetic.TASKS[d]), "haystack": haystack})
+            for d in datasets}
+
+
+def quiet_logging() -> None:
+    """Third-party INFO lines ("Unable to initialize backend 'tpu'", "generated new
+    fontManager") read like errors; --verbose brings them back."""
+    if not FLAGS.verbose:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+        logging.getLogger().setLevel(logging.WARNING)
 
 
 def run(argv) -> int:
+    """The runner; a user mistake ends in one `error: ...` line and exit status 2."""
     del argv
+    quiet_logging()
+    try:
+        return evaluate()
+    except (ValueError, FileNotFoundError) as e:
+        if FLAGS.verbose:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def evaluate() -> int:
+    """Loads the model and the suite, predicts every missing (sample, cell), then reports."""
     import dge_jax
     from dge_jax.api import generate_grid
     from experiments.report import write_report
 
     started = time.time()
-    mesh = None
-    if FLAGS.mesh:
-        from dge_jax.sharding import parse_mesh, row_multiple
-
-        mesh = parse_mesh(FLAGS.mesh)
-    model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
-    if mesh is not None:
-        rows = row_multiple(model.config, dict(mesh.shape))
-        if FLAGS.batch_size % rows:
-            raise ValueError(f"--batch_size {FLAGS.batch_size} must be a multiple of {rows} "
-                             f"to spread samples over the mesh {FLAGS.mesh}")
-    if model.tokenizer is None:
-        raise ValueError(f"{FLAGS.model} has no tokenizer.json; the runner needs one")
     cells = build_cells(FLAGS.methods, FLAGS.timings, [int(k) for k in FLAGS.k],
                         [int(b) for b in FLAGS.budgets],
                         adaptive_k_max=FLAGS.k_max if FLAGS.adaptive_rule else None)
+    if FLAGS.num_samples is not None and FLAGS.num_samples < 1:
+        raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
+    mesh = None
+    if FLAGS.mesh:
+        from dge_jax.sharding import parse_mesh
+
+        mesh = parse_mesh(FLAGS.mesh)
+    model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
+    check_model(model, mesh)
     datasets = FLAGS.datasets or default_datasets(FLAGS.suite, FLAGS.data_dir)
     longest = max(protocol.max_new_tokens(d) for d in datasets)
     max_length = FLAGS.max_length or model.config.max_position_embeddings - longest
-    out_dir = pathlib.Path(FLAGS.out_dir or f"runs/{FLAGS.suite}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    config = run_config(str(FLAGS.model), max_length)
-    (out_dir / "config.json").write_text(json.dumps(
-        {**config, "datasets": datasets, "cells": [c.id for c in cells],
-         "num_samples": FLAGS.num_samples, "batch_size": FLAGS.batch_size,
-         "command": " ".join(sys.argv)}, indent=2) + "\n")
-    cell_hash = {c: config_hash(cell_config(config, c)) for c in cells}
+    identity = run_identity(model, max_length)
+    num_samples = FLAGS.num_samples or (SYNTHETIC_SAMPLES if FLAGS.suite == "synthetic"
+                                        else None)
+    extent = {"datasets": datasets, "cells": [c.id for c in cells], "num_samples": num_samples}
+    out_dir = pathlib.Path(FLAGS.out_dir or default_out_dir(FLAGS.suite, FLAGS.model, identity))
+    suite = load_suite(model, FLAGS.suite, datasets, num_samples, FLAGS.data_dir,
+                       FLAGS.synthetic_length, FLAGS.seed)  # strict: bad rows stop here
+    open_run(out_dir, identity, data_checksums(datasets), extent, " ".join(sys.argv),
+             extend=FLAGS.extend)
+    tag = {"run_id": run_id(identity)}
+    cell_hash = {c: config_hash(cell_config(identity, c)) for c in cells}
     adaptive = (None if FLAGS.adaptive_rule is None else
                 Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
-    evictions = {c: c.eviction(config["policy_options"], adaptive, FLAGS.draft_weight)
+    evictions = {c: c.eviction(identity["policy_options"], adaptive, FLAGS.draft_weight)
                  for c in cells}
-    suite = load_suite(model, FLAGS.suite, datasets, FLAGS.num_samples, FLAGS.data_dir,
-                       FLAGS.synthetic_length, FLAGS.seed)
     store = PredictionStore(out_dir)
-    print(f"{len(cells)} cells x {sum(map(len, suite.values()))} samples -> {out_dir} "
-          f"(SnapKV family: window {FLAGS.window}, kernel {FLAGS.kernel}, {FLAGS.pooling}-pool)")
+    pending = {d: missing_cells(rows, d, cells, cell_hash, store) for d, rows in suite.items()}
+    total = sum(map(len, suite.values()))
+    todo = sum(map(len, pending.values()))
+    print(f"{len(cells)} cells x {total} samples -> {out_dir} ({total - todo} samples done; "
+          f"SnapKV family: window {FLAGS.window}, kernel {FLAGS.kernel}, {FLAGS.pooling}-pool)")
 
     from tqdm import tqdm
 
-    bar = tqdm(total=sum(map(len, suite.values())), unit="sample", dynamic_ncols=True)
-    for dataset, rows in suite.items():
-        run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, evictions,
-                    max_length, store, bar)
+    # initial= counts the samples already done without timing them, so the rate on resume is
+    # the rate of this run's own samples.
+    bar = tqdm(total=total, initial=total - todo, unit="sample", dynamic_ncols=True)
+    for dataset in suite:
+        run_dataset(model, generate_grid, dataset, pending[dataset], cells, cell_hash,
+                    evictions, max_length, store, bar, tag)
         bar.write(summary_line(dataset, store, cells, cell_hash))
     bar.close()
     write_report(out_dir)
@@ -177,21 +232,37 @@ def run(argv) -> int:
     return 0
 
 
-def run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, evictions, max_length,
-                store, bar) -> None:
-    """Predicts every missing (sample, cell) of one dataset, a batch of samples at a time."""
+def check_model(model, mesh) -> None:
+    """Refuses a model the runner cannot use (no tokenizer, a batch the mesh cannot split)."""
+    if model.tokenizer is None:
+        raise ValueError(f"{FLAGS.model} has no tokenizer.json; the runner needs one")
+    if mesh is not None:
+        from dge_jax.sharding import row_multiple
+
+        rows = row_multiple(model.config, dict(mesh.shape))
+        if FLAGS.batch_size % rows:
+            raise ValueError(f"--batch_size {FLAGS.batch_size} must be a multiple of {rows} "
+                             f"to spread samples over the mesh {FLAGS.mesh}")
+
+
+def missing_cells(rows, dataset, cells, cell_hash, store) -> list[tuple[dict, tuple[Cell, ...]]]:
+    """(row, the cells it still lacks) for every row of `dataset` not fully predicted."""
+    pending = []
+    for row in rows:
+        missing = tuple(c for c in cells
+                        if prediction_key(cell_hash[c], dataset, row["_id"]) not in store.done)
+        if missing:
+            pending.append((row, missing))
+    return pending
+
+
+def run_dataset(model, generate_grid, dataset, pending, cells, cell_hash, evictions, max_length,
+                store, bar, tag) -> None:
+    """Predicts the pending (row, cells) of one dataset, a batch of samples at a time."""
     tok = model.tokenizer
     stop = protocol.stop_rule(dataset)
     extra_eos = stop.extra_eos_ids(tok)
     max_new = protocol.max_new_tokens(dataset)
-    pending = []
-    for row in rows:
-        missing = [c for c in cells
-                   if prediction_key(cell_hash[c], dataset, row["_id"]) not in store.done]
-        if missing:
-            pending.append((row, tuple(missing)))
-        else:
-            bar.update(1)
     for start in range(0, len(pending), FLAGS.batch_size):
         batch = pending[start:start + FLAGS.batch_size]
         # Rows of one batch share one grid: the union of what any of them still misses.
@@ -209,7 +280,7 @@ def run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, evictions
             for cell, result in zip(todo, results, strict=True):
                 lines.append({
                     "key": prediction_key(cell_hash[cell], dataset, row["_id"]),
-                    "config_hash": cell_hash[cell], "dataset": dataset,
+                    "config_hash": cell_hash[cell], **tag, "dataset": dataset,
                     "sample_id": row["_id"], "cell": cell.id, "pred": result.texts[i],
                     "answers": row["answers"], "all_classes": row["all_classes"],
                     "prompt_tokens": len(ids[i]), "new_tokens": len(result.tokens[i]),
@@ -221,7 +292,7 @@ def run_dataset(model, generate_grid, dataset, rows, cells, cell_hash, evictions
 
 
 def summary_line(dataset: str, store: PredictionStore, cells, cell_hash) -> str:
-    """`dataset: full 62.5 | snapkv/prefill/b128 40.0 | ...` over the rows done so far."""
+    """`dataset: full 62.5 (n=3) | snapkv/prefill/b128 40.0 (n=3) | ...` over the rows done."""
     from experiments.metrics import score_dataset
 
     parts = []
@@ -231,7 +302,7 @@ def summary_line(dataset: str, store: PredictionStore, cells, cell_hash) -> str:
         if rows:
             score = score_dataset(dataset, [r["pred"] for r in rows],
                                   [r["answers"] for r in rows], rows[0]["all_classes"])
-            parts.append(f"{cell.id} {score:.1f}")
+            parts.append(f"{cell.id} {score:.1f} (n={len(rows)})")
     return f"{dataset}: " + " | ".join(parts)
 
 

@@ -3,10 +3,11 @@
     python -m experiments.report OUT_DIR
 
 Reads OUT_DIR/predictions.jsonl, scores every (dataset, cell) with the official metrics,
-and writes scores.json, results.md (with paired McNemar comparisons against the prefill
-baseline), score_vs_budget.png, dge_delta.png and, for runs over several k,
-accuracy_vs_k.png. When a sample was
-predicted under several configurations of one cell, the last line in the file wins.
+and writes scores.json, results.md (n for every cell, paired McNemar comparisons against the
+prefill baseline with Holm-corrected p, and a plain-language summary), score_vs_budget.png,
+dge_delta.png and, for runs over several k, accuracy_vs_k.png (`experiments.plots`). Lines of
+several run configurations are refused, never averaged together; a sample predicted twice
+under the same configuration counts once (the last line).
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ import pathlib
 import sys
 from collections import defaultdict
 
-from experiments import metrics
+from experiments import metrics, plots
 from experiments.cells import parse_cell_id
 from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE, read_predictions
+from experiments.run_folder import check_lines, read_config
+from experiments.stats import holm, mcnemar_exact
+
+SIGNIFICANT = 0.05  # family-wise level of the summary's "significant" (Holm-corrected p)
 
 
 def latest_rows(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -50,10 +55,10 @@ def score_rows(rows: list[dict]) -> dict:
     averages = {}
     for cell in cells:
         per = {d: s[cell] for d, s in scores.items() if cell in s}
-        english = {d: v for d, v in per.items() if d in ENGLISH_TASKS}
-        entry = {"mean": round(sum(per.values()) / len(per), 2)}
-        if english:
-            official = metrics.average_scores(english)
+        entry = {"mean": round(sum(per.values()) / len(per), 2), "tasks": len(per),
+                 "n": sum(counts[d][cell] for d in per)}
+        if set(ENGLISH_TASKS) <= set(per):  # the official averages mean all 16 tasks ran
+            official = metrics.average_scores({d: per[d] for d in ENGLISH_TASKS})
             entry["mean_en16"] = _round(official["mean_en16"])
             entry["category_mean"] = _round(official["category_mean"])
         averages[cell] = entry
@@ -71,18 +76,21 @@ def _cell_order(cell_id: str) -> tuple:
 
 
 def markdown_table(scores: dict) -> str:
-    """Cells as rows; datasets, the mean, and (LongBench) both official averages as columns."""
+    """Cells as rows; n (samples scored), datasets, the mean over the tasks that ran, and
+    both official LongBench averages when all 16 English tasks ran, as columns."""
     datasets = sorted(scores["datasets"])
     averages = scores["averages"]
     extra = ["mean_en16", "category_mean"] if any(
         "mean_en16" in a for a in averages.values()) else []
-    header = ["method", "timing", "k", "budget", *datasets, "mean", *extra]
+    tasks = max(a["tasks"] for a in averages.values())
+    mean = f"mean ({tasks} task{'s' if tasks > 1 else ''})"
+    header = ["method", "timing", "k", "budget", "n", *datasets, mean, *extra]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(averages, key=_cell_order):
         c = parse_cell_id(cell)
         row = [c.method, "-" if c.method == "full" else c.timing,
                "-" if c.method == "full" else f"{c.k}{'a' if c.adaptive else ''}",
-               "-" if c.method == "full" else str(c.budget)]
+               "-" if c.method == "full" else str(c.budget), str(averages[cell]["n"])]
         row += [_fmt(scores["datasets"][d].get(cell)) for d in datasets]
         row += [_fmt(averages[cell].get(name)) for name in ["mean", *extra]]
         lines.append("| " + " | ".join(row) + " |")
@@ -93,73 +101,6 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def plot(scores: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """score_vs_budget.png (mean score per method and timing) and dge_delta.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    averages = scores["averages"]
-    series: dict[tuple[str, str, int], dict[int, float]] = defaultdict(dict)
-    full = averages.get("full", {}).get("mean")
-    for cell, avg in averages.items():
-        c = parse_cell_id(cell)
-        if c.method != "full" and not c.adaptive:  # adaptive cells: see the paired table
-            series[(c.method, c.timing, c.k)][c.budget] = avg["mean"]
-    methods = sorted({m for m, _, _ in series})
-    written = []
-    if not methods:
-        return written
-    fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.6), squeeze=False)
-    for ax, method in zip(axes[0], methods, strict=True):
-        for (m, timing, k), points in sorted(series.items()):
-            if m != method:
-                continue
-            budgets = sorted(points)
-            label = timing if timing == "prefill" else f"{timing} (k={k})"
-            ax.plot(budgets, [points[b] for b in budgets], marker="o", label=label)
-        if full is not None:
-            ax.axhline(full, color="gray", linestyle="--", label="FullKV")
-        ax.set_xscale("log", base=2)
-        ax.set_title(method)
-        ax.set_xlabel("budget (entries per kv head)")
-        ax.set_ylabel("mean score")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir / "score_vs_budget.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-
-    deltas = []  # (label, dge - prefill, dge_w - prefill)
-    for (m, timing, k), points in sorted(series.items()):
-        if timing != "dge":
-            continue
-        base = series.get((m, "prefill", 1), {})
-        control = series.get((m, "dge_w", k), {})
-        for b in sorted(points):
-            if b in base:
-                deltas.append((f"{m}\nk={k} b={b}", points[b] - base[b],
-                               control[b] - base[b] if b in control else float("nan")))
-    if deltas:
-        fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(deltas)), 3.6))
-        xs = range(len(deltas))
-        ax.bar([x - 0.2 for x in xs], [d[1] for d in deltas], width=0.4, label="DGE - prefill")
-        ax.bar([x + 0.2 for x in xs], [d[2] for d in deltas], width=0.4,
-               label="DGE-W - prefill")
-        ax.axhline(0, color="black", linewidth=0.8)
-        ax.set_xticks(list(xs), [d[0] for d in deltas], fontsize=7)
-        ax.set_ylabel("mean score difference")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / "dge_delta.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
 def sample_scores(rows: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
     """cell id -> {(dataset, sample id): row score in [0, 1]} (latest line per sample)."""
     out: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)
@@ -168,15 +109,6 @@ def sample_scores(rows: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
             out[cell][(dataset, r["sample_id"])] = metrics.row_score(
                 dataset, r["pred"], r["answers"], r.get("all_classes"))
     return out
-
-
-def mcnemar_exact(wins: int, losses: int) -> float:
-    """Two-sided exact McNemar p-value: a binomial test of wins vs losses at p = 1/2."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
@@ -203,7 +135,7 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
             "cell": cell, "baseline": base_id, "samples": len(common),
             "accuracy": round(100 * sum(mine) / len(common), 2),
             "baseline_accuracy": round(100 * sum(theirs) / len(common), 2),
-            "wins": wins, "losses": losses, "p": round(mcnemar_exact(wins, losses), 4),
+            "wins": wins, "losses": losses, "p": mcnemar_exact(wins, losses),
             "mean_k": round(sum(ks) / len(ks), 2) if ks else None,
         }
 
@@ -212,63 +144,88 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     against_prefill = [pair(cell, f"{c.method}/prefill/b{c.budget}") for cell, c in drafted]
     against_dge_w = [pair(cell, dataclasses.replace(c, timing="dge_w").id)
                      for cell, c in drafted if c.timing == "dge"]  # fmt: skip
-    return [p for p in against_prefill + against_dge_w if p is not None]
+    comparisons = [p for p in against_prefill + against_dge_w if p is not None]
+    for c, adjusted in zip(comparisons, holm([c["p"] for c in comparisons]), strict=True):
+        c["p_holm"] = round(adjusted, 4)
+    return comparisons
 
 
 def paired_table(comparisons: list[dict]) -> str:
     """Markdown table of `paired_comparisons`."""
-    header = ["cell", "vs", "n", "acc %", "base acc %", "wins", "losses", "McNemar p", "mean k"]
+    header = ["cell", "vs", "n", "acc %", "base acc %", "wins", "losses", "McNemar p",
+              "p (Holm)", "mean k"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in comparisons:
         lines.append("| " + " | ".join(str(x) for x in [
             c["cell"], c["baseline"], c["samples"], c["accuracy"], c["baseline_accuracy"],
-            c["wins"], c["losses"], c["p"], "-" if c["mean_k"] is None else c["mean_k"],
+            c["wins"], c["losses"], _p(c["p"]), _p(c["p_holm"]),
+            "-" if c["mean_k"] is None else c["mean_k"],
         ]) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy_vs_k(scores: dict, out_dir: pathlib.Path) -> pathlib.Path | None:
-    """accuracy_vs_k.png: mean score against k per method and budget (DGE solid, DGE-W
-    dashed, the prefill baseline at k = 1); written only when a run has several k."""
-    import matplotlib
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    cells = [parse_cell_id(c) for c in scores["averages"]]
-    if len({c.k for c in cells if c.timing != "prefill" and not c.adaptive}) < 2:
-        return None
+def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
+    """A few plain sentences under the tables: what was compared, on what, what is significant."""
+    averages = scores["averages"]
+    cells = [parse_cell_id(c) for c in averages]
     methods = sorted({c.method for c in cells if c.method != "full"})
-    fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.6), squeeze=False)
-    for ax, method in zip(axes[0], methods, strict=True):
-        for budget in sorted({c.budget for c in cells if c.method == method}):
-            base = scores["averages"].get(f"{method}/prefill/b{budget}", {}).get("mean")
-            for timing, style in (("dge", "-"), ("dge_w", "--")):
-                pts = sorted((c.k, scores["averages"][c.id]["mean"]) for c in cells
-                             if c.method == method and c.budget == budget
-                             and c.timing == timing and not c.adaptive)
-                if base is not None:
-                    pts = [(1, base)] + [p for p in pts if p[0] != 1]
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), style, marker="o",
-                            label=f"{timing} b={budget}")
-        ax.set_title(method)
-        ax.set_xlabel("k (answer tokens drafted with the full cache)")
-        ax.set_ylabel("mean score")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "accuracy_vs_k.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    budgets = sorted({c.budget for c in cells if c.method != "full"})
+    timings = sorted({c.timing if c.timing == "prefill" else f"{c.timing} (k={c.k})"
+                      for c in cells if c.method != "full"})
+    n = sorted({a["n"] for a in averages.values()})
+    tasks = max(a["tasks"] for a in averages.values())
+    where = ""
+    if config is not None:
+        ident = config["identity"]
+        where = f" of {ident['model']} on the {ident['suite']} suite"
+    lines = [f"**Summary.** {len(averages)} cells{where}, {_span(n)} samples each over "
+             f"{tasks} task{'s' if tasks > 1 else ''}"
+             + (f": {', '.join(methods)} under {', '.join(timings)} at budget"
+                f"{'s' if len(budgets) > 1 else ''} {', '.join(map(str, budgets))} entries "
+                "per kv head" if methods else "") + "."]
+    if "full" in averages:
+        lines.append(f"FullKV scores {averages['full']['mean']:.2f} (mean over tasks).")
+    if comparisons:
+        significant = [c for c in comparisons if c["p_holm"] < SIGNIFICANT]
+        lines.append(
+            f"Of {len(comparisons)} paired comparisons (correct = row score >= 0.5; exact "
+            f"McNemar, Holm-corrected over all of them), "
+            + (f"{len(significant)} differ significantly at {SIGNIFICANT}: " + "; ".join(
+                f"{c['cell']} vs {c['baseline']}: {c['accuracy']}% vs "
+                f"{c['baseline_accuracy']}% ({c['wins']} wins / {c['losses']} losses, "
+                f"p = {_p(c['p_holm'])})" for c in significant) + "."
+               if significant else
+               f"none differs significantly at {SIGNIFICANT}; the largest gap is "
+               + _largest(comparisons) + "."))
+        lines.append("One suite's effect is a hypothesis until it replicates on another.")
+    return " ".join(lines) + "\n"
+
+
+def _span(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def _largest(comparisons: list[dict]) -> str:
+    c = max(comparisons, key=lambda c: (abs(c["wins"] - c["losses"]), -c["p"]))
+    return (f"{c['cell']} vs {c['baseline']} ({c['wins']} wins / {c['losses']} losses, "
+            f"p = {_p(c['p'])} before correction)")
 
 
 def write_report(out_dir: str | pathlib.Path) -> dict:
     """Scores the run in `out_dir` and writes scores.json, results.md and the plots."""
     out_dir = pathlib.Path(out_dir)
-    rows = read_predictions(out_dir / PREDICTIONS_FILE)
+    path = out_dir / PREDICTIONS_FILE
+    rows = read_predictions(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
     if not rows:
-        raise FileNotFoundError(f"no predictions in {out_dir / PREDICTIONS_FILE}")
+        raise FileNotFoundError(f"no predictions in {path}")
+    check_lines(rows, str(path))
+    config = read_config(out_dir)
+    if config is not None and "identity" not in config:
+        config = None  # a folder of the first runner: no identity to title the plots with
     scores = score_rows(rows)
     comparisons = paired_comparisons(rows)
     scores["paired"] = comparisons
@@ -277,10 +234,15 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     if comparisons:
         table += ("\nPaired comparisons on the same samples: each DGE / DGE-W cell against the "
                   "prefill baseline, then DGE against DGE-W at the same k and budget (correct = "
-                  "row score >= 0.5; exact McNemar test):\n\n" + paired_table(comparisons))
+                  "row score >= 0.5; exact McNemar test; Holm's correction over all rows):\n\n"
+                  + paired_table(comparisons))
+    table += "\n" + summary(scores, comparisons, config)
     (out_dir / "results.md").write_text(table)
-    plot(scores, out_dir)
-    plot_accuracy_vs_k(scores, out_dir)
+    title = plots.title(config, scores)
+    per_sample = sample_scores(rows)
+    plots.score_vs_budget(scores, per_sample, title, out_dir)
+    plots.dge_delta(scores, per_sample, title, out_dir)
+    plots.accuracy_vs_k(scores, title, out_dir)
     return scores
 
 
@@ -291,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         write_report(argv[0])
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print((pathlib.Path(argv[0]) / "results.md").read_text(), end="")

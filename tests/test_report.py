@@ -7,8 +7,11 @@ import json
 
 import pytest
 
-from experiments import report
+from experiments import plots, report
+from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE
+from experiments.run_folder import RunFolderError
+from experiments.stats import mcnemar_exact
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TREC_CLASSES = ["Food", "Date", "Individual", "Location"]
@@ -60,12 +63,11 @@ def test_score_rows_longbench_by_hand():
         "trec": {"full": 50.0, SNAP: 75.0},
     }
     assert scores["counts"]["trec"] == {"full": 2, SNAP: 2}
-    # full: mean over all five = 425/5; English plain mean = 325/4; categories: multi-doc QA
-    # 100, few-shot 50, synthetic (75 + 100)/2 = 87.5 -> (100 + 50 + 87.5)/3 = 79.1666...
-    # snapkv: 225/4 = 56.25 (no zh row); categories 50, 75, 50 -> 58.333...
+    # full: mean over all five = 425/5; snapkv: 225/4 = 56.25 (no zh row). Only 4 of the 16
+    # English tasks ran, so neither official average is stated (it would not be one).
     assert scores["averages"] == {
-        "full": {"mean": 85.0, "mean_en16": 81.25, "category_mean": 79.17},
-        SNAP: {"mean": 56.25, "mean_en16": 56.25, "category_mean": 58.33},
+        "full": {"mean": 85.0, "tasks": 5, "n": 7},
+        SNAP: {"mean": 56.25, "tasks": 4, "n": 6},
     }
     assert list(scores["averages"]) == ["full", SNAP]
 
@@ -81,10 +83,10 @@ def test_score_rows_synthetic_has_only_the_mean():
     ]
     scores = report.score_rows(rows)
     assert scores["datasets"] == {"passkey": {"full": 50.0}, "niah_multivalue": {"full": 75.0}}
-    assert scores["averages"] == {"full": {"mean": 62.5}}
+    assert scores["averages"] == {"full": {"mean": 62.5, "tasks": 2, "n": 4}}
     table = report.markdown_table(scores)
     assert table.splitlines()[0] == (
-        "| method | timing | k | budget | niah_multivalue | passkey | mean |")
+        "| method | timing | k | budget | n | niah_multivalue | passkey | mean (2 tasks) |")
     assert "mean_en16" not in table
 
 
@@ -98,13 +100,25 @@ def test_latest_rows_last_line_wins_per_sample():
 def test_markdown_table_by_hand():
     table = report.markdown_table(report.score_rows(longbench_rows()))
     assert table == (
-        "| method | timing | k | budget | hotpotqa | passage_count | passage_retrieval_en | "
-        "passage_retrieval_zh | trec | mean | mean_en16 | category_mean |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-        "| full | - | - | - | 100.00 | 75.00 | 100.00 | 100.00 | 50.00 | 85.00 | 81.25 | 79.17 |\n"
-        "| snapkv | prefill | 1 | 16 | 50.00 | 50.00 | 50.00 | - | 75.00 | 56.25 | 56.25 | "
-        "58.33 |\n"
+        "| method | timing | k | budget | n | hotpotqa | passage_count | passage_retrieval_en | "
+        "passage_retrieval_zh | trec | mean (5 tasks) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| full | - | - | - | 7 | 100.00 | 75.00 | 100.00 | 100.00 | 50.00 | 85.00 |\n"
+        "| snapkv | prefill | 1 | 16 | 6 | 50.00 | 50.00 | 50.00 | - | 75.00 | 56.25 |\n"
     )
+
+
+def test_official_averages_only_when_all_16_english_tasks_ran():
+    """mean_en16 was printed as a 16-task mean when 7 tasks ran; now it needs all 16."""
+    rows = [line(d, "full", "a", "x", ["Paragraph 1"], ["Paragraph 1"]) for d in ENGLISH_TASKS]
+    scores = report.score_rows(rows)
+    assert set(scores["averages"]["full"]) == {"mean", "tasks", "n", "mean_en16",
+                                               "category_mean"}
+    assert scores["averages"]["full"]["tasks"] == 16
+    assert "mean_en16" in report.markdown_table(scores).splitlines()[0]
+    fewer = report.score_rows(rows[:7])
+    assert "mean_en16" not in fewer["averages"]["full"]
+    assert "mean (7 tasks)" in report.markdown_table(fewer)
 
 
 def test_cell_order_in_table():
@@ -132,12 +146,14 @@ def test_write_report_and_cli(tmp_path, capsys):
     write_predictions(tmp_path, rows)
     scores = report.write_report(tmp_path)
     assert json.loads((tmp_path / "scores.json").read_text()) == scores
-    assert scores["averages"]["snapkv/dge/k2/b16"] == {"mean": 0.0}
+    assert scores["averages"]["snapkv/dge/k2/b16"] == {"mean": 0.0, "tasks": 1, "n": 2}
     results = (tmp_path / "results.md").read_text()
     assert results.startswith(report.markdown_table(scores))
     # Paired section: dge k2 b16 (0/2 right) vs prefill b16 (1/2): 0 wins, 1 loss, p = 1.
     assert scores["paired"] == report.paired_comparisons(rows)
-    assert "McNemar" in results and results.endswith(report.paired_table(scores["paired"]))
+    assert "McNemar" in results and report.paired_table(scores["paired"]) in results
+    assert results.endswith(report.summary(scores, scores["paired"], None))
+    assert "none differs significantly" in results
     for name in ("score_vs_budget.png", "dge_delta.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
     first = {p: (tmp_path / p).read_bytes() for p in ("scores.json", "results.md")}
@@ -148,10 +164,65 @@ def test_write_report_and_cli(tmp_path, capsys):
 
 def test_plot_without_dge_cells_writes_only_score_vs_budget(tmp_path):
     rows = [line("passkey", c, "a", "1", ["1"]) for c in ("full", "snapkv/prefill/b16")]
-    written = report.plot(report.score_rows(rows), tmp_path)
-    assert [p.name for p in written] == ["score_vs_budget.png"]
-    assert report.plot(report.score_rows([line("passkey", "full", "a", "1", ["1"])]),
-                       tmp_path) == []
+    scores, per_sample = report.score_rows(rows), report.sample_scores(rows)
+    assert plots.score_vs_budget(scores, per_sample, "t", tmp_path).name == "score_vs_budget.png"
+    assert plots.dge_delta(scores, per_sample, "t", tmp_path) is None
+    only_full = [line("passkey", "full", "a", "1", ["1"])]
+    assert plots.score_vs_budget(report.score_rows(only_full), report.sample_scores(only_full),
+                                 "t", tmp_path) is None
+
+
+def test_report_refuses_lines_of_several_configurations(tmp_path, capsys):
+    """Two configurations of one cell in one file were averaged as if they were one."""
+    rows = [line("passkey", "full", "a", "1", ["1"]),
+            {**line("passkey", "full", "b", "1", ["1"]), "config_hash": "other"}]
+    write_predictions(tmp_path, rows)
+    with pytest.raises(RunFolderError, match="several configurations"):
+        report.write_report(tmp_path)
+    tagged = [{**line("passkey", "full", s, "1", ["1"]), "run_id": r} for s, r in
+              (("a", "r1"), ("b", "r2"))]
+    write_predictions(tmp_path, tagged)
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "2 run configurations" in err and err.count("\n") == 1
+
+
+def test_summary_names_the_significant_differences():
+    rows = []
+    for i in range(12):  # DGE right on all 12, prefill on none: 12 wins, p = 2/4096
+        rows += [line("passkey", "snapkv/prefill/b16", f"s{i}", "x", ["1"]),
+                 line("passkey", "snapkv/dge/k2/b16", f"s{i}", "1", ["1"]),
+                 line("passkey", "snapkv/dge_w/k2/b16", f"s{i}", "x", ["1"])]
+    scores, pairs = report.score_rows(rows), report.paired_comparisons(rows)
+    text = report.summary(scores, pairs, {"identity": {"model": "m", "suite": "synthetic"}})
+    assert "3 cells of m on the synthetic suite, 12 samples each over 1 task" in text
+    assert "2 differ significantly" in text
+    assert "snapkv/dge/k2/b16 vs snapkv/prefill/b16: 100.0% vs 0.0% (12 wins / 0 losses" in text
+    # Holm over 3 comparisons: the two 12/0 ones (equal p) both get 3 * p (monotone: the
+    # second's 2 * p is raised to the first's), the 0/0 one stays 1.
+    assert [c["p_holm"] for c in pairs] == [round(3 * mcnemar_exact(12, 0), 4), 1.0,
+                                            round(3 * mcnemar_exact(12, 0), 4)]
+
+
+def test_plots_carry_intervals_and_notes(tmp_path):
+    """Coinciding series get a note; the delta plot has a zero line and paired intervals."""
+    rows = []
+    for i, (b, d) in enumerate(zip("1x1x1x", "111x11", strict=True)):
+        rows += [line("passkey", "full", f"s{i}", "1", ["1"]),
+                 line("passkey", "snapkv/prefill/b16", f"s{i}", b, ["1"]),
+                 line("passkey", "snapkv/dge/k2/b16", f"s{i}", d, ["1"]),
+                 line("passkey", "snapkv/dge_w/k2/b16", f"s{i}", b, ["1"])]
+    scores, per_sample = report.score_rows(rows), report.sample_scores(rows)
+    assert plots._coincide_note(scores, sorted(
+        (k, c) for k, c in plots._series(scores).items())) == (
+        "dge_w (k=2) = prefill (baseline) at every budget")
+    mean, low, high = plots.paired_interval(per_sample, "snapkv/dge/k2/b16",
+                                            "snapkv/prefill/b16")
+    assert mean == pytest.approx(100 * 2 / 6) and low <= mean <= high and high <= 100
+    assert plots.paired_interval(per_sample, "snapkv/dge_w/k2/b16",
+                                 "snapkv/prefill/b16") == (0.0, 0.0, 0.0)
+    for fn in (plots.score_vs_budget, plots.dge_delta):
+        assert fn(scores, per_sample, "m on s, n = 6", tmp_path).read_bytes()[:8] == PNG_MAGIC
 
 
 def test_cli_errors(tmp_path, capsys):
@@ -164,11 +235,11 @@ def test_cli_errors(tmp_path, capsys):
 
 
 def test_mcnemar_exact_by_hand():
-    assert report.mcnemar_exact(0, 0) == 1.0
-    assert report.mcnemar_exact(3, 0) == 0.25  # 2 * C(3,0) / 2^3
-    assert report.mcnemar_exact(1, 5) == pytest.approx(2 * 7 / 64)  # 2 * (1 + 6) / 2^6
-    assert report.mcnemar_exact(2, 2) == 1.0  # 2 * 11/16 capped at 1
-    assert report.mcnemar_exact(10, 0) == pytest.approx(2 / 1024)
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(3, 0) == 0.25  # 2 * C(3,0) / 2^3
+    assert mcnemar_exact(1, 5) == pytest.approx(2 * 7 / 64)  # 2 * (1 + 6) / 2^6
+    assert mcnemar_exact(2, 2) == 1.0  # 2 * 11/16 capped at 1
+    assert mcnemar_exact(10, 0) == pytest.approx(2 / 1024)
 
 
 def test_paired_comparisons_by_hand():
@@ -182,6 +253,7 @@ def test_paired_comparisons_by_hand():
     assert report.paired_comparisons(rows) == [{
         "cell": dge, "baseline": base, "samples": 4, "accuracy": 100.0,
         "baseline_accuracy": 25.0, "wins": 3, "losses": 0, "p": 0.25, "mean_k": 2.0,
+        "p_holm": 0.25,
     }]
 
 
@@ -198,7 +270,7 @@ def test_dge_is_also_paired_with_dge_w_at_the_same_k_and_budget():
     vs_w = pairs[(dge, dge_w)]
     assert (vs_w["accuracy"], vs_w["baseline_accuracy"]) == (80.0, 40.0)
     assert (vs_w["wins"], vs_w["losses"]) == (3, 1)  # b c d vs e
-    assert vs_w["p"] == report.mcnemar_exact(3, 1) == 0.625  # 2 * (1 + 4) / 16
+    assert vs_w["p"] == mcnemar_exact(3, 1) == 0.625  # 2 * (1 + 4) / 16
 
 
 ADAPTIVE_PAIR = ("snapkv/dge/k8/b16", "snapkv/dge/k8a/b16")
@@ -215,7 +287,8 @@ def test_markdown_table_tells_adaptive_cells_apart():
 
 def test_cell_order_is_total_for_adaptive_cells():
     """Order must not depend on input (set / dict) order, or reports differ between runs."""
-    averages = {ADAPTIVE_PAIR[0]: {"mean": 100.0}, ADAPTIVE_PAIR[1]: {"mean": 0.0}}
+    averages = {ADAPTIVE_PAIR[0]: {"mean": 100.0, "tasks": 1, "n": 1},
+                ADAPTIVE_PAIR[1]: {"mean": 0.0, "tasks": 1, "n": 1}}
     datasets = {"passkey": {c: a["mean"] for c, a in averages.items()}}
     scores = {"datasets": datasets, "averages": averages}
     flipped = {"datasets": datasets, "averages": dict(reversed(averages.items()))}

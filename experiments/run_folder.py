@@ -1,0 +1,203 @@
+"""A run folder belongs to one configuration: its identity, its extent, and its history.
+
+The *identity* of a run is everything besides the grid and the samples that changes a
+prediction: model (and a fingerprint of its files), dtype, suite, policy options, timing
+settings, lengths, batch size, protocol, library version. The *data* are the checksums of the
+files (or generator inputs) each dataset's rows come from. The *extent* is what the run
+covers: datasets, cells and samples per dataset.
+
+`open_run` is the one gate: the same identity resumes; another identity is refused with the
+keys that differ; a command asking for cells or samples the folder does not cover is refused
+unless `extend`, which adds them (the report then shows n for every cell). `config.json` keeps
+the identity, the data checksums, the extent and every command that wrote the folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import pathlib
+from collections.abc import Iterable
+from typing import Any
+
+from experiments.predictions import PREDICTIONS_FILE, config_hash
+
+CONFIG_FILE = "config.json"
+FORMAT = 2  # config.json layout; folders of the first runner (no run_id) are refused
+_HASHED_IN_FULL = (".json", ".jinja", ".txt", ".model")  # small files whose bytes matter
+
+
+class RunFolderError(ValueError):
+    """A folder that cannot take this run; the message says what differs and what to do."""
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes (a 100 MB LongBench file takes about 0.2 s)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def files_fingerprint(folder: str | os.PathLike) -> str:
+    """Short hash of a checkpoint folder: configs and tokenizer by content, weights by size.
+
+    Reading every weight byte of an 8B checkpoint would take minutes; a changed config,
+    tokenizer or weight file size is what a different checkpoint in the same path shows.
+    """
+    folder = pathlib.Path(folder)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if path.suffix in _HASHED_IN_FULL:
+            digest.update(f"{rel}:{sha256_file(path)}\n".encode())
+        else:
+            digest.update(f"{rel}:{path.stat().st_size}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def run_id(identity: dict[str, Any]) -> str:
+    """The identity's short hash: the default folder's name and a field of every line."""
+    return config_hash(identity)
+
+
+def default_out_dir(suite: str, model: str, identity: dict[str, Any]) -> pathlib.Path:
+    """runs/<suite>/<model name>-<run id>: one folder per configuration, never shared."""
+    name = pathlib.Path(str(model).rstrip("/")).name or "model"
+    return pathlib.Path("runs") / suite / f"{name}-{run_id(identity)[:8]}"
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every (dotted) key whose value differs."""
+    a, b = _flatten(old), _flatten(new)
+    missing = object()
+    return [f"{key}: {a.get(key, missing)!r} -> {b.get(key, missing)!r}".replace(
+        repr(missing), "(absent)") for key in sorted(set(a) | set(b))
+        if a.get(key, missing) != b.get(key, missing)]
+
+
+def _covers(have: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """What `want` (an extent) asks for beyond `have`, as short phrases; [] if covered."""
+    extra = []
+    cells = [c for c in want["cells"] if c not in have["cells"]]
+    if cells:
+        extra.append(f"cells {cells}")
+    datasets = [d for d in want["datasets"] if d not in have["datasets"]]
+    if datasets:
+        extra.append(f"datasets {datasets}")
+    n_have, n_want = have["num_samples"], want["num_samples"]
+    if n_have is not None and (n_want is None or n_want > n_have):
+        extra.append(f"{'all' if n_want is None else n_want} samples per dataset (the folder "
+                     f"holds {n_have})")
+    return extra
+
+
+def _union(have: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    n_have, n_want = have["num_samples"], want["num_samples"]
+    return {
+        "datasets": list(dict.fromkeys([*have["datasets"], *want["datasets"]])),
+        "cells": list(dict.fromkeys([*have["cells"], *want["cells"]])),
+        "num_samples": None if None in (n_have, n_want) else max(n_have, n_want),
+    }
+
+
+def read_config(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The folder's config.json, or None when there is none."""
+    path = pathlib.Path(out_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RunFolderError(f"{path} does not parse ({e}); restore it or use another "
+                             "--out_dir") from None
+
+
+def _write_config(out_dir: pathlib.Path, config: dict[str, Any]) -> None:
+    """config.json written whole or not at all (a temporary file, then a rename)."""
+    path = out_dir / CONFIG_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _check_data(old: dict[str, str], new: dict[str, str], out_dir: pathlib.Path) -> None:
+    changed = [f"{d}: {old[d][:12]} -> {new[d][:12]}" for d in new if d in old
+               and old[d] != new[d]]
+    if changed:
+        raise RunFolderError(
+            f"{out_dir} was run on other data for {', '.join(changed)} (sha256 of the rows' "
+            "source); its predictions would mix two versions of the data. Use another "
+            "--out_dir (or leave it out: each configuration gets its own folder)")
+
+
+def open_run(out_dir: str | os.PathLike, identity: dict[str, Any], data: dict[str, str],
+             extent: dict[str, Any], command: str, extend: bool = False) -> dict[str, Any]:
+    """Creates or reopens `out_dir` for this run; returns the folder's config.
+
+    Raises RunFolderError when the folder holds another configuration, data that changed, or
+    (without `extend`) less than the command asks for.
+    """
+    out_dir = pathlib.Path(out_dir)
+    old = read_config(out_dir)
+    has_lines = (out_dir / PREDICTIONS_FILE).is_file()
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    entry = {"command": command, "at": now, "extent": extent}
+    if old is None and has_lines or old is not None and old.get("format") != FORMAT:
+        raise RunFolderError(
+            f"{out_dir} holds predictions of an older runner whose configuration cannot be "
+            "checked; use another --out_dir (or move that folder away)")
+    if old is None:
+        config = {"format": FORMAT, "run_id": run_id(identity), "identity": identity,
+                  "data": data, "extent": extent, "history": [entry]}
+    else:
+        diff = differences(old["identity"], identity)
+        if diff:
+            raise RunFolderError(
+                f"{out_dir} holds a run of another configuration ({'; '.join(diff)}); mixing "
+                "them would make every table wrong. Use another --out_dir (or leave it out: "
+                "each configuration gets its own folder)")
+        _check_data(old["data"], data, out_dir)
+        extra = _covers(old["extent"], extent)
+        if extra and not extend:
+            raise RunFolderError(
+                f"{out_dir} holds this configuration for fewer cells or samples than asked "
+                f"({'; '.join(extra)}); pass --extend to add them to this folder (the report "
+                "shows n for every cell), or use another --out_dir")
+        config = {**old, "data": {**old["data"], **data},
+                  "extent": _union(old["extent"], extent),
+                  "history": [*old["history"], entry]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_config(out_dir, config)
+    return config
+
+
+def check_lines(rows: Iterable[dict], where: str) -> None:
+    """Refuses prediction lines of several run identities (or, for lines older than run ids,
+    one cell under several configurations): a table of them would mix configurations."""
+    ids: set[str] = set()
+    hashes: dict[tuple[str, str], set[str]] = {}
+    for r in rows:
+        if "run_id" in r:
+            ids.add(r["run_id"])
+        hashes.setdefault((r["dataset"], r["cell"]), set()).add(r["config_hash"])
+    mixed = sorted(f"{d}/{c}" for (d, c), h in hashes.items() if len(h) > 1)
+    if len(ids) > 1 or mixed:
+        what = (f"{len(ids)} run configurations ({', '.join(sorted(ids))})" if len(ids) > 1
+                else f"cells under several configurations ({', '.join(mixed[:4])})")
+        raise RunFolderError(
+            f"{where} holds predictions of {what}; a report over them would mix "
+            "configurations. Rerun each configuration into its own --out_dir")

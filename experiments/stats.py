@@ -1,0 +1,60 @@
+"""The statistics a report states: exact McNemar, Holm's correction, bootstrap intervals.
+
+Plain functions of numbers, so tests check them against values worked out by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+BOOTSTRAP_REPS = 2000
+BOOTSTRAP_SEED = 0  # fixed: a rebuilt report draws the same intervals
+
+
+def mcnemar_exact(wins: int, losses: int) -> float:
+    """Two-sided exact McNemar p-value: a binomial test of wins vs losses at p = 1/2."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (same order as given): controls the family-wise
+    error over all comparisons of a report, uniformly more powerful than Bonferroni."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def bootstrap_mean_ci(per_dataset: Mapping[str, Sequence[float]], level: float = 0.95,
+                      reps: int = BOOTSTRAP_REPS, seed: int = BOOTSTRAP_SEED
+                      ) -> tuple[float, float, float]:
+    """(mean, low, high): the mean over datasets of each dataset's mean value, and its
+    percentile bootstrap interval from resampling samples within each dataset.
+
+    Pass per-sample differences of two cells (paired on the same samples) to get the
+    interval of a difference; pass row scores for the interval of a cell's mean score.
+    """
+    rng = np.random.default_rng(seed)
+    values = [np.asarray(v, dtype=np.float64) for v in per_dataset.values() if len(v)]
+    if not values:
+        raise ValueError("no values to bootstrap")
+    point = float(np.mean([v.mean() for v in values]))
+    draws = np.zeros(reps)
+    for v in values:
+        idx = rng.integers(0, len(v), size=(reps, len(v)))
+        draws += v[idx].mean(axis=1)
+    draws /= len(values)
+    alpha = (1 - level) / 2
+    low, high = np.quantile(draws, [alpha, 1 - alpha])
+    return point, float(low), float(high)
