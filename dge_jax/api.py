@@ -68,12 +68,23 @@ def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[lis
     return [model.tokenizer.encode(p) for p in prompts]
 
 
-def check_request(model: Model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+def check_request(
+    model: Model,
+    prompt_ids: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    min_new_tokens: int = 0,
+) -> None:
     """Clear errors for requests that would otherwise fail deep inside XLA or silently."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer):
-        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("min_new_tokens", min_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{name} must be an int, got {value!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(
+            f"min_new_tokens must be in [0, max_new_tokens={max_new_tokens}], got "
+            f"{min_new_tokens} (EOS is banned until min_new_tokens tokens exist)"
+        )
     if not prompt_ids:
         raise ValueError("no prompts given")
     ctx = model.config.max_position_embeddings
@@ -153,8 +164,13 @@ def generate_grid(
     if prompts and isinstance(prompts[0], str):
         prompt_ids = encode_prompts(model, prompts, chat)
     else:
+        if chat:
+            raise ValueError(
+                "chat=True applies the chat template to text prompts; these prompts are token "
+                "ids, which are used as given: pass the text, or drop chat=True"
+            )
         prompt_ids = [list(map(int, p)) for p in prompts]
-    check_request(model, prompt_ids, max_new_tokens)
+    check_request(model, prompt_ids, max_new_tokens, min_new_tokens)
     cells = [None if ev is None or ev.policy.is_full else ev for ev in cells]
     for ev in cells:
         if ev is not None:

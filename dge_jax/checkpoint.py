@@ -14,6 +14,7 @@ import functools
 import json
 import pathlib
 import re
+import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -45,15 +46,59 @@ class KeyMap:
     build: Callable[[dict[str, Any]], Any]
 
 
+def damaged(
+    folder: str | pathlib.Path,
+    file: pathlib.Path,
+    error: Exception,
+    cause: str = "the file is truncated or damaged",
+) -> CheckpointError:
+    """The one-line error for a file of a model folder that cannot be read: names the file,
+    the first line of the reader's error, and how to get a good copy (`recovery`)."""
+    lines = str(error).strip().splitlines() or [""]
+    first = lines[0].split(" See full TensorStore details")[0]  # orbax appends a long spec
+    detail = first[:200] + (" ..." if len(lines) > 1 or len(first) > 200 else "")
+    return CheckpointError(
+        f"cannot read {file} ({type(error).__name__}: {detail}); {cause}. "
+        f"{recovery(pathlib.Path(folder))}"
+    )
+
+
+def recovery(folder: pathlib.Path) -> str:
+    """How to replace a damaged model folder: a cached conversion (embedded model or .gguf,
+    under `embedded.cache_root()`) is deleted and converted again on the next load; a folder
+    written by `python -m dge_jax convert` is converted again; any other is copied again."""
+    from dge_jax import orbax_io  # lazy: both import this module
+    from dge_jax.embedded import cache_root
+
+    folder = folder.absolute()
+    quoted = shlex.quote(str(folder))
+    if folder.resolve().is_relative_to(cache_root().resolve()):
+        return (
+            f"{folder} is dge_jax's cached conversion of a GGUF model: delete it "
+            f"(rm -r {quoted}) and the next load converts it again"
+        )
+    if orbax_io.is_converted(folder):
+        source = orbax_io.source_of(folder)
+        model = shlex.quote(source) if source else "SOURCE"
+        return (
+            f"Delete the converted folder and convert it again: rm -r {quoted} && "
+            f"python -m dge_jax convert --model {model} --out {quoted}"
+        )
+    return f"Download or copy the checkpoint into {folder} again"
+
+
 def read_config(path: str | pathlib.Path) -> dict[str, Any]:
-    """The raw config.json of a checkpoint folder, with a clear error when absent."""
+    """The raw config.json of a checkpoint folder, with a clear error when absent or damaged."""
     folder = pathlib.Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {str(folder)!r} does not exist")
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{folder} has no config.json: is it a Hugging Face model folder?")
-    return json.loads(cfg_file.read_text())
+    try:
+        return json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise damaged(folder, cfg_file, e) from e
 
 
 def parse_config(raw: dict[str, Any]) -> tuple[ModelFamily, ModelConfig]:
@@ -95,10 +140,7 @@ def iter_tensors(files: list[pathlib.Path]):
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for bad files
-            raise CheckpointError(
-                f"cannot read {file} ({type(e).__name__}: {e}); the file is truncated or is "
-                "not a safetensors file"
-            ) from e
+            raise damaged(file.parent, file, e) from e
 
 
 def _match(name: str, key_map: KeyMap) -> tuple[re.Match, str, str]:
@@ -211,10 +253,7 @@ def plan_tensors(
             with safe_open(file, framework="numpy") as f:
                 headers = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
         except Exception as e:  # safetensors raises its own error types for bad files
-            raise CheckpointError(
-                f"cannot read {file} ({type(e).__name__}: {e}); the file is truncated or is "
-                "not a safetensors file"
-            ) from e
+            raise damaged(file.parent, file, e) from e
         for name, shape in headers:
             matched = _expected_match(name, key_map, cfg)
             if matched is None:

@@ -3,7 +3,9 @@
 `python -m dge_jax convert --model PATH_OR_NAME --out DIR` writes an orbax folder (params +
 config + tokenizer) that `dge_jax.load(DIR, mesh=...)` restores sharded.
 
-Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv]`.
+Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv]`; they
+are refused with the default `--policy full` (no eviction), where they would do nothing, as
+`--top_k/--top_p` are with the default `--temperature 0` (greedy).
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from collections.abc import Sequence
 from dge_jax.eviction import HEAD_BUDGETS, Eviction
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.policies import POLICIES, make_policy
+from dge_jax.sampling import Greedy, Sampling
 from dge_jax.timing import KINDS, Timing
+
+# Eviction flags default to None so that a flag the user gave is told from one left out.
+EVICTION_DEFAULTS = {"budget": 256, "timing": "dge", "k": 2, "head_budget": "uniform"}
+POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max_new_tokens", type=int, default=64)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top_k", type=int, default=0)
-    g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy")
+    g.add_argument("--top_k", type=int, default=None, help="sampling: >= 0, 0 = no cut")
+    g.add_argument("--top_p", type=float, default=None, help="sampling: in (0, 1], 1 = no cut")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     ev = g.add_argument_group("eviction")
@@ -45,15 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(POLICIES),
         help="scoring rule (full = no eviction)",
     )
-    ev.add_argument("--budget", type=int, default=256, help="entries kept per kv head")
-    ev.add_argument("--timing", default="dge", choices=KINDS)
+    ev.add_argument("--budget", type=int, default=None, help="entries kept per kv head (256)")
+    ev.add_argument("--timing", default=None, choices=KINDS, help="when to evict (dge)")
     ev.add_argument(
         "--k",
         type=int,
-        default=2,
-        help="answer tokens generated with the full cache before eviction",
+        default=None,
+        help="answer tokens generated with the full cache before eviction (2; prefill: 1)",
     )
-    ev.add_argument("--head_budget", default="uniform", choices=HEAD_BUDGETS)
+    ev.add_argument("--head_budget", default=None, choices=HEAD_BUDGETS, help="(uniform)")
     ev.add_argument("--window", type=int, default=None, help="observation / recent window")
     ev.add_argument("--kernel", type=int, default=None, help="SnapKV/PyramidKV pooling kernel")
     ev.add_argument("--pooling", default=None, choices=["max", "avg"])
@@ -79,34 +86,66 @@ def run_convert(args: argparse.Namespace) -> dict:
 
 
 def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
-    """The `Eviction` the flags describe (None for --policy full); unknown combos raise."""
+    """The `Eviction` the flags describe (None for --policy full); flags that would be ignored
+    and values out of range raise, naming the flag."""
     if args.policy == "full":
+        names = (*EVICTION_DEFAULTS, *POLICY_OPTIONS)
+        given = [f"--{name}" for name in names if getattr(args, name) is not None]
+        if given:
+            evicting = ", ".join(sorted(set(POLICIES) - {"full"}))
+            raise ValueError(
+                f"{', '.join(given)} only apply with an evicting --policy ({evicting}); "
+                "--policy full (the default) keeps the whole cache"
+            )
         return None
-    options = {
-        name: getattr(args, name)
-        for name in ("window", "kernel", "pooling", "gqa")
-        if getattr(args, name) is not None
-    }
-    policy = make_policy(args.policy, **options)
-    k = args.k if args.timing != "prefill" else 1
-    return Eviction(
-        policy=policy,
-        budget=args.budget,
-        timing=Timing(args.timing, k),
-        head_budget=args.head_budget,
+    budget, timing, k, head_budget = (
+        default if getattr(args, name) is None else getattr(args, name)
+        for name, default in EVICTION_DEFAULTS.items()
     )
+    if budget < 1:
+        raise ValueError(f"--budget must be >= 1 (entries kept per kv head), got {budget}")
+    if k < 1:
+        raise ValueError(f"--k must be >= 1 (answer tokens before eviction), got {k}")
+    if timing == "prefill":
+        if k != 1 and args.k is not None:
+            raise ValueError("--k applies to --timing dge/dge_w; prefill evicts at k=1")
+        k = 1
+    options = {
+        name: getattr(args, name) for name in POLICY_OPTIONS if getattr(args, name) is not None
+    }
+    return Eviction(
+        policy=make_policy(args.policy, **options),
+        budget=budget,
+        timing=Timing(timing, k),
+        head_budget=head_budget,
+    )
+
+
+def sampler_from_args(args: argparse.Namespace) -> Greedy | Sampling:
+    """Greedy for --temperature 0, else `Sampling`; bad values raise, naming the flag."""
+    if not args.temperature >= 0:  # NaN too
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 0:
+        raise ValueError(f"--top_k must be >= 0 (0 = no top-k cut), got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise ValueError(f"--top_p must be in (0, 1] (1 = no nucleus cut), got {args.top_p}")
+    if args.temperature == 0:
+        given = [f"--{n}" for n in ("top_k", "top_p") if getattr(args, n) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} only apply when sampling (--temperature > 0); "
+                "--temperature 0 (the default) is greedy"
+            )
+        return Greedy()
+    top_p = 1.0 if args.top_p is None else args.top_p
+    return Sampling(temperature=args.temperature, top_k=args.top_k or 0, top_p=top_p)
 
 
 def run_generate(args: argparse.Namespace) -> dict:
-    """Loads the model, generates, and returns the JSON-able result."""
+    """Checks the flags, loads the model, generates, and returns the JSON-able result."""
     import dge_jax
-    from dge_jax.sampling import Greedy, Sampling
 
-    sampler = (
-        Greedy()
-        if args.temperature == 0
-        else Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    )
+    sampler, eviction = sampler_from_args(args), eviction_from_args(args)  # before loading
     model = dge_jax.load(args.model, dtype=args.dtype)
     result = dge_jax.generate(
         model,
@@ -115,7 +154,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         max_new_tokens=args.max_new_tokens,
         sampler=sampler,
         seed=args.seed,
-        eviction=eviction_from_args(args),
+        eviction=eviction,
     )
     out = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.texts}
     if result.kept is not None:
@@ -130,8 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "convert":
             print(json.dumps(run_convert(args)))
             return 0
-        if args.timing == "prefill" and args.k != 2:
-            raise ValueError("--k applies to --timing dge/dge_w; prefill evicts at k=1")
         out = run_generate(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from dge_jax import evict
 from dge_jax.budgets import adakv_budgets, expand_budgets
 from dge_jax.cache import KVCache, Observation
 from dge_jax.decoding import DraftRecord
-from dge_jax.policies import Policy, SnapKV
+from dge_jax.policies import Policy, SnapKV, check_fields
 from dge_jax.timing import Timing, observation
 
 HEAD_BUDGETS = ("uniform", "adakv")
@@ -46,8 +47,13 @@ class Eviction:
     capacity: int | None = None
 
     def __post_init__(self):
-        if self.head_budget not in HEAD_BUDGETS:
-            raise ValueError(f"head_budget must be one of {HEAD_BUDGETS}, got {self.head_budget!r}")
+        check_fields(self, choices={"head_budget": HEAD_BUDGETS}, bools=("compact",))
+        if self.capacity is not None:
+            check_fields(self, ints={"capacity": 1})
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
+            raise TypeError(f"Eviction.alpha must be a number in [0, 1], got {self.alpha!r}")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"Eviction.alpha must be a number in [0, 1], got {self.alpha}")
 
 
 def protected_size(policy: Policy) -> int:

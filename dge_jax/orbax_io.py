@@ -6,7 +6,8 @@ which is what makes restores fast on pod slices. Layout of a converted folder:
 
     DIR/config.json            the source's config.json, unchanged (the family parses it)
     DIR/tokenizer*.json, ...   the source's tokenizer files, copied when present
-    DIR/dge_jax.json           marker: format, version, dtype, parameter fields and shapes
+    DIR/dge_jax.json           marker: format, version, dtype, parameter fields and shapes,
+                               and the source `convert` read (to convert it again if damaged)
     DIR/params/                the orbax checkpoint of {"embed": .., "layers": {"wq": ..}}
 
 `dge_jax.load(DIR, mesh=...)` recognises such a folder (`is_converted`).
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dge_jax.checkpoint import DTYPES, CheckpointError, parse_config, read_config
+from dge_jax.checkpoint import DTYPES, CheckpointError, damaged, parse_config, read_config
 from dge_jax.sharding import DEFAULT_RULES, AxisRules, field_name, param_shardings
 
 FORMAT = "dge_jax.orbax"
@@ -44,6 +45,23 @@ def is_converted(path: str | pathlib.Path) -> bool:
     return (pathlib.Path(path) / MARKER).is_file()
 
 
+def _marker(folder: pathlib.Path) -> dict[str, Any]:
+    """The folder's marker file, a one-line error (with how to convert again) if damaged."""
+    try:
+        return json.loads((folder / MARKER).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise damaged(folder, folder / MARKER, e) from e
+
+
+def source_of(path: str | pathlib.Path) -> str | None:
+    """The `--model` a converted folder was made from (None if unknown or unreadable)."""
+    try:
+        source = json.loads((pathlib.Path(path) / MARKER).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) else None
+
+
 def flat_params(params: Any) -> dict[str, jax.Array]:
     """{"layers.wq": array, ...}: the parameter pytree by field name (absent fields omitted)."""
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -63,10 +81,15 @@ def _nested(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def save(
-    out: str | pathlib.Path, params: Any, source: str | pathlib.Path, dtype: str = "float32"
+    out: str | pathlib.Path,
+    params: Any,
+    source: str | pathlib.Path,
+    dtype: str = "float32",
+    origin: str | None = None,
 ) -> pathlib.Path:
     """Writes `params` (converted from the Hugging Face folder `source`) to a new folder
-    `out` with the source's config and tokenizer files; returns `out`."""
+    `out` with the source's config and tokenizer files; returns `out`. origin: what the user
+    converted (a name or path; default `source`), recorded to convert it again."""
     import orbax.checkpoint as ocp
 
     out, source = pathlib.Path(out).absolute(), pathlib.Path(source)
@@ -86,6 +109,7 @@ def save(
         "version": VERSION,
         "dtype": dtype,
         "fields": {name: list(np.shape(x)) for name, x in sorted(flat.items())},
+        "source": origin or str(source.absolute()),
     }
     (out / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
     return out
@@ -104,7 +128,9 @@ def convert(
 
     folder = resolve_model_dir(model)
     _, _, params = load_hf_checkpoint(folder, dtype=dtype, mesh=mesh)
-    return save(out, params, folder, dtype)
+    given = pathlib.Path(model).expanduser()
+    origin = str(given.absolute()) if given.exists() else str(model)  # a path, or a name
+    return save(out, params, folder, dtype, origin=origin)
 
 
 def restore(
@@ -120,7 +146,7 @@ def restore(
     folder = pathlib.Path(path).absolute()
     if not is_converted(folder):
         raise CheckpointError(f"{folder} has no {MARKER}: it is not a converted dge_jax folder")
-    marker = json.loads((folder / MARKER).read_text())
+    marker = _marker(folder)
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:
         raise CheckpointError(
             f"{folder / MARKER} describes format {marker.get('format')!r} version "
@@ -147,6 +173,10 @@ def restore(
         name: jax.ShapeDtypeStruct(shape, DTYPES[dtype], sharding=shardings[name])
         for name, shape in expected.items()
     }
-    restored = ocp.StandardCheckpointer().restore(folder / PARAMS_DIR, _nested(target))
+    try:
+        restored = ocp.StandardCheckpointer().restore(folder / PARAMS_DIR, _nested(target))
+    except Exception as e:  # orbax / tensorstore raise many types for missing or cut files
+        cause = "a file under it is probably truncated or missing"
+        raise damaged(folder, folder / PARAMS_DIR, e, cause) from e
     flat = {field_name(path): x for path, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
     return family, cfg, key_map.build(flat)

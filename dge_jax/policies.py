@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -56,8 +57,42 @@ class Policy(Protocol):
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_fields(
+    obj: Any,
+    ints: dict[str, int | tuple[int, int]] | None = None,
+    choices: dict[str, tuple[str, ...]] | None = None,
+    bools: tuple[str, ...] = (),
+) -> None:
+    """Checks a frozen dataclass's fields in its ``__post_init__``: one line naming the field,
+    the bad value and what is allowed (TypeError for a wrong type, ValueError for a range).
+
+    ints: field -> minimum, or (minimum, maximum) inclusive; Python and numpy integers pass
+    (stored back as ``int``), bools and floats do not. choices: field -> allowed strings.
+    bools: fields that must be True or False.
+    """
+    owner = type(obj).__name__
+    for name, bounds in (ints or {}).items():
+        value = getattr(obj, name)
+        low, high = bounds if isinstance(bounds, tuple) else (bounds, None)
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"{owner}.{name} must be {allowed}, got {value!r} ({type(value).__name__})"
+            )
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"{owner}.{name} must be {allowed}, got {value}")
+        object.__setattr__(obj, name, int(value))
+    for name, allowed in (choices or {}).items():
+        _check_choice(f"{owner}.{name}", getattr(obj, name), allowed)
+    for name in bools:
+        value = getattr(obj, name)
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{owner}.{name} must be True or False, got {value!r}")
+        object.__setattr__(obj, name, bool(value))
 
 
 def _finish(scores: jax.Array, valid: jax.Array, protected: jax.Array | None = None) -> jax.Array:
@@ -201,12 +236,13 @@ class SnapKV:
     needs_attn_sum: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.kernel < 1 or self.kernel % 2 != 1:
-            raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
-        _check_choice("pooling", self.pooling, _POOLING)
-        _check_choice("gqa", self.gqa, _GQA)
+        check_fields(
+            self, ints={"window": 1, "kernel": 1}, choices={"pooling": _POOLING, "gqa": _GQA}
+        )
+        if self.kernel % 2 != 1:
+            raise ValueError(
+                f"{type(self).__name__}.kernel must be a positive odd number, got {self.kernel}"
+            )
 
     @classmethod
     def kvpress(cls, **overrides: Any) -> SnapKV:
@@ -270,8 +306,7 @@ class PyramidKV(SnapKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.beta < 1:
-            raise ValueError(f"beta must be >= 1, got {self.beta}")
+        check_fields(self, ints={"beta": 1})
 
     @property
     def scorer(self) -> SnapKV:
@@ -327,9 +362,7 @@ class H2O:
     needs_attn_sum: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0, got {self.window}")
-        _check_choice("gqa", self.gqa, _GQA)
+        check_fields(self, ints={"window": 0}, choices={"gqa": _GQA})
 
     @property
     def obs_window(self) -> int:
@@ -360,8 +393,7 @@ class StreamingLLM:
     needs_attn_sum: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        check_fields(self, ints={"sinks": 0})
 
     @property
     def obs_window(self) -> int:
@@ -386,6 +418,9 @@ class RandomScores:
     name: ClassVar[str] = "random"
     is_full: ClassVar[bool] = False
     needs_attn_sum: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        check_fields(self, ints={"seed": (0, 2**32 - 1)})  # jax.random.fold_in takes a uint32
 
     @property
     def obs_window(self) -> int:
@@ -432,7 +467,7 @@ class TOVA:
     needs_attn_sum: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        _check_choice("gqa", self.gqa, _GQA)
+        check_fields(self, choices={"gqa": _GQA}, bools=("across_heads",))
 
     @property
     def obs_window(self) -> int:

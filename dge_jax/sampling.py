@@ -27,8 +27,11 @@ class Sampling:
     top_p: float = 1.0  # 1.0 = no nucleus cut
 
     def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (got {self.temperature}); use Greedy()")
+        if not self.temperature > 0:  # NaN too
+            raise ValueError(
+                f"temperature must be > 0 (got {self.temperature}); use Greedy() for greedy "
+                "decoding"
+            )
         if self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1 (got {self.top_k}, {self.top_p})")
 

@@ -17,6 +17,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from dge_jax.checkpoint import damaged
+
 
 class TokenizerError(ValueError):
     """The folder's tokenizer files are missing or unusable."""
@@ -49,7 +51,10 @@ class Tokenizer:
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
             raise TokenizerError(f"{folder} has no tokenizer.json (only fast tokenizers work)")
-        backend = HFTokenizer.from_file(str(tok_file))
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises its own type for a cut or bad file
+            raise damaged(folder, tok_file, e) from e
         tcfg = _read_json(folder / "tokenizer_config.json")
         template = tcfg.get("chat_template")
         if (folder / "chat_template.jinja").is_file():
@@ -109,7 +114,13 @@ class Tokenizer:
 
 
 def _read_json(path: pathlib.Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON file's contents ({} when absent); a damaged file says how to replace it."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise damaged(path.parent, path, e) from e
 
 
 def _eos_ids(backend, folder, config, special) -> tuple[int, ...]:

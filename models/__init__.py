@@ -11,29 +11,34 @@ from typing import Any
 from dge_jax.config import ModelConfig
 from dge_jax.families import ModelFamily, register_family
 from models import llama_like
-from models.hf_config import parse_llama_like
+from models.hf_config import BIAS_KEYS, parse_llama_like
 
 
 def parse_llama(raw: dict[str, Any]) -> ModelConfig:
-    """Llama 1/2/3: `attention_bias` adds q/k/v/o biases; rope default, linear or llama3."""
+    """Llama 1/2/3: `attention_bias` adds q/k/v/o biases, `mlp_bias` MLP biases; rope default,
+    linear or llama3."""
     bias = bool(raw.get("attention_bias", False))
-    return parse_llama_like(raw, "llama", qkv_bias=bias, o_bias=bias)
+    return parse_llama_like(
+        raw, "llama", qkv_bias=bias, o_bias=bias, bias_keys=frozenset(BIAS_KEYS)
+    )
 
 
 def parse_mistral(raw: dict[str, Any]) -> ModelConfig:
-    """Mistral: Llama without biases; an active sliding window is refused."""
+    """Mistral: Llama without biases (a true bias flag is refused); an active sliding window
+    is refused."""
     return parse_llama_like(raw, "mistral")
 
 
 def parse_qwen2(raw: dict[str, Any]) -> ModelConfig:
-    """Qwen2: q/k/v biases always on, o_proj without bias."""
+    """Qwen2: q/k/v biases always on, o_proj and MLP without (a true bias flag is refused)."""
     return parse_llama_like(raw, "qwen2", qkv_bias=True)
 
 
 def parse_qwen3(raw: dict[str, Any]) -> ModelConfig:
     """Qwen3: RMSNorm on q and k over head_dim; `attention_bias` on q/k/v/o."""
     bias = bool(raw.get("attention_bias", False))
-    return parse_llama_like(raw, "qwen3", qkv_bias=bias, o_bias=bias, qk_norm=True)
+    keys = frozenset({"attention_bias"})
+    return parse_llama_like(raw, "qwen3", qkv_bias=bias, o_bias=bias, qk_norm=True, bias_keys=keys)
 
 
 for _name, _parse in [

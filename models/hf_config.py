@@ -1,9 +1,11 @@
 """Strict reading of Hugging Face `config.json` files into `ModelConfig`.
 
 Keys fall in three groups: read (they set a `ModelConfig` field), checked (they must hold a
-value this library implements, e.g. `hidden_act == "silu"`), and inert (bookkeeping such as
-`architectures` or `use_cache`). Any other key is an error: an unknown key may change the
-numerics, and a silent wrong answer is worse than a clear refusal.
+value this library implements, e.g. `hidden_act == "silu"`, `rope_interleaved == false`, or a
+bias flag only where the family has that bias), and inert (bookkeeping such as `architectures`
+or `use_cache`, and what transformers, nanotron and transformers.js write besides). Any other
+key is an error: an unknown key may change the numerics, and a silent wrong answer is worse
+than a clear refusal.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from dge_jax.config import ConfigError, ModelConfig, RopeConfig
 INERT_KEYS = frozenset(
     {
         "_name_or_path",
+        "_model_name_or_path",
         "architectures",
         "attention_dropout",
         "bos_token_id",
         "eos_token_id",
         "pad_token_id",
+        "unk_token_id",
         "chunk_size_feed_forward",
         "dtype",
         "torch_dtype",
@@ -68,8 +72,15 @@ INERT_KEYS = frozenset(
         "tie_word_embeddings",
         "hidden_act",
         "partial_rotary_factor",
+        "rope_interleaved",  # nanotron (SmolLM); checked: only false (split halves)
+        "is_llama_config",  # nanotron's export marker
+        "transformers.js_config",  # ONNX export settings (kv cache dtypes)
     }
 )
+
+# Bias switches: a family reads those its transformers model has (`bias_keys`); a true value
+# of another is refused (transformers would ignore it and drop the checkpoint's bias tensors).
+BIAS_KEYS = ("attention_bias", "mlp_bias")
 
 READ_KEYS = frozenset(
     {
@@ -139,9 +150,14 @@ def parse_llama_like(
     qkv_bias: bool = False,
     o_bias: bool = False,
     qk_norm: bool = False,
+    bias_keys: frozenset[str] = frozenset(),
     extra_inert: frozenset[str] = frozenset(),
 ) -> ModelConfig:
-    """The common part of every family's parser; families pass their fixed switches."""
+    """The common part of every family's parser; families pass their fixed switches.
+
+    bias_keys: the `BIAS_KEYS` this family honours (its parser reads `attention_bias` itself;
+    `mlp_bias` is read here when listed); a true value of any other is refused.
+    """
     unknown = set(raw) - INERT_KEYS - READ_KEYS - extra_inert
     if unknown:
         raise ConfigError(
@@ -151,6 +167,18 @@ def parse_llama_like(
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported (only 'silu')")
+    if raw.get("rope_interleaved"):
+        raise ConfigError(
+            "rope_interleaved=true: interleaved RoPE (rotating pairs 2i, 2i+1) is not "
+            "supported; this library rotates split halves, as transformers' Llama does"
+        )
+    for key in BIAS_KEYS:
+        if raw.get(key) and key not in bias_keys:
+            raise ConfigError(
+                f"{key}=true in this {family} config, but {family} has no such biases here (nor "
+                "in transformers, which ignores the flag and drops any bias tensors); loading "
+                "stops here"
+            )
     heads = int(_require(raw, "num_attention_heads"))
     hidden = int(_require(raw, "hidden_size"))
     head_dim = raw.get("head_dim") or hidden // heads
@@ -171,7 +199,7 @@ def parse_llama_like(
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
+        mlp_bias="mlp_bias" in bias_keys and bool(raw.get("mlp_bias", False)),
         qk_norm=qk_norm,
     )
 

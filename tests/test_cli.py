@@ -83,6 +83,36 @@ def test_chat_and_sampling_flags(checkpoint, capsys):
     assert capsys.readouterr().out.strip() == main_json(capsys, *args)["text"][0]
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--temperature", "-1"], "--temperature must be >= 0 (0 = greedy), got -1.0"),
+        (["--temperature", "nan"], "--temperature must be >= 0 (0 = greedy), got nan"),
+        (["--temperature", "1", "--top_k", "-1"], "--top_k must be >= 0 (0 = no top-k cut)"),
+        (["--temperature", "1", "--top_p", "0"], "--top_p must be in (0, 1] (1 = no nucleus"),
+        (["--temperature", "1", "--top_p", "1.5"], "--top_p must be in (0, 1]"),
+        (["--top_k", "5"], "--top_k only apply when sampling (--temperature > 0); --temp"),
+        (["--top_k", "5", "--top_p", "0.9"], "--top_k, --top_p only apply when sampling"),
+    ],
+)
+def test_sampling_flag_errors_speak_in_flags(capsys, flags, message):
+    """A CLI user is told about --temperature, not the API's Greedy(); checked before loading."""
+    code = cli.main(["generate", "--model", "/no/such/model", "--prompt", "hi", *flags])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and captured.out == "" and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {message}") and "Greedy()" not in lines[0]
+
+
+def test_sampling_api_error_still_names_greedy():
+    from dge_jax.sampling import Sampling
+
+    with pytest.raises(ValueError, match=r"temperature must be > 0 \(got -1\); use Greedy\(\)"):
+        Sampling(temperature=-1)
+    with pytest.raises(ValueError, match="use Greedy"):
+        Sampling(temperature=float("nan"))
+
+
 def _broken_checkpoint(checkpoint_copy):
     folder = checkpoint_copy("llama")
     path = folder / "model.safetensors"

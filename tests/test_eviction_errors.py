@@ -109,6 +109,22 @@ def test_unknown_head_budget():
         Eviction(SnapKV(), head_budget="pyramid")
 
 
+@pytest.mark.parametrize(
+    "fields, error, message",
+    [
+        (dict(capacity=0), ValueError, r"Eviction\.capacity must be an integer >= 1, got 0"),
+        (dict(capacity=64.0), TypeError, r"Eviction\.capacity must be an integer >= 1, got 64\.0"),
+        (dict(alpha=1.5), ValueError, r"Eviction\.alpha must be a number in \[0, 1\], got 1\.5"),
+        (dict(alpha="0.2"), TypeError, r"Eviction\.alpha must be a number in \[0, 1\]"),
+        (dict(compact="no"), TypeError, r"Eviction\.compact must be True or False, got 'no'"),
+    ],
+)
+def test_bad_eviction_fields_fail_at_construction(fields, error, message):
+    with pytest.raises(error, match=message):
+        Eviction(SnapKV(), **fields)
+    assert Eviction(SnapKV(), capacity=np.int64(64)).capacity == 64
+
+
 # ---------------------------------------------------------------------------------------------
 # Timings
 
@@ -210,6 +226,60 @@ def test_cli_prefill_with_k_exits_2_with_one_line(capsys):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert lines == ["error: --k applies to --timing dge/dge_w; prefill evicts at k=1"]
+
+
+def _cli_error(capsys, *flags: str) -> str:
+    """The one stderr line of a generate call that must exit 2 before loading any model."""
+    assert cli.main(["generate", "--model", "/no/such/model", "--prompt", "hi", *flags]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--budget", "-5", "--k", "0"], "--budget, --k"),
+        (["--timing", "prefill"], "--timing"),
+        (["--head_budget", "adakv"], "--head_budget"),
+        (["--window", "8", "--gqa", "max"], "--window, --gqa"),
+        (["--policy", "full", "--budget", "128"], "--budget"),
+    ],
+)
+def test_cli_eviction_flags_without_an_evicting_policy_are_refused(capsys, flags, named):
+    """With --policy full (the default) these flags would be silently ignored."""
+    line = _cli_error(capsys, *flags)
+    assert line.startswith(f"error: {named} only apply with an evicting --policy (h2o, knorm")
+    assert line.endswith("--policy full (the default) keeps the whole cache")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--budget", "0"], "--budget must be >= 1 (entries kept per kv head), got 0"),
+        (["--budget", "-5", "--timing", "prefill"], "--budget must be >= 1"),
+        (["--k", "0"], "--k must be >= 1 (answer tokens before eviction), got 0"),
+        (["--k", "-2", "--timing", "dge_w"], "--k must be >= 1"),
+        (["--k", "2", "--timing", "prefill"], "--k applies to --timing dge/dge_w; prefill"),
+    ],
+)
+def test_cli_bad_budget_or_k_is_one_line(capsys, flags, message):
+    assert _cli_error(capsys, "--policy", "snapkv", *flags).startswith(f"error: {message}")
+
+
+def test_cli_prefill_accepts_k_1(capsys):
+    """k = 1 is what prefill means: accepted, as is leaving --k out."""
+    line = _cli_error(capsys, "--policy", "snapkv", "--timing", "prefill", "--k", "1")
+    assert "/no/such/model" in line and "--k" not in line  # the flags passed; the model did not
+    parse = cli.build_parser().parse_args
+    base = ["generate", "--prompt", "hi", "--policy", "snapkv", "--timing", "prefill"]
+    for extra in (["--k", "1"], []):
+        ev = cli.eviction_from_args(parse(base + extra))
+        assert ev.timing == Timing("prefill", 1) and ev.budget == 256
+    ev = cli.eviction_from_args(parse(["generate", "--prompt", "hi", "--policy", "h2o"]))
+    assert ev.timing == Timing("dge", 2) and ev.head_budget == "uniform"
+    assert cli.eviction_from_args(parse(["generate", "--prompt", "hi"])) is None
 
 
 def test_cli_unknown_policy_exits_2(capsys):

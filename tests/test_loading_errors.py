@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import dge_jax
-from dge_jax.api import check_request
+from dge_jax.api import check_request, generate_grid
 from dge_jax.checkpoint import CheckpointError, load_hf_checkpoint
 from dge_jax.config import ConfigError
 
@@ -73,8 +73,32 @@ def test_truncated_safetensors_file(checkpoint_copy):
     path = folder / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated") as exc:
         load_hf_checkpoint(folder)
+    assert str(exc.value).endswith(f"Download or copy the checkpoint into {folder} again")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "tokenizer.json"])
+def test_damaged_file_in_the_model_cache_says_to_delete_it(checkpoint, tmp_path, monkeypatch, name):
+    """A cut file in a cached conversion (embedded model / .gguf): delete the folder, and the
+    next load converts it again."""
+    import shutil
+
+    from dge_jax.embedded import cache_root
+
+    monkeypatch.setenv("DGE_JAX_CACHE", str(tmp_path / "cache"))
+    folder = cache_root() / "smollm2-135m-instruct-0123456789ab"
+    shutil.copytree(checkpoint("llama_chat"), folder)
+    data = (folder / name).read_bytes()
+    (folder / name).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as exc:
+        dge_jax.load(folder)
+    message = str(exc.value)
+    assert message.startswith(f"cannot read {folder / name} (") and "\n" not in message
+    assert message.endswith(
+        f"{folder} is dge_jax's cached conversion of a GGUF model: delete it "
+        f"(rm -r {folder}) and the next load converts it again"
+    )
 
 
 def test_shard_listed_in_index_but_missing(checkpoint_copy):
@@ -257,6 +281,32 @@ def test_max_new_tokens_below_one(model, n):
 def test_max_new_tokens_not_an_int(model, n):
     with pytest.raises(TypeError, match="max_new_tokens must be an int"):
         check_request(model, [[1, 2, 3]], n)
+
+
+@pytest.mark.parametrize(
+    "n, error, message",
+    [
+        (5, ValueError, r"min_new_tokens must be in \[0, max_new_tokens=4\], got 5"),
+        (-1, ValueError, r"min_new_tokens must be in \[0, max_new_tokens=4\], got -1"),
+        (1.0, TypeError, "min_new_tokens must be an int"),
+    ],
+)
+def test_min_new_tokens_outside_zero_to_max(model, n, error, message):
+    """EOS is banned for min_new_tokens steps: more than max_new_tokens cannot be honoured."""
+    with pytest.raises(error, match=message):
+        dge_jax.generate(model, [[1, 2, 3]], max_new_tokens=4, min_new_tokens=n)
+    with pytest.raises(error, match=message):
+        generate_grid(model, [[1, 2, 3]], [None], max_new_tokens=4, min_new_tokens=n)
+    check_request(model, [[1, 2, 3]], 4, 4)  # min == max: exactly max tokens, no EOS
+
+
+def test_chat_with_token_id_prompts_is_refused(checkpoint):
+    chat_model = dge_jax.load(checkpoint("llama_chat"))
+    message = r"chat=True applies the chat template to text prompts; .* token ids"
+    with pytest.raises(ValueError, match=message):
+        dge_jax.generate(chat_model, [[5, 6, 7]], max_new_tokens=2, chat=True)
+    with pytest.raises(ValueError, match=message):
+        generate_grid(chat_model, [np.array([5, 6])], [None], max_new_tokens=2, chat=True)
 
 
 def test_prompt_longer_than_context(checkpoint_copy):

@@ -96,6 +96,43 @@ def test_restore_errors(hf_folder, converted, tmp_path):
         orbax_io.restore(broken)
 
 
+@pytest.mark.parametrize("target", ["largest params file", "params/_METADATA", "dge_jax.json"])
+def test_damaged_converted_folder_says_how_to_convert_again(
+    hf_folder, converted, tmp_path, capsys, target
+):
+    """A cut file in a `convert` output: one line naming the folder and the exact command
+    (with the source `convert` recorded), also through the CLI (exit 2, no traceback)."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(converted, broken)
+    if target == "largest params file":
+        files = [p for p in (broken / "params").rglob("*") if p.is_file()]
+        path = max(files, key=lambda p: p.stat().st_size)
+    else:
+        path = broken / target
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as exc:
+        orbax_io.restore(broken)
+    source = "SOURCE" if target == "dge_jax.json" else str(hf_folder.absolute())
+    advice = (
+        f"Delete the converted folder and convert it again: rm -r {broken} && "
+        f"python -m dge_jax convert --model {source} --out {broken}"
+    )
+    message = str(exc.value)
+    assert message.startswith("cannot read ") and message.endswith(advice)
+    assert "\n" not in message
+    assert main(["generate", "--model", str(broken), "--prompt", "w1 w2"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot read ")
+    assert lines[0].endswith(advice)
+
+
+def test_convert_records_its_source(hf_folder, converted):
+    assert orbax_io.source_of(converted) == str(hf_folder.absolute())
+    assert orbax_io.source_of(hf_folder) is None
+
+
 def test_convert_command(hf_folder, tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["convert", "--model", str(hf_folder), "--out", str(out)]) == 0

@@ -407,6 +407,48 @@ def test_registry_and_make_policy():
         SnapKV(gqa="sum")
 
 
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: SnapKV(window=8.5), TypeError,
+         r"SnapKV\.window must be an integer >= 1, got 8\.5"),
+        (lambda: SnapKV(window=True), TypeError,
+         r"SnapKV\.window must be an integer >= 1, got True"),
+        (lambda: SnapKV(window=0), ValueError, r"SnapKV\.window must be an integer >= 1, got 0"),
+        (lambda: SnapKV(kernel=5.0), TypeError, r"SnapKV\.kernel must be an integer >= 1"),
+        (lambda: SnapKV(kernel=4), ValueError, r"SnapKV\.kernel must be a positive odd number"),
+        (lambda: SnapKV(pooling="mean"), ValueError, r"SnapKV\.pooling must be one of \('max',"),
+        (lambda: SnapKV(gqa=None), ValueError, r"SnapKV\.gqa must be one of \('mean', 'max'\)"),
+        (lambda: PyramidKV(window="8"), TypeError, r"PyramidKV\.window must be an integer >= 1"),
+        (lambda: PyramidKV(beta=0), ValueError, r"PyramidKV\.beta must be an integer >= 1"),
+        (lambda: PyramidKV(beta=2.5), TypeError, r"PyramidKV\.beta must be an integer >= 1"),
+        (lambda: H2O(window=-1), ValueError, r"H2O\.window must be an integer >= 0, got -1"),
+        (lambda: H2O(window=np.float32(4)), TypeError, r"H2O\.window must be an integer >= 0"),
+        (lambda: StreamingLLM(sinks=False), TypeError, r"StreamingLLM\.sinks must be an integer"),
+        (lambda: StreamingLLM(sinks=-2), ValueError, r"StreamingLLM\.sinks must be .* >= 0"),
+        (lambda: RandomScores(seed=-1), ValueError, r"seed must be an integer in \[0, 4294967295"),
+        (lambda: RandomScores(seed=0.5), TypeError, r"RandomScores\.seed must be an integer in"),
+        (lambda: TOVA(across_heads=1), TypeError, r"TOVA\.across_heads must be True or False"),
+        (lambda: TOVA(gqa="sum"), ValueError, r"TOVA\.gqa must be one of \('mean', 'max'\)"),
+    ],
+)  # fmt: skip
+def test_bad_policy_fields_fail_at_construction(make, error, message):
+    """One line naming the field, the value and what is allowed, not a JAX trace later on."""
+    with pytest.raises(error, match=message) as exc:
+        make()
+    assert "\n" not in str(exc.value)
+
+
+def test_numpy_integer_fields_are_accepted_as_ints():
+    policy = SnapKV(window=np.int64(8), kernel=np.int32(5))
+    assert policy == SnapKV(window=8, kernel=5) and hash(policy) == hash(SnapKV(8, 5))
+    assert type(policy.window) is int and type(policy.kernel) is int
+    assert PyramidKV(beta=np.int16(10)).beta == 10
+    assert H2O(window=np.uint8(0)).window == 0 and StreamingLLM(np.int64(2)).sinks == 2
+    assert RandomScores(seed=np.uint32(2**32 - 1)).seed == 2**32 - 1
+    assert TOVA(across_heads=np.bool_(False)).across_heads is False
+
+
 def test_policies_are_static_jit_arguments():
     cache, obs = _cache((12, 9), 12), _obs((12, 9), 4)
     fn = jax.jit(lambda p, c, o: p.score(c, o), static_argnums=0)
