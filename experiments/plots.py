@@ -92,7 +92,7 @@ def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
                         marker="o", capsize=3, color=TIMING_COLORS.get(key[1]),
                         label=_label(key[1], key[2]))
         if full is not None:
-            ax.axhline(full[0], color="gray", linestyle="--", label="FullKV")
+            ax.axhline(full[0], color="gray", linestyle="--", label="FullKV (band: 95 %)")
             ax.axhspan(full[1], full[2], color="gray", alpha=0.15)
         note = _coincide_note(scores, mine)
         ax.set_xscale("log", base=2)
@@ -101,7 +101,7 @@ def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
         ax.set_title(method + (f"\n{note}" if note else ""), fontsize=9)
         ax.set_xlabel("budget (entries kept per kv head)")
         ax.set_ylabel("mean score (95 % bootstrap interval)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(title_text, fontsize=10)
     fig.tight_layout()
     path = out_dir / "score_vs_budget.png"
@@ -156,6 +156,10 @@ def dge_delta(scores: dict, per_sample: Samples, title_text: str,
             ax.errorbar([x + (j - 0.5) * 0.25], [mean], yerr=[[mean - low], [high - mean]],
                         fmt="o", capsize=4, color=colors[name],
                         label=name if x == 0 else None)
+            if mean == low == high == 0:  # a zero-width point: say why it has no interval
+                ax.annotate("equal on\nevery sample", (x + (j - 0.5) * 0.25, 0),
+                            textcoords="offset points", xytext=(0, 8), ha="center",
+                            fontsize=7, color=colors[name])
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
     ax.set_xlim(-0.6, len(rows) - 0.4)

@@ -112,9 +112,10 @@ def sample_scores(rows: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
 
 
 def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
-    """Each DGE / DGE-W cell against its method's prefill cell at the same budget, then each
-    DGE cell against the DGE-W cell of the same k and budget (the drafted queries' own effect,
-    timing held fixed), on the samples both have: a sample is correct when its row score >=
+    """Each prefill cell against FullKV (what compression costs), each DGE / DGE-W cell
+    against its method's prefill cell at the same budget, then each DGE cell against the DGE-W
+    cell of the same k and budget (the drafted queries' own effect, timing held fixed), on the
+    samples both have: a sample is correct when its row score >=
     `correct_at`; wins are samples only the cell gets right, losses those only the other."""
     per_cell = sample_scores(rows)
     k_used: dict[str, list[int]] = defaultdict(list)
@@ -144,9 +145,11 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     against_prefill = [pair(cell, f"{c.method}/prefill/b{c.budget}") for cell, c in drafted]
     against_dge_w = [pair(cell, dataclasses.replace(c, timing="dge_w").id)
                      for cell, c in drafted if c.timing == "dge"]  # fmt: skip
-    comparisons = [p for p in against_prefill + against_dge_w if p is not None]
+    against_full = [pair(cell, "full") for cell, c in cells
+                    if c.method != "full" and c.timing == "prefill"]
+    comparisons = [p for p in against_full + against_prefill + against_dge_w if p is not None]
     for c, adjusted in zip(comparisons, holm([c["p"] for c in comparisons]), strict=True):
-        c["p_holm"] = round(adjusted, 4)
+        c["p_holm"] = adjusted
     return comparisons
 
 
@@ -193,20 +196,25 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
         significant = [c for c in comparisons if c["p_holm"] < SIGNIFICANT]
         lines.append(
             f"Of {len(comparisons)} paired comparisons (correct = row score >= 0.5; exact "
-            f"McNemar, Holm-corrected over all of them), "
-            + (f"{len(significant)} differ significantly at {SIGNIFICANT}: " + "; ".join(
-                f"{c['cell']} vs {c['baseline']}: {c['accuracy']}% vs "
-                f"{c['baseline_accuracy']}% ({c['wins']} wins / {c['losses']} losses, "
-                f"p = {_p(c['p_holm'])})" for c in significant) + "."
-               if significant else
-               f"none differs significantly at {SIGNIFICANT}; the largest gap is "
-               + _largest(comparisons) + "."))
+            "McNemar, Holm-corrected over all of them), "
+            + (f"{len(significant)} differ{'s' if len(significant) == 1 else ''} "
+               f"significantly at {SIGNIFICANT}: " + "; ".join(map(_pair_text, significant))
+               if significant else f"none differs significantly at {SIGNIFICANT}") + ".")
+        drafted = [c for c in comparisons if c["baseline"] != "full"]
+        if drafted and not any(c in significant for c in drafted):
+            lines.append("No DGE or DGE-W comparison is significant after correction; the "
+                         f"largest gap is {_largest(drafted)}.")
         lines.append("One suite's effect is a hypothesis until it replicates on another.")
     return " ".join(lines) + "\n"
 
 
 def _span(values: list[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def _pair_text(c: dict) -> str:
+    return (f"{c['cell']} vs {c['baseline']}: {c['accuracy']}% vs {c['baseline_accuracy']}% "
+            f"({c['wins']} wins / {c['losses']} losses, p = {_p(c['p_holm'])})")
 
 
 def _largest(comparisons: list[dict]) -> str:
@@ -232,8 +240,9 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     (out_dir / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
     table = markdown_table(scores)
     if comparisons:
-        table += ("\nPaired comparisons on the same samples: each DGE / DGE-W cell against the "
-                  "prefill baseline, then DGE against DGE-W at the same k and budget (correct = "
+        table += ("\nPaired comparisons on the same samples: each prefill baseline against "
+                  "FullKV, each DGE / DGE-W cell against the prefill baseline, then DGE against "
+                  "DGE-W at the same k and budget (correct = "
                   "row score >= 0.5; exact McNemar test; Holm's correction over all rows):\n\n"
                   + paired_table(comparisons))
     table += "\n" + summary(scores, comparisons, config)

@@ -234,3 +234,16 @@ def tokenizer_dir(tmp_path_factory) -> pathlib.Path:
     folder = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> pathlib.Path:
+    """The LongBench rows folder named by DGE_LONGBENCH_DIR (CI sets it). Unset is a failure,
+    not a skip: tests that silently skip their real data would prove nothing."""
+    path = os.environ.get("DGE_LONGBENCH_DIR")
+    if not path:
+        pytest.fail("DGE_LONGBENCH_DIR is not set: point it at the LongBench jsonl folder "
+                    "(e.g. export DGE_LONGBENCH_DIR=/work/shared/data/longbench)")
+    if not pathlib.Path(path).is_dir():
+        pytest.fail(f"DGE_LONGBENCH_DIR={path} is not a folder")
+    return pathlib.Path(path)

@@ -6,8 +6,6 @@ export DGE_LONGBENCH_DIR=/work/shared/data/longbench). Tests that need it fail w
 
 import hashlib
 import json
-import os
-import pathlib
 
 import pytest
 
@@ -54,17 +52,6 @@ HAND_PROMPTS = {
         "Please complete the code given below. \n" + r["context"] + "Next line of code:\n"
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> pathlib.Path:
-    path = os.environ.get(protocol.DATA_DIR_ENV)
-    if not path:
-        pytest.fail(f"{protocol.DATA_DIR_ENV} is not set: point it at the LongBench jsonl folder "
-                    "(e.g. /work/shared/data/longbench)")
-    if not pathlib.Path(path).is_dir():
-        pytest.fail(f"{protocol.DATA_DIR_ENV}={path} is not a folder")
-    return pathlib.Path(path)
 
 
 class CharTokenizer:

@@ -154,6 +154,7 @@ def test_write_report_and_cli(tmp_path, capsys):
     assert "McNemar" in results and report.paired_table(scores["paired"]) in results
     assert results.endswith(report.summary(scores, scores["paired"], None))
     assert "none differs significantly" in results
+    assert "No DGE or DGE-W comparison is significant after correction" in results
     for name in ("score_vs_budget.png", "dge_delta.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
     first = {p: (tmp_path / p).read_bytes() for p in ("scores.json", "results.md")}
@@ -200,8 +201,8 @@ def test_summary_names_the_significant_differences():
     assert "snapkv/dge/k2/b16 vs snapkv/prefill/b16: 100.0% vs 0.0% (12 wins / 0 losses" in text
     # Holm over 3 comparisons: the two 12/0 ones (equal p) both get 3 * p (monotone: the
     # second's 2 * p is raised to the first's), the 0/0 one stays 1.
-    assert [c["p_holm"] for c in pairs] == [round(3 * mcnemar_exact(12, 0), 4), 1.0,
-                                            round(3 * mcnemar_exact(12, 0), 4)]
+    assert [c["p_holm"] for c in pairs] == pytest.approx([3 * mcnemar_exact(12, 0), 1.0,
+                                                          3 * mcnemar_exact(12, 0)])
 
 
 def test_plots_carry_intervals_and_notes(tmp_path):
@@ -250,10 +251,16 @@ def test_paired_comparisons_by_hand():
         rows.append({**line("passkey", dge, sample, d, ["1"]), "k": k})
         rows.append(line("passkey", "full", sample, "1", ["1"]))
     rows.append(line("passkey", dge_w, "a", "1", ["1"]))  # no prefill cell at b64: skipped
+    # The prefill cell against FullKV (0 wins, 3 losses), then DGE against prefill (3 / 0);
+    # Holm over the two equal p = 0.25: both 0.5.
     assert report.paired_comparisons(rows) == [{
+        "cell": base, "baseline": "full", "samples": 4, "accuracy": 25.0,
+        "baseline_accuracy": 100.0, "wins": 0, "losses": 3, "p": 0.25, "mean_k": None,
+        "p_holm": 0.5,
+    }, {
         "cell": dge, "baseline": base, "samples": 4, "accuracy": 100.0,
         "baseline_accuracy": 25.0, "wins": 3, "losses": 0, "p": 0.25, "mean_k": 2.0,
-        "p_holm": 0.25,
+        "p_holm": 0.5,
     }]
 
 

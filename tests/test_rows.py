@@ -7,7 +7,6 @@ tests that need it fail when it is unset, as in test_protocol.py.
 """
 
 import json
-import os
 import pathlib
 import re
 
@@ -49,17 +48,6 @@ def rejected(folder: pathlib.Path, dataset: str, bad: dict, num_samples: int | N
 def assert_names(message: str, dataset: str, field: str, problem: str) -> None:
     expected = f"{dataset}.jsonl line 2: field '{field}' {problem}"
     assert expected in message, message
-
-
-@pytest.fixture(scope="module")
-def data_dir() -> pathlib.Path:
-    path = os.environ.get(protocol.DATA_DIR_ENV)
-    if not path:
-        pytest.fail(f"{protocol.DATA_DIR_ENV} is not set: point it at the LongBench jsonl folder "
-                    "(e.g. /work/shared/data/longbench)")
-    if not pathlib.Path(path).is_dir():
-        pytest.fail(f"{protocol.DATA_DIR_ENV}={path} is not a folder")
-    return pathlib.Path(path)
 
 
 # --- the reproduced faults ---------------------------------------------------------------------

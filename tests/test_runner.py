@@ -40,17 +40,6 @@ TIMEOUT = 900  # seconds per subprocess: generous, the machine is shared
 
 
 @pytest.fixture(scope="module")
-def data_dir() -> pathlib.Path:
-    path = os.environ.get(protocol.DATA_DIR_ENV)
-    if not path:
-        pytest.fail(f"{protocol.DATA_DIR_ENV} is not set: point it at the LongBench jsonl folder "
-                    "(e.g. export DGE_LONGBENCH_DIR=/work/shared/data/longbench)")
-    if not pathlib.Path(path).is_dir():
-        pytest.fail(f"{protocol.DATA_DIR_ENV}={path} is not a folder")
-    return pathlib.Path(path)
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> pathlib.Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
@@ -60,7 +49,8 @@ def runner_args(model_dir, out_dir, data_dir, *extra: str) -> list[str]:
             "--suite", "longbench", "--data_dir", str(data_dir),
             "--datasets", ",".join(DATASETS), "--num_samples", str(NUM_SAMPLES),
             "--methods", "full,snapkv", "--timings", "prefill,dge", "--budgets", "16",
-            "--window", "4", "--max_length", "512", "--out_dir", str(out_dir), *extra]
+            "--window", "4", "--max_length", "512", "--batch_size", "1", "--out_dir", str(out_dir),
+            *extra]
 
 
 @pytest.fixture(scope="module")
@@ -382,7 +372,8 @@ def test_default_datasets(data_dir, monkeypatch):
     present = longbench.default_datasets("longbench", str(data_dir))
     assert set(DATASETS) <= set(present)
     assert all((data_dir / f"{d}.jsonl").is_file() for d in present)
-    assert longbench.default_datasets("synthetic", None) == list(synthetic.TASKS)
+    assert longbench.default_datasets("synthetic", None) == list(longbench.MAIN_JOB_TASKS)
+    assert set(longbench.MAIN_JOB_TASKS) <= set(synthetic.TASKS)
     monkeypatch.delenv(protocol.DATA_DIR_ENV)
     with pytest.raises(FileNotFoundError, match=protocol.DATA_DIR_ENV):
         longbench.default_datasets("longbench", None)
