@@ -1,6 +1,7 @@
 """Scores, a Markdown table and plots, rebuilt from a run's prediction file alone.
 
-    python -m experiments.report OUT_DIR
+    python -m experiments.report OUT_DIR                 # rebuild one run's report
+    python -m experiments.report OUT_DIR OUT_DIR [...]   # which claims replicate across suites
 
 Reads OUT_DIR/predictions.jsonl, scores every (dataset, cell) with the official metrics,
 and writes scores.json, results.md (n for every cell, paired McNemar comparisons against the
@@ -23,10 +24,10 @@ from experiments import metrics, plots
 from experiments.cells import parse_cell_id
 from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE, read_predictions
-from experiments.run_folder import check_lines, read_config
-from experiments.stats import holm, mcnemar_exact
-
-SIGNIFICANT = 0.05  # family-wise level of the summary's "significant" (Holm-corrected p)
+from experiments.replication import SIGNIFICANT, replication, replication_table
+from experiments.replication import summary as replication_summary
+from experiments.run_folder import RunFolderError, check_lines, read_config
+from experiments.stats import format_p, holm, mcnemar_exact
 
 
 def latest_rows(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -161,14 +162,10 @@ def paired_table(comparisons: list[dict]) -> str:
     for c in comparisons:
         lines.append("| " + " | ".join(str(x) for x in [
             c["cell"], c["baseline"], c["samples"], c["accuracy"], c["baseline_accuracy"],
-            c["wins"], c["losses"], _p(c["p"]), _p(c["p_holm"]),
+            c["wins"], c["losses"], format_p(c["p"]), format_p(c["p_holm"]),
             "-" if c["mean_k"] is None else c["mean_k"],
         ]) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _p(p: float) -> str:
-    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
 
 
 def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
@@ -214,13 +211,13 @@ def _span(values: list[int]) -> str:
 
 def _pair_text(c: dict) -> str:
     return (f"{c['cell']} vs {c['baseline']}: {c['accuracy']}% vs {c['baseline_accuracy']}% "
-            f"({c['wins']} wins / {c['losses']} losses, p = {_p(c['p_holm'])})")
+            f"({c['wins']} wins / {c['losses']} losses, p = {format_p(c['p_holm'])})")
 
 
 def _largest(comparisons: list[dict]) -> str:
     c = max(comparisons, key=lambda c: (abs(c["wins"] - c["losses"]), -c["p"]))
     return (f"{c['cell']} vs {c['baseline']} ({c['wins']} wins / {c['losses']} losses, "
-            f"p = {_p(c['p'])} before correction)")
+            f"p = {format_p(c['p'])} before correction)")
 
 
 def write_report(out_dir: str | pathlib.Path) -> dict:
@@ -255,12 +252,39 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     return scores
 
 
+def folder_comparisons(out_dir: str | pathlib.Path) -> tuple[str, str, list[dict]]:
+    """(folder, its suite, its paired comparisons): one folder's evidence for replication."""
+    out_dir = pathlib.Path(out_dir)
+    config = read_config(out_dir)
+    if config is None or "identity" not in config:
+        raise RunFolderError(f"{out_dir} has no config.json of this runner: its suite is "
+                             "unknown, so it cannot count as evidence for a replication")
+    path = out_dir / PREDICTIONS_FILE
+    rows = read_predictions(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    if not rows:
+        raise FileNotFoundError(f"no predictions in {path}")
+    check_lines(rows, str(path))
+    return str(out_dir), config["identity"]["suite"], paired_comparisons(rows)
+
+
+def replication_report(folders: list[str]) -> str:
+    """The replication table of several run folders and its one-paragraph summary."""
+    entries = replication(folder_comparisons(f) for f in folders)
+    if not entries:
+        raise ValueError(f"the folders {folders} hold no paired comparison")
+    return replication_table(entries) + "\n" + replication_summary(entries)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """One folder: rebuild its report. Several: print which of their claims replicate."""
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m experiments.report OUT_DIR", file=sys.stderr)
+    if not argv or any(a.startswith("-") for a in argv):
+        print("usage: python -m experiments.report OUT_DIR [OUT_DIR ...]", file=sys.stderr)
         return 2
     try:
+        if len(argv) > 1:
+            print(replication_report(argv), end="")
+            return 0
         write_report(argv[0])
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -58,3 +58,8 @@ def bootstrap_mean_ci(per_dataset: Mapping[str, Sequence[float]], level: float =
     alpha = (1 - level) / 2
     low, high = np.quantile(draws, [alpha, 1 - alpha])
     return point, float(low), float(high)
+
+
+def format_p(p: float) -> str:
+    """A p-value as tables print it: three decimals, or two significant digits below 0.001."""
+    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
