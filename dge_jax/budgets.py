@@ -58,12 +58,14 @@ def expand_budgets(
 
 
 def adakv_budgets(
-    scores: jax.Array, layer_budgets: jax.Array | int, alpha: float = 0.2
+    scores: jax.Array, layer_budgets: jax.Array | int, alpha: float = 0.2, ties: str = "later"
 ) -> jax.Array:
     """Head-adaptive budgets [L, B, Hkv]: AdaKV's split of each layer's pool Hkv·B_l per row.
 
     Follows kvpress ``AdaKVPress``: a floor of ⌊α·B_l⌋ entries per head, the rest to the top
     scores across the layer's heads jointly; the counts sum to Hkv·B_l (fewer if slots run out).
+    ties (static, `dge_jax.evict`): which head an equal score at the joint threshold counts
+    for: "later" the later head, "earlier" the earlier one.
     """
     # scores: [L, B, Hkv, S] f32, -inf = empty; layer_budgets: [] or [L] int (traced is fine).
     #
@@ -88,12 +90,17 @@ def adakv_budgets(
     n_safe = _floor_times(budget, alpha)
     valid = scores > -jnp.inf
     scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
-    floor = top_mask(scores, jnp.broadcast_to(n_safe, (L, B, H)), valid)  # [L, B, H, S]
+    floor = top_mask(scores, jnp.broadcast_to(n_safe, (L, B, H)), valid, ties)  # [L, B, H, S]
     raised = jnp.where(floor, jnp.inf, scores)
     # Joint ranking over the layer's heads: flatten [H, S] per (layer, row). Ties follow the
-    # same rule as select (later flat index first, i.e. later head, then later slot).
+    # same rule as select by flat index: "later" = later head, then later slot; "earlier" =
+    # earlier head, then earlier slot. Only the counts come out, and they depend only on each
+    # head's multiset of (raised) scores and on which *head* wins a tie (the flat order is
+    # head-major), never on which slot within a head does: `select` then picks each head's
+    # own top-c_h by its tie rule (by position, for "earlier"), so the kept entries are
+    # exactly those of ranking all heads jointly with that rule.
     chosen = top_mask(
         raised.reshape(L, B, H * S), jnp.broadcast_to(H * budget[..., 0], (L, B)),
-        valid.reshape(L, B, H * S),
+        valid.reshape(L, B, H * S), ties,
     ).reshape(L, B, H, S)  # fmt: skip
     return jnp.sum(chosen, axis=-1, dtype=jnp.int32)

@@ -3,9 +3,11 @@
 `python -m dge_jax convert --model PATH_OR_NAME --out DIR` writes an orbax folder (params +
 config + tokenizer) that `dge_jax.load(DIR, mesh=...)` restores sharded.
 
-Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv]`; they
-are refused with the default `--policy full` (no eviction), where they would do nothing, as
-`--top_k/--top_p` are with the default `--temperature 0` (greedy).
+Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv]
+[--ties earlier]`; they are refused with the default `--policy full` (no eviction), where they
+would do nothing, as `--top_k/--top_p` are with the default `--temperature 0` (greedy). Policy
+options (`--window --kernel --pooling --gqa --gqa_before_pool`) are refused, naming them, by a
+policy that does not take them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from dge_jax.evict import TIES
 from dge_jax.eviction import HEAD_BUDGETS, Eviction
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.policies import POLICIES, make_policy
@@ -22,8 +25,10 @@ from dge_jax.sampling import Greedy, Sampling
 from dge_jax.timing import KINDS, Timing
 
 # Eviction flags default to None so that a flag the user gave is told from one left out.
-EVICTION_DEFAULTS = {"budget": 256, "timing": "dge", "k": 2, "head_budget": "uniform"}
-POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa")
+EVICTION_DEFAULTS = {
+    "budget": 256, "timing": "dge", "k": 2, "head_budget": "uniform", "ties": "later"
+}  # fmt: skip
+POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--kernel", type=int, default=None, help="SnapKV/PyramidKV pooling kernel")
     ev.add_argument("--pooling", default=None, choices=["max", "avg"])
     ev.add_argument("--gqa", default=None, choices=["mean", "max"])
+    ev.add_argument(
+        "--gqa_before_pool",
+        action="store_true",
+        default=None,  # None = not given, so --policy full / h2o ... can refuse it
+        help="SnapKV/PyramidKV: aggregate the GQA group's attention, then pool",
+    )
+    ev.add_argument(
+        "--ties", default=None, choices=TIES, help="equal scores keep the later / earlier (later)"
+    )
     c = sub.add_parser(
         "convert", help="convert a checkpoint to an orbax folder that `load` restores sharded"
     )
@@ -98,7 +112,7 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
                 "--policy full (the default) keeps the whole cache"
             )
         return None
-    budget, timing, k, head_budget = (
+    budget, timing, k, head_budget, ties = (
         default if getattr(args, name) is None else getattr(args, name)
         for name, default in EVICTION_DEFAULTS.items()
     )
@@ -118,6 +132,7 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
         budget=budget,
         timing=Timing(timing, k),
         head_budget=head_budget,
+        ties=ties,
     )
 
 

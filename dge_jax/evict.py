@@ -7,9 +7,21 @@ capacity so memory and decode cost really fall. Budgets are traced arrays: a swe
 reuses one compiled ``select``.
 
 Ranking rule, used everywhere a tie could matter: a head's slots are ordered by score, highest
-first, and equal scores are ordered by slot, *later slot first*. Valid slots are sorted by
-position within a head, so among equal scores the most recent entry wins (the one that matters
-when a budget is smaller than the protected window, whose slots all score +inf).
+first, and equal scores by the tie rule ``ties`` (``Eviction.ties``):
+
+- ``"later"`` (the default, and the only rule before the option existed): equal scores go to the
+  *later slot* (higher slot index). In every cache decoding builds a head's valid slots are in
+  position order (left-padded prompt, then drafts and decode tokens appended; `compact` keeps
+  that order), so this is also the later position, the more recent entry; on a hand-made cache
+  whose slots are out of position order it is still the slot index that decides.
+- ``"earlier"``: equal scores go to the earlier original position (``cache.pos``), whatever the
+  slot order (``select`` given ``positions``; `top_mask` alone knows only slots: earlier slot).
+
+Ties are common: max-pooling copies one value over up to ``kernel`` neighbours, so SnapKV's
+scores come in plateaus of exactly equal values. Worked example, one head, scores by slot
+(positions 0..4) ``[.2, .5, .5, .5, .1]``, budget 2: "later" keeps slots 2 and 3, "earlier"
+keeps slots 1 and 2. (It also decides which window entries survive when a budget is smaller
+than the protected window, whose slots all score +inf: "later" keeps the most recent.)
 """
 
 from __future__ import annotations
@@ -23,6 +35,12 @@ import numpy as np
 from dge_jax.cache import KVCache, stack_layers
 
 _INT32_MAX = np.iinfo(np.int32).max
+TIES = ("later", "earlier")
+
+
+def _check_ties(ties: str) -> None:
+    if not isinstance(ties, str) or ties not in TIES:
+        raise ValueError(f"ties must be one of {TIES}, got {ties!r}")
 
 
 def _order_key(scores: jax.Array) -> jax.Array:
@@ -37,15 +55,20 @@ def _order_key(scores: jax.Array) -> jax.Array:
     return jnp.where(bits >= jnp.uint32(0x80000000), ~bits, bits | jnp.uint32(0x80000000))
 
 
-def top_mask(scores: jax.Array, budgets: jax.Array, candidate: jax.Array) -> jax.Array:
-    """[..., S] bool: the top-``budgets`` candidates of each row by score, ties to later slots.
+def top_mask(
+    scores: jax.Array, budgets: jax.Array, candidate: jax.Array, ties: str = "later"
+) -> jax.Array:
+    """[..., S] bool: the top-``budgets`` candidates of each row by score, ties by slot.
 
     scores: [..., S] float; budgets: [...] int (traced is fine); candidate: [..., S] bool, whose
-    scores must not be NaN. A row with no more candidates than its budget keeps all of them.
-    Equals ranking the candidates (highest score first, equal scores later slot first) and
-    keeping ranks below the budget, without sorting: a 32-step bisection finds each row's
-    threshold score, the budget-th highest, and only the ties at that score are counted.
+    scores must not be NaN; ties (static): "later" = equal scores go to the later slot,
+    "earlier" = to the earlier slot. A row with no more candidates than its budget keeps all
+    of them. Equals ranking the candidates (highest score first, equal scores later (earlier)
+    slot first) and keeping ranks below the budget, without sorting: a 32-step bisection finds
+    each row's threshold score, the budget-th highest, and only the ties at that score are
+    counted. The tie rule only changes that last count (from the right or from the left).
     """
+    _check_ties(ties)
     key = jnp.where(candidate, _order_key(scores), jnp.uint32(0))
     budgets = budgets.astype(jnp.int32)
 
@@ -70,19 +93,61 @@ def top_mask(scores: jax.Array, budgets: jax.Array, candidate: jax.Array) -> jax
     tied = candidate & (key == threshold)
     # Worked example: scores [1, 3, 3, 0], budget 2 -> threshold 3, nothing above it, two tied
     # slots for two places; budget 1 -> one place, and counting ties from the right
-    # ([2, 2, 1, 0] at the tied slots 1, 2) gives it to slot 2, the later one.
+    # ([2, 2, 1, 0] at the tied slots 1, 2) gives it to slot 2, the later one; counting them
+    # from the left ("earlier": [0, 1, 2, 2]) gives it to slot 1.
     room = budgets[..., None] - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
-    ties_from_right = jnp.flip(jnp.cumsum(jnp.flip(tied, -1), axis=-1, dtype=jnp.int32), -1)
-    return (above | (tied & (ties_from_right <= room))) & (budgets[..., None] > 0)
+    if ties == "later":
+        rank = jnp.flip(jnp.cumsum(jnp.flip(tied, -1), axis=-1, dtype=jnp.int32), -1)
+    else:
+        rank = jnp.cumsum(tied, axis=-1, dtype=jnp.int32)
+    return (above | (tied & (rank <= room))) & (budgets[..., None] > 0)
+
+
+def _in_position_order(positions: jax.Array, candidate: jax.Array) -> jax.Array:
+    """[] bool: in every row, the candidates' positions increase with the slot index."""
+    marked = jnp.where(candidate, positions, -1)
+    before = jax.lax.cummax(marked, axis=marked.ndim - 1)  # [..., S]: max up to each slot
+    before = jnp.concatenate([jnp.full_like(before[..., :1], -1), before[..., :-1]], axis=-1)
+    return jnp.all(~candidate | (positions > before))
+
+
+def _top_mask_earlier_position(
+    scores: jax.Array, budgets: jax.Array, candidate: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """`top_mask` with equal scores going to the earlier ``positions`` (distinct per row among
+    candidates). When the candidates are in position order, as in every cache decoding builds,
+    that is the earlier slot and nothing more is done; otherwise (a hand-made cache) the rows
+    are put into position order (an argsort), selected, and put back."""
+
+    def by_slot() -> jax.Array:
+        return top_mask(scores, budgets, candidate, "earlier")
+
+    def by_sorted_position() -> jax.Array:
+        order = jnp.argsort(jnp.where(candidate, positions, _INT32_MAX), axis=-1, stable=True)
+        keep = top_mask(
+            jnp.take_along_axis(scores, order, axis=-1), budgets,
+            jnp.take_along_axis(candidate, order, axis=-1), "earlier",
+        )  # fmt: skip
+        return jnp.take_along_axis(keep, jnp.argsort(order, axis=-1), axis=-1)
+
+    return jax.lax.cond(_in_position_order(positions, candidate), by_slot, by_sorted_position)
 
 
 def select(
-    scores: jax.Array, budgets: jax.Array | int, valid: jax.Array | None = None
+    scores: jax.Array,
+    budgets: jax.Array | int,
+    valid: jax.Array | None = None,
+    *,
+    ties: str = "later",
+    positions: jax.Array | None = None,
 ) -> jax.Array:
     """Keep mask [L, B, Hkv, S]: each head's top-``budget`` candidate slots.
 
     A slot is a candidate iff ``valid`` (default: score > -inf, which is how every policy marks
     an empty slot); a head with no more candidates than its budget keeps all of them.
+    ties (static, see the module docstring): "later" gives equal scores to the later slot
+    (today's rule; ``positions`` is not read); "earlier" to the earlier position in
+    ``positions`` ([L, B, Hkv, S] int, e.g. ``cache.pos``), or to the earlier slot without it.
     """
     # scores: [L, B, Hkv, S] f32; budgets: [] or [L, B, Hkv] int (traced is fine); valid: like
     # scores, bool. Other budget shapes go through budgets.expand_budgets first: a [L] budget
@@ -97,7 +162,11 @@ def select(
         raise TypeError(f"budgets must be integers, got {budgets.dtype}")
     budgets = jnp.broadcast_to(budgets.astype(jnp.int32), scores.shape[:-1])
     candidate = scores > -jnp.inf if valid is None else valid & ~jnp.isnan(scores)
-    return top_mask(scores, budgets, candidate)
+    _check_ties(ties)
+    if ties == "earlier" and positions is not None:
+        positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), scores.shape)
+        return _top_mask_earlier_position(scores, budgets, candidate, positions)
+    return top_mask(scores, budgets, candidate, ties)
 
 
 def apply_keep(cache: KVCache, keep: jax.Array) -> KVCache:

@@ -36,6 +36,15 @@ class Eviction:
     masked cache (same shape); capacity fixes the compacted cache's slots, one for all layers
     (None = derived from what each layer kept: `layer_capacities`), so that a sweep can share
     one compilation of decode.
+
+    ties: which of equal scores is kept (`dge_jax.evict`, static: one compilation per rule).
+    "later" (the default, the rule before this option existed): the later slot, which in every
+    cache decoding builds is the later position (the more recent entry); "earlier": the earlier
+    original position (``cache.pos``), as implementations that take the first index among equal
+    scores do. Every selection honours it: uniform, per-layer (PyramidKV) and per-head budgets,
+    the AdaKV allocator (equal scores across heads go to the later / earlier head) and grids.
+    Worked example, one head, max-pooled scores by position ``[.2, .5, .5, .5, .1]`` (a
+    plateau), budget 2: "later" keeps positions 2 and 3, "earlier" positions 1 and 2.
     """
 
     policy: Policy = SnapKV()
@@ -45,9 +54,12 @@ class Eviction:
     alpha: float = 0.2
     compact: bool = True
     capacity: int | None = None
+    ties: str = "later"
 
     def __post_init__(self):
-        check_fields(self, choices={"head_budget": HEAD_BUDGETS}, bools=("compact",))
+        check_fields(
+            self, choices={"head_budget": HEAD_BUDGETS, "ties": evict.TIES}, bools=("compact",)
+        )
         if self.capacity is not None:
             check_fields(self, ints={"capacity": 1})
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
@@ -87,7 +99,7 @@ def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
         )
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha"))
+@functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha", "ties"))
 def select_for(
     cache: KVCache,
     prompt_obs: Observation,
@@ -100,6 +112,7 @@ def select_for(
     slide: bool = False,
     head_budget: str = "uniform",
     alpha: float = 0.2,
+    ties: str = "later",
 ) -> jax.Array:
     """Keep mask [L, B, Hkv, S] for `cache` (the cache at the timing's eviction point).
 
@@ -107,11 +120,12 @@ def select_for(
     traced, so budgets, the three timings, every k up to the record's and any draft weight
     share one compilation (given the same draft record, see `decoding.rewind`). Draft entries
     (valid slots past each row's last prompt position) are always kept and count against
-    the budget; the pre-draft cache has none, so for "prefill" this is a no-op.
+    the budget; the pre-draft cache has none, so for "prefill" this is a no-op. ties: the
+    tie rule (`Eviction.ties`), static.
     """
     return select_for_budgets(
         cache, prompt_obs, drafts, (budget,), observe_drafts, draft_weight, policy=policy,
-        slide=slide, head_budget=head_budget, alpha=alpha,
+        slide=slide, head_budget=head_budget, alpha=alpha, ties=ties,
     )[0]  # fmt: skip
 
 
@@ -120,7 +134,7 @@ def scorer(policy: Policy) -> Policy:
     return getattr(policy, "scorer", policy)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha"))
+@functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha", "ties"))
 def select_for_budgets(
     cache: KVCache,
     prompt_obs: Observation,
@@ -133,6 +147,7 @@ def select_for_budgets(
     slide: bool = False,
     head_budget: str = "uniform",
     alpha: float = 0.2,
+    ties: str = "later",
 ) -> tuple[jax.Array, ...]:
     """`select_for` under several budgets at once: the cache is scored once, then each budget
     selects from those scores (what a budget sweep wants). One keep mask per budget, in
@@ -161,10 +176,10 @@ def select_for_budgets(
         if layer_budgets is not None:
             budget = layer_budgets(budget, nl)
         if head_budget == "adakv":
-            per_head = adakv_budgets(scores, budget, alpha)
+            per_head = adakv_budgets(scores, budget, alpha, ties)
         else:
             per_head = expand_budgets(budget, nl, b, hkv)
-        keep = evict.select(scores, per_head)
+        keep = evict.select(scores, per_head, ties=ties, positions=cache.pos)
         masks.append(jnp.where(fits[None, :, None, None], cache.valid(), keep))
     return tuple(masks)
 
@@ -209,11 +224,11 @@ def keep_mask(
 
 
 def scoring_key(ev: Eviction) -> tuple:
-    """Evictions with equal keys score a cache identically: they differ at most by budget,
-    or by a policy that selects from the same scores (SnapKV and PyramidKV)."""
+    """Evictions with equal keys score a cache identically (and break ties alike): they differ
+    at most by budget, or by a policy that selects from the same scores (SnapKV and PyramidKV)."""
     t = ev.timing
     return (scorer(ev.policy), t.observes_drafts, t.draft_weight, t.slide, ev.head_budget,
-            ev.alpha)  # fmt: skip
+            ev.alpha, ev.ties)  # fmt: skip
 
 
 def keep_masks(
@@ -241,6 +256,7 @@ def keep_masks(
             slide=ev.timing.slide,
             head_budget=ev.head_budget,
             alpha=ev.alpha,
+            ties=ev.ties,
         )
     )
 

@@ -14,7 +14,10 @@ What the generator reads besides ``score``:
 
 Shapes: cache ``k: [L, B, Hkv, S, D]``, ``pos: [L, B, Hkv, S]``; ``obs.q: [L, B, Hq, W, D]``,
 ``obs.q_pos: [B, W]``. GQA: query head h belongs to kv head ``h // (Hq // Hkv)``; a kv head's
-score aggregates its group's scores (``gqa="mean"`` or ``"max"``).
+score aggregates its group's scores (``gqa="mean"`` or ``"max"``). SnapKV and PyramidKV pool
+each query head's attention and then aggregate the group (kvpress's order), or, with
+``gqa_before_pool=True``, aggregate the group's attention and then pool (KVCache-Factory's
+"kv_head" order): see `SnapKV`.
 """
 
 from __future__ import annotations
@@ -224,12 +227,30 @@ class SnapKV:
     """SnapKV (arXiv 2404.14469): attention of the observation window, pooled along the sequence.
 
     Defaults are the paper's (window 32, kernel 7, max-pool); ``SnapKV.kvpress()`` is kvpress's.
+
+    gqa_before_pool: the order of the two reductions of a kv group's per-query-head window
+    attention. False (default, kvpress's order): pool each query head's attention along the
+    keys, then aggregate the group (``gqa``: mean or max). True (KVCache-Factory's "kv_head"
+    path): aggregate the group's attention with ``gqa`` first, then pool. Avg-pool commutes
+    with the mean (up to rounding); max-pool does not. Worked example, 2 query heads of one
+    group, 5 unprotected keys, max-pool, kernel 3 (the borders add nothing), gqa mean:
+
+        head a attention:  0   .6   0    0   .4       pooled:  .6  .6  .6  .4  .4
+        head b attention:  0    0  .6    0   .4       pooled:  0   .6  .6  .6  .4
+        pool, then mean (False):                               .3  .6  .6  .5  .4
+        group mean:        0   .3  .3    0   .4
+        mean, then pool (True):                                .3  .3  .3  .4  .4
+
+    Budget 2 keeps keys {1, 2} under False and {3, 4} under True. With budget 1 each order
+    has a two-way plateau, and `Eviction.ties` picks within it: key 2 ("later") or key 1
+    ("earlier") under False, key 4 or key 3 under True.
     """
 
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
     gqa: str = "mean"
+    gqa_before_pool: bool = False
 
     name: ClassVar[str] = "snapkv"
     is_full: ClassVar[bool] = False
@@ -237,7 +258,10 @@ class SnapKV:
 
     def __post_init__(self) -> None:
         check_fields(
-            self, ints={"window": 1, "kernel": 1}, choices={"pooling": _POOLING, "gqa": _GQA}
+            self,
+            ints={"window": 1, "kernel": 1},
+            choices={"pooling": _POOLING, "gqa": _GQA},
+            bools=("gqa_before_pool",),
         )
         if self.kernel % 2 != 1:
             raise ValueError(
@@ -264,11 +288,13 @@ class SnapKV:
         #   a[g, s] = mean_{w in Q} softmax_s(q[g, w] . k[s] / sqrt(D))   (causal, valid keys)
         #   p[g, s] = pool_s(a[g, s] over unprotected valid slots)        (odd kernel, see pool1d)
         #   score[s] = mean_g p[g, s] (or max)    with    protected = pos >= min_{w in Q} q_pos[w]
+        # (gqa_before_pool: score[s] = pool_s(mean_g a[g, s]) (or max), the same masks.)
         # kvpress (snapkv_press.py) does the same in this order: softmax over all keys with the
         # causal window mask, drop the window's own keys, mean over the window's queries,
         # avg_pool1d(padding = kernel // 2), mean over the group, window entries score max + 1.
         # (KVCache-Factory's GQA "kv_head" path reduces the group *before* pooling; for avg-pool
-        # the order is irrelevant, for max-pool with gqa="mean" it is not, and we pool first.)
+        # the order is irrelevant, for max-pool with gqa="mean" it is not: we pool first unless
+        # gqa_before_pool. A static branch: the default traces exactly the code it always did.)
         # Pool neighbours are slots: empty and protected slots are padding (see pool1d), which
         # on a left-padded prefill cache is exactly the zero padding kvpress puts at the ends.
         _check_obs(obs, "q", "q_pos")
@@ -285,6 +311,9 @@ class SnapKV:
             k, pos, q, include = args  # [B, Hkv, S, D], [B, Hkv, S], [B, Hq, W, D], [B, Hkv, S]
             weighted = _window_attention_sum(k, pos, q, obs.q_pos, weight)  # [B, Hkv, G, S]
             mean = weighted / total[:, None, None, None]
+            if self.gqa_before_pool:
+                grouped = _reduce(mean, axis=2, how=self.gqa)  # [B, Hkv, S]
+                return pool1d(grouped, include, self.kernel, self.pooling)
             pooled = pool1d(mean, include[:, :, None, :], self.kernel, self.pooling)
             return _reduce(pooled, axis=2, how=self.gqa)  # [B, Hkv, S]
 
@@ -312,7 +341,7 @@ class PyramidKV(SnapKV):
     def scorer(self) -> SnapKV:
         """The policy whose scores this one selects from: SnapKV with the same settings (a
         grid scores SnapKV and PyramidKV cells of one timing once)."""
-        return SnapKV(window=self.window, kernel=self.kernel, pooling=self.pooling, gqa=self.gqa)
+        return SnapKV(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SnapKV)})
 
     def layer_budgets(self, budget: jax.Array | int, num_layers: int) -> jax.Array:
         """Per-layer budgets [L] int32, bottom layer largest, summing exactly to L·budget.
