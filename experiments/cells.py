@@ -16,7 +16,7 @@ from dge_jax.policies import POLICIES, make_policy
 from dge_jax.timing import KINDS, Adaptive, Timing
 
 ADAKV_PREFIX = "adakv_"
-POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa")
+POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +49,10 @@ class Cell:
 
     def eviction(
         self, policy_options: dict[str, Any], adaptive: Adaptive | None = None,
-        draft_weight: float = 1.0,
+        draft_weight: float = 1.0, ties: str = "later",
     ) -> Eviction | None:
-        """The `Eviction` of this cell; options a policy does not take are left out."""
+        """The `Eviction` of this cell; options a policy does not take are left out. `ties`:
+        which of equal scores is kept (`Eviction.ties`)."""
         if self.method == "full":
             return None
         options = self.policy_options(policy_options)
@@ -63,6 +64,7 @@ class Cell:
             timing=Timing(self.timing, self.k, adaptive=adaptive if self.adaptive else None,
                           draft_weight=draft_weight if self.timing != "prefill" else 1.0),
             head_budget="adakv" if self.method.startswith(ADAKV_PREFIX) else "uniform",
+            ties=ties,
         )
 
 

@@ -4,6 +4,7 @@
     python -m experiments.longbench --suite longbench --data_dir DIR \\
         --methods full,snapkv,pyramidkv,h2o,streamingllm,adakv_snapkv \\
         --timings prefill,dge,dge_w --budgets 128,256,512
+    python -m experiments.longbench --suite ruler --datasets niah_single_1,vt --ruler_length 4096
 
 One prefill (and one draft per k) per sample serves every cell of the grid. Predictions are
 appended to OUT_DIR/predictions.jsonl as they complete, so a killed run resumes where it
@@ -26,7 +27,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from dge_jax.timing import Adaptive
-from experiments import protocol, synthetic
+from experiments import protocol, ruler, synthetic
 from experiments.cells import POLICY_OPTIONS, Cell, build_cells
 from experiments.longbench_config import ALL_TASKS
 from experiments.predictions import PredictionStore, config_hash, prediction_key
@@ -49,22 +50,29 @@ SYNTHETIC_SAMPLES = 20  # --num_samples default of the synthetic suite
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "checkpoint folder or embedded name")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter dtype")
-flags.DEFINE_enum("suite", "synthetic", ["synthetic", "longbench"], "task suite")
+flags.DEFINE_enum("suite", "synthetic", ["synthetic", "longbench", "ruler"], "task suite")
 flags.DEFINE_string("data_dir", None, "folder of LongBench {dataset}.jsonl files "
-                    f"(default: ${protocol.DATA_DIR_ENV})")
+                    f"(default: ${protocol.DATA_DIR_ENV}); for --suite ruler, of RULER "
+                    "{task}_{length}.jsonl files to read instead of generating the rows "
+                    f"(default: ${ruler.DATA_DIR_ENV}'s file where it holds one, else generated)")
 flags.DEFINE_list("datasets", None, "datasets/tasks to run (default: synthetic "
-                  f"{','.join(MAIN_JOB_TASKS)}; longbench: those present in --data_dir)")
+                  f"{','.join(MAIN_JOB_TASKS)}; longbench: those present in --data_dir; ruler: "
+                  "all eleven, or those present in --data_dir)")
 flags.DEFINE_list("methods", ["full", "snapkv"], "full, snapkv, pyramidkv, h2o, streamingllm, "
                   "random, knorm, tova, and adakv_<policy>")
 flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w")
 flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
 flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")
-flags.DEFINE_integer("num_samples", None, "samples per dataset (default: synthetic "
+flags.DEFINE_integer("num_samples", None, "samples per dataset (default: synthetic and ruler "
                      f"{SYNTHETIC_SAMPLES}, longbench all)")
 flags.DEFINE_integer("max_length", None, "prompt tokens kept by middle truncation (default: "
-                     "the model's context minus the longest generation)")
+                     "the model's context minus the longest generation, chat template and "
+                     "answer prefix)")
 flags.DEFINE_integer("synthetic_length", 512, "synthetic prompt length in model tokens "
                      "(before the chat template)")
+flags.DEFINE_integer("ruler_length", 4096, "RULER's max_seq_length in model tokens: the prompt "
+                     "(chat template and answer prefix included) plus the task's generation "
+                     "budget; also the {length} of RULER row files")
 flags.DEFINE_integer("batch_size", 4, "samples per batch (left-padded)")
 flags.DEFINE_string("out_dir", None, "output folder (default runs/<suite>/<model>-<run id>: "
                     "one folder per configuration)")
@@ -72,12 +80,17 @@ flags.DEFINE_bool("extend", False, "add cells, datasets or samples to an --out_d
                   "the same configuration (without it, asking for more than it holds is "
                   "refused)")
 flags.DEFINE_bool("verbose", False, "show third-party INFO logging and tracebacks of errors")
-flags.DEFINE_integer("seed", 0, "synthetic suite seed (decoding is greedy)")
+flags.DEFINE_integer("seed", 0, "synthetic and RULER suite seed (decoding is greedy)")
 flags.DEFINE_integer("window", 8, "observation window (SnapKV/PyramidKV) or recent window "
                      "(H2O)")
 flags.DEFINE_integer("kernel", 7, "SnapKV/PyramidKV pooling kernel")
 flags.DEFINE_enum("pooling", "max", ["max", "avg"], "SnapKV/PyramidKV pooling")
 flags.DEFINE_enum("gqa", "mean", ["mean", "max"], "GQA aggregation of scores")
+flags.DEFINE_bool("gqa_before_pool", False, "SnapKV/PyramidKV: aggregate the kv group's "
+                  "attention before pooling (default: pool each query head first, kvpress's "
+                  "order)")
+flags.DEFINE_enum("ties", "later", ["later", "earlier"], "which of equal scores is kept: the "
+                  "later slot (default) or the earlier position")
 flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens)")
 flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
                     "sharded, and each batch of --batch_size samples is spread over the data "
@@ -91,10 +104,20 @@ flags.DEFINE_float("draft_weight", 1.0, "weight of draft queries relative to pro
                    "queries in DGE scores (1 = the paper's DGE)")
 
 
-def default_datasets(suite: str, data_dir: str | None) -> list[str]:
-    """The main job's synthetic tasks; for LongBench, those whose file is in the data folder."""
+def default_datasets(suite: str, data_dir: str | None, ruler_length: int = 4096) -> list[str]:
+    """The main job's synthetic tasks; for LongBench, those whose file is in the data folder;
+    for RULER, every task, or those whose {task}_{length}.jsonl is in --data_dir."""
     if suite == "synthetic":
         return list(MAIN_JOB_TASKS)
+    if suite == "ruler":
+        if data_dir is None:
+            return list(ruler.TASKS)
+        present = [d for d, t in ruler.TASKS.items()
+                   if (pathlib.Path(data_dir) / f"{t.name}_{ruler_length}.jsonl").is_file()]
+        if not present:
+            raise FileNotFoundError(f"{data_dir} holds no RULER {{task}}_{ruler_length}.jsonl "
+                                    "file (leave --data_dir out to generate the rows)")
+        return present
     folder = protocol.resolve_data_dir(data_dir)
     present = [d for d in ALL_TASKS if (folder / f"{d}.jsonl").is_file()]
     if not present:
@@ -110,6 +133,9 @@ def load_suite(model, suite: str, datasets: list[str], num_samples: int | None,
         if unknown:
             raise ValueError(f"unknown synthetic tasks {unknown}; known: {list(synthetic.TASKS)}")
         return synthetic.make_suite(model.tokenizer, datasets, num_samples, length, seed)
+    if suite == "ruler":  # files where there are some, else generated (ruler.rows_file)
+        return ruler.load_suite(model.tokenizer, model.tokenizer.apply_chat_template, datasets,
+                                num_samples, length, seed, data_dir)
     return {d: protocol.load_rows(data_dir, d, num_samples) for d in datasets}
 
 
@@ -124,9 +150,10 @@ def run_identity(model, max_length: int) -> dict:
         "dge_jax": dge_jax.__version__, "max_length": max_length, "chunk": FLAGS.chunk,
         "batch_size": FLAGS.batch_size,  # left padding may change results in the last bits
         "synthetic_length": FLAGS.synthetic_length if FLAGS.suite == "synthetic" else None,
-        "seed": FLAGS.seed if FLAGS.suite == "synthetic" else None,
+        "seed": FLAGS.seed if FLAGS.suite in ("synthetic", "ruler") else None,
+        **({"ruler_length": FLAGS.ruler_length} if FLAGS.suite == "ruler" else {}),
         "policy_options": {k: getattr(FLAGS, k) for k in POLICY_OPTIONS},
-        "draft_weight": FLAGS.draft_weight,
+        "draft_weight": FLAGS.draft_weight, "ties": FLAGS.ties,
         "adaptive": (None if FLAGS.adaptive_rule is None else
                      {"rule": FLAGS.adaptive_rule, "threshold": FLAGS.adaptive_threshold,
                       "k_max": FLAGS.k_max}),
@@ -141,16 +168,22 @@ def cell_config(identity: dict, cell: Cell) -> dict:
         **identity, "cell": cell.id,
         "policy_options": cell.policy_options(identity["policy_options"]),
         "draft_weight": identity["draft_weight"] if uses_drafts else None,
+        "ties": identity["ties"] if cell.method != "full" else None,
         "adaptive": identity["adaptive"] if cell.adaptive else None,
     }
 
 
 def data_checksums(datasets: list[str]) -> dict[str, str]:
-    """sha256 of where each dataset's rows come from: the LongBench file, or the synthetic
-    task's definition and the haystack essays it fills with."""
+    """sha256 of where each dataset's rows come from: the LongBench or RULER file, or the
+    synthetic or RULER task's definition and the haystack (essays, word lists) it fills with."""
     if FLAGS.suite == "longbench":
         folder = protocol.resolve_data_dir(FLAGS.data_dir)
         return {d: sha256_file(folder / f"{d}.jsonl") for d in datasets}
+    if FLAGS.suite == "ruler":
+        files = {d: ruler.rows_file(d, FLAGS.ruler_length, FLAGS.data_dir) for d in datasets}
+        return {d: sha256_file(path) if path else
+                config_hash(ruler.generator_definition(d, FLAGS.ruler_length))
+                for d, path in files.items()}
     haystack = files_fingerprint(synthetic.haystack_dir())
     return {d: config_hash({"task": repr(synthetic.TASKS[d]), "haystack": haystack})
             for d in datasets}
@@ -196,24 +229,27 @@ def evaluate() -> int:
         mesh = parse_mesh(FLAGS.mesh)
     model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
     check_model(model, mesh)
-    datasets = FLAGS.datasets or default_datasets(FLAGS.suite, FLAGS.data_dir)
-    longest = max(protocol.max_new_tokens(d) for d in datasets)
-    max_length = FLAGS.max_length or model.config.max_position_embeddings - longest
-    identity = run_identity(model, max_length)
-    num_samples = FLAGS.num_samples or (SYNTHETIC_SAMPLES if FLAGS.suite == "synthetic"
+    datasets = FLAGS.datasets or default_datasets(FLAGS.suite, FLAGS.data_dir,
+                                                  FLAGS.ruler_length)
+    if FLAGS.suite == "ruler":  # RULER's task names (vt) or ours (ruler_vt)
+        datasets = [ruler.dataset_name(d) for d in datasets]
+    num_samples = FLAGS.num_samples or (SYNTHETIC_SAMPLES if FLAGS.suite != "longbench"
                                         else None)
+    length = FLAGS.ruler_length if FLAGS.suite == "ruler" else FLAGS.synthetic_length
+    suite = load_suite(model, FLAGS.suite, datasets, num_samples, FLAGS.data_dir, length,
+                       FLAGS.seed)  # strict: bad rows stop here
+    max_length = FLAGS.max_length or default_max_length(model, suite)
+    identity = run_identity(model, max_length)
     extent = {"datasets": datasets, "cells": [c.id for c in cells], "num_samples": num_samples}
     out_dir = pathlib.Path(FLAGS.out_dir or default_out_dir(FLAGS.suite, FLAGS.model, identity))
-    suite = load_suite(model, FLAGS.suite, datasets, num_samples, FLAGS.data_dir,
-                       FLAGS.synthetic_length, FLAGS.seed)  # strict: bad rows stop here
     open_run(out_dir, identity, data_checksums(datasets), extent, " ".join(sys.argv),
              extend=FLAGS.extend)
     tag = {"run_id": run_id(identity)}
     cell_hash = {c: config_hash(cell_config(identity, c)) for c in cells}
     adaptive = (None if FLAGS.adaptive_rule is None else
                 Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
-    evictions = {c: c.eviction(identity["policy_options"], adaptive, FLAGS.draft_weight)
-                 for c in cells}
+    evictions = {c: c.eviction(identity["policy_options"], adaptive, FLAGS.draft_weight,
+                               FLAGS.ties) for c in cells}
     store = PredictionStore(out_dir)
     pending = {d: missing_cells(rows, d, cells, cell_hash, store) for d, rows in suite.items()}
     total = sum(map(len, suite.values()))
@@ -235,6 +271,18 @@ def evaluate() -> int:
     print((out_dir / "results.md").read_text(), end="")
     print(f"wall time {time.time() - started:.0f} s; predictions in {store.path}")
     return 0
+
+
+def default_max_length(model, suite: dict[str, list[dict]]) -> int:
+    """The model's context minus, for the most demanding dataset, its generation length and
+    what the chat template and answer prefix add around the truncated prompt, so that every
+    prompt the runner feeds, with its answer, fits the context."""
+    tok = model.tokenizer
+    wrap = len(tok.encode(tok.apply_chat_template("")))  # the template around an empty turn
+    need = max(protocol.max_new_tokens(d) + wrap + max(
+        (len(tok.encode(protocol.answer_prefix(d, row))) for row in rows), default=0)
+        for d, rows in suite.items())
+    return model.config.max_position_embeddings - need
 
 
 def check_model(model, mesh) -> None:

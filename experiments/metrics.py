@@ -1,4 +1,5 @@
-"""LongBench v1 metrics, reimplemented to give the official numbers, plus synthetic-task metrics.
+"""LongBench v1 metrics, reimplemented to give the official numbers, plus synthetic-task and
+RULER metrics (RULER's string_match_all / string_match_part: `experiments.ruler`).
 
 The official scorer is THUDM/LongBench `LongBench/metrics.py` + `eval.py`. It relies on three
 packages; here is how each is matched without them:
@@ -36,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 from experiments import longbench_config as config
-from experiments import synthetic
+from experiments import ruler, synthetic
 
 Metric = Callable[[str, str, Sequence[str] | None], float]
 RowMetric = Callable[[str, Sequence[str]], float]
@@ -275,7 +276,7 @@ def match_fraction(prediction: str, answers: Sequence[str]) -> float:
 
 
 ROW_METRICS: Mapping[str, RowMetric] = MappingProxyType(
-    {"match_any": match_any, "match_fraction": match_fraction}
+    {"match_any": match_any, "match_fraction": match_fraction, **ruler.METRICS}
 )
 
 
@@ -291,9 +292,12 @@ def first_line(prediction: str) -> str:
 def row_score(
     dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None
 ) -> float:
-    """One row's score in [0, 1]: the official max over answers, or a synthetic row metric."""
+    """One row's score in [0, 1]: the official max over answers, or a synthetic or RULER row
+    metric (RULER's sees all of a row's outputs at once, as its evaluate.py does)."""
     if dataset in synthetic.TASKS:
         return ROW_METRICS[synthetic.TASKS[dataset].metric](prediction, answers)
+    if dataset in ruler.TASKS:
+        return ROW_METRICS[ruler.TASKS[dataset].metric](prediction, answers)
     if dataset not in config.DATASET2METRIC:
         raise ValueError(f"no metric for dataset {dataset!r}")
     metric = METRICS[config.DATASET2METRIC[dataset]]
@@ -308,7 +312,8 @@ def score_dataset(
     answers: Sequence[Sequence[str]],
     all_classes: Sequence[str] | None = None,
 ) -> float:
-    """100 * mean row score, rounded to 2 decimals: eval.py `scorer` (and synthetic tasks).
+    """100 * mean row score, rounded to 2 decimals: eval.py `scorer` (and synthetic tasks; for
+    RULER tasks, RULER's `round(sum / n * 100, 2)`).
 
     `all_classes` is the dataset's class list (trec, lsht), as eval.py passes it.
     """
@@ -326,10 +331,10 @@ def average_scores(scores: Mapping[str, float]) -> dict:
 
     Returns {"mean_en16": plain mean over the English tasks present, "category_mean": mean over
     categories of the mean of their present tasks, "categories": {category: mean},
-    "missing_en16": English tasks absent}. Chinese and synthetic tasks are ignored; an unknown
-    name raises. Averages are NaN when no English task is present.
+    "missing_en16": English tasks absent}. Chinese, synthetic and RULER tasks are ignored; an
+    unknown name raises. Averages are NaN when no English task is present.
     """
-    known = set(config.ALL_TASKS) | set(synthetic.TASKS)
+    known = set(config.ALL_TASKS) | set(synthetic.TASKS) | set(ruler.TASKS)
     unknown = sorted(set(scores) - known)
     if unknown:
         raise ValueError(f"unknown tasks in scores: {unknown}")

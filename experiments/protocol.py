@@ -14,9 +14,12 @@ For each row, pred.py does, in this order:
 
 The chat template is applied after truncation, so it is never cut. Synthetic tasks
 (`experiments.synthetic`) go through the same steps with their own template, and their answer
-prefix is appended after the chat template. The tokenizer is any object with
-`encode(text) -> list[int]` and `decode(ids) -> str` (decode should skip special tokens, as
-pred.py's `skip_special_tokens=True` does; `dge_jax.tokenizer.Tokenizer` qualifies).
+prefix is appended after the chat template. RULER tasks (`experiments.ruler`) do too: the
+row's `input` is the prompt (RULER's own template, already filled), the chat template wraps
+it, and the row's `answer_prefix` follows, as RULER's call_api.py sends `input + answer_prefix`.
+The tokenizer is any object with `encode(text) -> list[int]` and `decode(ids) -> str` (decode
+should skip special tokens, as pred.py's `skip_special_tokens=True` does;
+`dge_jax.tokenizer.Tokenizer` qualifies).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from experiments import longbench_config as config
-from experiments import rows, synthetic
+from experiments import rows, ruler, synthetic
 
 DATA_DIR_ENV = "DGE_LONGBENCH_DIR"
 ROW_KEYS = rows.LONGBENCH_KEYS
@@ -44,21 +47,25 @@ class Tokenizer(Protocol):
 
 
 def _check_dataset(dataset: str) -> None:
-    if dataset not in config.DATASET2PROMPT and dataset not in synthetic.TASKS:
+    if dataset not in config.DATASET2PROMPT and dataset not in synthetic.TASKS and \
+            dataset not in ruler.TASKS:
         raise ValueError(
             f"unknown dataset {dataset!r}; LongBench: {list(config.ALL_TASKS)}, "
-            f"synthetic: {list(synthetic.TASKS)}"
+            f"synthetic: {list(synthetic.TASKS)}, RULER: {list(ruler.TASKS)}"
         )
 
 
 def build_prompt(row: dict, dataset: str) -> str:
     """The raw prompt of a row: the dataset's template filled with the row's fields.
 
-    Official templates for LongBench tasks, `synthetic.TASKS[...].template` for synthetic ones.
+    Official templates for LongBench tasks, `synthetic.TASKS[...].template` for synthetic ones;
+    a RULER row's `input` is its prompt already.
     """
     _check_dataset(dataset)
     if dataset in config.DATASET2PROMPT:
         return config.DATASET2PROMPT[dataset].format(**row)
+    if dataset in ruler.TASKS:
+        return row["input"]
     return synthetic.TASKS[dataset].template.format(**row)
 
 
@@ -100,16 +107,24 @@ def uses_chat_template(dataset: str) -> bool:
     return dataset not in config.NO_CHAT_TEMPLATE
 
 
-def answer_prefix(dataset: str) -> str:
-    """Text appended after the chat template: "" for LongBench, the task's prefix if synthetic."""
+def answer_prefix(dataset: str, row: dict | None = None) -> str:
+    """Text appended after the chat template: "" for LongBench, the task's prefix if synthetic,
+    the row's own `answer_prefix` for RULER (it names the row's query)."""
+    if dataset in ruler.TASKS:
+        if row is None:
+            raise ValueError(f"{dataset}: a RULER answer prefix belongs to a row; pass it")
+        return row["answer_prefix"]
     return synthetic.TASKS[dataset].answer_prefix if dataset in synthetic.TASKS else ""
 
 
 def max_new_tokens(dataset: str) -> int:
-    """Generation length: dataset2maxlen for LongBench, the task's own for synthetic tasks."""
+    """Generation length: dataset2maxlen for LongBench, the task's own for synthetic tasks,
+    RULER's tokens_to_generate for RULER tasks."""
     _check_dataset(dataset)
     if dataset in config.DATASET2MAXLEN:
         return config.DATASET2MAXLEN[dataset]
+    if dataset in ruler.TASKS:
+        return ruler.max_new_tokens(dataset)
     return synthetic.max_new_tokens(dataset)
 
 
@@ -142,7 +157,7 @@ def prepare_sample(
     text, num_tokens, truncated = truncate_prompt(prompt, tokenizer, max_length)
     if uses_chat_template(dataset):
         text = chat(text)
-    return PreparedSample(text + answer_prefix(dataset), num_tokens, truncated)
+    return PreparedSample(text + answer_prefix(dataset, row), num_tokens, truncated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +180,8 @@ class StopRule:
 
 
 def stop_rule(dataset: str) -> StopRule:
-    """The official stop rule of a dataset: newline for samsum, nothing extra otherwise."""
+    """The official stop rule of a dataset: newline for samsum, nothing extra otherwise (RULER's
+    default stop_words are empty too)."""
     _check_dataset(dataset)
     if dataset == "samsum":
         return StopRule(stop_strings=("\n",), min_new_tokens=1)
@@ -191,8 +207,11 @@ def resolve_data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def row_schema(dataset: str) -> rows.Schema:
-    """The strict schema of a dataset's rows: official LongBench, or the synthetic task's."""
+    """The strict schema of a dataset's rows: official LongBench, the synthetic task's, or
+    RULER's (of its files and generated rows, before `ruler.runner_rows`)."""
     _check_dataset(dataset)
+    if dataset in ruler.TASKS:
+        return rows.RULER_SCHEMA
     if dataset in synthetic.TASKS:
         return synthetic.row_schema(dataset)
     return rows.longbench_schema(dataset, config.DATASET2PROMPT[dataset],
