@@ -312,7 +312,7 @@ def test_user_mistakes_are_one_line_errors(model_dir, data_dir, env, tmp_path):
             "--out_dir", str(tmp_path / "x")]
     run_refused([*base, "--budgets", "0"], env, "budgets must be >= 1")
     run_refused([*base, "--methods", "snapkv,bogus"], env, "unknown method 'bogus'")
-    run_refused([*base, "--datasets", "nope"], env, "unknown dataset 'nope'")
+    run_refused([*base, "--datasets", "nope"], env, "unknown synthetic tasks ['nope']")
     run_refused([*base, "--suite", "longbench", "--data_dir", str(tmp_path / "absent")], env,
                 "does not exist")
     bad = tmp_path / "bad_data"
