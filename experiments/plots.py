@@ -26,6 +26,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: pathlib.Path) -> pathlib.Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def title(config: dict | None, scores: dict) -> str:
     """"<model> on <suite>, n = <samples per cell>" (n as a range when cells differ)."""
     ns = sorted({a["n"] for a in scores["averages"].values()})
@@ -103,11 +110,7 @@ def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
         ax.set_ylabel("mean score (95 % bootstrap interval)")
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(title_text, fontsize=10)
-    fig.tight_layout()
-    path = out_dir / "score_vs_budget.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / "score_vs_budget.png")
 
 
 def _offsets(n: int) -> list[float]:
@@ -169,11 +172,7 @@ def dge_delta(scores: dict, per_sample: Samples, title_text: str,
                 transform=ax.transAxes, ha="center", fontsize=9)
     ax.legend(fontsize=8)
     ax.set_title(title_text, fontsize=10)
-    fig.tight_layout()
-    path = out_dir / "dge_delta.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / "dge_delta.png")
 
 
 def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathlib.Path | None:
@@ -194,11 +193,7 @@ def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathl
         ax.set_ylabel("mean score")
         ax.legend(fontsize=7)
     fig.suptitle(title_text, fontsize=10)
-    fig.tight_layout()
-    path = out_dir / "accuracy_vs_k.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, out_dir / "accuracy_vs_k.png")
 
 
 def _k_lines(ax, scores: dict, cells: list[Cell], method: str, budget: int) -> None:
