@@ -85,7 +85,7 @@ def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
     if not methods:
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 4.2),
+    fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 4.9),
                              squeeze=False)
     full = cell_interval(per_sample, "full") if "full" in per_sample else None
     for ax, method in zip(axes[0], methods, strict=True):
@@ -108,7 +108,7 @@ def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
         ax.set_title(method + (f"\n{note}" if note else ""), fontsize=9)
         ax.set_xlabel("budget (entries kept per kv head)")
         ax.set_ylabel("mean score (95 % bootstrap interval)")
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     fig.suptitle(title_text, fontsize=10)
     return _save(plt, fig, out_dir / "score_vs_budget.png")
 
