@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numpy_reference import pool as ref_pool
 
 from dge_jax import cli
 from dge_jax import decoding as gen
@@ -45,17 +46,6 @@ def ref_rank(scores: np.ndarray, positions: np.ndarray, ties: str) -> np.ndarray
     """Indices of `scores` best first; equal scores by position, earlier or later first."""
     tie_key = positions if ties == "earlier" else -positions
     return np.lexsort((tie_key, -scores.astype(np.float64)))  # the last key sorts first
-
-
-def ref_pool(x: np.ndarray, kernel: int, how: str) -> np.ndarray:
-    """Same-length pooling along the last axis; outside the array is padding (0 in the
-    divisor's count for avg, nothing for max)."""
-    half, n = kernel // 2, x.shape[-1]
-    out = np.empty_like(x)
-    for i in range(n):
-        seg = x[..., max(0, i - half) : min(n, i + half + 1)]
-        out[..., i] = seg.sum(-1) / kernel if how == "avg" else seg.max(-1)
-    return out
 
 
 def ref_snapkv_scores(keys, key_pos, q, q_pos, policy) -> np.ndarray:

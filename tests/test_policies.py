@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numpy_reference import pool as _pool
 
 from dge_jax.cache import KVCache, Observation
 from dge_jax.evict import select as _select_eager
@@ -102,16 +103,6 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(axis=-1, keepdims=True)
     e = np.exp(x)
     return e / e.sum(axis=-1, keepdims=True)
-
-
-def _pool(x: np.ndarray, kernel: int, how: str) -> np.ndarray:
-    """Slow obvious pooling: neighbours outside the array are padding (0 for avg, none for max)."""
-    half, n = kernel // 2, x.shape[-1]
-    out = np.empty_like(x)
-    for i in range(n):
-        seg = x[..., max(0, i - half) : min(n, i + half + 1)]
-        out[..., i] = seg.sum(-1) / kernel if how == "avg" else seg.max(-1)
-    return out
 
 
 def _snapkv_reference(keys, key_pos, q, q_pos, kernel, pooling, gqa):
