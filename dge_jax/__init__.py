@@ -2,7 +2,7 @@
 
 from importlib import metadata
 
-from dge_jax.api import GenerationResult, generate
+from dge_jax.api import GenerationResult, generate, generate_grid
 from dge_jax.model import DEFAULT_MODEL, Model, load
 
 try:
@@ -10,4 +10,4 @@ try:
 except metadata.PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["DEFAULT_MODEL", "GenerationResult", "Model", "__version__", "generate", "load"]
+__all__ = ["DEFAULT_MODEL", "GenerationResult", "Model", "__version__", "generate", "generate_grid", "load"]
