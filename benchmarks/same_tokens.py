@@ -117,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.predictions:
         old, new = map(_predictions, args.predictions)
-        diffs = [f"{key}: {old[key]!r} -> {new.get(key)!r}" for key in old if new.get(key) != old[key]]
+        diffs = [
+            f"{key}: {old[key]!r} -> {new.get(key)!r}" for key in old if new.get(key) != old[key]
+        ]
         diffs += [f"{key}: only in the new run" for key in new.keys() - old.keys()]
         print(f"{len(old)} predictions before, {len(new)} after, {len(diffs)} differ")
     elif args.action == "record":

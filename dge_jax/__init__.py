@@ -10,4 +10,12 @@ try:
 except metadata.PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["DEFAULT_MODEL", "GenerationResult", "Model", "__version__", "generate", "generate_grid", "load"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "GenerationResult",
+    "Model",
+    "__version__",
+    "generate",
+    "generate_grid",
+    "load",
+]
