@@ -163,6 +163,12 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
     return y if b is None else y + b
 
 
+def mlp(h: jax.Array, lp: LayerParams) -> jax.Array:
+    """The gated SiLU MLP of one layer: down(silu(gate(h)) * up(h)), h [..., D] -> [..., D]."""
+    gate = jax.nn.silu(_linear(h, lp.w_gate, lp.b_gate))
+    return _linear(gate * _linear(h, lp.w_up, lp.b_up), lp.w_down, lp.b_down)
+
+
 def forward(
     cfg: ModelConfig,
     params: Params,
@@ -257,9 +263,7 @@ def forward(
             k_all, v_all = write(k_all, k_new + after), write(v_all, v_new + after)
             pos_all = write(pos_all, new_pos)
         x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
-        h = rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps)
-        gate = jax.nn.silu(_linear(h, lp.w_gate, lp.b_gate))
-        x = x + _linear(gate * _linear(h, lp.w_up, lp.b_up), lp.w_down, lp.b_down)
+        x = x + mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
         q_win = q[:, t - w :].transpose(0, 2, 1, 3) if w else None  # [B, Hq, W, D]
         return x, k_all, v_all, pos_all, q_win, probs_sum
 
