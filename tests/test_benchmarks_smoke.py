@@ -19,7 +19,19 @@ import pytest
 from tiny_model import build_tiny_llama
 
 import dge_jax
-from benchmarks import cpu_kernels, machine, run, selection
+from benchmarks import (
+    agreement,
+    cpu_kernels,
+    harness,
+    machine,
+    plans,
+    report,
+    run,
+    scenario_a,
+    scenario_b,
+    selection,
+    work,
+)
 from benchmarks.peers import ratio_for
 from dge_jax.config import ModelConfig
 
@@ -64,7 +76,7 @@ def test_cpu_suite_json_schema(cpu_run):
 
     rows = saved["rows"]
     for row in rows:
-        assert set(run.ROW_FIELDS) <= set(row), set(run.ROW_FIELDS) - set(row)
+        assert set(plans.ROW_FIELDS) <= set(row), set(plans.ROW_FIELDS) - set(row)
         assert row["system"] == "dge_jax"  # no peers
         for field in (
             "prefill_tok_s",
@@ -79,7 +91,7 @@ def test_cpu_suite_json_schema(cpu_run):
             assert _finite_positive(row[field]), (field, row)
     a = [r for r in rows if r["scenario"] == "a"]
     assert {(r["prompt_tokens"], r["batch"], r["method"]) for r in a} == {
-        (256, 1, m) for m in run.A_METHODS
+        (256, 1, m) for m in plans.A_METHODS
     }
     for r in a:
         assert r["decode_steps"] == (4 if r["method"] == "SnapKV dge(2)" else 5)  # 6 new tokens
@@ -94,7 +106,7 @@ def test_cpu_suite_json_schema(cpu_run):
     grid = saved["grid"]
     assert grid["cells"] == 27 and grid["warm_compilations"] == 0
     assert all(r["warm_compilations"] == 0 for r in a)  # the warm call compiled nothing
-    assert set(saved["headline"]["e2e_s"]) >= {f"dge_jax {m}" for m in run.A_METHODS}
+    assert set(saved["headline"]["e2e_s"]) >= {f"dge_jax {m}" for m in plans.A_METHODS}
     assert saved["agreement"]["fullkv"]["prompts"] == 0  # needs the peers
     names = [t["name"] for t in saved["targets"]]
     assert len(names) == 9
@@ -117,7 +129,7 @@ def test_cpu_suite_json_schema(cpu_run):
 def test_gpu_suite_code_path_on_cpu(tmp_path):
     result = run.main(["--suite", "gpu", "--tiny", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpu-tiny.json").read_text())
-    assert saved == json.loads(json.dumps(result, default=run._json_default))
+    assert saved == json.loads(json.dumps(result, default=report._json_default))
     assert saved["peaks"]["source"] == "measured"  # a CPU is in no GPU table
     rows = saved["rows"]
     assert [r["method"] for r in rows] == ["FullKV", "SnapKV dge(2) compacted"]
@@ -172,11 +184,11 @@ def test_prefill_flops_by_hand():
         head_dim=2,
     )
     # per layer: q 4x4, k 4x2, v 4x2, o 4x4, gate/up/down 3 x 4x6 = 16+8+8+16+72 = 120
-    assert run.linear_params(cfg) == 2 * 120
+    assert work.linear_params(cfg) == 2 * 120
     t = 3
     linear = 2 * 240 * t
     attention = 2 * 2 * 2 * 2 * 2 * (1 + 2 + 3)  # q.k and p.v over 1, 2, 3 visible keys
-    assert run.prefill_flops(cfg, t, rows=2) == 2 * (linear + attention + 2 * 4 * 10)
+    assert work.prefill_flops(cfg, t, rows=2) == 2 * (linear + attention + 2 * 4 * 10)
 
 
 def _rec(stage, wall=1.0, compile_s=0.0, **extra):
@@ -195,12 +207,12 @@ def test_call_row_nets_out_compilation():
         _rec("stack_states", 0.05),
         _rec("decode", 3.5, compile_s=0.5, cache_bytes=10, steps=62),
     ]
-    call = run.Call(wall_s=9.0, compile_s=2.5, compilations=7, records=records, t0=8.0,
+    call = harness.Call(wall_s=9.0, compile_s=2.5, compilations=7, records=records, t0=8.0,
                     peak_mem=123)  # fmt: skip
     cfg = ModelConfig("llama", vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2,
                       num_heads=2, num_kv_heads=1, head_dim=2)  # fmt: skip
     limits = {"gflops": 1.0, "gb_s": 1.0}
-    row = run.call_row(call, cfg, rows=2, tokens=3, param_bytes=50, limits=limits)
+    row = scenario_a.call_row(call, cfg, rows=2, tokens=3, param_bytes=50, limits=limits)
     assert row["prefill_s"] == pytest.approx(2.0)
     assert row["ttft_s"] == pytest.approx(12.0 - 8.0 - 1.5)
     assert row["draft_s"] == pytest.approx(0.5)
@@ -211,13 +223,13 @@ def test_call_row_nets_out_compilation():
     assert row["e2e_s"] == pytest.approx(9.0 - 2.5)
     assert (row["compile_s"], row["compilations"], row["peak_mem"]) == (2.5, 7, 123)
     assert (row["cache_bytes"], row["cache_bytes_full"]) == (10, 100)
-    assert row["prefill_gflops"] == pytest.approx(run.prefill_flops(cfg, 3, 2) / 2.0 / 1e9)
+    assert row["prefill_gflops"] == pytest.approx(work.prefill_flops(cfg, 3, 2) / 2.0 / 1e9)
 
 
 def test_agreement_helpers():
-    assert run.first_divergence([1, 2, 3], [1, 2, 3]) is None
-    assert run.first_divergence([1, 2, 3], [1, 5, 3]) == 1
-    full = run.fullkv_agreement(
+    assert agreement.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert agreement.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    full = agreement.fullkv_agreement(
         [
             {"label": "p0", "ours": [1, 2], "theirs": [1, 2], "margins": [1.0, 1.0]},
             {"label": "p1", "ours": [1, 2], "theirs": [1, 3], "margins": [1.0, 0.01]},
@@ -227,7 +239,7 @@ def test_agreement_helpers():
     assert full["diverged"] == [
         {"prompt": "p1", "step": 1, "ours": 2, "transformers": 3, "transformers_margin": 0.01}
     ]
-    kept = run.kept_agreement(
+    kept = agreement.kept_agreement(
         [
             {
                 "label": "p0",
@@ -271,12 +283,12 @@ def test_gpu_table_and_flags():
 
 
 def test_hf_folder_round_trip(tmp_path):
-    plan = run.make_plan("cpu", "tiny")
-    _, cfg = run.kv_config(plan, 256, 1)
+    plan = plans.make_plan("cpu", "tiny")
+    _, cfg = scenario_b.kv_config(plan, 256, 1)
     from models.llama_like import init_params
 
     params = init_params(cfg, jax.random.PRNGKey(1))
-    run.write_hf_folder(cfg, params, tmp_path)
+    scenario_b.write_hf_folder(cfg, params, tmp_path)
     model = dge_jax.load(tmp_path)
     assert model.config == cfg
     for ours, loaded in zip(jax.tree.leaves(params), jax.tree.leaves(model.params), strict=True):
