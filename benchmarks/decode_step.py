@@ -4,11 +4,11 @@
     python -m benchmarks.decode_step --quick    # random tiny model, ~30 s smoke run
 
 Why: XLA:CPU copies each layer's slice of a stacked [L, ...] array (weights and cache)
-before a dot reads it, so a `lax.scan` over layers moves the weights and the cache several
-times per step; `decoding.decode(layer_loop="unrolled")` splits them into per-layer buffers
-once per call instead. And with a handful of query rows per kv head, the keys-major score
-layout of `cached_attention` runs its batched matmul faster. Both are speed choices only
-(tests/test_generation.py, tests/test_attention.py check they compute the same).
+before a dot reads it, so a `lax.scan` over one group of all layers moves the weights and the
+cache several times per step; `decoding.decode(layer_loop="unrolled")` regroups them into
+one-layer groups once per call instead. And with a handful of query rows per kv head, the
+keys-major score layout of `cached_attention` runs its batched matmul faster. Both are speed
+choices only (tests/test_generation.py, tests/test_attention.py check they compute the same).
 
 Per shape (batch B, cache slots S): ms per decode step for each loop, measured as the time
 of an N-step decode minus a 2-step one, divided by N - 2 (compile and the per-call split
@@ -69,14 +69,14 @@ def full_cache(cfg, batch: int, slots: int) -> KVCache:
     written = slots - 32
     pos = jnp.where(jnp.arange(slots) < written, jnp.arange(slots), -1).astype(jnp.int32)
     k = jax.random.normal(jax.random.PRNGKey(1), cache.k.shape, cache.k.dtype)
-    return KVCache(k=k, v=k * 0.5, pos=jnp.broadcast_to(pos, cache.pos.shape),
-                   index=jnp.asarray(written, jnp.int32))  # fmt: skip
+    return KVCache.stacked(k=k, v=k * 0.5, pos=jnp.broadcast_to(pos, cache.pos.shape),
+                           index=written)  # fmt: skip
 
 
 def step_ms(fwd, cfg, params, cache: KVCache, loop: str, args) -> tuple[float, float]:
     """(ms per decode step, seconds of the first call, compile included) for one loop."""
     b = cache.batch_size
-    written = int(cache.index)
+    written = int(cache.index[0])
 
     def start(n):
         state = gen.start_state(cache, jnp.ones((b,), jnp.int32), jnp.full((b,), written), n,
@@ -106,7 +106,7 @@ def attention_ms(cfg, cache: KVCache, keys_major: bool, runs: int) -> float:
     """ms of one layer's decode attention (one query per row) in the given score layout."""
     b = cache.batch_size
     q = jax.random.normal(jax.random.PRNGKey(2), (b, 1, cfg.num_heads, cfg.head_dim))
-    qpos = jnp.full((b, 1), int(cache.index), jnp.int32)
+    qpos = jnp.full((b, 1), int(cache.index[0]), jnp.int32)
     f = jax.jit(lambda q, k, v, p: cached_attention(q, k, v, p, qpos, keys_major=keys_major)[0])
     layer = (cache.k[0], cache.v[0], cache.pos[0])
     return machine.median_ms(f, q, *layer, runs=max(runs, 5))
@@ -118,8 +118,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     print(f"# decode step: {'tiny random llama' if args.quick else args.model}, "
           f"{jax.default_backend()}, {args.steps}-step calls, median of {args.runs}\n")  # fmt: skip
-    print("| batch | slots | scan ms/step | unrolled ms/step | scan / unrolled | compile s "
-          "(scan, unrolled) | attention ms rows-major | keys-major | rows / keys |")
+    print(
+        "| batch | slots | scan ms/step | unrolled ms/step | scan / unrolled | compile s "
+        "(scan, unrolled) | attention ms rows-major | keys-major | rows / keys |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for b, s in QUICK_SHAPES if args.quick else SHAPES:
         cache = full_cache(cfg, b, s)

@@ -27,12 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax import decoding as gen
+from dge_jax.cache import compact
 from dge_jax.config import ModelConfig, RopeConfig
-from dge_jax.evict import apply_keep, compact
 from dge_jax.eviction import select_for
 from dge_jax.families import get_family
 from dge_jax.policies import SnapKV
 from dge_jax.sampling import Greedy
+from dge_jax.selection import apply_keep
 from dge_jax.timing import Timing
 
 GREEDY = Greedy()

@@ -1,9 +1,9 @@
 """The timing harness: compile events, peak memory, per-stage timers, jit cache sizes.
 
-How dge_jax is timed. Scenario (a) calls the public API (`dge_jax.api.generate`, one call
-per method) with its jitted steps (`decoding.prefill/draft/rewind/decode`, `api.keep_masks`,
-`api.apply_eviction`, ...) wrapped for the duration of the call by timers that block on each
-result (`StageTimer`), so one call gives both its wall time and where it went. Each call is
+How dge_jax is timed. Scenario (a) calls the public API (`dge_jax.generate`, one call per
+method) with a stage hook that times its jitted steps (`decoding.prefill/draft/rewind/decode`,
+`eviction.keep_masks`, `eviction.apply_eviction`, ...) and blocks on each result
+(`StageTimer`), so one call gives both its wall time and where it went. Each call is
 the first at its shapes, so it compiles: JAX reports every trace, lowering and XLA compile
 (`jax.monitoring`), and every time is net of the compilation reported inside it, which is
 itself reported (compile seconds and XLA compilations per call). The headline ratios use warm
@@ -12,7 +12,8 @@ compiles every step ahead of time, as `benchmarks.eviction_decode` does, and reu
 pieces. Best-of-N is used for the machine limits and (b)'s short steps, single runs for the
 long ones.
 
-`WRAPPED_STAGES` is the one place that names the library attributes the timers patch.
+The timers see the library's jitted steps through `dge_jax.generation`'s stage hook
+(`hook(stage, fn, *args, **kwargs)`): nothing in the library is patched.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import jax
 import numpy as np
 
 from benchmarks.peers import RssSampler
-from dge_jax import api
 from dge_jax import decoding as gen
 from dge_jax.eviction import select_for
 
@@ -41,22 +41,6 @@ _START = time.perf_counter()
 def log(message: str) -> None:
     """Progress on stdout, with the minutes since the module was imported."""
     print(f"{(time.perf_counter() - _START) / 60:5.1f} min  {message}", flush=True)
-
-
-# The library's jitted steps that `StageTimer.measure` wraps, as (module, attribute): the only
-# place the benchmark patches dge_jax (module attributes, restored after each call; an explicit
-# stage hook from the library could replace it). The API looks `decoding`'s steps up as
-# `gen.<name>` at call time, and its own `keep_masks` and `apply_eviction` as module globals.
-# Each is wrapped when the module has it (`rewind` came with per-row draft steps).
-WRAPPED_STAGES = (
-    (gen, "prefill"),
-    (gen, "draft"),
-    (gen, "rewind"),
-    (gen, "decode"),
-    (gen, "stack_states"),
-    (api, "keep_masks"),
-    (api, "apply_eviction"),
-)
 
 
 class CompileLog:
@@ -122,79 +106,64 @@ class Call:
 
 
 class StageTimer:
-    """Wraps the jitted steps `dge_jax.api` calls, blocking on each result, to time them.
-
-    Patched only inside `measure` (module attributes, restored afterwards): `decoding.prefill`,
-    `draft` and `decode` (looked up as `gen.<name>` by the API at call time) and the API's own
-    `keep_masks` and `apply_eviction`; the list is `WRAPPED_STAGES`.
-    """
+    """Times the jitted steps of one `generate` / `generate_grid` call, blocking on each
+    result: `measure(call)` passes `hook` to the call (`dge_jax.generation.STAGES`)."""
 
     def __init__(self, compiles: CompileLog, memory: Memory):
         self.compiles, self.memory = compiles, memory
         self.records: list[dict] = []
         self._call_mark = 0
 
-    def _wrap(self, name: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            info: dict = {}
-            if name == "decode":  # decode(forward, cfg, params, state, ...): state is donated
-                state = args[3]
-                info = {
-                    "start_step": np.asarray(state.step),  # [B] (a scalar before per-row k)
-                    "cache_bytes": state.cache.nbytes(),
-                    "rows": int(state.tokens.shape[0]),
-                }
-            mark = self.compiles.mark()
-            self.memory.mark()
-            start = time.perf_counter()
-            out = jax.block_until_ready(fn(*args, **kwargs))
-            end = time.perf_counter()
-            compile_s, count = self.compiles.since(mark)
-            if name == "prefill":
-                info["cache_bytes"] = out.cache.nbytes()
-            elif name == "apply_eviction":
-                info["cache_bytes"] = out.nbytes()
-                # What one capacity for all layers (the largest) would hold: k, v and pos all
-                # scale with the slots.
-                caps = out.capacities
-                info["one_capacity_bytes"] = out.nbytes() * len(caps) * max(caps) // sum(caps)
-            elif name == "decode":
-                # The loop runs until the slowest row is done: its steps are the loop's.
-                info["steps"] = int(np.max(np.asarray(out.step) - info.pop("start_step")))
-            self.records.append(
-                {
-                    "stage": name,
-                    "wall_s": end - start,
-                    "compile_s": compile_s,
-                    "compilations": count,
-                    "peak_mem": self.memory.peak(),
-                    "t_end": end,
-                    # compile seconds of the whole call so far (for a time to first token
-                    # net of compilation)
-                    "compile_at_end": self.compiles.since(self._call_mark)[0],
-                    **info,
-                }
-            )
-            return out
+    def hook(self, name: str, fn: Callable, *args, **kwargs):
+        """Runs fn(*args, **kwargs) as stage `name` of the call, recording its time."""
+        info: dict = {}
+        if name == "decode":  # decode(forward, cfg, params, state, ...): state is donated
+            state = args[3]
+            info = {
+                "start_step": np.asarray(state.step),  # [B] (a scalar before per-row k)
+                "cache_bytes": state.cache.nbytes(),
+                "rows": int(state.tokens.shape[0]),
+            }
+        mark = self.compiles.mark()
+        self.memory.mark()
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kwargs))
+        end = time.perf_counter()
+        compile_s, count = self.compiles.since(mark)
+        if name == "prefill":
+            info["cache_bytes"] = out.cache.nbytes()
+        elif name == "apply_eviction":
+            info["cache_bytes"] = out.nbytes()
+            # What one capacity for all layers (the largest) would hold: k, v and pos all
+            # scale with the slots.
+            caps = out.capacities
+            info["one_capacity_bytes"] = out.nbytes() * len(caps) * max(caps) // sum(caps)
+        elif name == "decode":
+            # The loop runs until the slowest row is done: its steps are the loop's.
+            info["steps"] = int(np.max(np.asarray(out.step) - info.pop("start_step")))
+        self.records.append(
+            {
+                "stage": name,
+                "wall_s": end - start,
+                "compile_s": compile_s,
+                "compilations": count,
+                "peak_mem": self.memory.peak(),
+                "t_end": end,
+                # compile seconds of the whole call so far (for a time to first token
+                # net of compilation)
+                "compile_at_end": self.compiles.since(self._call_mark)[0],
+                **info,
+            }
+        )
+        return out
 
-        return timed
-
-    def measure(self, fn: Callable[[], object]) -> tuple[object, Call]:
-        """Runs fn() with the steps wrapped; returns its result and the `Call`."""
-        originals = [
-            (mod, name, getattr(mod, name)) for mod, name in WRAPPED_STAGES if hasattr(mod, name)
-        ]
+    def measure(self, call: Callable[[Callable], object]) -> tuple[object, Call]:
+        """Runs call(hook), the hook timing each stage; returns its result and the `Call`."""
         self.records = []
         mark = self._call_mark = self.compiles.mark()
         self.memory.mark()
         start = time.perf_counter()
-        try:
-            for mod, name, fn_orig in originals:
-                setattr(mod, name, self._wrap(name, fn_orig))
-            out = fn()
-        finally:
-            for mod, name, fn_orig in originals:
-                setattr(mod, name, fn_orig)
+        out = call(self.hook)
         wall = time.perf_counter() - start
         compile_s, count = self.compiles.since(mark)
         peak = max([self.memory.peak()] + [r["peak_mem"] for r in self.records])

@@ -90,7 +90,7 @@ def record() -> dict:
 def _predictions(path: str) -> dict:
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return {(r["dataset"], r["cell"], r["_id"]): r["pred"] for r in rows}
+    return {(r["dataset"], r["cell"], r["sample_id"]): (r["pred"], r.get("k")) for r in rows}
 
 
 def compare(before: dict, after: dict) -> list[str]:

@@ -16,7 +16,7 @@ from benchmarks import eviction_decode as ed
 from benchmarks.harness import Call, StageTimer, jit_cache_sizes
 from benchmarks.plans import A_METHODS, GRID_POLICIES, GRID_TIMINGS, Plan, a_cells
 from benchmarks.work import linear_params, prefill_flops, tree_bytes
-from dge_jax import api
+from dge_jax import generation, prompts
 from dge_jax.config import ModelConfig
 from dge_jax.eviction import Eviction
 
@@ -103,8 +103,10 @@ def run_embedded_config(model, prompts, tokens: int, batch: int, plan: Plan, tim
     rows, results = [], {}
     for method, ev in zip(A_METHODS, a_cells(plan.budget), strict=True):
 
-        def call(ev=ev):
-            return api.generate(model, ids, eviction=ev, max_new_tokens=n, min_new_tokens=n)
+        def call(hook, ev=ev):
+            return generation.generate(
+                model, ids, eviction=ev, max_new_tokens=n, min_new_tokens=n, hook=hook
+            )
 
         _, cold = timer.measure(call)
         result, warm = timer.measure(call)
@@ -135,8 +137,10 @@ def run_grid(model, prompt: list[int], plan: Plan, timer: StageTimer) -> dict:
         for budget in plan.grid_budgets
     ]
 
-    def call():
-        return api.generate_grid(model, [prompt], cells, max_new_tokens=n, min_new_tokens=n)
+    def call(hook):
+        return generation.generate_grid(
+            model, [prompt], cells, max_new_tokens=n, min_new_tokens=n, hook=hook
+        )
 
     _, cold = timer.measure(call)
     _, warm = timer.measure(call)
@@ -184,7 +188,9 @@ def _linear_only(layers, x):
     return jax.lax.scan(per_chunk, jnp.zeros(()), x)[0]
 
 
-def prefill_profile(model, tokens: int, new_tokens: int, chunk: int = api.DEFAULT_CHUNK) -> dict:
+def prefill_profile(
+    model, tokens: int, new_tokens: int, chunk: int = prompts.DEFAULT_CHUNK
+) -> dict:
     """Where one prefill's time goes (batch 1, `tokens` tokens, as `generate` runs it).
 
     Times, each compiled ahead and on random data of the prefill's own shapes: the linear
@@ -196,9 +202,9 @@ def prefill_profile(model, tokens: int, new_tokens: int, chunk: int = api.DEFAUL
     from dge_jax.attention import written_slot_attention
 
     cfg, params = model.config, model.params
-    t = api.bucket_length(tokens, chunk)
+    t = prompts.bucket_length(tokens, chunk)
     c = min(chunk, t)
-    capacity = t + api.bucket_length(new_tokens, chunk)
+    capacity = t + prompts.bucket_length(new_tokens, chunk)
     n = t // c
     hq, hkv, hd, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     keys = jax.random.split(jax.random.PRNGKey(0), 4)

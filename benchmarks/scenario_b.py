@@ -24,11 +24,12 @@ from benchmarks.harness import CompileCost, CompileLog, Memory
 from benchmarks.plans import DGE2, Plan
 from benchmarks.work import prefill_flops, tree_bytes
 from dge_jax import decoding as gen
+from dge_jax.cache import compact
 from dge_jax.config import ModelConfig
-from dge_jax.evict import apply_keep, compact
 from dge_jax.eviction import capacity_for, select_for
 from dge_jax.families import get_family
 from dge_jax.policies import SnapKV
+from dge_jax.selection import apply_keep
 
 
 def kv_config(plan: Plan, tokens: int, batch: int, max_tokens: int | None = None):

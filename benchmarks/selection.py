@@ -7,10 +7,10 @@ Why: a grid evicts the same prompt dozens of times (one scoring per (scorer, tim
 selection per budget, one compaction per cell), so these parts add up. Each is timed beside
 what it replaced, on the same inputs, and the replacements are checked to give the same result:
 
-- select: `evict.select` (a bisection for each head's threshold score) against ranking every
+- select: `selection.select` (a bisection for each head's threshold score) against ranking every
   slot with two stable argsorts (the rule it implements: highest score first, ties to the
   later slot);
-- compact: `evict.compact` on a cache whose slots are in position order (every cache decoding
+- compact: `cache.compact` on a cache whose slots are in position order (every cache decoding
   builds: a stable partition) against the same entries with their slots shuffled (it falls
   back to sorting by position);
 - SnapKV scoring (kvpress preset) of the window's queries plus two drafts, for scale.
@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import machine
-from dge_jax import evict
-from dge_jax.cache import KVCache, Observation
+from dge_jax import cache as kv
+from dge_jax import selection
+from dge_jax.cache import KVCache
+from dge_jax.observation import Observation
 from dge_jax.policies import SnapKV
 
 # (layers, kv heads, query heads, head dim, prompt tokens, slots, budget): SmolLM2-135M at a
@@ -62,8 +64,8 @@ def inputs(shape: tuple[int, ...]) -> tuple[KVCache, Observation]:
     k = jax.random.normal(keys[0], (nl, 1, hkv, slots, hd))
     written = prompt + 2
     pos = jnp.where(jnp.arange(slots) < written, jnp.arange(slots), -1).astype(jnp.int32)
-    cache = KVCache(k=k, v=k * 0.5, pos=jnp.broadcast_to(pos, (nl, 1, hkv, slots)),
-                    index=jnp.asarray(written, jnp.int32))  # fmt: skip
+    cache = KVCache.stacked(k=k, v=k * 0.5, pos=jnp.broadcast_to(pos, (nl, 1, hkv, slots)),
+                            index=written)  # fmt: skip
     q_pos = jnp.arange(prompt - window, written, dtype=jnp.int32)[None]
     obs = Observation(
         q=jax.random.normal(keys[1], (nl, 1, hq, q_pos.shape[1], hd)),
@@ -83,17 +85,17 @@ def main(argv: list[str] | None = None) -> dict:
     policy = SnapKV.kvpress()
     score = jax.jit(policy.score)
     scores = score(cache, obs)
-    select = jax.jit(evict.select)
+    select = jax.jit(selection.select)
     by_sort = jax.jit(sort_ranked_keep, static_argnums=1)
     keep = select(scores, budget)
     if not np.array_equal(np.asarray(keep), np.asarray(by_sort(scores, budget))):
         raise AssertionError("select and the sort-based ranking keep different slots")
-    masked = evict.apply_keep(cache, keep)
+    masked = selection.apply_keep(cache, keep)
     capacity = budget + 64
     shuffle = np.random.default_rng(0).permutation(slots)
-    shuffled = KVCache(masked.k[..., shuffle, :], masked.v[..., shuffle, :],
-                       masked.pos[..., shuffle], masked.index)  # fmt: skip
-    compact = jax.jit(evict.compact, static_argnums=1)
+    shuffled = KVCache.stacked(masked.k[..., shuffle, :], masked.v[..., shuffle, :],
+                               masked.pos[..., shuffle], masked.index)  # fmt: skip
+    compact = jax.jit(kv.compact, static_argnums=1)
     in_order, out_of_order = compact(masked, capacity), compact(shuffled, capacity)
     for a, b in zip(jax.tree.leaves(in_order), jax.tree.leaves(out_of_order), strict=True):
         if not np.array_equal(np.asarray(a), np.asarray(b)):

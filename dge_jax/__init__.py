@@ -2,7 +2,7 @@
 
 from importlib import metadata
 
-from dge_jax.api import GenerationResult, generate, generate_grid
+from dge_jax.generation import GenerationResult, generate, generate_grid
 from dge_jax.model import DEFAULT_MODEL, Model, load
 
 try:

@@ -12,8 +12,9 @@ _MASKED = -1e30
 
 # At most this many query rows per kv head (G query heads x T tokens: decode and draft steps)
 # compute the scores keys-major, K [S, D] @ Q^T [D, rows] -> [S, rows], instead of Q @ K^T:
-# with a handful of rows, the whole attention measured 1.2-2.3x faster on XLA:CPU
-# (`python -m benchmarks.decode_step`). Same numbers either way.
+# with a handful of rows, the whole attention runs faster on XLA:CPU (figures in
+# benchmarks/RESULTS.md, "Decode step"; `python -m benchmarks.decode_step`). Same numbers
+# either way.
 KEYS_MAJOR_MAX_ROWS = 16
 
 
@@ -51,14 +52,15 @@ def cached_attention(
     if keys_major is None:
         keys_major = g * t <= KEYS_MAJOR_MAX_ROWS
     # Group the G query heads of each kv head into one [G*T] row block, so both products are
-    # plain 4-D batched matmuls over (B, Hkv): XLA:CPU runs those ~4x faster than the 5-D
-    # grouped einsum. Row r is query head r // T, query r % T, hence the tiled positions.
+    # plain 4-D batched matmuls over (B, Hkv): XLA:CPU runs those several times faster than
+    # the 5-D grouped einsum (benchmarks/RESULTS.md, "Measured design choices"). Row r is
+    # query head r // T, query r % T, hence the tiled positions.
     qg = _group_queries(q, hkv)
     scale = d**-0.5
     if keys_major:
         # Computed as [B, Hkv, S, G*T] and scaled there, then the small score array is
-        # transposed to the common layout (scaled after the transpose instead, it measured
-        # as slow as the rows-major form on XLA:CPU).
+        # transposed to the common layout (scaled after the transpose instead, it ran as
+        # slowly as the rows-major form on XLA:CPU: RESULTS.md, "Measured design choices").
         scores = jnp.einsum("bksd,bkrd->bksr", k, qg, preferred_element_type=jnp.float32)
         scores = (scores * scale).transpose(0, 1, 3, 2)
     else:
@@ -181,3 +183,58 @@ def written_slot_attention(
 
     total = jax.lax.fori_loop(0, num_blocks, probs_sum, jnp.zeros((b, hq, s_len), jnp.float32))
     return out, total
+
+
+def cache_layer_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    new_pos: jax.Array,
+    positions: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    pos_all: jax.Array,
+    i: jax.Array | int,
+    slot: jax.Array | int,
+    *,
+    key_block: int = 0,
+    record_attn: bool = False,
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
+    """Layer i's attention over its layer group's cache, with this step's T entries written.
+
+    q [B, T, Hq, D] and k_new, v_new [B, Hkv, T, D] (post-RoPE), new_pos [B, Hkv, T],
+    positions [B, T]; k_all, v_all [Lg, B, Hkv, S, D] and pos_all [Lg, B, Hkv, S]: the
+    group's buffers, layer i written at slots [slot, slot + T). Returns (attention output
+    [B, T, Hq, D], per-slot attention sums [B, Hq, S] or None, k_all, v_all, pos_all).
+
+    key_block > 0 (a prefill chunk): the entries are written first and the chunk attends over
+    the written slots [0, slot + T) in blocks of that many keys (`written_slot_attention`).
+    Otherwise (decode and draft steps) attention reads the cache with this step's entries
+    passed beside it, then they are written, and the written values take a zero computed
+    from the attention output so the write must run after attention's reads: XLA:CPU then
+    updates each buffer in place instead of copying every cache buffer of the loop several
+    times per step (tests/test_generation.py checks the compiled loop for such copies). The
+    zero is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a. Every model family
+    calls this one function, so none has to repeat the trick.
+    """
+    t = q.shape[1]
+
+    def write(buf, new):
+        """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of layer i."""
+        start = (i, 0, 0, slot) + (0,) * (new.ndim - 3)
+        return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), start)
+
+    if key_block:
+        k_all, v_all, pos_all = write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
+        attn, probs_sum = written_slot_attention(
+            q, k_all[i], v_all[i], pos_all[i], positions, slot + t, block=key_block,
+            return_probs_sum=record_attn,
+        )  # fmt: skip
+        return attn, probs_sum, k_all, v_all, pos_all
+    attn, probs_sum = cached_attention(
+        q, k_all[i], v_all[i], pos_all[i], positions, return_probs_sum=record_attn,
+        new=(k_new, v_new, new_pos), new_slot=slot,
+    )  # fmt: skip
+    after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
+    k_all, v_all = write(k_all, k_new + after), write(v_all, v_new + after)
+    return attn, probs_sum, k_all, v_all, write(pos_all, new_pos)

@@ -1,15 +1,20 @@
 """Static-shape padded KV cache and the observations that scoring rules read.
 
-One layout for every stage (DESIGN §3):
+One type, one form: a `KVCache` is a tuple of *layer groups*, runs of consecutive layers
+stacked on a leading axis:
 
-    k, v : [L, B, Hkv, S, D]   keys stored after RoPE
-    pos  : [L, B, Hkv, S]      original token position of each slot, -1 = empty
-    index: []                  next slot to write (shared by all rows, layers and heads)
+    group.k, group.v : [Lg, B, Hkv, S, D]   keys stored after RoPE
+    group.pos        : [Lg, B, Hkv, S]      original token position of each slot, -1 = empty
+    group.index      : [Lg]                 each layer's next slot to write
 
-Compaction to per-layer capacities (`dge_jax.evict.compact` given one capacity per layer,
-for budgets that differ by layer such as PyramidKV's) gives the per-layer form with layer i
-holding S_i slots, and ``index`` [L]: layer i's next slot. Only the unrolled layer loop
-reads that form; every forward writes layer i at ``index[i]`` when ``index`` has a layer axis.
+Every forward runs ``for group in cache.groups: lax.scan(layer, group)``, so the grouping is
+a layout choice, never a different code path:
+
+- a fresh cache is one group of all L layers (scanned: compile time flat in depth);
+- `decoding.decode` on CPU regroups it into groups of one layer (XLA:CPU copies the slice of
+  a stacked array a layer reads, every step; a one-layer group is read in place);
+- compaction to per-layer capacities (PyramidKV's budgets, AdaKV's) gives one group per run
+  of layers with the same capacity, each holding only the slots its layers need.
 
 A query at position p may attend to slot s of its head iff ``0 <= pos[s] <= p``. That one
 rule covers left padding (padded slots hold -1), eviction (evicted slots get -1) and
@@ -26,33 +31,63 @@ decode step writes slot 5 (``index`` was 5):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+INT32_MAX = np.iinfo(np.int32).max
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Consecutive layers of one capacity, stacked on a leading [Lg] axis (module docstring)."""
+
+    k: jax.Array  # [Lg, B, Hkv, S, D]
+    v: jax.Array  # [Lg, B, Hkv, S, D]
+    pos: jax.Array  # [Lg, B, Hkv, S] int32, -1 = empty
+    index: jax.Array  # [Lg] int32, next slot to write per layer
+
+    @property
+    def num_layers(self) -> int:
+        """Lg, static."""
+        return self.pos.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """S, static."""
+        return self.pos.shape[-1]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Padded per-head KV cache; see the module docstring for the layout."""
+    """Padded per-head KV cache: a tuple of layer groups (module docstring).
 
-    k: jax.Array  # [L, B, Hkv, S, D] (per-layer form: a tuple of L [B, Hkv, S, D])
-    v: jax.Array  # [L, B, Hkv, S, D]
-    pos: jax.Array  # [L, B, Hkv, S] int32, -1 = empty
-    index: jax.Array  # [] int32, next slot to write; [L] with per-layer capacities
+    ``k``, ``v``, ``pos`` and ``index`` read every layer at once, stacked on a leading [L]
+    axis (what scoring rules and selection read); they need one capacity for all layers.
+    """
+
+    groups: tuple[LayerGroup, ...]
+
+    @classmethod
+    def stacked(cls, k: jax.Array, v: jax.Array, pos: jax.Array, index: jax.Array | int) -> KVCache:
+        """A one-group cache from all layers' arrays: k, v [L, B, Hkv, S, D], pos
+        [L, B, Hkv, S]; index: one next slot for every layer ([] or int), or one per layer."""
+        index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), pos.shape[:1])
+        return cls((LayerGroup(k=k, v=v, pos=pos, index=index),))
 
     @property
-    def layer_shape(self) -> tuple[int, ...]:
-        """(B, Hkv, S, D) of one layer, static, in the stacked or per-layer form (the first
-        layer's S when capacities differ by layer)."""
-        return self.k[0].shape if isinstance(self.k, tuple) else self.k.shape[1:]
+    def group_sizes(self) -> tuple[int, ...]:
+        """Layers per group, static."""
+        return tuple(g.num_layers for g in self.groups)
 
     @property
     def capacities(self) -> tuple[int, ...]:
         """Slots per head of each layer (S_i), static."""
-        if isinstance(self.k, tuple):
-            return tuple(k.shape[2] for k in self.k)
-        return (self.k.shape[3],) * self.k.shape[0]
+        return tuple(c for g in self.groups for c in (g.capacity,) * g.num_layers)
 
     @property
     def capacity(self) -> int:
@@ -62,43 +97,87 @@ class KVCache:
     @property
     def dtype(self) -> jnp.dtype:
         """dtype of the stored keys and values."""
-        return (self.k[0] if isinstance(self.k, tuple) else self.k).dtype
+        return self.groups[0].k.dtype
 
     @property
     def ragged(self) -> bool:
-        """True when layers hold different numbers of slots (per-layer form only)."""
+        """True when layers hold different numbers of slots."""
         return len(set(self.capacities)) > 1
 
     @property
     def num_layers(self) -> int:
         """L, static."""
-        return len(self.k) if isinstance(self.k, tuple) else self.k.shape[0]
+        return sum(self.group_sizes)
 
     @property
     def batch_size(self) -> int:
         """B, static."""
-        return self.layer_shape[0]
+        return self.groups[0].pos.shape[1]
 
-    def valid(self) -> jax.Array:
-        """[L, B, Hkv, S] bool: slots holding a token (either form; not for ragged caches)."""
+    def _all_layers(self, name: str) -> jax.Array:
         if self.ragged:
             raise ValueError(
-                f"valid() needs one capacity for all layers, got {self.capacities}; read the "
-                "per-layer pos arrays (cache.pos[i] >= 0) of a cache with per-layer capacities"
+                f"cache.{name} stacks every layer and needs one capacity for all of them, got "
+                f"{self.capacities}; read each group's arrays (cache.groups[i].{name}) of a "
+                "cache compacted to per-layer capacities"
             )
-        pos = jnp.stack(self.pos) if isinstance(self.pos, tuple) else self.pos
-        return pos >= 0
+        return jnp.concatenate([getattr(g, name) for g in self.groups])
+
+    @property
+    def k(self) -> jax.Array:
+        """[L, B, Hkv, S, D] every layer's keys (one capacity for all layers)."""
+        return self._all_layers("k")
+
+    @property
+    def v(self) -> jax.Array:
+        """[L, B, Hkv, S, D] every layer's values (one capacity for all layers)."""
+        return self._all_layers("v")
+
+    @property
+    def pos(self) -> jax.Array:
+        """[L, B, Hkv, S] int32 every layer's slot positions (one capacity for all layers)."""
+        return self._all_layers("pos")
+
+    @property
+    def index(self) -> jax.Array:
+        """[L] int32: each layer's next slot to write."""
+        return jnp.concatenate([g.index for g in self.groups])
+
+    def valid(self) -> jax.Array:
+        """[L, B, Hkv, S] bool: slots holding a token (one capacity for all layers)."""
+        return self.pos >= 0
 
     def num_kept(self) -> jax.Array:
-        """[L, B, Hkv] int32: occupied slots per head (either form, ragged too)."""
-        if isinstance(self.pos, tuple):
-            return jnp.stack([jnp.sum(p >= 0, axis=-1, dtype=jnp.int32) for p in self.pos])
-        return jnp.sum(self.pos >= 0, axis=-1, dtype=jnp.int32)
+        """[L, B, Hkv] int32: occupied slots per head (per-layer capacities too)."""
+        return jnp.concatenate([jnp.sum(g.pos >= 0, axis=-1, dtype=jnp.int32) for g in self.groups])
+
+    def per_group(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """An array with a leading [L] layer axis (a keep mask, per-layer budgets) cut into
+        one piece per group ([Lg, ...] each), in order."""
+        bounds = group_bounds(self.group_sizes)
+        return tuple(x[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+    def with_pos(self, pos: jax.Array) -> KVCache:
+        """The same cache with slot positions ``pos`` [L, B, Hkv, S] (masking: shapes unchanged,
+        one capacity for all layers)."""
+        groups = (
+            dataclasses.replace(g, pos=p)
+            for g, p in zip(self.groups, self.per_group(pos), strict=True)
+        )
+        return KVCache(tuple(groups))
 
     def nbytes(self) -> int:
-        """Bytes held by the cache arrays (k, v and pos), in either form."""
-        arrays = jax.tree.leaves((self.k, self.v, self.pos))
+        """Bytes held by the cache arrays (k, v and pos)."""
+        arrays = [x for g in self.groups for x in (g.k, g.v, g.pos)]
         return sum(int(x.size) * x.dtype.itemsize for x in arrays)
+
+
+def group_bounds(sizes: Sequence[int]) -> list[int]:
+    """[0, s0, s0 + s1, ...]: the first layer of each group, then L."""
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
 
 
 def init_cache(
@@ -109,68 +188,228 @@ def init_cache(
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
 ) -> KVCache:
-    """An empty cache of static ``capacity`` slots per head.
+    """An empty one-group cache of static ``capacity`` slots per head.
 
     k, v: [L, B, Hkv, capacity, D] zeros of `dtype`; pos: [L, B, Hkv, capacity] int32 all -1;
-    index: int32 scalar 0.
+    index: [L] int32 zeros.
     """
     shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-    return KVCache(
+    return KVCache.stacked(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
         pos=jnp.full(shape[:-1], -1, jnp.int32),
-        index=jnp.zeros((), jnp.int32),
+        index=jnp.zeros((num_layers,), jnp.int32),
     )
 
 
-def split_layers(cache: KVCache) -> KVCache:
-    """The cache with k, v and pos as tuples of per-layer arrays (k[i]: [B, Hkv, S, D]).
+def runs_of_equal(values: Sequence[int]) -> tuple[int, ...]:
+    """Lengths of the maximal runs of equal consecutive values: (8, 8, 4, 4, 4, 8) ->
+    (2, 3, 1). The grouping of a cache whose layers have these capacities."""
+    sizes: list[int] = []
+    for i, value in enumerate(values):
+        if i and value == values[i - 1]:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return tuple(sizes)
 
-    A forward given this form runs its layers as a Python loop over separate buffers. The
-    stacked layout makes XLA:CPU copy each layer's slice out of the [L, ...] array before
-    attention reads it, every step; separate buffers are read in place (`decoding.decode`).
-    Only forward passes take this form; `stack_layers` turns it back.
+
+def regroup(cache: KVCache, sizes: Sequence[int]) -> KVCache:
+    """The same layers in groups of the given sizes (summing to L); each new group must hold
+    layers of one capacity. A copy, unless ``sizes`` is already the cache's grouping."""
+    sizes = tuple(int(n) for n in sizes)
+    if sum(sizes) != cache.num_layers or min(sizes, default=0) < 1:
+        raise ValueError(f"group sizes {sizes} do not split the cache's {cache.num_layers} layers")
+    if sizes == cache.group_sizes:
+        return cache
+    caps = cache.capacities
+    bounds = group_bounds(sizes)
+    # (group, layer within it) of every layer, to take each new group's layers from where
+    # they are: a slice of one old group, or pieces of several concatenated.
+    where = [(g, i) for g, n in enumerate(cache.group_sizes) for i in range(n)]
+    groups = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        if len(set(caps[a:b])) != 1:
+            raise ValueError(
+                f"layers {a}..{b - 1} hold different numbers of slots {caps[a:b]}: a group "
+                "needs one capacity"
+            )
+        pieces = []  # (old group, first layer, last layer + 1)
+        for g, i in where[a:b]:
+            if pieces and pieces[-1][0] == g:
+                pieces[-1][2] = i + 1
+            else:
+                pieces.append([g, i, i + 1])
+
+        def take(name, pieces=pieces):
+            parts = [getattr(cache.groups[g], name)[i:j] for g, i, j in pieces]
+            return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+        groups.append(LayerGroup(k=take("k"), v=take("v"), pos=take("pos"), index=take("index")))
+    return KVCache(tuple(groups))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compaction: the kept slots gathered into a smaller cache, so memory and decode cost fall
+# ---------------------------------------------------------------------------------------------
+
+
+def _first_reaching(running: jax.Array, targets: jax.Array) -> jax.Array:
+    """[..., T] int32: for each target, the first index whose non-decreasing `running` [..., S]
+    value reaches it (S if none): a binary search along the last axis that keeps every
+    leading axis in place, so a cache sharded over rows and heads stays so."""
+    slots = running.shape[-1]
+    shape = running.shape[:-1] + targets.shape
+    lo = jnp.zeros(shape, jnp.int32)  # the answer lies in [lo, hi]
+    hi = jnp.full(shape, slots, jnp.int32)
+    for _ in range(max(slots, 1).bit_length()):
+        mid = (lo + hi) // 2
+        short = jnp.take_along_axis(running, jnp.minimum(mid, slots - 1), axis=-1) < targets
+        short &= lo < hi  # settled searches stay put
+        lo, hi = jnp.where(short, mid + 1, lo), jnp.where(short, hi, mid)
+    return lo
+
+
+def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
+    """A cache of ``capacity`` slots holding each head's valid slots first, in position order.
+
+    k, v: [L, B, Hkv, S, D] -> [L, B, Hkv, capacity, D]; pos: [L, B, Hkv, S] -> [..., capacity]
+    int32; index: max kept count (int32 scalar), where decoding appends next.
+
+    ``capacity`` may instead give each layer its own (a sequence of L ints: budgets that differ
+    by layer, as PyramidKV's, then cost only what each layer keeps). Each run of layers of
+    one capacity is then one layer group (`dge_jax.cache`), and each layer's ``index`` is its
+    own max kept count.
+
+    Precondition (check on the host with ``check_capacity``): no head holds more than its
+    layer's capacity entries; under jit the extra ones would be dropped silently (the newest
+    first).
     """
-    if isinstance(cache.k, tuple):
-        return cache
-    return KVCache(k=tuple(cache.k), v=tuple(cache.v), pos=tuple(cache.pos), index=cache.index)
-
-
-def stack_layers(cache: KVCache) -> KVCache:
-    """Inverse of `split_layers` (raises for a cache with per-layer capacities)."""
-    if not isinstance(cache.k, tuple):
-        return cache
-    if cache.ragged:
+    if isinstance(capacity, int | np.integer):
+        capacities, shared = (int(capacity),) * cache.num_layers, True
+    else:
+        capacities, shared = tuple(int(c) for c in capacity), False
+    if len(capacities) != cache.num_layers:
         raise ValueError(
-            f"cannot stack a cache whose layers hold different numbers of slots "
-            f"{cache.capacities}; it stays in per-layer form (decode it with the unrolled "
-            "layer loop)"
+            f"compact: {len(capacities)} capacities for a cache of {cache.num_layers} layers; "
+            "give one int, or one per layer"
         )
-    return KVCache(k=jnp.stack(cache.k), v=jnp.stack(cache.v), pos=jnp.stack(cache.pos),
-                   index=cache.index)  # fmt: skip
+    # Each input group is compacted at its layers' largest capacity in one batched op, then
+    # cut into the output groups: slots past a layer's capacity hold nothing it kept (the
+    # precondition), and one op compiles in a fraction of the time of one op per layer.
+    parts = []  # per input group: (first layer, k, v, pos, count [Lg])
+    for first, group in zip(group_bounds(cache.group_sizes)[:-1], cache.groups, strict=True):
+        room = max(capacities[first : first + group.num_layers])
+        k, v, pos, count = _compact_heads(group.k, group.v, group.pos, room)
+        parts.append((first, k, v, pos, jnp.max(count, axis=(1, 2))))
+    counts = jnp.concatenate([p[4] for p in parts])  # [L] each layer's max kept count
+    # One shared capacity: every layer's next slot is the max kept count of the whole cache
+    # (as before per-layer capacities existed); per-layer capacities: each layer's own.
+    index = jnp.broadcast_to(jnp.max(counts), counts.shape) if shared else counts
+    index = jnp.minimum(index, jnp.asarray(capacities)).astype(jnp.int32)
+    sizes = runs_of_equal(capacities)
+    bounds = group_bounds(sizes)
+    groups = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        cap = capacities[a]
+
+        def take(j, a=a, b=b, cap=cap):
+            """Layers [a, b) of field j (1 k, 2 v, 3 pos) cut to `cap` slots."""
+            pieces = []
+            for first, *arrays in parts:
+                n = arrays[0].shape[0]
+                lo, hi = max(a, first), min(b, first + n)
+                if lo < hi:
+                    x = arrays[j - 1][lo - first : hi - first]
+                    pieces.append(x[..., :cap, :] if j < 3 else x[..., :cap])
+            return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+
+        groups.append(LayerGroup(k=take(1), v=take(2), pos=take(3), index=index[a:b]))
+    return KVCache(tuple(groups))
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Observation:
-    """What scoring rules may read besides the cache, recorded only when asked for.
+def _compact_heads(
+    k: jax.Array, v: jax.Array, pos: jax.Array, capacity: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`compact` of arrays with any leading axes: k, v [..., S, D], pos [..., S] ->
+    [..., capacity(, D)], and count [...] int32, the entries each head now holds."""
+    length = pos.shape[-1]
+    if capacity > length:  # growing: append empty slots so the gather below can fill them
+        extra = capacity - length
+        lead = ((0, 0),) * (pos.ndim - 1)
+        k = jnp.pad(k, lead + ((0, extra), (0, 0)))
+        v = jnp.pad(v, lead + ((0, extra), (0, 0)))
+        pos = jnp.pad(pos, lead + ((0, extra),), constant_values=-1)
+    valid = pos >= 0
+    count = jnp.sum(valid, axis=-1, keepdims=True, dtype=jnp.int32)
+    # Target slot j takes the head's (j+1)-th valid slot: the first slot s whose running
+    # count of valid slots reaches j + 1. Example, valid [0, 1, 1, 0, 1] -> running count
+    # [0, 1, 2, 2, 3] -> targets 0, 1, 2 take slots 1, 2, 4; targets from `count` on are
+    # empty. This stable partition keeps slot order, which is position order in every cache
+    # decoding builds (prompt left to right, then each new token); a cache whose valid slots
+    # are out of position order is sorted by position instead (an argsort, several times
+    # slower: benchmarks/RESULTS.md, "Eviction step"; `python -m benchmarks.selection`).
+    running = jnp.cumsum(valid, axis=-1, dtype=jnp.int32)
+    order = _first_reaching(running, jnp.arange(1, capacity + 1, dtype=jnp.int32))
+    order = jnp.minimum(order, pos.shape[-1] - 1)
+    taken = jnp.take_along_axis(pos, order, axis=-1)
+    empty = jnp.arange(capacity) >= count  # [..., capacity]
+    taken = jnp.where(empty, -1, taken)
+    in_order = jnp.all((taken[..., 1:] > taken[..., :-1]) | (taken[..., 1:] < 0))
+    order = jax.lax.cond(
+        in_order,
+        lambda: order,
+        lambda: jnp.argsort(jnp.where(valid, pos, INT32_MAX), axis=-1, stable=True)[
+            ..., :capacity
+        ],
+    )
+    new_pos = jnp.where(empty, -1, jnp.take_along_axis(pos, order, axis=-1))
+    filled = (new_pos >= 0)[..., None]
+    new_k = jnp.where(filled, jnp.take_along_axis(k, order[..., None], axis=-2), 0)
+    new_v = jnp.where(filled, jnp.take_along_axis(v, order[..., None], axis=-2), 0)
+    # Why one shared next-write slot = max kept count is right. cache.index is a single
+    # next-write slot for every row and head of a layer (every layer, unless capacities are
+    # per layer): decode writes token t of all heads into slot `index`. After compaction head
+    # h holds n_h entries in slots [0, n_h). Writing the next token at max(n_h) overwrites
+    # nobody's entry; a head with fewer entries keeps empty slots (pos -1) in [n_h, max),
+    # which the mask `0 <= pos <= query_pos` ignores, and its entries stay sorted by position
+    # because new tokens have larger positions than anything kept. Example, 2 heads after
+    # compaction to capacity 6 (budgets 3 and 2), next token at position 9:
+    #     slot:      0   1   2   3   4   5
+    #     head 0:    0   4   8  -1  -1  -1     n_0 = 3
+    #     head 1:    2   8  -1  -1  -1  -1     n_1 = 2     index = 3
+    #     decode ->  head 0: 0 4 8 9 -1 -1     head 1: 2 8 -1 9 -1 -1
+    # The gap (slot 2 of head 1) costs max(n) - n_h slots, the price of a shared index.
+    return new_k, new_v, new_pos, jnp.minimum(count[..., 0], capacity)
 
-    q      : [L, B, Hq, W, D]  the last W queries per layer (post-RoPE), oldest first; prompt
-                               window first, then any draft queries appended after it.
-    q_pos  : [B, W] int32      each query's position, -1 where the slot holds no query (a prompt
-                               shorter than W, or a draft step masked out).
-    attn_sum: [L, B, Hq, S] f32 or None  sum over every observed query of its softmax
-                               attention to each slot (H2O's accumulated attention).
-    is_draft: [W] bool          True for the queries appended by draft steps.
-    prompt_end: [B] int32        position of each row's last prompt token, so that "recent"
-                                 windows are measured in prompt positions whatever was drafted.
-    q_weight: [B, W] f32 or None  each query's weight in the scores (None = all 1); DGE can
-                                 weigh draft queries against prompt-window queries.
+
+def check_capacity(
+    kept: KVCache | jax.Array | np.ndarray,
+    capacity: int | Sequence[int],
+    new_tokens: int = 0,
+) -> int:
+    """The slots needed (max kept entries per head + ``new_tokens``); raises if over ``capacity``.
+
+    Host-side check of ``compact``'s precondition. ``kept``: a cache, a keep mask
+    [L, B, Hkv, S] bool or per-head counts [L, B, Hkv] int; ``capacity``: one for every layer
+    or one per layer (then each layer is checked against its own).
     """
-
-    q: jax.Array | None
-    q_pos: jax.Array | None
-    attn_sum: jax.Array | None
-    is_draft: jax.Array | None
-    prompt_end: jax.Array | None = None
-    q_weight: jax.Array | None = None
+    if isinstance(kept, KVCache):
+        counts = np.asarray(kept.num_kept())
+    else:
+        arr = np.asarray(kept)
+        counts = arr.sum(axis=-1) if arr.dtype == np.bool_ else arr
+    per_layer = counts.reshape(counts.shape[0], -1).max(axis=1, initial=0) + int(new_tokens)
+    if np.ndim(capacity) and len(capacity) != len(per_layer):
+        raise ValueError(
+            f"{len(capacity)} capacities for {len(per_layer)} layers; give one, or one per layer"
+        )
+    limits = np.broadcast_to(np.asarray(capacity), per_layer.shape)
+    for layer, (needed, limit) in enumerate(zip(per_layer, limits, strict=True)):
+        if needed > limit:
+            where = "" if np.ndim(capacity) == 0 else f" in layer {layer}"
+            raise ValueError(
+                f"compaction needs {needed} slots per head{where} ({needed - new_tokens} kept "
+                f"+ {new_tokens} new tokens) but capacity is {int(limit)}"
+            )
+    return int(per_layer.max(initial=int(new_tokens)))

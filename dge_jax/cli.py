@@ -17,11 +17,11 @@ import json
 import sys
 from collections.abc import Sequence
 
-from dge_jax.evict import TIES
 from dge_jax.eviction import HEAD_BUDGETS, Eviction
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.policies import POLICIES, make_policy
 from dge_jax.sampling import Greedy, Sampling
+from dge_jax.selection import TIES
 from dge_jax.timing import KINDS, Timing
 
 # Eviction flags default to None so that a flag the user gave is told from one left out.
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_convert(args: argparse.Namespace) -> dict:
     """Converts `--model` into an orbax folder at `--out`; returns the JSON-able summary."""
-    from dge_jax import orbax_io
+    from dge_jax.checkpoints import orbax_io
     from dge_jax.sharding import parse_mesh
 
     mesh = parse_mesh(args.mesh) if args.mesh else None

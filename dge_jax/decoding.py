@@ -24,9 +24,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dge_jax.cache import KVCache, Observation, init_cache, split_layers, stack_layers
+from dge_jax.cache import KVCache, LayerGroup, init_cache, regroup, runs_of_equal
 from dge_jax.config import ModelConfig
-from dge_jax.families import ForwardFn, split_layer_params
+from dge_jax.families import ForwardFn, group_layers
+from dge_jax.observation import DraftRecord, Observation
 from dge_jax.sharding import constrain_cache, constrain_rows
 
 
@@ -137,7 +138,7 @@ class DecodeState:
     yet fed to the model). done: [B] bool, EOS emitted or limit reached. key: PRNG key.
     """
 
-    cache: KVCache  # inside `decode`'s unrolled loop: in per-layer form (`split_layers`)
+    cache: KVCache
     tokens: jax.Array
     step: jax.Array
     limit: jax.Array
@@ -208,6 +209,7 @@ def decode_body(
     eos_ids: tuple[int, ...],
     state: DecodeState,
     *,
+    layers=None,
     obs_window: int = 0,
     record_attn: bool = False,
     min_new_tokens: int = 0,
@@ -227,6 +229,7 @@ def decode_body(
         state.last[:, None],
         state.pos[:, None],
         state.cache,
+        layers=layers,
         obs_window=obs_window,
         record_attn=record_attn,
     )
@@ -249,21 +252,6 @@ def decode_body(
         key=key,
     )
     return state, out
-
-
-class DraftRecord(NamedTuple):
-    """What K draft steps observed, per step (so any prefix of them can be replayed).
-
-    q: [L, B, Hq, K, D] the queries of the fed tokens, or None; q_pos: [B, K] their positions
-    (-1 = step not observed); probs: [L, B, Hq, K, S] f32 per-step attention, or None;
-    entropy, top1: [B, K] statistics of the next-token distribution each step produced.
-    """
-
-    q: jax.Array | None
-    q_pos: jax.Array
-    probs: jax.Array | None
-    entropy: jax.Array
-    top1: jax.Array
 
 
 @functools.partial(
@@ -345,10 +333,10 @@ def rewind(
     """
     k = drafts.q_pos.shape[1]
     steps = jnp.clip(steps.astype(jnp.int32), 0, k)
-    cache = state.cache
+    pos = state.cache.pos
     # Draft step j wrote position length + j; keep those with j < steps.
-    gone = cache.pos >= (lengths + steps)[None, :, None, None]
-    cache = dataclasses.replace(cache, pos=jnp.where(gone, -1, cache.pos))
+    gone = pos >= (lengths + steps)[None, :, None, None]
+    cache = state.cache.with_pos(jnp.where(gone, -1, pos))
     n = state.tokens.shape[1]
     kept = jnp.arange(n)[None, :] <= steps[:, None]  # t1 .. t_{steps+1}
     last = jnp.take_along_axis(state.tokens, steps[:, None], axis=1)[:, 0]
@@ -389,31 +377,27 @@ def stack_states(states: list[DecodeState]) -> DecodeState:
     Interleaved, not concatenated, so that on a device mesh (dge_jax.sharding) every row
     stays on the device that holds it: a device's block of rows of each state becomes one
     block of the stack, and neither stacking nor splitting moves a cache entry.
-    Every cache must have the same capacities and form (stacked, or per-layer); the next
-    write slot becomes the largest `index` among them (per layer, for per-layer indices): a
-    cache whose entries end earlier just has empty slots before it (pos -1, ignored by the
-    mask), as after compaction. limit and key come from the first.
+    Every cache must have the same capacities and layer groups; each layer's next write slot
+    becomes the largest `index` among them: a cache whose entries end earlier just has empty
+    slots before it (pos -1, ignored by the mask), as after compaction. limit and key come
+    from the first.
     """
     first = states[0]
     caches = [s.cache for s in states]
-    if len({(c.capacities, isinstance(c.k, tuple)) for c in caches}) != 1:
+    if len({(c.capacities, c.group_sizes) for c in caches}) != 1:
         raise ValueError(
-            "stack_states: caches differ in capacities or form: "
-            f"{sorted({c.capacities for c in caches})}"
+            "stack_states: caches differ in capacities or layer groups: "
+            f"{sorted({(c.capacities, c.group_sizes) for c in caches})}"
         )
 
-    def interleaved(name):
-        arrays = [getattr(c, name) for c in caches]
-        if isinstance(arrays[0], tuple):  # per-layer form: rows are axis 0 of each layer
-            return tuple(_interleave(list(layer), axis=0) for layer in zip(*arrays, strict=True))
-        return _interleave(arrays, axis=1)
+    def interleaved(groups: tuple[LayerGroup, ...]) -> LayerGroup:
+        def rows_of(name):  # rows are axis 1 of [Lg, B, ...]
+            return _interleave([getattr(g, name) for g in groups], axis=1)
 
-    cache = KVCache(
-        k=interleaved("k"),
-        v=interleaved("v"),
-        pos=interleaved("pos"),
-        index=jnp.max(jnp.stack([c.index for c in caches]), axis=0),
-    )
+        index = jnp.max(jnp.stack([g.index for g in groups]), axis=0)
+        return LayerGroup(k=rows_of("k"), v=rows_of("v"), pos=rows_of("pos"), index=index)
+
+    cache = KVCache(tuple(interleaved(gs) for gs in zip(*(c.groups for c in caches), strict=True)))
 
     def rows(name):
         return _interleave([getattr(s, name) for s in states], axis=0)
@@ -431,8 +415,19 @@ def stack_states(states: list[DecodeState]) -> DecodeState:
 
 
 def default_layer_loop() -> str:
-    """"unrolled" on CPU, "scan" elsewhere: see `decode`."""
+    """ "unrolled" on CPU, "scan" elsewhere: see `decode`."""
     return "unrolled" if jax.default_backend() == "cpu" else "scan"
+
+
+def decode_groups(cache: KVCache, layer_loop: str | None = None) -> tuple[int, ...]:
+    """Layer group sizes `decode` runs `cache` in: "scan" = one group per run of layers of
+    one capacity (one group for a uniform cache); "unrolled" = one layer per group."""
+    layer_loop = layer_loop or default_layer_loop()
+    if layer_loop not in ("scan", "unrolled"):
+        raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
+    if layer_loop == "unrolled":
+        return (1,) * cache.num_layers
+    return runs_of_equal(cache.capacities)
 
 
 @functools.partial(
@@ -457,44 +452,32 @@ def decode(
     final state; tokens [B, N] int32 holds each row's ids, padded with its last id after
     `step[b]` (callers cut at `limit` and at the first EOS).
 
-    layer_loop: "scan" runs the layers under `lax.scan` over the stacked weights and cache;
-    "unrolled" splits both into per-layer buffers once, before the loop, and back after it.
-    XLA:CPU copies each layer's slice of a stacked array before using it, so a scanned step
-    moves the weights and cache several times: unrolled steps measured 1.1-1.4x faster
-    there (`python -m benchmarks.decode_step`), for one extra copy of the layer weights while
-    decoding and a longer compile. None: `default_layer_loop()`, or "unrolled" for a cache
-    with per-layer capacities (`evict.compact`), which only that loop can run; such a cache
-    comes back in per-layer form. Same tokens either way.
+    layer_loop: how the cache's layers are grouped while decoding (`decode_groups`):
+    "scan" keeps layers of one capacity in one group, scanned; "unrolled" makes every layer
+    its own group. XLA:CPU copies each layer's slice of a stacked array before using it, so
+    a scanned step moves the weights and cache several times; one-layer groups are read in
+    place (`python -m benchmarks.decode_step` compares them), for one extra copy of the
+    layer weights while decoding and a longer compile. None: `default_layer_loop()`. The
+    cache comes back in the grouping it was given. Same tokens either way.
     """
     n = state.tokens.shape[1]
-    ragged = state.cache.ragged
-    layer_loop = layer_loop or ("unrolled" if ragged else default_layer_loop())
-    if layer_loop not in ("scan", "unrolled"):
-        raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
-    if ragged and layer_loop == "scan":
-        raise ValueError(
-            f"layer_loop='scan' needs one capacity for all layers, but the cache's layers hold "
-            f"{state.cache.capacities} slots; use layer_loop='unrolled' (or None)"
-        )
-    per_layer_input = isinstance(state.cache.k, tuple)
-    if layer_loop == "scan":
-        state = dataclasses.replace(state, cache=stack_layers(state.cache))
-    else:
-        # The barrier keeps the slices out of the loop body, so they are made once.
-        params = jax.lax.optimization_barrier(split_layer_params(params))
-        state = dataclasses.replace(state, cache=split_layers(state.cache))
+    sizes, given = decode_groups(state.cache, layer_loop), state.cache.group_sizes
+    state = dataclasses.replace(state, cache=regroup(state.cache, sizes))
+    # The barrier keeps the weights' group slices out of the loop body, so they are made once.
+    layers = jax.lax.optimization_barrier(group_layers(params.layers, sizes))
 
     def cond(s):
         return ~jnp.all(s.done)  # done includes reaching the limit
 
     def body(s):
         return decode_body(
-            forward, cfg, params, sampler, eos_ids, s, min_new_tokens=min_new_tokens
+            forward, cfg, params, sampler, eos_ids, s, layers=layers, min_new_tokens=min_new_tokens
         )[0]
 
     state = jax.lax.while_loop(cond, body, state)
-    restore = split_layers if per_layer_input else stack_layers  # the form it came in
-    state = dataclasses.replace(state, cache=restore(state.cache))
+    # Back to the grouping it came in, so the donated buffers hold the result (as they can
+    # only when shapes match) and a caller gets the layout it gave.
+    state = dataclasses.replace(state, cache=regroup(state.cache, given))
     # Rows that stopped early keep their EOS as padding for the steps the loop skipped.
     fill = jnp.arange(n)[None, :] >= state.step[:, None]
     return dataclasses.replace(state, tokens=jnp.where(fill, state.last[:, None], state.tokens))

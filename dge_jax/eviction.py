@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax import evict
+from dge_jax import cache as kv
+from dge_jax import selection
 from dge_jax.budgets import adakv_budgets, expand_budgets
-from dge_jax.cache import KVCache, Observation
-from dge_jax.decoding import DraftRecord
+from dge_jax.cache import KVCache
+from dge_jax.observation import DraftRecord, Observation, with_drafts
 from dge_jax.policies import Policy, SnapKV, check_fields
-from dge_jax.timing import Timing, observation
+from dge_jax.timing import Timing
 
 HEAD_BUDGETS = ("uniform", "adakv")
 
@@ -58,7 +59,7 @@ class Eviction:
 
     def __post_init__(self):
         check_fields(
-            self, choices={"head_budget": HEAD_BUDGETS, "ties": evict.TIES}, bools=("compact",)
+            self, choices={"head_budget": HEAD_BUDGETS, "ties": selection.TIES}, bools=("compact",)
         )
         if self.capacity is not None:
             check_fields(self, ints={"capacity": 1})
@@ -93,7 +94,7 @@ def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
             f"k={ev.timing.k} answer tokens are drafted before eviction, more "
             f"than max_new_tokens={max_new_tokens}"
         )
-    if hasattr(ev.policy, "layer_budgets") and budget.ndim:
+    if ev.policy.layer_schedule is not None and budget.ndim:
         raise ValueError(
             f"{type(ev.policy).__name__} sets per-layer budgets itself; give it a scalar budget"
         )
@@ -129,11 +130,6 @@ def select_for(
     )[0]  # fmt: skip
 
 
-def scorer(policy: Policy) -> Policy:
-    """The policy whose `score` `policy` selects from (itself, or e.g. PyramidKV's SnapKV)."""
-    return getattr(policy, "scorer", policy)
-
-
 @functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha", "ties"))
 def select_for_budgets(
     cache: KVCache,
@@ -155,12 +151,12 @@ def select_for_budgets(
     per budget, all with the same `scorer` (SnapKV and PyramidKV cells share a scoring)."""
     nl, b, hkv, _ = cache.pos.shape
     policies = policy if isinstance(policy, tuple) else (policy,) * len(budgets)
-    if len(policies) != len(budgets) or len({scorer(p) for p in policies}) != 1:
+    if len(policies) != len(budgets) or len({p.scorer for p in policies}) != 1:
         raise ValueError(
             "select_for_budgets: give one policy, or one per budget with the same scorer"
         )
-    obs = observation(prompt_obs, drafts, observe_drafts, slide, draft_weight)
-    scores = scorer(policies[0]).score(cache, obs)
+    obs = with_drafts(prompt_obs, drafts, observe_drafts, slide, draft_weight)
+    scores = policies[0].scorer.score(cache, obs)
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
     # Only prompt entries count towards "fits" below: drafts are answer tokens, kept on top
@@ -168,27 +164,32 @@ def select_for_budgets(
     prompt_entries = jnp.sum(cache.valid() & ~is_draft, axis=-1, dtype=jnp.int32)
     masks = []
     for budget, pol in zip(budgets, policies, strict=True):
-        layer_budgets = getattr(pol, "layer_budgets", None)
+        schedule = pol.layer_schedule
         # A row whose every head holds no more than the nominal budget is not compressed at
         # all (DESIGN §2), whatever a schedule or allocator would move between layers/heads.
         nominal = expand_budgets(budget, nl, b, hkv)
         fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
-        if layer_budgets is not None:
-            budget = layer_budgets(budget, nl)
+        if schedule is not None:
+            budget = schedule.layer_budgets(budget, nl)
         if head_budget == "adakv":
             per_head = adakv_budgets(scores, budget, alpha, ties)
         else:
             per_head = expand_budgets(budget, nl, b, hkv)
-        keep = evict.select(scores, per_head, ties=ties, positions=cache.pos)
+        keep = selection.select(scores, per_head, ties=ties, positions=cache.pos)
         masks.append(jnp.where(fits[None, :, None, None], cache.valid(), keep))
     return tuple(masks)
 
 
-compact = jax.jit(evict.compact, static_argnames=("capacity",))
+compact = jax.jit(kv.compact, static_argnames=("capacity",))
 
 
 # Compacted capacities are rounded to this many slots, so nearby sizes share a compilation.
 SLOT_MULTIPLE = 64
+
+
+def round_up_slots(n: int, multiple: int = SLOT_MULTIPLE) -> int:
+    """n rounded up to a multiple of `multiple` slots (nearby sizes share a compilation)."""
+    return -(-int(n) // multiple) * multiple
 
 
 def capacity_for(kept_counts: np.ndarray, new_tokens: int, multiple: int = SLOT_MULTIPLE) -> int:
@@ -196,15 +197,14 @@ def capacity_for(kept_counts: np.ndarray, new_tokens: int, multiple: int = SLOT_
 
     kept_counts: [L, B, Hkv] int (entries each head keeps); returns a static int capacity.
     """
-    most = int(np.max(kept_counts, initial=0))
-    return -(-most // multiple) * multiple + new_tokens
+    return round_up_slots(np.max(kept_counts, initial=0), multiple) + new_tokens
 
 
 def layer_capacities(
     kept_counts: np.ndarray, new_tokens: int, multiple: int = SLOT_MULTIPLE
 ) -> int | tuple[int, ...]:
     """`capacity_for` of each layer: one int when every layer needs the same, else a tuple
-    of L (for `evict.compact`), so budgets that differ by layer (PyramidKV's, AdaKV's) pay
+    of L (for `cache.compact`), so budgets that differ by layer (PyramidKV's, AdaKV's) pay
     for each layer's own largest head rather than the whole cache's.
 
     kept_counts: [L, B, Hkv] int. Example, PyramidKV at budget 512 on SmolLM2 (30 layers)
@@ -227,7 +227,7 @@ def scoring_key(ev: Eviction) -> tuple:
     """Evictions with equal keys score a cache identically (and break ties alike): they differ
     at most by budget, or by a policy that selects from the same scores (SnapKV and PyramidKV)."""
     t = ev.timing
-    return (scorer(ev.policy), t.observes_drafts, t.draft_weight, t.slide, ev.head_budget,
+    return (ev.policy.scorer, t.observes_drafts, t.draft_weight, t.slide, ev.head_budget,
             ev.alpha, ev.ties)  # fmt: skip
 
 
@@ -267,30 +267,19 @@ def apply_eviction(
     ev: Eviction,
     capacity: int | tuple[int, ...] | None,
     new_tokens: int,
+    counts: np.ndarray | None = None,
 ) -> KVCache:
     """The evicted cache: masked (same shape), or compacted to `capacity` slots, one for all
     layers or one per layer (None: per layer, just enough for what each layer kept plus
-    `new_tokens`, rounded up: `layer_capacities`). keep: [L, B, Hkv, S] bool."""
-    masked = evict.apply_keep(cache, keep)
+    `new_tokens`, rounded up: `layer_capacities`). keep: [L, B, Hkv, S] bool; counts: its
+    per-head sums [L, B, Hkv] when the caller has them already."""
+    masked = selection.apply_keep(cache, keep)
     if not ev.compact:
         return masked
-    counts = np.asarray(jnp.sum(keep, axis=-1))
+    counts = np.asarray(jnp.sum(keep, axis=-1)) if counts is None else counts
     capacity = capacity or layer_capacities(counts, new_tokens)
-    evict.check_capacity(counts, capacity, new_tokens)
+    kv.check_capacity(counts, capacity, new_tokens)
     return compact(masked, capacity=capacity)
-
-
-def evict_cache(
-    cache: KVCache,
-    prompt_obs: Observation,
-    drafts: DraftRecord | None,
-    ev: Eviction,
-    new_tokens: int,
-) -> tuple[KVCache, jax.Array]:
-    """(evicted cache, keep mask [L, B, Hkv, S] bool): masked, or compacted to room for
-    `new_tokens` more; the one-call form of `keep_mask` + `apply_eviction`."""
-    keep = keep_mask(cache, prompt_obs, drafts, ev)
-    return apply_eviction(cache, keep, ev, ev.capacity, new_tokens), keep
 
 
 def kept_positions(cache: KVCache, keep: jax.Array) -> list[list[list[list[int]]]]:

@@ -2,20 +2,21 @@
 
 A family says how to read a Hugging Face config (`parse_config`), how checkpoint tensor names
 map onto its parameters (`key_map`), and how to run a forward pass over the padded cache
-(`forward`). `dge_jax` never imports a family directly: `models/` registers its families here
-when it is imported, and `get_family` imports it on first use, the way plugins are discovered.
+(`forward`). `dge_jax` never imports a family: a family package registers its families here
+when it is imported, and declares itself as an entry point of the group "dge_jax.families"
+(setup.cfg: `builtin = models`), which `get_family` loads on first use, as plugins are found.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from importlib import metadata
 from typing import Any, NamedTuple
 
 import jax
 
-from dge_jax.cache import KVCache
+from dge_jax.cache import KVCache, group_bounds
 from dge_jax.config import ConfigError, ModelConfig
 
 
@@ -34,41 +35,50 @@ class ForwardOutput(NamedTuple):
     probs_sum: jax.Array | None
 
 
-# forward(config, params, tokens [B, T], positions [B, T], cache, *, obs_window, record_attn,
-#         logits, key_block) -> ForwardOutput. `cache` is a stacked KVCache, or one in
-# per-layer form (`dge_jax.cache.split_layers`) with `split_layer_params(params)`, for which
-# the layers run as an unrolled loop and the output cache keeps that form.
+# forward(config, params, tokens [B, T], positions [B, T], cache, *, layers, obs_window,
+#         record_attn, logits, key_block) -> ForwardOutput. The layers run group by group over
+# the cache's layer groups (`dge_jax.cache`); `layers` gives the layer weights grouped like
+# the cache (`group_layers`, made once outside a decode loop), None groups them per call.
 ForwardFn = Callable[..., ForwardOutput]
 
 
-def split_layer_params(params: Any) -> Any:
-    """`params` with its per-layer weights as a tuple of one tree per layer.
+def group_layers(layers: Any, sizes: tuple[int, ...]) -> tuple[Any, ...]:
+    """Layer weights stacked on a leading [L] axis (every family's `params.layers`) cut into
+    groups of ``sizes`` consecutive layers, each stacked [Lg, ...]: the weights of a cache's
+    layer groups (`KVCache.group_sizes`).
 
-    Every family keeps its layer weights in a pytree field `layers` stacked on a leading [L]
-    axis (what `lax.scan` over layers reads). An unrolled layer loop wants separate buffers
-    instead: split once, outside any decode loop, since slicing the stack inside the loop
-    copies every layer's weights every step. Idempotent.
+    Slicing a stacked array copies it on XLA:CPU, so a decode loop groups once, before the
+    loop; one group of all layers is the stack itself, no copy.
     """
-    if isinstance(params.layers, tuple):
-        return params
-    num_layers = jax.tree.leaves(params.layers)[0].shape[0]
-    layers = tuple(jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(num_layers))
-    return dataclasses.replace(params, layers=layers)
+    bounds = group_bounds(sizes)
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    if bounds[-1] != num_layers:
+        raise ValueError(f"group sizes {sizes} do not split the model's {num_layers} layers")
+    return tuple(
+        jax.tree.map(lambda w, a=a, b=b: w[a:b], layers)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelFamily:
-    """One ported architecture: config parser, checkpoint key map, forward pass."""
+    """One ported architecture: config parser, checkpoint key map, forward pass, random
+    init and the logical axes of its parameters (one weight table in the family gives them
+    all: `models.llama_like.WEIGHTS`)."""
 
     model_type: str
     parse_config: Callable[[dict[str, Any]], ModelConfig]
     key_map: Callable[[ModelConfig], Any]
     forward: ForwardFn
     init_params: Callable[..., Any]
+    # field ("layers.wq") -> logical axes ("layers", "embed", "heads"): how `dge_jax.sharding`
+    # lays each parameter out on a mesh.
+    param_axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
-_BUILTINS_IMPORTED = False
+ENTRY_POINT_GROUP = "dge_jax.families"
+_DISCOVERED = False
 
 
 def register_family(family: ModelFamily) -> None:
@@ -76,13 +86,25 @@ def register_family(family: ModelFamily) -> None:
     _FAMILIES[family.model_type] = family
 
 
+def _discover() -> None:
+    """Imports every installed family package (entry points of `ENTRY_POINT_GROUP`, such as
+    this project's `models`); importing one registers its families."""
+    global _DISCOVERED
+    if not _DISCOVERED:
+        for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            entry.load()
+        _DISCOVERED = True
+
+
 def get_family(model_type: str) -> ModelFamily:
     """The family registered for `model_type`; a clear error for an unknown one."""
-    global _BUILTINS_IMPORTED
-    if not _BUILTINS_IMPORTED:  # the built-in families, even if a user registered one first
-        importlib.import_module("models")
-        _BUILTINS_IMPORTED = True
+    _discover()  # the installed families, even if a user registered one first
     if model_type not in _FAMILIES:
+        if not _FAMILIES:
+            raise ConfigError(
+                f"no model family is registered (entry points {ENTRY_POINT_GROUP!r}): install "
+                "dge_jax (pip install -e . in a checkout), or import models before loading"
+            )
         raise ConfigError(
             f"unknown model_type {model_type!r} in config.json; supported: "
             f"{', '.join(sorted(_FAMILIES))}"

@@ -6,8 +6,8 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from dge_jax import orbax_io
-from dge_jax.checkpoint import load_hf_checkpoint, read_config
+from dge_jax.checkpoints import orbax_io
+from dge_jax.checkpoints.hf import load_hf_checkpoint, read_config
 from dge_jax.config import ModelConfig
 from dge_jax.families import ModelFamily
 from dge_jax.tokenizer import Tokenizer
@@ -56,6 +56,6 @@ def _resolve(name_or_path: str | pathlib.Path) -> pathlib.Path:
     path = pathlib.Path(name_or_path)
     if path.is_dir():
         return path
-    from dge_jax.embedded import resolve_model_dir
+    from dge_jax.checkpoints.embedded import resolve_model_dir
 
     return resolve_model_dir(str(name_or_path))

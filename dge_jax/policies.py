@@ -10,7 +10,8 @@ What the generator reads besides ``score``:
 - ``obs_window``: how many trailing prompt queries the forward must record (0 = none);
 - ``needs_attn_sum``: whether ``obs.attn_sum`` (H2O's accumulated attention) is needed;
 - ``is_full``: True only for ``FullKV``, the no-eviction sentinel;
-- ``PyramidKV.layer_budgets``: the one per-layer budget schedule.
+- ``scorer`` and ``layer_schedule`` (`ScoringRule`'s defaults: itself, and one budget for
+  every layer; PyramidKV selects from SnapKV's scores with `budgets.PyramidSchedule`).
 
 Shapes: cache ``k: [L, B, Hkv, S, D]``, ``pos: [L, B, Hkv, S]``; ``obs.q: [L, B, Hq, W, D]``,
 ``obs.q_pos: [B, W]``. GQA: query head h belongs to kv head ``h // (Hq // Hkv)``; a kv head's
@@ -31,7 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.cache import KVCache, Observation
+from dge_jax.budgets import PyramidSchedule
+from dge_jax.cache import KVCache
+from dge_jax.observation import Observation
 
 _INT32_MAX = np.iinfo(np.int32).max
 _GQA = ("mean", "max")
@@ -43,6 +46,16 @@ class Policy(Protocol):
 
     is_full: ClassVar[bool]
     needs_attn_sum: ClassVar[bool]
+
+    @property
+    def scorer(self) -> Policy:
+        """The policy whose `score` this one selects from (itself, or PyramidKV's SnapKV)."""
+        ...
+
+    @property
+    def layer_schedule(self) -> PyramidSchedule | None:
+        """Per-layer budgets from the nominal one (PyramidKV's), or None: every layer alike."""
+        ...
 
     @property
     def obs_window(self) -> int:
@@ -157,7 +170,8 @@ def _window_attention_sum(
     unnormalised = jnp.exp(logits - peak)  # masked slots: exp(-inf) = 0
     total = jnp.sum(unnormalised, axis=-1)  # [B, Hkv, G, W]
     # Each query's 1 / total folds into its weight, so the [.., W, S] probabilities are never
-    # written out: one pass fewer over the largest array of a scoring (~1.8x faster on CPU).
+    # written out: one pass fewer over the largest array of a scoring (faster on CPU:
+    # benchmarks/RESULTS.md, "Measured design choices").
     coef = jnp.where(total > 0, weight[:, None, None, :] / jnp.where(total > 0, total, 1.0), 0.0)
     return jnp.einsum("bhgws,bhgw->bhgs", unnormalised, coef)
 
@@ -203,8 +217,23 @@ def _check_obs(obs: Observation, *fields: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+class ScoringRule:
+    """The defaults every policy shares: it scores with its own `score`, and its budget is
+    the same for every layer. Derive a policy from it (see WORKSPACE.md)."""
+
+    @property
+    def scorer(self) -> Policy:
+        """The policy whose `score` this one selects from: itself."""
+        return self
+
+    @property
+    def layer_schedule(self) -> PyramidSchedule | None:
+        """None: every layer keeps the nominal budget."""
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
-class FullKV:
+class FullKV(ScoringRule):
     """No eviction: the generator skips selection when ``is_full``; ``score`` keeps every slot."""
 
     name: ClassVar[str] = "full"
@@ -223,7 +252,7 @@ class FullKV:
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV:
+class SnapKV(ScoringRule):
     """SnapKV (arXiv 2404.14469): attention of the observation window, pooled along the sequence.
 
     Defaults are the paper's (window 32, kernel 7, max-pool); ``SnapKV.kvpress()`` is kvpress's.
@@ -326,7 +355,8 @@ class SnapKV:
 class PyramidKV(SnapKV):
     """PyramidKV (arXiv 2406.02069): SnapKV's scores with budgets falling from bottom to top.
 
-    ``layer_budgets`` follows KVCache-Factory's ``PyramidKVCluster`` schedule (beta 20).
+    Its ``layer_schedule`` is KVCache-Factory's ``PyramidKVCluster`` schedule (beta 20,
+    `budgets.PyramidSchedule`); its ``scorer`` is SnapKV with the same settings.
     """
 
     beta: int = 20
@@ -343,41 +373,14 @@ class PyramidKV(SnapKV):
         grid scores SnapKV and PyramidKV cells of one timing once)."""
         return SnapKV(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SnapKV)})
 
-    def layer_budgets(self, budget: jax.Array | int, num_layers: int) -> jax.Array:
-        """Per-layer budgets [L] int32, bottom layer largest, summing exactly to L·budget.
-
-        KVCache-Factory's linear pyramid (beta 20); every layer keeps at least the window.
-        """
-        # KVCache-Factory, with budget B (= max_capacity_prompt, window included) and window w:
-        #   min_num = (B - w) // beta,   max_num = 2 (B - w) - min_num,
-        #   layer l keeps w + max_num - l * ((max_num - min_num) // (L - 1)).
-        # Flooring the step makes its total exceed L·B by up to (L-1)L/2 entries. We keep both
-        # ends (bottom w + max_num, top w + min_num) and round the exact line instead: with the
-        # exact cumulative count C(l) = l·max_num - span·l(l-1) / (2(L-1)), span = max - min,
-        # layer l gets ceil(C(l+1)) - ceil(C(l)). C(L) = L(B - w) is an integer (span is
-        # even), so the total is exact and each layer is within 1 of the line. Example,
-        # B = 40, w = 8, L = 4, beta 20: min 1, max 63, span 62, line 63, 42.33, 21.67, 1;
-        # C = 0, 63, 105.33, 127, 128, rounded up 0, 63, 106, 127, 128 -> 63, 43, 21, 1
-        # (+ w: 71, 51, 29, 9; sum 160 = 4·40). int32 is exact while 2·B·L² < 2**31.
-        # When span is a multiple of L - 1 this equals KVCache-Factory's schedule exactly.
-        # A budget no larger than the window cannot form a pyramid: every layer gets B.
-        # Not reproduced: KVCache-Factory's prompt-length rules (no eviction for short prompts,
-        # which `select` gives anyway, and a uniform fallback when q_len < 2 (B - w)).
-        budget = jnp.asarray(budget, jnp.int32)
-        if num_layers == 1:
-            return budget[None]
-        extra = jnp.maximum(budget - self.window, 0)
-        min_num = extra // self.beta
-        max_num = 2 * extra - min_num
-        span = max_num - min_num
-        layers = jnp.arange(num_layers + 1, dtype=jnp.int32)
-        cumulative = layers * max_num - (span * layers * (layers - 1)) // (2 * (num_layers - 1))
-        pyramid = self.window + cumulative[1:] - cumulative[:-1]
-        return jnp.where(budget > self.window, pyramid, budget).astype(jnp.int32)
+    @property
+    def layer_schedule(self) -> PyramidSchedule:
+        """KVCache-Factory's linear pyramid over this policy's window (`PyramidSchedule`)."""
+        return PyramidSchedule(window=self.window, beta=self.beta)
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O:
+class H2O(ScoringRule):
     """H2O (arXiv 2306.14048): accumulated attention over every observed query, recent kept.
 
     One-shot: scores are ``obs.attn_sum`` (whole prompt, plus drafts under DGE).
@@ -409,7 +412,7 @@ class H2O:
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM:
+class StreamingLLM(ScoringRule):
     """StreamingLLM (arXiv 2309.17453): attention sinks plus the most recent entries.
 
     Original positions are kept (no re-rotation), like kvpress's ``StreamingLLMPress``.
@@ -439,7 +442,7 @@ class StreamingLLM:
 
 
 @dataclasses.dataclass(frozen=True)
-class RandomScores:
+class RandomScores(ScoringRule):
     """Control: uniform random scores from a key folded from ``seed`` (kvpress RandomPress)."""
 
     seed: int = 0
@@ -463,7 +466,7 @@ class RandomScores:
 
 
 @dataclasses.dataclass(frozen=True)
-class KeyNorm:
+class KeyNorm(ScoringRule):
     """Control: keep low-norm keys (arXiv 2406.11430; kvpress ``KnormPress``)."""
 
     name: ClassVar[str] = "knorm"
@@ -481,7 +484,7 @@ class KeyNorm:
 
 
 @dataclasses.dataclass(frozen=True)
-class TOVA:
+class TOVA(ScoringRule):
     """TOVA (arXiv 2401.06104): attention of the last observed query only.
 
     ``across_heads=True`` (default) aggregates over all query heads of the layer, as TOVA and

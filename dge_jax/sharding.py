@@ -60,8 +60,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dge_jax.cache import KVCache, init_cache
+from dge_jax.cache import KVCache, LayerGroup, init_cache
 from dge_jax.config import ModelConfig
+from dge_jax.families import get_family
 
 MESH_AXES = ("data", "model")
 MeshAxes = str | tuple[str, ...] | None
@@ -165,34 +166,10 @@ class AxisRules:
 
 DEFAULT_RULES = AxisRules()
 
-# One table of logical axes per parameter field, shared by every llama-like family (the
-# field names are those of `models.llama_like.param_shapes` and of checkpoint key maps).
-PARAM_AXES: dict[str, Logical] = {
-    "embed": ("vocab", "embed"),
-    "final_norm": ("embed",),
-    "lm_head": ("embed", "vocab"),
-    "layers.attn_norm": ("layers", "embed"),
-    "layers.mlp_norm": ("layers", "embed"),
-    "layers.wq": ("layers", "embed", "heads"),
-    "layers.wk": ("layers", "embed", "kv_heads"),
-    "layers.wv": ("layers", "embed", "kv_heads"),
-    "layers.wo": ("layers", "heads", "embed"),
-    "layers.w_gate": ("layers", "embed", "mlp"),
-    "layers.w_up": ("layers", "embed", "mlp"),
-    "layers.w_down": ("layers", "mlp", "embed"),
-    "layers.bq": ("layers", "heads"),
-    "layers.bk": ("layers", "kv_heads"),
-    "layers.bv": ("layers", "kv_heads"),
-    "layers.bo": ("layers", "embed"),
-    "layers.q_norm": ("layers", "head_dim"),
-    "layers.k_norm": ("layers", "head_dim"),
-    "layers.b_gate": ("layers", "mlp"),
-    "layers.b_up": ("layers", "mlp"),
-    "layers.b_down": ("layers", "embed"),
-}
 
-# The cache (dge_jax.cache.KVCache): k, v [L, B, Hkv, S, D], pos [L, B, Hkv, S], index [].
-CACHE_AXES = KVCache(
+# One layer group of the cache (dge_jax.cache.LayerGroup): k, v [Lg, B, Hkv, S, D],
+# pos [Lg, B, Hkv, S], index [Lg] (replicated).
+GROUP_AXES = LayerGroup(
     k=("layers", "batch", "kv_heads", "seq", "head_dim"),
     v=("layers", "batch", "kv_heads", "seq", "head_dim"),
     pos=("layers", "batch", "kv_heads", "seq"),
@@ -285,7 +262,7 @@ def mesh_of(tree: Any) -> Mesh | None:
 
 
 def field_name(path: tuple) -> str:
-    """The "layers.wq" style name of a parameter leaf's key path (the keys of `PARAM_AXES`)."""
+    """The "layers.wq" style name of a parameter leaf's key path (the keys of `param_axes`)."""
     return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
 
 
@@ -297,10 +274,19 @@ def param_specs(
 ) -> dict[str, P]:
     """{field: PartitionSpec} for the named parameter fields under rules fitted to `cfg`."""
     fitted = rules.fit(cfg, mesh_shape)
-    missing = [f for f in fields if f not in PARAM_AXES]
+    axes = param_axes(cfg)
+    missing = [f for f in fields if f not in axes]
     if missing:
-        raise ValueError(f"no logical axes for parameter(s) {missing}; add them to PARAM_AXES")
-    return {f: fitted.spec(PARAM_AXES[f]) for f in fields}
+        raise ValueError(
+            f"no logical axes for parameter(s) {missing} of family {cfg.family!r}; add them to "
+            "its ModelFamily.param_axes (its weight table)"
+        )
+    return {f: fitted.spec(axes[f]) for f in fields}
+
+
+def param_axes(cfg: ModelConfig) -> Mapping[str, Logical]:
+    """The logical axes of every parameter field of `cfg`'s family (its weight table)."""
+    return get_family(cfg.family).param_axes
 
 
 def param_shardings(
@@ -331,17 +317,24 @@ def cache_specs(
     batch_size: int,
     mesh_shape: Mapping[str, int],
     rules: AxisRules = DEFAULT_RULES,
+    num_groups: int = 1,
 ) -> KVCache:
-    """A KVCache of PartitionSpecs: rows over data, kv heads over model (see module docstring)."""
+    """A KVCache of PartitionSpecs with `num_groups` layer groups: rows over data, kv heads
+    over model (see module docstring); the same spec for every group."""
     fitted = rules.fit(cfg, mesh_shape, batch_size)
-    return jax.tree.map(fitted.spec, CACHE_AXES, is_leaf=lambda x: isinstance(x, tuple))
+    group = jax.tree.map(fitted.spec, GROUP_AXES, is_leaf=lambda x: isinstance(x, tuple))
+    return KVCache((group,) * num_groups)
 
 
 def cache_shardings(
-    cfg: ModelConfig, batch_size: int, mesh: Mesh, rules: AxisRules = DEFAULT_RULES
+    cfg: ModelConfig,
+    batch_size: int,
+    mesh: Mesh,
+    rules: AxisRules = DEFAULT_RULES,
+    num_groups: int = 1,
 ) -> KVCache:
     """A KVCache of NamedShardings on `mesh` for a batch of `batch_size` rows."""
-    specs = cache_specs(cfg, batch_size, mesh.shape, rules)
+    specs = cache_specs(cfg, batch_size, mesh.shape, rules, num_groups)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
@@ -349,7 +342,7 @@ def shard_cache(
     cache: KVCache, cfg: ModelConfig, mesh: Mesh, rules: AxisRules = DEFAULT_RULES
 ) -> KVCache:
     """An existing cache laid out on `mesh`: rows over data, kv heads over model."""
-    shardings = cache_shardings(cfg, cache.batch_size, mesh, rules)
+    shardings = cache_shardings(cfg, cache.batch_size, mesh, rules, len(cache.groups))
     return jax.tree.map(jax.device_put, cache, shardings)
 
 
@@ -372,21 +365,12 @@ def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT
     """Inside jit: pins the cache to its mesh layout when a (data, model) mesh is set.
 
     A no-op without `jax.set_mesh` (one device), so the jitted code is the same either way;
-    called where a cache is created, so that no step has to guess its layout. A cache in
-    per-layer form (`dge_jax.cache.split_layers`) is pinned layer by layer.
+    called where a cache is created, so that no step has to guess its layout.
     """
     mesh = _context_mesh()
     if mesh is None:
         return cache
-    specs = cache_specs(cfg, cache.batch_size, mesh, rules)
-    if isinstance(cache.k, tuple):  # per layer: each layer's spec without the layer axis
-        per_layer = jax.tree.map(lambda s: P(*s[1:]), specs)
-
-        def pin(arrays, spec):
-            return tuple(jax.lax.with_sharding_constraint(a, spec) for a in arrays)
-
-        return KVCache(k=pin(cache.k, per_layer.k), v=pin(cache.v, per_layer.v),
-                       pos=pin(cache.pos, per_layer.pos), index=cache.index)  # fmt: skip
+    specs = cache_specs(cfg, cache.batch_size, mesh, rules, len(cache.groups))
     return jax.tree.map(jax.lax.with_sharding_constraint, cache, specs)
 
 

@@ -1,7 +1,8 @@
 """When eviction happens, and which queries the scoring rule may then observe (DESIGN §1).
 
 A timing never knows which policy runs: it only decides how many answer tokens are drafted
-with the full cache before eviction, and assembles the `Observation` handed to the policy.
+with the full cache before eviction, and which of their queries the policy observes
+(`dge_jax.observation.with_drafts` assembles them).
 
 | kind      | evicts after         | observation queries                        |
 |-----------|----------------------|--------------------------------------------|
@@ -18,12 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from dge_jax.cache import Observation
-from dge_jax.decoding import DraftRecord
 
 KINDS = ("prefill", "dge", "dge_w")
 
@@ -98,61 +94,6 @@ class Timing:
         if self.adaptive is None:
             return np.full(entropy.shape[0], self.draft_steps, np.int32)
         return self.adaptive.steps(entropy, top1, self.draft_steps)
-
-    def observation(self, prompt_obs: Observation, drafts: DraftRecord | None) -> Observation:
-        """The observation the policy scores with: the prompt's, plus drafts under "dge".
-
-        q: [L, B, Hq, W (+ K), D], q_pos / q_weight: [B, W (+ K)]; see `observation`.
-        """
-        return observation(
-            prompt_obs, drafts, jnp.asarray(self.observes_drafts), self.slide, self.draft_weight
-        )
-
-
-def observation(
-    prompt_obs: Observation,
-    drafts: DraftRecord | None,
-    observe_drafts: jax.Array,
-    slide: bool = False,
-    draft_weight: jax.Array | float = 1.0,
-) -> Observation:
-    """Prompt observation plus the draft queries, which count only where `observe_drafts`.
-
-    observe_drafts (bool) and draft_weight (f32: a draft query's weight relative to a prompt
-    query; 1 = the paper's DGE) are traced, so "dge" and "dge_w" (and "prefill", given the
-    same draft record) share one compiled scorer: unobserved draft steps get q_pos -1 and add
-    no attention. Shapes: q [L, B, Hq, W + K, D], q_pos and q_weight [B, W + K].
-    """
-    if drafts is None:
-        return prompt_obs
-    q, q_pos, attn = prompt_obs.q, prompt_obs.q_pos, prompt_obs.attn_sum
-    d_pos = jnp.where(observe_drafts, drafts.q_pos, -1)  # [B, K]
-    seen = d_pos >= 0
-    n = d_pos.shape[1]
-    weight = jnp.asarray(draft_weight, jnp.float32)
-    is_draft = q_weight = None
-    if q is not None and drafts.q is not None:
-        if slide:
-            # Slide the window: row b's oldest n_b prompt queries drop out, n_b = its
-            # observed drafts, so it sees as many queries as the baseline.
-            n_seen = jnp.sum(seen, axis=1, dtype=jnp.int32)
-            q_pos = jnp.where(jnp.arange(q_pos.shape[1])[None, :] < n_seen[:, None], -1, q_pos)
-        q = jnp.concatenate([q, drafts.q.astype(q.dtype)], axis=3)
-        q_pos = jnp.concatenate([q_pos, d_pos], axis=1)
-        is_draft = jnp.concatenate([jnp.zeros((q.shape[3] - n,), bool), jnp.ones((n,), bool)])
-        q_weight = jnp.where(is_draft[None, :], weight, 1.0) * jnp.ones(q_pos.shape, jnp.float32)
-    if attn is not None and drafts.probs is not None:
-        # probs [L, B, Hq, K, S]: add the observed steps' attention, weighted.
-        step_weight = (seen * weight).astype(jnp.float32)[None, :, None, :, None]
-        attn = attn + jnp.sum(drafts.probs * step_weight, axis=3)
-    return Observation(
-        q=q,
-        q_pos=q_pos,
-        attn_sum=attn,
-        is_draft=is_draft,
-        prompt_end=prompt_obs.prompt_end,
-        q_weight=q_weight,
-    )
 
 
 def prefill() -> Timing:

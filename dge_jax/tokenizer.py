@@ -17,7 +17,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from dge_jax.checkpoint import damaged
+from dge_jax.checkpoints.hf import damaged
 
 
 class TokenizerError(ValueError):

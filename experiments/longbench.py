@@ -213,7 +213,7 @@ def run(argv) -> int:
 def evaluate() -> int:
     """Loads the model and the suite, predicts every missing (sample, cell), then reports."""
     import dge_jax
-    from dge_jax.api import generate_grid
+    from dge_jax.generation import generate_grid
     from experiments.report import write_report
 
     started = time.time()

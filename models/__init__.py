@@ -54,5 +54,6 @@ for _name, _parse in [
             key_map=llama_like.key_map,
             forward=llama_like.forward,
             init_params=llama_like.init_params,
+            param_axes=llama_like.PARAM_AXES,
         )
     )

@@ -2,23 +2,25 @@
 
 Llama, Mistral, Qwen2 and Qwen3 differ only by switches in `ModelConfig` (q/k/v bias, q/k
 norm, explicit head_dim, tied head), so one forward serves them all. Layer parameters are
-stacked on a leading [L] axis and the layers run under `lax.scan`: compile time stays flat as
-models get deeper.
+stacked on a leading [L] axis and the layers run under `lax.scan` over each layer group of the
+cache (`dge_jax.cache`): compile time stays flat as models get deeper.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.attention import cached_attention, written_slot_attention
-from dge_jax.cache import KVCache
+from dge_jax.attention import cache_layer_attention
+from dge_jax.cache import KVCache, LayerGroup
 from dge_jax.config import ModelConfig
-from dge_jax.families import ForwardOutput, split_layer_params
+from dge_jax.families import ForwardOutput, group_layers
 from dge_jax.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -58,34 +60,91 @@ class Params:
     lm_head: jax.Array | None = None  # [D, V]
 
 
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One parameter field: everything the library needs to know about it, in one row.
+
+    name: the field ("layers.wq": stacked on a leading [L] axis); axes: its logical axes
+    (`dge_jax.sharding` maps them onto a mesh); hf_key: the Hugging Face tensor name pattern
+    (a captured group is the layer index); transform: "keep", or "transpose" for torch's
+    [out, in] linear weights (we keep [in, out]); shape and present: from the config;
+    init: "ones" (norms) or "normal" (random init for tests and benchmarks).
+    """
+
+    name: str
+    axes: tuple[str, ...]
+    hf_key: str
+    transform: str
+    shape: Callable[[ModelConfig], tuple[int, ...]]
+    present: Callable[[ModelConfig], bool] = lambda cfg: True
+    init: str = "normal"
+
+
+def _dims(cfg: ModelConfig) -> tuple[int, int, int, int, int, int]:
+    """(L, D, F, Hq·hd, Hkv·hd, hd)."""
+    hd = cfg.head_dim
+    return (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * hd,
+            cfg.num_kv_heads * hd, hd)  # fmt: skip
+
+
+_LAYER = r"model\.layers\.(\d+)\."
+# fmt: off
+WEIGHTS: tuple[Weight, ...] = (
+    Weight("embed", ("vocab", "embed"), r"model\.embed_tokens\.weight", "keep",
+           lambda c: (c.vocab_size, c.hidden_size)),
+    Weight("final_norm", ("embed",), r"model\.norm\.weight", "keep",
+           lambda c: (c.hidden_size,), init="ones"),
+    Weight("lm_head", ("embed", "vocab"), r"lm_head\.weight", "transpose",
+           lambda c: (c.hidden_size, c.vocab_size), lambda c: not c.tie_word_embeddings),
+    Weight("layers.attn_norm", ("layers", "embed"), _LAYER + r"input_layernorm\.weight", "keep",
+           lambda c: _dims(c)[:2], init="ones"),
+    Weight("layers.mlp_norm", ("layers", "embed"),
+           _LAYER + r"post_attention_layernorm\.weight", "keep", lambda c: _dims(c)[:2],
+           init="ones"),
+    Weight("layers.wq", ("layers", "embed", "heads"), _LAYER + r"self_attn\.q_proj\.weight",
+           "transpose", lambda c: (_dims(c)[0], _dims(c)[1], _dims(c)[3])),
+    Weight("layers.wk", ("layers", "embed", "kv_heads"), _LAYER + r"self_attn\.k_proj\.weight",
+           "transpose", lambda c: (_dims(c)[0], _dims(c)[1], _dims(c)[4])),
+    Weight("layers.wv", ("layers", "embed", "kv_heads"), _LAYER + r"self_attn\.v_proj\.weight",
+           "transpose", lambda c: (_dims(c)[0], _dims(c)[1], _dims(c)[4])),
+    Weight("layers.wo", ("layers", "heads", "embed"), _LAYER + r"self_attn\.o_proj\.weight",
+           "transpose", lambda c: (_dims(c)[0], _dims(c)[3], _dims(c)[1])),
+    Weight("layers.bq", ("layers", "heads"), _LAYER + r"self_attn\.q_proj\.bias", "keep",
+           lambda c: (_dims(c)[0], _dims(c)[3]), lambda c: c.qkv_bias),
+    Weight("layers.bk", ("layers", "kv_heads"), _LAYER + r"self_attn\.k_proj\.bias", "keep",
+           lambda c: (_dims(c)[0], _dims(c)[4]), lambda c: c.qkv_bias),
+    Weight("layers.bv", ("layers", "kv_heads"), _LAYER + r"self_attn\.v_proj\.bias", "keep",
+           lambda c: (_dims(c)[0], _dims(c)[4]), lambda c: c.qkv_bias),
+    Weight("layers.bo", ("layers", "embed"), _LAYER + r"self_attn\.o_proj\.bias", "keep",
+           lambda c: _dims(c)[:2], lambda c: c.o_bias),
+    Weight("layers.q_norm", ("layers", "head_dim"), _LAYER + r"self_attn\.q_norm\.weight", "keep",
+           lambda c: (_dims(c)[0], _dims(c)[5]), lambda c: c.qk_norm, init="ones"),
+    Weight("layers.k_norm", ("layers", "head_dim"), _LAYER + r"self_attn\.k_norm\.weight", "keep",
+           lambda c: (_dims(c)[0], _dims(c)[5]), lambda c: c.qk_norm, init="ones"),
+    Weight("layers.w_gate", ("layers", "embed", "mlp"), _LAYER + r"mlp\.gate_proj\.weight",
+           "transpose", lambda c: _dims(c)[:3]),
+    Weight("layers.w_up", ("layers", "embed", "mlp"), _LAYER + r"mlp\.up_proj\.weight",
+           "transpose", lambda c: _dims(c)[:3]),
+    Weight("layers.w_down", ("layers", "mlp", "embed"), _LAYER + r"mlp\.down_proj\.weight",
+           "transpose", lambda c: (_dims(c)[0], _dims(c)[2], _dims(c)[1])),
+    Weight("layers.b_gate", ("layers", "mlp"), _LAYER + r"mlp\.gate_proj\.bias", "keep",
+           lambda c: (_dims(c)[0], _dims(c)[2]), lambda c: c.mlp_bias),
+    Weight("layers.b_up", ("layers", "mlp"), _LAYER + r"mlp\.up_proj\.bias", "keep",
+           lambda c: (_dims(c)[0], _dims(c)[2]), lambda c: c.mlp_bias),
+    Weight("layers.b_down", ("layers", "embed"), _LAYER + r"mlp\.down_proj\.bias", "keep",
+           lambda c: _dims(c)[:2], lambda c: c.mlp_bias),
+)
+# fmt: on
+# Derived views of the table: Hugging Face name -> (field, transform), and logical axes.
+HF_KEY_TABLE: tuple[tuple[str, str, str], ...] = tuple(
+    (w.hf_key, w.name, w.transform) for w in WEIGHTS
+)
+PARAM_AXES: dict[str, tuple[str, ...]] = {w.name: w.axes for w in WEIGHTS}
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every parameter field present for `cfg` ("layers.wq", "embed", ...)."""
-    d, f, hd, nl = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes = {
-        "embed": (cfg.vocab_size, d),
-        "final_norm": (d,),
-        "layers.attn_norm": (nl, d),
-        "layers.wq": (nl, d, q),
-        "layers.wk": (nl, d, kv),
-        "layers.wv": (nl, d, kv),
-        "layers.wo": (nl, q, d),
-        "layers.mlp_norm": (nl, d),
-        "layers.w_gate": (nl, d, f),
-        "layers.w_up": (nl, d, f),
-        "layers.w_down": (nl, f, d),
-    }
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (d, cfg.vocab_size)
-    if cfg.qkv_bias:
-        shapes |= {"layers.bq": (nl, q), "layers.bk": (nl, kv), "layers.bv": (nl, kv)}
-    if cfg.o_bias:
-        shapes["layers.bo"] = (nl, d)
-    if cfg.qk_norm:
-        shapes |= {"layers.q_norm": (nl, hd), "layers.k_norm": (nl, hd)}
-    if cfg.mlp_bias:
-        shapes |= {"layers.b_gate": (nl, f), "layers.b_up": (nl, f), "layers.b_down": (nl, d)}
-    return shapes
+    return {w.name: w.shape(cfg) for w in WEIGHTS if w.present(cfg)}
 
 
 def params_from_flat(flat: dict[str, jax.Array]) -> Params:
@@ -102,8 +161,9 @@ def params_from_flat(flat: dict[str, jax.Array]) -> Params:
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
     """Random parameters for tests and benchmarks (norm weights 1, others N(0, scale²))."""
     flat = {}
+    inits = {w.name: w.init for w in WEIGHTS}
     for i, (name, shape) in enumerate(sorted(param_shapes(cfg).items())):
-        if name.endswith("norm"):
+        if inits[name] == "ones":
             flat[name] = jnp.ones(shape, dtype)
         else:
             noise = jax.random.normal(jax.random.fold_in(key, i), shape)
@@ -111,38 +171,9 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: floa
     return params_from_flat(flat)
 
 
-# Hugging Face tensor name -> (our field, layer index group or None, transform).
-# Linear weights are stored [out, in] by torch; we keep [in, out], so they are transposed.
-_TRANSPOSE = "transpose"
-_KEEP = "keep"
-HF_KEY_TABLE: tuple[tuple[str, str, str], ...] = (
-    (r"model\.embed_tokens\.weight", "embed", _KEEP),
-    (r"model\.norm\.weight", "final_norm", _KEEP),
-    (r"lm_head\.weight", "lm_head", _TRANSPOSE),
-    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "layers.attn_norm", _KEEP),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "layers.mlp_norm", _KEEP),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "layers.wq", _TRANSPOSE),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "layers.wk", _TRANSPOSE),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "layers.wv", _TRANSPOSE),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "layers.wo", _TRANSPOSE),
-    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias", "layers.bq", _KEEP),
-    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "layers.bk", _KEEP),
-    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "layers.bv", _KEEP),
-    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias", "layers.bo", _KEEP),
-    (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "layers.q_norm", _KEEP),
-    (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "layers.k_norm", _KEEP),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "layers.w_gate", _TRANSPOSE),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "layers.w_up", _TRANSPOSE),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "layers.w_down", _TRANSPOSE),
-    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.bias", "layers.b_gate", _KEEP),
-    (r"model\.layers\.(\d+)\.mlp\.up_proj\.bias", "layers.b_up", _KEEP),
-    (r"model\.layers\.(\d+)\.mlp\.down_proj\.bias", "layers.b_down", _KEEP),
-)
-
-
 def key_map(cfg: ModelConfig):
-    """A `KeyMap` for llama-like checkpoints of this config (see `dge_jax.checkpoint`)."""
-    from dge_jax.checkpoint import KeyMap
+    """A `KeyMap` for llama-like checkpoints of this config (see `dge_jax.checkpoints.hf`)."""
+    from dge_jax.checkpoints.hf import KeyMap
 
     return KeyMap(
         rules=tuple((re.compile(p), f, t) for p, f, t in HF_KEY_TABLE),
@@ -176,13 +207,14 @@ def forward(
     positions: jax.Array,
     cache: KVCache,
     *,
+    layers: tuple[LayerParams, ...] | None = None,
     obs_window: int = 0,
     record_attn: bool = False,
     logits: str = "last",
     key_block: int = 0,
 ) -> ForwardOutput:
-    """Runs T new tokens through the model, writing their K/V at slots [index, index + T)
-    (layer i at [index[i], index[i] + T) when the cache has per-layer next slots).
+    """Runs T new tokens through the model, writing each layer's K/V at slots
+    [index_i, index_i + T) of its cache layer.
 
     tokens, positions: [B, T] int32 (position -1 marks a padding token: it is written with
     pos -1, so no query ever sees it). logits: "last" -> [B, V], "all" -> [B, T, V], "none".
@@ -191,116 +223,46 @@ def forward(
     attends over the written slots [0, index + T) only, in blocks of that many keys
     (`written_slot_attention`: what a prefill chunk wants); 0 reads the whole capacity.
 
-    The layers run under `lax.scan` over a stacked cache. Given a cache in per-layer form
-    (`dge_jax.cache.split_layers`), they run as an unrolled loop over separate buffers
-    instead (pass `families.split_layer_params(params)` too, made once outside any loop),
-    and the cache comes back in that form.
+    The layers run group by group over the cache's layer groups, each under `lax.scan`;
+    ``layers``: the layer weights grouped like the cache (`families.group_layers`, made once
+    outside a decode loop), None = grouped here.
     """
     b, t = tokens.shape
-    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    cos, sin = rope_tables(positions, inverse_frequencies(cfg.rope, hd))
     if record_attn and cache.ragged:
         raise ValueError(
             f"record_attn needs one capacity for all layers (per-slot sums are stacked), got "
             f"{cache.capacities}"
         )
+    if layers is None:
+        layers = group_layers(params.layers, cache.group_sizes)
+    cos, sin = rope_tables(positions, inverse_frequencies(cfg.rope, cfg.head_dim))
+    new_pos = jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t)).astype(jnp.int32)
+    run = functools.partial(
+        _layer, cfg, positions, new_pos, cos, sin,
+        obs_window=min(obs_window, t), record_attn=record_attn, key_block=key_block,
+    )  # fmt: skip
 
-    def slot_of(i):
-        """Layer i's next slot: index [L] after compaction to per-layer capacities, else []."""
-        return cache.index[i] if cache.index.ndim == 1 else cache.index
-
-    new_pos = jnp.broadcast_to(positions[:, None, :], (b, hkv, t)).astype(jnp.int32)
-    w = min(obs_window, t)
-
-    def layer(x, lp, k_all, v_all, pos_all, i, slot):
-        """Layer i of x [B, T, D]; writes slots [slot, slot + T) of k_all[i] (in place under
-        jit), v_all[i] and pos_all[i]. i = None: k_all, v_all, pos_all are this layer's own
-        [B, Hkv, S, ...] buffers."""
-        h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
-        q = _linear(h, lp.wq, lp.bq).reshape(b, t, hq, hd)
-        k = _linear(h, lp.wk, lp.bk).reshape(b, t, hkv, hd)
-        v = _linear(h, lp.wv, lp.bv).reshape(b, t, hkv, hd)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-
-        def write(buf, new):
-            """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of this layer."""
-            start = (0, 0, slot) + (0,) * (new.ndim - 3)
-            if i is None:
-                return jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), start)
-            return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), (i, *start))
-
-        def this_layer(*bufs):
-            """This layer's [B, Hkv, S, ...] views of the given buffers."""
-            return bufs if i is None else tuple(buf[i] for buf in bufs)
-
-        k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        if key_block:  # a prefill chunk: attends over the written cache, its own keys included
-            k_all, v_all = write(k_all, k_new), write(v_all, v_new)
-            pos_all = write(pos_all, new_pos)
-            k_l, v_l, pos_l = this_layer(k_all, v_all, pos_all)
-            attn, probs_sum = written_slot_attention(
-                q, k_l, v_l, pos_l, positions, slot + t, block=key_block,
-                return_probs_sum=record_attn,
-            )  # fmt: skip
-        else:
-            # Decode and draft steps read the cache first, with this step's entries passed
-            # beside it, then write them. The written values take a zero computed from the
-            # attention output, so the write must run after attention's reads: XLA:CPU then
-            # updates each buffer in place. Without that order it copied every cache buffer
-            # of the loop 2-4 times per decode step (2.2x slower at batch 1 and 4,608 slots;
-            # tests/test_generation.py checks the compiled loop for such copies). The zero
-            # is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a.
-            k_l, v_l, pos_l = this_layer(k_all, v_all, pos_all)
-            attn, probs_sum = cached_attention(
-                q, k_l, v_l, pos_l, positions, return_probs_sum=record_attn,
-                new=(k_new, v_new, new_pos), new_slot=slot,
-            )  # fmt: skip
-            after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
-            k_all, v_all = write(k_all, k_new + after), write(v_all, v_new + after)
-            pos_all = write(pos_all, new_pos)
-        x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
-        x = x + mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
-        q_win = q[:, t - w :].transpose(0, 2, 1, 3) if w else None  # [B, Hq, W, D]
-        return x, k_all, v_all, pos_all, q_win, probs_sum
+    def scanned_layer(carry, scanned):
+        # The group's cache rides in the carry and only the T new slots of layer `i` are
+        # written, instead of returning every layer as a fresh stacked output, which made each
+        # decode step copy the whole cache.
+        x, k_all, v_all, pos_all = carry
+        lp, i, slot = scanned
+        x, k_all, v_all, pos_all, q_win, probs_sum = run(x, lp, k_all, v_all, pos_all, i, slot)
+        return (x, k_all, v_all, pos_all), (q_win, probs_sum)
 
     x = params.embed[tokens]
-    if not isinstance(cache.k, tuple):
-
-        def scanned_layer(carry, scanned):
-            # The cache rides in the carry and only the T new slots of layer `i` are written,
-            # instead of returning every layer as a fresh stacked output, which made each
-            # decode step copy the whole cache.
-            x, k_all, v_all, pos_all = carry
-            lp, i = scanned
-            x, k_all, v_all, pos_all, q_win, probs_sum = layer(
-                x, lp, k_all, v_all, pos_all, i, slot_of(i)
-            )
-            return (x, k_all, v_all, pos_all), (q_win, probs_sum)
-
-        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, k_all, v_all, pos_all), (q_window, probs_sum) = jax.lax.scan(
-            scanned_layer, (x, cache.k, cache.v, cache.pos), (params.layers, layer_ids)
+    groups, windows, sums = [], [], []
+    for lp, group in zip(layers, cache.groups, strict=True):
+        ids = jnp.arange(group.num_layers, dtype=jnp.int32)
+        (x, k, v, pos), (q_win, probs_sum) = jax.lax.scan(
+            scanned_layer, (x, group.k, group.v, group.pos), (lp, ids, group.index)
         )
-        new_cache = KVCache(k=k_all, v=v_all, pos=pos_all, index=cache.index + t)
-    else:
-        layers = split_layer_params(params).layers
-        ks, vs, ps, wins, sums = [], [], [], [], []
-        for i, (lp, k_l, v_l, pos_l) in enumerate(
-            zip(layers, cache.k, cache.v, cache.pos, strict=True)
-        ):
-            x, k_l, v_l, pos_l, q_win, probs_sum = layer(x, lp, k_l, v_l, pos_l, None, slot_of(i))
-            ks.append(k_l)
-            vs.append(v_l)
-            ps.append(pos_l)
-            wins.append(q_win)
-            sums.append(probs_sum)
-        new_cache = KVCache(k=tuple(ks), v=tuple(vs), pos=tuple(ps), index=cache.index + t)
-        q_window = jnp.stack(wins) if w else None
-        probs_sum = jnp.stack(sums) if record_attn else None
+        groups.append(LayerGroup(k=k, v=v, pos=pos, index=group.index + t))
+        windows.append(q_win)
+        sums.append(probs_sum)
+    q_window = jnp.concatenate(windows) if obs_window else None
+    probs_sum = jnp.concatenate(sums) if record_attn else None
     out = None
     if logits != "none":
         x = x[:, -1] if logits == "last" else x
@@ -309,7 +271,35 @@ def forward(
             out = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
         else:
             out = jnp.dot(x, params.lm_head, preferred_element_type=jnp.float32)
-    return ForwardOutput(out, new_cache, q_window, probs_sum)
+    return ForwardOutput(out, KVCache(tuple(groups)), q_window, probs_sum)
+
+
+def _layer(cfg, positions, new_pos, cos, sin, x, lp, k_all, v_all, pos_all, i, slot, *,
+           obs_window, record_attn, key_block):  # fmt: skip
+    """Layer i of a group on x [B, T, D]: writes slots [slot, slot + T) of k_all[i] (in place
+    under jit), v_all[i] and pos_all[i] ([Lg, B, Hkv, S, ...] buffers of the group).
+    Returns (x, k_all, v_all, pos_all, last W queries [B, Hq, W, D] or None, per-slot
+    attention sums [B, Hq, S] or None)."""
+    b, t = positions.shape
+    hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    q = _linear(h, lp.wq, lp.bq).reshape(b, t, hq, hd)
+    k = _linear(h, lp.wk, lp.bk).reshape(b, t, hkv, hd)
+    v = _linear(h, lp.wv, lp.bv).reshape(b, t, hkv, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+
+    attn, probs_sum, k_all, v_all, pos_all = cache_layer_attention(
+        q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), new_pos, positions,
+        k_all, v_all, pos_all, i, slot, key_block=key_block, record_attn=record_attn,
+    )  # fmt: skip
+    x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
+    x = x + mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
+    q_win = q[:, t - obs_window :].transpose(0, 2, 1, 3) if obs_window else None  # [B, Hq, W, D]
+    return x, k_all, v_all, pos_all, q_win, probs_sum
 
 
 def check_shapes(cfg: ModelConfig, params: Params) -> None:

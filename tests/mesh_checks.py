@@ -31,11 +31,13 @@ from safetensors.numpy import save_file
 
 import dge_jax
 from dge_jax import decoding as gen
-from dge_jax import eviction, orbax_io
+from dge_jax import eviction
 from dge_jax import sharding as sh
-from dge_jax.api import generate_grid, pad_left
+from dge_jax.checkpoints import orbax_io
 from dge_jax.eviction import Eviction
+from dge_jax.generation import generate_grid
 from dge_jax.policies import SnapKV
+from dge_jax.prompts import pad_left
 from dge_jax.sampling import Greedy
 from dge_jax.timing import dge, prefill
 
@@ -188,7 +190,7 @@ def step_facts(before: str, after: str, cfg, mesh_shape: dict) -> dict:
     slots, whole = [], []
     text = after.replace(" ", "")
     for batch, cap in caches:
-        spec = sh.cache_specs(cfg, batch, mesh_shape).k
+        spec = sh.cache_specs(cfg, batch, mesh_shape).groups[0].k
         rows = batch // axis_size(mesh_shape, spec[1])
         heads = hkv // axis_size(mesh_shape, spec[2])
         if f"f32[{nl},{rows},{heads},{cap},{hd}]" in entry:
@@ -243,7 +245,8 @@ def error_of(fn) -> str | None:
 
 
 # Per-layer budgets 8 and 4 keep 8 and 4 entries per head; the capacities (16, 12) hold
-# them plus MAX_NEW tokens, so the compacted cache is ragged (per-layer form, index [L]).
+# them plus MAX_NEW tokens, so the compacted cache is ragged (one layer group per capacity,
+# index [L]).
 RAGGED_BUDGET = np.array([8, 4])
 RAGGED_CAPACITIES = (16, 12)
 
@@ -277,14 +280,16 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
         for op, dt, shape in collectives(after)
         if len(shape) >= 2 and shape[-1] == cfg.head_dim and shape[-2] in slots
     ]
-    # Layer 1's keys, whole ([B, Hkv, 12, D]) or as this mesh's per-device block (rows over
-    # data = 2, kv heads over model = 4), in the per-device decode module.
+    # Layer 1's keys, whole ([B, Hkv, 12, D], or its one-layer group [1, B, Hkv, 12, D]) or as
+    # this mesh's per-device block (rows over data = 2, kv heads over model = 4), in the
+    # per-device decode module.
     b, hkv, hd = len(ids), cfg.num_kv_heads, cfg.head_dim
     decode = " ".join(after.replace(" ", "") for name, _, after in modules if name == "decode")
-    out["decode_layer1_keys"] = {
-        "whole": f"f32[{b},{hkv},12,{hd}]" in decode,
-        "block": f"f32[{b // 2},{hkv // 4},12,{hd}]" in decode,
-    }
+
+    def holds(rows: int, heads: int) -> bool:
+        return re.search(rf"f32\[(?:1,)?{rows},{heads},12,{hd}\]", decode) is not None
+
+    out["decode_layer1_keys"] = {"whole": holds(b, hkv), "block": holds(b // 2, hkv // 4)}
     return out
 
 

@@ -1,4 +1,4 @@
-"""Smoke test of `python -m benchmarks.run` (issue 9) at tiny sizes, without the peers' venv.
+"""Smoke test of `python -m benchmarks.run` at tiny sizes, without the peers' venv.
 
 The CPU suite runs its pure-JAX parts (scenario (a) on the tiny random Llama of
 `tests/tiny_model.py`, the research grid, scenario (b)) with `--tiny --no-peers`; the GPU

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.budgets import _floor_times, adakv_budgets, expand_budgets
-from dge_jax.evict import select
+from dge_jax.budgets import PyramidSchedule, _floor_times, adakv_budgets, expand_budgets
 from dge_jax.policies import PyramidKV
+from dge_jax.selection import select
 
 L, B, H = 3, 2, 4
 
@@ -155,7 +155,8 @@ def _exact_line(budget: int, window: int, num_layers: int, beta: int = 20):
 @pytest.mark.parametrize("window", [8, 32])
 def test_pyramid_schedule_against_kvcache_factory(num_layers, window):
     policy = PyramidKV(window=window)
-    fn = jax.jit(policy.layer_budgets, static_argnums=1)
+    assert policy.layer_schedule == PyramidSchedule(window=window, beta=20)
+    fn = jax.jit(policy.layer_schedule.layer_budgets, static_argnums=1)
     exact_cases = 0
     for budget in range(window + 1, window + 400, 7):
         ours = np.asarray(fn(jnp.int32(budget), num_layers))
@@ -175,8 +176,8 @@ def test_pyramid_schedule_against_kvcache_factory(num_layers, window):
 
 
 def test_pyramid_schedule_worked_example_and_small_budgets():
-    policy = PyramidKV(window=8)
-    np.testing.assert_array_equal(policy.layer_budgets(40, 4), [71, 51, 29, 9])
-    np.testing.assert_array_equal(policy.layer_budgets(8, 4), [8, 8, 8, 8])  # no pyramid room
-    np.testing.assert_array_equal(policy.layer_budgets(5, 3), [5, 5, 5])
-    np.testing.assert_array_equal(policy.layer_budgets(64, 1), [64])
+    schedule = PyramidKV(window=8).layer_schedule
+    np.testing.assert_array_equal(schedule.layer_budgets(40, 4), [71, 51, 29, 9])
+    np.testing.assert_array_equal(schedule.layer_budgets(8, 4), [8, 8, 8, 8])  # no pyramid room
+    np.testing.assert_array_equal(schedule.layer_budgets(5, 3), [5, 5, 5])
+    np.testing.assert_array_equal(schedule.layer_budgets(64, 1), [64])

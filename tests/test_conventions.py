@@ -1,4 +1,4 @@
-"""Conventions another SnapKV implementation may use (issue: matching other implementations):
+"""Conventions another SnapKV implementation may use, as options that match it:
 the order of GQA aggregation and pooling (`SnapKV.gqa_before_pool`) and which of equal scores
 is kept (`Eviction.ties`).
 
@@ -25,12 +25,14 @@ from numpy_reference import pool as ref_pool
 
 from dge_jax import cli
 from dge_jax import decoding as gen
-from dge_jax.api import bucket_length, generate_grid, pad_left
-from dge_jax.cache import KVCache, Observation
-from dge_jax.evict import select, top_mask
+from dge_jax.cache import KVCache
 from dge_jax.eviction import Eviction, keep_masks, select_for, select_for_budgets
+from dge_jax.generation import generate_grid
+from dge_jax.observation import Observation
 from dge_jax.policies import H2O, PyramidKV, SnapKV, _reduce, make_policy, pool1d
+from dge_jax.prompts import bucket_length, pad_left
 from dge_jax.sampling import Greedy
+from dge_jax.selection import select, top_mask
 from dge_jax.timing import Timing
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
@@ -230,7 +232,7 @@ def _cache(lengths, S, drafts, seed=0) -> KVCache:
         for i in range(n):
             k[:, b, :, S - n + i] = k[:, b, :, S - n + i - i % 3]
     v = rng.normal(size=shape).astype(np.float32)
-    return KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(S + drafts))
+    return KVCache.stacked(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), S + drafts)
 
 
 def _obs(lengths, window, drafts, seed=1) -> Observation:

@@ -235,8 +235,8 @@ def test_workspace_family_example_loads_a_checkpoint(workspace, checkpoint, tmp_
 
 def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint):
     import dge_jax
-    from dge_jax.api import generate_grid
     from dge_jax.eviction import Eviction
+    from dge_jax.generation import generate_grid
     from dge_jax.policies import make_policy
     from dge_jax.timing import Timing
     from experiments.cells import build_cells
@@ -272,8 +272,8 @@ def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint)
 @pytest.mark.slow
 def test_every_policy_runs_under_every_timing_and_head_budget(checkpoint):
     import dge_jax
-    from dge_jax.api import generate_grid
     from dge_jax.eviction import Eviction
+    from dge_jax.generation import generate_grid
     from dge_jax.policies import POLICIES, make_policy
     from dge_jax.timing import KINDS, Timing
 

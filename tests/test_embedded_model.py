@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, pre_tokenizers
 
-from dge_jax import embedded
-from dge_jax.embedded import EMBEDDED_MODELS, embedded_gguf_path, resolve_model_dir
+from dge_jax.checkpoints import embedded
+from dge_jax.checkpoints.embedded import EMBEDDED_MODELS, embedded_gguf_path, resolve_model_dir
 
 NAME = "smollm2-135m-instruct"
 pytestmark = pytest.mark.slow

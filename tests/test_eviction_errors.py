@@ -1,4 +1,4 @@
-"""Bad eviction requests fail early with a clear error naming the fix (issue #3).
+"""Bad eviction requests fail early with a clear error naming the fix.
 
 Most checks run before anything is compiled; the few that need a model use a 1-layer random
 Llama that is never asked to generate past the check.
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from dge_jax import cli
-from dge_jax.api import generate
-from dge_jax.cache import Observation, init_cache
+from dge_jax.cache import init_cache
 from dge_jax.config import ModelConfig
-from dge_jax.decoding import DraftRecord
 from dge_jax.eviction import Eviction, check_eviction, select_for
 from dge_jax.families import get_family
+from dge_jax.generation import generate
 from dge_jax.model import Model
+from dge_jax.observation import DraftRecord, Observation
 from dge_jax.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM, make_policy
 from dge_jax.timing import Timing
 
@@ -165,7 +165,7 @@ def _cache_and_obs():
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (NL, B, HKV, S))
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.normal(size=cache.k.shape), jnp.float32)
-    cache = type(cache)(k=k, v=k, pos=pos, index=jnp.asarray(S, jnp.int32))
+    cache = type(cache).stacked(k=k, v=k, pos=pos, index=S)
     full = Observation(
         q=jnp.asarray(rng.normal(size=(NL, B, HQ, 4, D)), jnp.float32),
         q_pos=jnp.asarray([[8, 9, 10, 11]], jnp.int32),

@@ -1,4 +1,4 @@
-"""Eviction inside generation (issue #3): timings, budgets, masking vs compaction, batching,
+"""Eviction inside generation: timings, budgets, masking vs compaction, batching,
 compilation counts and the CLI, on a tiny random Llama whose attention is far from uniform.
 
 Weights are N(0, 0.3²) (not the usual 0.02) so attention is peaked, selections differ between
@@ -26,14 +26,16 @@ import pytest
 
 from dge_jax import decoding as gen
 from dge_jax import eviction as eviction_mod
-from dge_jax.api import generate, generate_grid, pad_left
+from dge_jax.cache import compact
 from dge_jax.config import ModelConfig
-from dge_jax.evict import apply_keep, compact
 from dge_jax.eviction import Eviction, keep_masks, select_for, select_for_budgets
 from dge_jax.families import get_family
+from dge_jax.generation import generate, generate_grid
 from dge_jax.model import Model
 from dge_jax.policies import H2O, TOVA, KeyNorm, PyramidKV, RandomScores, SnapKV, StreamingLLM
+from dge_jax.prompts import pad_left
 from dge_jax.sampling import Greedy
+from dge_jax.selection import apply_keep
 from dge_jax.timing import Timing
 
 L, HQ, HKV, HD, VOCAB = 2, 4, 2, 16, 128
@@ -483,13 +485,13 @@ def test_pyramidkv_compacts_to_per_layer_capacities(model):
         fresh = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=cache))
         return gen.decode(fwd, cfg, params, fresh, sampler=GREEDY, eos_ids=(), **loop)
 
-    with pytest.raises(ValueError, match="layer_loop='scan' needs one capacity"):
-        decode(ragged, layer_loop="scan")
-    out = decode(ragged)  # unrolled: the only loop it runs
+    assert ragged.group_sizes == (1, 1) and uniform.group_sizes == (L,)
     ref = decode(uniform, layer_loop="scan")
-    np.testing.assert_array_equal(out.tokens, ref.tokens)
-    assert out.cache.capacities == ragged.capacities  # comes back in its per-layer form
-    np.testing.assert_array_equal(out.cache.index, np.asarray(ragged.index) + N_NEW - 1)
+    for loop in ("scan", "unrolled"):  # scan: one scanned group per capacity
+        out = decode(ragged, layer_loop=loop)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+        assert out.cache.capacities == ragged.capacities
+        np.testing.assert_array_equal(out.cache.index, np.asarray(ragged.index) + N_NEW - 1)
 
 
 def test_grid_with_per_layer_capacities_equals_one_capacity(model):

@@ -1,4 +1,4 @@
-"""`dge_jax.generate` beyond parity: compile-once buckets, sampling, EOS handling (issue #2).
+"""`dge_jax.generate` beyond parity: compile-once buckets, sampling, EOS handling.
 
 Greedy parity with transformers lives in test_parity.py; here the model is the tiny untied
 GQA llama of conftest, and references are our own greedy decode and teacher-forced logits.
@@ -15,7 +15,7 @@ import pytest
 
 import dge_jax
 from dge_jax import decoding
-from dge_jax.api import bucket_length, pad_left
+from dge_jax.prompts import bucket_length, pad_left
 from dge_jax.sampling import Greedy, Sampling
 
 # Most tests share prompts of lengths (20, 13) -> bucket 32 and N new tokens, so the jitted
@@ -245,12 +245,12 @@ def test_a_single_new_token_is_the_prefill_argmax(model, prompts, greedy):
 
 
 # ---------------------------------------------------------------------------------------------
-# Layer loops: lax.scan over stacked buffers vs an unrolled loop over per-layer buffers
+# Layer groupings: one scanned group of all layers vs one group per layer
 
 
 def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
-    """decode's two layer loops are one computation: same tokens, same final cache (up to
-    float summation order), and the cache comes back stacked from either."""
+    """decode's two layer groupings are one computation: same tokens, same final cache (up
+    to float summation order), each back in the grouping it was given."""
     cfg, params = model.config, model.params
     tokens, lengths = pad_left(prompts, 32)
     pre = decoding.prefill(
@@ -268,7 +268,7 @@ def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
         )
     scan, unrolled = finals["scan"], finals["unrolled"]
     np.testing.assert_array_equal(np.asarray(unrolled.tokens), np.asarray(scan.tokens))
-    assert not isinstance(unrolled.cache.k, tuple)
+    assert unrolled.cache.group_sizes == scan.cache.group_sizes == (cfg.num_layers,)
     np.testing.assert_array_equal(np.asarray(unrolled.cache.pos), np.asarray(scan.cache.pos))
     np.testing.assert_allclose(np.asarray(unrolled.cache.k), np.asarray(scan.cache.k), atol=1e-5)
     np.testing.assert_allclose(np.asarray(unrolled.cache.v), np.asarray(scan.cache.v), atol=1e-5)
@@ -278,7 +278,8 @@ def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
 def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
     """The decode loop updates its cache buffers in place: its compiled body holds no copy
     of a cache-sized array. (XLA:CPU copied every batch-1 buffer 2-4 times per step while
-    attention read the buffer its write had just produced; see models/llama_like.py.)"""
+    attention read the buffer its write had just produced; see
+    dge_jax.attention.cache_layer_attention.)"""
     import re
 
     cfg = model.config
@@ -291,46 +292,48 @@ def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
             model.forward, cfg, model.params, state, sampler=Greedy(), eos_ids=(),
             layer_loop=loop,
         ).compile().as_text()  # fmt: skip
-        layer = rf"f32\[{batch},{cfg.num_kv_heads},{slots},{cfg.head_dim}\]"
-        stacked = rf"f32\[{cfg.num_layers},{batch},{cfg.num_kv_heads},{slots},{cfg.head_dim}\]"
-        copies = re.findall(rf"= (?:{layer}|{stacked})\{{[\d,]*\}} copy\(", hlo)
-        # Copies outside the loop (the unrolled loop's one split and restack) are allowed:
-        # count those of the while body only, the largest computation with "region" in its
-        # name.
+        # A layer's buffer [B, Hkv, S, D], or a group's [Lg, B, Hkv, S, D] (any Lg).
+        buffer = rf"f32\[(?:\d+,)?{batch},{cfg.num_kv_heads},{slots},{cfg.head_dim}\]"
+        copies = re.findall(rf"= {buffer}\{{[\d,]*\}} copy\(", hlo)
+        # Copies outside the loop (the unrolled loop's one regrouping) are allowed: count
+        # those of the while body only, the largest computation with "region" in its name.
         bodies = [c for c in re.split(r"\n(?=\S)", hlo) if "region" in c.split("\n")[0]]
         body = max(bodies, key=len)
-        in_loop = re.findall(rf"= (?:{layer}|{stacked})\{{[\d,]*\}} copy\(", body)
+        in_loop = re.findall(rf"= {buffer}\{{[\d,]*\}} copy\(", body)
         assert in_loop == [], f"{loop}: {len(in_loop)} cache copies per step ({len(copies)} in all)"
 
 
-def test_forward_on_per_layer_caches_equals_the_stacked_forward(model, prompts):
-    """One forward over `split_layers(cache)` returns the same logits, and a per-layer cache
-    that `stack_layers` turns into the stacked forward's cache."""
-    from dge_jax.cache import init_cache, split_layers, stack_layers
-    from dge_jax.families import split_layer_params
+@pytest.mark.parametrize("grouping", ["one layer each", "first alone"])
+def test_forward_over_any_layer_grouping_equals_the_one_group_forward(model, prompts, grouping):
+    """The same forward over the same layers in other groups (`regroup`): same logits, same
+    queries, and a cache holding the same entries, in the grouping it was given."""
+    from dge_jax.cache import init_cache, regroup
 
     cfg = model.config
+    nl = cfg.num_layers
+    sizes = (1,) * nl if grouping == "one layer each" else (1, nl - 1)
     tokens, lengths = pad_left(prompts, 32)
     positions = decoding.prompt_positions(jnp.asarray(lengths), 32)
-    cache = init_cache(cfg.num_layers, 2, cfg.num_kv_heads, 40, cfg.head_dim)
+    cache = init_cache(nl, 2, cfg.num_kv_heads, 40, cfg.head_dim)
     args = (jnp.asarray(tokens), positions)
-    stacked = model.forward(cfg, model.params, *args, cache, logits="all", obs_window=4)
-    split = model.forward(
-        cfg, split_layer_params(model.params), *args, split_layers(cache), logits="all",
-        obs_window=4,
-    )  # fmt: skip
-    assert isinstance(split.cache.k, tuple) and len(split.cache.k) == cfg.num_layers
-    per_layer = split.cache  # the per-layer form answers the same questions as the stacked one
-    assert (per_layer.num_layers, per_layer.batch_size, per_layer.capacity) == (
-        stacked.cache.num_layers, stacked.cache.batch_size, stacked.cache.capacity)
-    assert per_layer.nbytes() == stacked.cache.nbytes()
-    np.testing.assert_array_equal(per_layer.num_kept(), stacked.cache.num_kept())
-    np.testing.assert_allclose(np.asarray(split.logits), np.asarray(stacked.logits), atol=1e-4)
-    np.testing.assert_allclose(np.asarray(split.q_window), np.asarray(stacked.q_window), atol=1e-5)
-    leaves = jax.tree.leaves(stack_layers(split.cache)), jax.tree.leaves(stacked.cache)
-    both = zip(*leaves, strict=True)
-    for got, want in both:
+    one = model.forward(cfg, model.params, *args, cache, logits="all", obs_window=4)
+    grouped = model.forward(
+        cfg, model.params, *args, regroup(cache, sizes), logits="all", obs_window=4
+    )
+    assert grouped.cache.group_sizes == sizes and one.cache.group_sizes == (nl,)
+    assert (grouped.cache.num_layers, grouped.cache.batch_size, grouped.cache.capacity) == (
+        one.cache.num_layers, one.cache.batch_size, one.cache.capacity)  # fmt: skip
+    assert grouped.cache.nbytes() == one.cache.nbytes()
+    np.testing.assert_array_equal(grouped.cache.num_kept(), one.cache.num_kept())
+    np.testing.assert_array_equal(grouped.cache.index, one.cache.index)
+    np.testing.assert_allclose(np.asarray(grouped.logits), np.asarray(one.logits), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(grouped.q_window), np.asarray(one.q_window), atol=1e-5)
+    for name in ("k", "v", "pos"):
+        got, want = getattr(grouped.cache, name), getattr(one.cache, name)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    back = regroup(grouped.cache, (nl,))
+    assert back.group_sizes == (nl,)
+    np.testing.assert_array_equal(np.asarray(back.pos), np.asarray(one.cache.pos))
 
 
 def test_unknown_layer_loop_is_a_clear_error(model, prompts):
@@ -359,3 +362,40 @@ def test_split_rows_undoes_stack_states(model):
     for got, state in zip(decoding.split_rows(np.asarray(stacked.tokens), 3), states, strict=True):
         np.testing.assert_array_equal(got, np.asarray(state.tokens))
     assert np.asarray(stacked.tokens)[:, 0].tolist() == [1, 11, 21, 2, 12, 22]
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline's stages and its hook
+
+
+def test_the_hook_sees_every_stage_in_order_and_changes_nothing(model, prompts, greedy):
+    """generate_grid runs its jitted steps through the hook, in pipeline order; a single cell
+    decodes its own state (no stack_states copy); tokens equal the hook-free call's."""
+    from dge_jax.eviction import Eviction
+    from dge_jax.generation import STAGES, generate_grid
+    from dge_jax.policies import SnapKV
+    from dge_jax.timing import Timing
+
+    seen = []
+
+    def hook(stage, fn, *args, **kwargs):
+        seen.append(stage)
+        return fn(*args, **kwargs)
+
+    single = dge_jax.generate(model, prompts, max_new_tokens=N, hook=hook)
+    assert seen == ["prefill", "decode"] and single.tokens == greedy
+    seen.clear()
+    cells = [None, Eviction(SnapKV(window=4), 12, Timing("dge", 2)),
+             Eviction(SnapKV(window=4), 16, Timing("dge", 2))]  # fmt: skip
+    with_hook = generate_grid(model, prompts, cells, max_new_tokens=N, hook=hook)
+    plain = generate_grid(model, prompts, cells, max_new_tokens=N)
+    assert [r.tokens for r in with_hook] == [r.tokens for r in plain]
+    assert with_hook[0].tokens == greedy
+    # one draft, one rewind (same k), one scoring for both budgets, one eviction per cell,
+    # then a stack and a decode per cache shape
+    assert seen[:5] == ["prefill", "draft", "rewind", "keep_masks", "apply_eviction"]
+    assert seen.count("keep_masks") == 1 and seen.count("apply_eviction") == 2
+    assert seen.count("stack_states") == seen.count("decode") >= 1
+    assert set(seen) <= set(STAGES)
+    order = [STAGES.index(s) for s in dict.fromkeys(seen)]
+    assert order == sorted(order)

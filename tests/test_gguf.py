@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QType
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
-from dge_jax.gguf import convert_gguf_to_hf, dequantize, hf_name, unpermute_qk
+from dge_jax.checkpoints.gguf import convert_gguf_to_hf, dequantize, hf_name, unpermute_qk
 
 # ---------------------------------------------------------------------------------------------
 # Dequantization

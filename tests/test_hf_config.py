@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from dge_jax.checkpoint import parse_config
+from dge_jax.checkpoints.hf import parse_config
 from dge_jax.config import ConfigError
 
 LLAMA_2_7B = """{

@@ -1,4 +1,4 @@
-"""Bad checkpoints and bad requests fail early with a clear error (issue #2).
+"""Bad checkpoints and bad requests fail early with a clear error.
 
 Each test breaks a writable copy of a tiny checkpoint (conftest.checkpoint_copy) in one way
 and checks both the exception type and that the message names the problem, so a user can fix
@@ -15,9 +15,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import dge_jax
-from dge_jax.api import check_request, generate_grid
-from dge_jax.checkpoint import CheckpointError, load_hf_checkpoint
+from dge_jax.checkpoints.hf import CheckpointError, load_hf_checkpoint
 from dge_jax.config import ConfigError
+from dge_jax.generation import generate_grid
+from dge_jax.prompts import check_request
 
 _DROP = object()  # edit_config(folder, key=_DROP) removes the key
 
@@ -84,7 +85,7 @@ def test_damaged_file_in_the_model_cache_says_to_delete_it(checkpoint, tmp_path,
     next load converts it again."""
     import shutil
 
-    from dge_jax.embedded import cache_root
+    from dge_jax.checkpoints.embedded import cache_root
 
     monkeypatch.setenv("DGE_JAX_CACHE", str(tmp_path / "cache"))
     folder = cache_root() / "smollm2-135m-instruct-0123456789ab"

@@ -19,9 +19,9 @@ import pytest
 from mesh_checks import CONFIG, write_checkpoint, write_tokenizer
 
 import dge_jax
-from dge_jax import orbax_io
 from dge_jax import sharding as sh
-from dge_jax.checkpoint import CheckpointError, load_hf_checkpoint, plan_tensors
+from dge_jax.checkpoints import hf, orbax_io
+from dge_jax.checkpoints.hf import CheckpointError, load_hf_checkpoint, plan_tensors
 from dge_jax.cli import main
 
 
@@ -129,8 +129,8 @@ def test_damaged_converted_folder_says_how_to_convert_again(
 
 
 def test_convert_records_its_source(hf_folder, converted):
-    assert orbax_io.source_of(converted) == str(hf_folder.absolute())
-    assert orbax_io.source_of(hf_folder) is None
+    assert hf.source_of(converted) == str(hf_folder.absolute())
+    assert hf.source_of(hf_folder) is None
 
 
 def test_convert_command(hf_folder, tmp_path, capsys):
@@ -190,7 +190,7 @@ def test_sharded_loader_reads_bfloat16_files(hf_folder, tmp_path):
 def test_plan_checks_names_shapes_and_layers(hf_folder, tmp_path):
     from safetensors.numpy import save_file
 
-    from dge_jax.checkpoint import parse_config, read_config, safetensors_files
+    from dge_jax.checkpoints.hf import parse_config, read_config, safetensors_files
 
     family, cfg = parse_config(read_config(hf_folder))
     files = safetensors_files(hf_folder)

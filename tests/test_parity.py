@@ -1,4 +1,4 @@
-"""Parity with transformers on tiny random checkpoints of every family (issue #2).
+"""Parity with transformers on tiny random checkpoints of every family.
 
 For each checkpoint variant (see conftest.VARIANTS) and a batch of two prompts of different
 lengths, in f32:
@@ -29,8 +29,8 @@ import transformers
 
 import dge_jax
 from dge_jax import decoding
-from dge_jax.api import bucket_length, pad_left
 from dge_jax.config import RopeConfig
+from dge_jax.prompts import bucket_length, pad_left
 from dge_jax.sampling import Greedy
 
 PARITY_VARIANTS = [

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from numpy_reference import pool as _pool
 
-from dge_jax.cache import KVCache, Observation
-from dge_jax.evict import select as _select_eager
+from dge_jax.cache import KVCache
+from dge_jax.observation import Observation
 from dge_jax.policies import (
     H2O,
     POLICIES,
@@ -29,6 +29,7 @@ from dge_jax.policies import (
     make_policy,
     pool1d,
 )
+from dge_jax.selection import select as _select_eager
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
 select = jax.jit(_select_eager)
@@ -49,7 +50,7 @@ def _cache(lengths, S: int, seed: int = 0, drafts: int = 0) -> KVCache:
     for b, n in enumerate(lengths):
         pos[:, b, :, S - n : S] = np.arange(n)
         pos[:, b, :, S:] = n + np.arange(drafts)
-    return KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(S + drafts))
+    return KVCache.stacked(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), S + drafts)
 
 
 def _obs(lengths, window: int, drafts: int = 0, seed: int = 1, attn_sum=None) -> Observation:
@@ -221,10 +222,9 @@ def test_snapkv_padding_does_not_leak():
     policy = SnapKV(window=window, kernel=7, pooling="avg")
     cache, obs = _cache(lengths, S), _obs(lengths, window)
     scores = _score(policy, cache, obs)
-    alone = KVCache(
-        cache.k[:, :, :, S - 15 :], cache.v[:, :, :, S - 15 :], cache.pos[:, :, :, S - 15 :],
-        jnp.asarray(15),
-    )  # fmt: skip
+    alone = KVCache.stacked(
+        cache.k[:, :, :, S - 15 :], cache.v[:, :, :, S - 15 :], cache.pos[:, :, :, S - 15 :], 15
+    )
     alone_scores = _score(policy, alone, obs)
     np.testing.assert_allclose(scores[:, 1, :, S - 15 :], alone_scores[:, 1], rtol=1e-6)
     assert np.isneginf(scores[:, 1, :, : S - 15]).all()

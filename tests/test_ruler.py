@@ -98,7 +98,7 @@ def ruler_string_match_all(preds, refs):
 
 @pytest.fixture(scope="module")
 def tok():
-    from dge_jax.embedded import resolve_model_dir
+    from dge_jax.checkpoints.embedded import resolve_model_dir
     from dge_jax.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(resolve_model_dir("smollm2-135m-instruct"))

@@ -23,12 +23,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from dge_jax.checkpoint import DTYPES, CheckpointError, damaged, parse_config, read_config
+from dge_jax.checkpoints.hf import (
+    DTYPES,
+    MARKER,
+    CheckpointError,
+    damaged,
+    is_converted,
+    parse_config,
+    read_config,
+)
 from dge_jax.sharding import DEFAULT_RULES, AxisRules, field_name, param_shardings
 
 FORMAT = "dge_jax.orbax"
 VERSION = 1
-MARKER = "dge_jax.json"
 PARAMS_DIR = "params"
 # Files the tokenizer, chat template and EOS ids are read from (dge_jax.tokenizer).
 TOKENIZER_FILES = (
@@ -40,26 +47,12 @@ TOKENIZER_FILES = (
 )
 
 
-def is_converted(path: str | pathlib.Path) -> bool:
-    """True for a folder written by `save` (it holds the marker file)."""
-    return (pathlib.Path(path) / MARKER).is_file()
-
-
 def _marker(folder: pathlib.Path) -> dict[str, Any]:
     """The folder's marker file, a one-line error (with how to convert again) if damaged."""
     try:
         return json.loads((folder / MARKER).read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise damaged(folder, folder / MARKER, e) from e
-
-
-def source_of(path: str | pathlib.Path) -> str | None:
-    """The `--model` a converted folder was made from (None if unknown or unreadable)."""
-    try:
-        source = json.loads((pathlib.Path(path) / MARKER).read_text()).get("source")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return source if isinstance(source, str) else None
 
 
 def flat_params(params: Any) -> dict[str, jax.Array]:
@@ -123,8 +116,8 @@ def convert(
     With a mesh the source is read sharded (each device its own slices) and saved from
     there, so a model larger than one host's memory converts too.
     """
-    from dge_jax.checkpoint import load_hf_checkpoint
-    from dge_jax.embedded import resolve_model_dir
+    from dge_jax.checkpoints.embedded import resolve_model_dir
+    from dge_jax.checkpoints.hf import load_hf_checkpoint
 
     folder = resolve_model_dir(model)
     _, _, params = load_hf_checkpoint(folder, dtype=dtype, mesh=mesh)

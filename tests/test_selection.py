@@ -1,4 +1,5 @@
-"""Selection, masking and compaction (dge_jax/evict.py) on tiny hand-made caches."""
+"""Selection, masking (dge_jax/selection.py) and compaction (dge_jax/cache.py) on tiny hand-made
+caches."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.cache import KVCache, stack_layers
-from dge_jax.evict import apply_keep, check_capacity, compact, select, top_mask
+from dge_jax.cache import KVCache, check_capacity, compact, regroup
+from dge_jax.selection import apply_keep, select, top_mask
 
 L, B, HKV, G, S, D = 2, 2, 2, 2, 12, 4
 
@@ -25,7 +26,7 @@ def _cache(seed: int = 0, lengths=(12, 7), spare: int = 0) -> KVCache:
     pos = np.full((L, B, HKV, S + spare), -1, np.int32)
     for b, n in enumerate(lengths):
         pos[:, b, :, S - n : S] = np.arange(n)
-    return KVCache(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), jnp.asarray(S, jnp.int32))
+    return KVCache.stacked(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), S)
 
 
 def _scores(cache: KVCache, seed: int = 1) -> jax.Array:
@@ -75,20 +76,22 @@ def test_top_mask_equals_ranking_by_sort(pool):
     # Many rows of random length, budgets from 0 to past the candidate count; "ties" draws
     # from a few values (signed zeros, infinities, float extremes) so most rows tie at the
     # threshold.
+    # Each row's length n < 50 is its candidates' extent: slots from n on are padding (never
+    # candidates), so one compiled top_mask serves every trial.
     rng = np.random.default_rng(7)
     values = np.array([0.0, -0.0, 1.0, -1.0, 2.5, np.inf, -np.inf, 1e-30, -3e38, 3e38], np.float32)
+    top = jax.jit(top_mask)
     for trial in range(40):
-        shape = (3, 4, int(rng.integers(1, 50)))
+        n, shape = int(rng.integers(1, 50)), (3, 4, 50)
         if pool == "ties":
             scores = rng.choice(values, size=shape)
         else:
             scores = rng.normal(size=shape).astype(np.float32)
-        candidate = (rng.random(shape) < 0.8) & (scores > -np.inf)
-        budgets = rng.integers(-1, shape[-1] + 2, size=shape[:-1]).astype(np.int32)
-        got = np.asarray(
-            top_mask(jnp.asarray(scores), jnp.asarray(budgets), jnp.asarray(candidate))
-        )
+        candidate = (rng.random(shape) < 0.8) & (scores > -np.inf) & (np.arange(50) < n)
+        budgets = rng.integers(-1, n + 2, size=shape[:-1]).astype(np.int32)
+        got = np.asarray(top(jnp.asarray(scores), jnp.asarray(budgets), jnp.asarray(candidate)))
         np.testing.assert_array_equal(got, _ranked_keep(scores, budgets, candidate), str(trial))
+    assert top._cache_size() == 1
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 7, 12, 20])
@@ -154,7 +157,8 @@ def test_apply_keep_masks_only_pos():
     out = apply_keep(cache, keep)
     np.testing.assert_array_equal(out.pos, np.where(keep, cache.pos, -1))
     np.testing.assert_array_equal(out.k, cache.k)
-    assert out.capacity == cache.capacity and int(out.index) == int(cache.index)
+    assert out.capacity == cache.capacity
+    np.testing.assert_array_equal(out.index, cache.index)
     np.testing.assert_array_equal(out.num_kept(), np.asarray(keep).sum(-1))
 
 
@@ -172,7 +176,7 @@ def test_compact_keeps_position_order_and_sets_index():
         np.testing.assert_array_equal(pos[idx][:n], kept_pos)  # first n slots, ascending
         assert (pos[idx][n:] == -1).all()
         assert (np.asarray(out.k)[idx][n:] == 0).all()
-    assert int(out.index) == counts.max() == 7
+    assert np.asarray(out.index).tolist() == [counts.max()] * L == [7] * L  # one shared slot
     assert check_capacity(masked, 8) == 7
     assert check_capacity(np.asarray(masked.valid()), 8, new_tokens=1) == 8
     with pytest.raises(ValueError, match="capacity is 7"):
@@ -195,15 +199,15 @@ def test_compact_matches_masked_attention_and_decode_append():
     new_pos = jnp.broadcast_to((last + 1)[None, :, None], (L, B, HKV))
 
     def write(c: KVCache, slot) -> KVCache:
-        return KVCache(
+        return KVCache.stacked(
             c.k.at[:, :, :, slot].set(new_k),
             c.v.at[:, :, :, slot].set(new_v),
             c.pos.at[:, :, :, slot].set(new_pos),
             c.index + 1,
         )
 
-    masked2, out2 = write(masked, S), write(out, out.index)
-    assert int(out.index) <= 8
+    masked2, out2 = write(masked, S), write(out, out.index[0])
+    assert int(out.index[0]) <= 8
     np.testing.assert_allclose(_attend(q, last + 1, masked2), _attend(q, last + 1, out2), atol=1e-6)
     for idx in np.ndindex(L, B, HKV):  # still sorted by position within every head
         p = np.asarray(out2.pos)[idx]
@@ -213,7 +217,7 @@ def test_compact_matches_masked_attention_and_decode_append():
 def test_compact_grows_capacity_and_jits():
     cache = _cache()
     out = jax.jit(compact, static_argnums=1)(cache, S + 4)
-    assert out.capacity == S + 4 and int(out.index) == S
+    assert out.capacity == S + 4 and np.asarray(out.index).tolist() == [S] * L
     np.testing.assert_array_equal(out.num_kept(), cache.num_kept())
     q = jnp.asarray(np.random.default_rng(4).normal(size=(L, B, HKV * G, D)), jnp.float32)
     last = jnp.asarray([11, 6], jnp.int32)
@@ -228,8 +232,8 @@ def test_compact_orders_by_position_with_k_v_following(shuffled):
     cache = apply_keep(_cache(), select(_scores(_cache()), 5))
     if shuffled:
         perm = np.random.default_rng(5).permutation(S)
-        cache = KVCache(cache.k[..., perm, :], cache.v[..., perm, :], cache.pos[..., perm],
-                        cache.index)  # fmt: skip
+        cache = KVCache.stacked(cache.k[..., perm, :], cache.v[..., perm, :],
+                                cache.pos[..., perm], cache.index)  # fmt: skip
     out = jax.jit(compact, static_argnums=1)(cache, 7)
     pos, k, v = np.asarray(cache.pos), np.asarray(cache.k), np.asarray(cache.v)
     for idx in np.ndindex(L, B, HKV):
@@ -245,19 +249,21 @@ def test_compact_orders_by_position_with_k_v_following(shuffled):
 
 def test_compact_to_per_layer_capacities_equals_one_capacity_cut():
     # Layer 0 keeps up to 7 per head, layer 1 up to 3: capacities (8, 4) hold each layer's
-    # kept entries exactly as one capacity of 8 does, in fewer slots, with per-layer indices.
+    # kept entries exactly as one capacity of 8 does, in fewer slots, with per-layer indices:
+    # one layer group per capacity.
     cache = _cache()
     budgets = jnp.asarray([[[5, 7], [2, 6]], [[3, 1], [2, 3]]], jnp.int32)
     masked = apply_keep(cache, select(_scores(cache), budgets))
     uniform = compact(masked, 8)
     ragged = jax.jit(compact, static_argnums=1)(masked, (8, 4))
-    assert isinstance(ragged.k, tuple) and ragged.capacities == (8, 4) and ragged.ragged
-    assert not uniform.ragged and uniform.capacities == (8, 8)
+    assert ragged.group_sizes == (1, 1) and ragged.capacities == (8, 4) and ragged.ragged
+    assert not uniform.ragged and uniform.capacities == (8, 8) and uniform.group_sizes == (2,)
     np.testing.assert_array_equal(ragged.index, [7, 3])
     for i, cap in enumerate((8, 4)):
-        np.testing.assert_array_equal(ragged.pos[i], uniform.pos[i, ..., :cap])
-        np.testing.assert_array_equal(ragged.k[i], uniform.k[i, ..., :cap, :])
-        np.testing.assert_array_equal(ragged.v[i], uniform.v[i, ..., :cap, :])
+        group = ragged.groups[i]
+        np.testing.assert_array_equal(group.pos[0], uniform.pos[i, ..., :cap])
+        np.testing.assert_array_equal(group.k[0], uniform.k[i, ..., :cap, :])
+        np.testing.assert_array_equal(group.v[0], uniform.v[i, ..., :cap, :])
     np.testing.assert_array_equal(ragged.num_kept(), masked.num_kept())
     assert ragged.nbytes() == uniform.nbytes() * 12 // 16
     assert check_capacity(masked, (8, 4)) == 7
@@ -269,5 +275,5 @@ def test_compact_to_per_layer_capacities_equals_one_capacity_cut():
         compact(masked, (8, 4, 4))
     with pytest.raises(ValueError, match="per-layer capacities"):
         ragged.valid()
-    with pytest.raises(ValueError, match="cannot stack"):
-        stack_layers(ragged)
+    with pytest.raises(ValueError, match="a group needs one capacity"):
+        regroup(ragged, (2,))

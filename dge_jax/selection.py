@@ -1,10 +1,10 @@
-"""Eviction: choose the slots each head keeps, then mask or compact the cache.
+"""Selection: choose the slots each head keeps, then mask the rest out.
 
 Eviction is masking first (DESIGN §3). ``select`` turns scores and per-head budgets into a keep
 mask, ``apply_keep`` writes ``pos = -1`` into the evicted slots (same shapes, so the attention
-code does not change), and ``compact`` gathers the kept slots into a smaller cache of static
-capacity so memory and decode cost really fall. Budgets are traced arrays: a sweep over budgets
-reuses one compiled ``select``.
+code does not change); `dge_jax.cache.compact` then gathers the kept slots into a smaller
+cache of static capacity so memory and decode cost really fall. Budgets are traced arrays: a
+sweep over budgets reuses one compiled ``select``.
 
 Ranking rule, used everywhere a tie could matter: a head's slots are ordered by score, highest
 first, and equal scores by the tie rule ``ties`` (``Eviction.ties``):
@@ -26,15 +26,11 @@ than the protected window, whose slots all score +inf: "later" keeps the most re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from dge_jax.cache import KVCache, stack_layers
+from dge_jax.cache import INT32_MAX, KVCache
 
-_INT32_MAX = np.iinfo(np.int32).max
 TIES = ("later", "earlier")
 
 
@@ -123,7 +119,7 @@ def _top_mask_earlier_position(
         return top_mask(scores, budgets, candidate, "earlier")
 
     def by_sorted_position() -> jax.Array:
-        order = jnp.argsort(jnp.where(candidate, positions, _INT32_MAX), axis=-1, stable=True)
+        order = jnp.argsort(jnp.where(candidate, positions, INT32_MAX), axis=-1, stable=True)
         keep = top_mask(
             jnp.take_along_axis(scores, order, axis=-1), budgets,
             jnp.take_along_axis(candidate, order, axis=-1), "earlier",
@@ -174,146 +170,4 @@ def apply_keep(cache: KVCache, keep: jax.Array) -> KVCache:
 
     keep: [L, B, Hkv, S] bool. Masking mode: shapes (and the compiled decode) do not change.
     """
-    return KVCache(k=cache.k, v=cache.v, pos=jnp.where(keep, cache.pos, -1), index=cache.index)
-
-
-def _first_reaching(running: jax.Array, targets: jax.Array) -> jax.Array:
-    """[..., T] int32: for each target, the first index whose non-decreasing `running` [..., S]
-    value reaches it (S if none): a binary search along the last axis that keeps every
-    leading axis in place, so a cache sharded over rows and heads stays so."""
-    slots = running.shape[-1]
-    shape = running.shape[:-1] + targets.shape
-    lo = jnp.zeros(shape, jnp.int32)  # the answer lies in [lo, hi]
-    hi = jnp.full(shape, slots, jnp.int32)
-    for _ in range(max(slots, 1).bit_length()):
-        mid = (lo + hi) // 2
-        short = jnp.take_along_axis(running, jnp.minimum(mid, slots - 1), axis=-1) < targets
-        short &= lo < hi  # settled searches stay put
-        lo, hi = jnp.where(short, mid + 1, lo), jnp.where(short, hi, mid)
-    return lo
-
-
-def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
-    """A cache of ``capacity`` slots holding each head's valid slots first, in position order.
-
-    k, v: [L, B, Hkv, S, D] -> [L, B, Hkv, capacity, D]; pos: [L, B, Hkv, S] -> [..., capacity]
-    int32; index: max kept count (int32 scalar), where decoding appends next.
-
-    ``capacity`` may instead give each layer its own (a sequence of L ints: budgets that differ
-    by layer, as PyramidKV's, then cost only what each layer keeps). The result is then in
-    per-layer form (`dge_jax.cache.split_layers`) with layer i of capacity[i] slots and
-    ``index`` [L], each layer's max kept count.
-
-    Precondition (check on the host with ``check_capacity``): no head holds more than its
-    layer's capacity entries; under jit the extra ones would be dropped silently (the newest
-    first).
-    """
-    if isinstance(cache.k, tuple):
-        cache = stack_layers(cache)
-    if isinstance(capacity, int | np.integer):
-        k, v, pos, count = _compact_heads(cache.k, cache.v, cache.pos, int(capacity))
-        return KVCache(k=k, v=v, pos=pos, index=jnp.max(count).astype(jnp.int32))
-    capacities = tuple(int(c) for c in capacity)
-    if len(capacities) != cache.num_layers:
-        raise ValueError(
-            f"compact: {len(capacities)} capacities for a cache of {cache.num_layers} layers; "
-            "give one int, or one per layer"
-        )
-    # All layers are compacted at the largest capacity in one batched op, then each is cut
-    # to its own: slots past a layer's capacity hold nothing it kept (the precondition), and
-    # one op compiles in a fraction of the time of L ops of different shapes.
-    k, v, pos, count = _compact_heads(cache.k, cache.v, cache.pos, max(capacities))
-    index = jnp.minimum(jnp.max(count, axis=(1, 2)), jnp.asarray(capacities))  # [L]
-    return KVCache(
-        k=tuple(k[i, ..., :c, :] for i, c in enumerate(capacities)),
-        v=tuple(v[i, ..., :c, :] for i, c in enumerate(capacities)),
-        pos=tuple(pos[i, ..., :c] for i, c in enumerate(capacities)),
-        index=index.astype(jnp.int32),
-    )
-
-
-def _compact_heads(
-    k: jax.Array, v: jax.Array, pos: jax.Array, capacity: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`compact` of arrays with any leading axes: k, v [..., S, D], pos [..., S] ->
-    [..., capacity(, D)], and count [...] int32, the entries each head now holds."""
-    length = pos.shape[-1]
-    if capacity > length:  # growing: append empty slots so the gather below can fill them
-        extra = capacity - length
-        lead = ((0, 0),) * (pos.ndim - 1)
-        k = jnp.pad(k, lead + ((0, extra), (0, 0)))
-        v = jnp.pad(v, lead + ((0, extra), (0, 0)))
-        pos = jnp.pad(pos, lead + ((0, extra),), constant_values=-1)
-    valid = pos >= 0
-    count = jnp.sum(valid, axis=-1, keepdims=True, dtype=jnp.int32)
-    # Target slot j takes the head's (j+1)-th valid slot: the first slot s whose running
-    # count of valid slots reaches j + 1. Example, valid [0, 1, 1, 0, 1] -> running count
-    # [0, 1, 2, 2, 3] -> targets 0, 1, 2 take slots 1, 2, 4; targets from `count` on are
-    # empty. This stable partition keeps slot order, which is position order in every cache
-    # decoding builds (prompt left to right, then each new token); a cache whose valid slots
-    # are out of position order is sorted by position instead (an argsort: ~5x slower,
-    # `python -m benchmarks.selection`).
-    running = jnp.cumsum(valid, axis=-1, dtype=jnp.int32)
-    order = _first_reaching(running, jnp.arange(1, capacity + 1, dtype=jnp.int32))
-    order = jnp.minimum(order, pos.shape[-1] - 1)
-    taken = jnp.take_along_axis(pos, order, axis=-1)
-    empty = jnp.arange(capacity) >= count  # [..., capacity]
-    taken = jnp.where(empty, -1, taken)
-    in_order = jnp.all((taken[..., 1:] > taken[..., :-1]) | (taken[..., 1:] < 0))
-    order = jax.lax.cond(
-        in_order,
-        lambda: order,
-        lambda: jnp.argsort(jnp.where(valid, pos, _INT32_MAX), axis=-1, stable=True)[
-            ..., :capacity
-        ],
-    )
-    new_pos = jnp.where(empty, -1, jnp.take_along_axis(pos, order, axis=-1))
-    filled = (new_pos >= 0)[..., None]
-    new_k = jnp.where(filled, jnp.take_along_axis(k, order[..., None], axis=-2), 0)
-    new_v = jnp.where(filled, jnp.take_along_axis(v, order[..., None], axis=-2), 0)
-    # Why one shared next-write slot = max kept count is right. cache.index is a single
-    # next-write slot for every row and head of a layer (every layer, unless capacities are
-    # per layer): decode writes token t of all heads into slot `index`. After compaction head
-    # h holds n_h entries in slots [0, n_h). Writing the next token at max(n_h) overwrites
-    # nobody's entry; a head with fewer entries keeps empty slots (pos -1) in [n_h, max),
-    # which the mask `0 <= pos <= query_pos` ignores, and its entries stay sorted by position
-    # because new tokens have larger positions than anything kept. Example, 2 heads after
-    # compaction to capacity 6 (budgets 3 and 2), next token at position 9:
-    #     slot:      0   1   2   3   4   5
-    #     head 0:    0   4   8  -1  -1  -1     n_0 = 3
-    #     head 1:    2   8  -1  -1  -1  -1     n_1 = 2     index = 3
-    #     decode ->  head 0: 0 4 8 9 -1 -1     head 1: 2 8 -1 9 -1 -1
-    # The gap (slot 2 of head 1) costs max(n) - n_h slots, the price of a shared index.
-    return new_k, new_v, new_pos, jnp.minimum(count[..., 0], capacity)
-
-
-def check_capacity(
-    kept: KVCache | jax.Array | np.ndarray,
-    capacity: int | Sequence[int],
-    new_tokens: int = 0,
-) -> int:
-    """The slots needed (max kept entries per head + ``new_tokens``); raises if over ``capacity``.
-
-    Host-side check of ``compact``'s precondition. ``kept``: a cache, a keep mask
-    [L, B, Hkv, S] bool or per-head counts [L, B, Hkv] int; ``capacity``: one for every layer
-    or one per layer (then each layer is checked against its own).
-    """
-    if isinstance(kept, KVCache):
-        counts = np.asarray(kept.num_kept())
-    else:
-        arr = np.asarray(kept)
-        counts = arr.sum(axis=-1) if arr.dtype == np.bool_ else arr
-    per_layer = counts.reshape(counts.shape[0], -1).max(axis=1, initial=0) + int(new_tokens)
-    if np.ndim(capacity) and len(capacity) != len(per_layer):
-        raise ValueError(
-            f"{len(capacity)} capacities for {len(per_layer)} layers; give one, or one per layer"
-        )
-    limits = np.broadcast_to(np.asarray(capacity), per_layer.shape)
-    for layer, (needed, limit) in enumerate(zip(per_layer, limits, strict=True)):
-        if needed > limit:
-            where = "" if np.ndim(capacity) == 0 else f" in layer {layer}"
-            raise ValueError(
-                f"compaction needs {needed} slots per head{where} ({needed - new_tokens} kept "
-                f"+ {new_tokens} new tokens) but capacity is {int(limit)}"
-            )
-    return int(per_layer.max(initial=int(new_tokens)))
+    return cache.with_pos(jnp.where(keep, cache.pos, -1))

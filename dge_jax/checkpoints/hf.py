@@ -63,12 +63,29 @@ def damaged(
     )
 
 
+# The marker file of a folder converted by `python -m dge_jax convert` (`orbax_io.save`).
+MARKER = "dge_jax.json"
+
+
+def is_converted(path: str | pathlib.Path) -> bool:
+    """True for a folder written by `orbax_io.save` (it holds the marker file)."""
+    return (pathlib.Path(path) / MARKER).is_file()
+
+
+def source_of(path: str | pathlib.Path) -> str | None:
+    """The `--model` a converted folder was made from (None if unknown or unreadable)."""
+    try:
+        source = json.loads((pathlib.Path(path) / MARKER).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) else None
+
+
 def recovery(folder: pathlib.Path) -> str:
     """How to replace a damaged model folder: a cached conversion (embedded model or .gguf,
     under `embedded.cache_root()`) is deleted and converted again on the next load; a folder
     written by `python -m dge_jax convert` is converted again; any other is copied again."""
-    from dge_jax import orbax_io  # lazy: both import this module
-    from dge_jax.embedded import cache_root
+    from dge_jax.checkpoints.embedded import cache_root
 
     folder = folder.absolute()
     quoted = shlex.quote(str(folder))
@@ -77,8 +94,8 @@ def recovery(folder: pathlib.Path) -> str:
             f"{folder} is dge_jax's cached conversion of a GGUF model: delete it "
             f"(rm -r {quoted}) and the next load converts it again"
         )
-    if orbax_io.is_converted(folder):
-        source = orbax_io.source_of(folder)
+    if is_converted(folder):
+        source = source_of(folder)
         model = shlex.quote(source) if source else "SOURCE"
         return (
             f"Delete the converted folder and convert it again: rm -r {quoted} && "

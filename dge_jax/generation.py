@@ -1,0 +1,347 @@
+"""`generate` and `generate_grid`: text in, text out, in named stages.
+
+    prepare -> prefill -> draft -> rewind -> select -> evict -> decode -> results
+
+Each stage is one function below; the numeric work happens in the pure jitted functions they
+call (`dge_jax.decoding`, `dge_jax.eviction`). A grid of cells (evictions, or None for
+FullKV) shares one prefill and one draft to the largest k; each cell then carries a
+`CellPlan` through the later stages.
+
+``hook``: every jitted step runs as ``hook(stage, fn, *args, **kwargs)`` (default: just
+``fn(*args, **kwargs)``), with stage one of `STAGES`: how a benchmark times the stages
+without touching the library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dge_jax import decoding, observation
+from dge_jax.decoding import DecodeState, PrefillOutput
+from dge_jax.eviction import (
+    Eviction,
+    apply_eviction,
+    check_eviction,
+    keep_masks,
+    kept_positions,
+    layer_capacities,
+    round_up_slots,
+    scoring_key,
+)
+from dge_jax.model import Model
+from dge_jax.observation import DraftRecord
+from dge_jax.prompts import DEFAULT_CHUNK, Request, cut_at_eos, prepare
+from dge_jax.sampling import Greedy
+from dge_jax.sharding import on_model_mesh
+
+GREEDY = Greedy()
+# The jitted steps a hook sees, in the order they first run.
+STAGES = ("prefill", "draft", "rewind", "keep_masks", "apply_eviction", "stack_states", "decode")
+Hook = Callable[..., Any]  # hook(stage, fn, *args, **kwargs) -> fn(*args, **kwargs)
+
+
+def _call(hook: Hook | None, stage: str, fn: Callable, *args, **kwargs):
+    return fn(*args, **kwargs) if hook is None else hook(stage, fn, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """prompt_tokens: ids fed per row; tokens: generated ids per row (up to and including the
+    first EOS); texts: decoded `tokens`; kept: per row, layer and kv head, the original
+    positions held right after eviction (None without eviction); k: per row, the answer
+    tokens generated with the full cache before eviction (None without eviction)."""
+
+    prompt_tokens: list[list[int]]
+    tokens: list[list[int]]
+    texts: list[str]
+    kept: list[list[list[list[int]]]] | None = None
+    k: list[int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """The prefill stage's output: pre (logits, cache, observation) and the decode state with
+    the first answer token chosen (`start`)."""
+
+    pre: PrefillOutput
+    start: DecodeState
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafted:
+    """The draft stage's output: the state after K draft steps, what they recorded, and the
+    next-token statistics of t1 (from the prefill logits) .. t_{K+1}: entropy, top1 [B, K+1]."""
+
+    state: DecodeState
+    record: DraftRecord
+    entropy: np.ndarray
+    top1: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class CellPlan:
+    """One cell's way through the stages.
+
+    eviction: None for FullKV. steps: draft steps each row ran before eviction ([B] int, None
+    without a draft). state: the decode state at the eviction point; drafts: the draft
+    record rewound to `steps` (None without a draft). keep: the keep mask [L, B, Hkv, S]
+    (select stage); evicted: the state decoding starts from (evict stage).
+    """
+
+    eviction: Eviction | None
+    state: DecodeState
+    steps: np.ndarray | None = None
+    drafts: DraftRecord | None = None
+    keep: jax.Array | None = None
+    evicted: DecodeState | None = None
+
+
+def generate(
+    model: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+    sampler=GREEDY,
+    seed: int = 0,
+    chunk: int = DEFAULT_CHUNK,
+    extra_eos_ids: Sequence[int] = (),
+    min_new_tokens: int = 0,
+    eviction: Eviction | None = None,
+    hook: Hook | None = None,
+) -> GenerationResult:
+    """Generates for a batch of prompts (text, or lists of token ids); each row is scored and
+    evicted on its own when `eviction` is given (None = FullKV)."""
+    return generate_grid(
+        model, prompts, [eviction], max_new_tokens=max_new_tokens, chat=chat, sampler=sampler,
+        seed=seed, chunk=chunk, extra_eos_ids=extra_eos_ids, min_new_tokens=min_new_tokens,
+        hook=hook,
+    )[0]  # fmt: skip
+
+
+@on_model_mesh  # a model loaded with a mesh runs every step on it (dge_jax.sharding)
+def generate_grid(
+    model: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    cells: Sequence[Eviction | None],
+    *,
+    max_new_tokens: int = 64,
+    chat: bool = False,
+    sampler=GREEDY,
+    seed: int = 0,
+    chunk: int = DEFAULT_CHUNK,
+    extra_eos_ids: Sequence[int] = (),
+    min_new_tokens: int = 0,
+    hook: Hook | None = None,
+) -> list[GenerationResult]:
+    """One result per cell (an `Eviction`, or None for FullKV) for the same prompts.
+
+    The research loop: one prefill serves every cell, and one draft per k serves every DGE
+    and DGE-W cell of that k (the cache is functional, so each cell evicts its own copy).
+    """
+    request = prepare(
+        model, prompts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+        chat=chat, chunk=chunk, extra_eos_ids=extra_eos_ids,
+    )  # fmt: skip
+    cells = check_cells(cells, max_new_tokens)
+    prefilled = prefill(model, request, cells, sampler, seed, hook)
+    drafted = draft(model, request, prefilled, cells, sampler, hook)
+    plans = rewind(request, prefilled, drafted, cells, hook)
+    plans = select(prefilled, plans, hook)
+    plans = evict(request, plans, hook)
+    tokens = decode(model, request, plans, sampler, hook)
+    return results(model, request, plans, tokens)
+
+
+def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[Eviction | None]:
+    """The cells with FullKV as None, each eviction checked (clear errors before compiling)."""
+    cells = [None if ev is None or ev.policy.is_full else ev for ev in cells]
+    for ev in cells:
+        if ev is not None:
+            check_eviction(ev, max_new_tokens)
+    return cells
+
+
+def prefill(model: Model, request: Request, cells, sampler, seed: int, hook=None) -> Prefilled:
+    """Prefill once for every cell, recording the largest query window (and the attention
+    sums) any cell's policy reads; choose the first answer token."""
+    active = [ev for ev in cells if ev is not None]
+    pre = _call(
+        hook, "prefill", decoding.prefill,
+        model.forward, model.config, model.params,
+        jnp.asarray(request.tokens), jnp.asarray(request.lengths),
+        capacity=request.tokens.shape[1] + request.buffer,
+        chunk=request.chunk,
+        obs_window=max((ev.policy.obs_window for ev in active), default=0),
+        record_attn=any(ev.policy.needs_attn_sum for ev in active),
+    )  # fmt: skip
+    key, first_key = jax.random.split(jax.random.PRNGKey(seed))
+    eos_ids = request.eos_ids
+    first = sampler(
+        decoding.suppress_eos(pre.logits, eos_ids, request.min_new_tokens > 0), first_key
+    )
+    start = decoding.start_state(
+        pre.cache, first, jnp.asarray(request.lengths), request.max_new_tokens, eos_ids, key,
+        buffer=request.buffer,
+    )  # fmt: skip
+    return Prefilled(pre=pre, start=start)
+
+
+def draft(model: Model, request: Request, prefilled: Prefilled, cells, sampler, hook=None):
+    """One draft to the largest k any cell needs (None if none drafts): `rewind` replays any
+    shorter draft from it, per row for adaptive k, so every k shares one draft and one
+    compiled scorer."""
+    active = [ev for ev in cells if ev is not None]
+    steps = max((ev.timing.draft_steps for ev in active), default=0)
+    if not steps:
+        return None
+    state, record = _call(
+        hook, "draft", decoding.draft,
+        model.forward, model.config, model.params, prefilled.start,
+        sampler=sampler, eos_ids=request.eos_ids, num_steps=steps,
+        record_q=max(ev.policy.obs_window for ev in active) > 0,
+        record_attn=any(ev.policy.needs_attn_sum for ev in active),
+        min_new_tokens=request.min_new_tokens,
+    )  # fmt: skip
+    e1, p1 = decoding.next_token_stats(prefilled.pre.logits)
+    entropy = np.concatenate([np.asarray(e1)[:, None], np.asarray(record.entropy)], 1)
+    top1 = np.concatenate([np.asarray(p1)[:, None], np.asarray(record.top1)], 1)
+    return Drafted(state=state, record=record, entropy=entropy, top1=top1)
+
+
+def rewind(request: Request, prefilled: Prefilled, drafted, cells, hook=None) -> list[CellPlan]:
+    """Each cell's state at its eviction point: the draft rewound to the cell's steps per row.
+
+    "prefill" cells rewind to 0 steps (the pre-draft cache, the draft record masked out), so
+    the three timings share one compiled scorer. One rewound state per distinct steps, shared
+    by the cells that need it: each rewind returns a fresh copy of the whole cache, which per
+    cell made a 45-cell grid hold 45 full caches at once.
+    """
+    rewound: dict[tuple[int, ...], tuple[DecodeState, DraftRecord]] = {}
+    plans = []
+    for ev in cells:
+        if ev is None or drafted is None:
+            plans.append(CellPlan(eviction=ev, state=prefilled.start))
+            continue
+        steps = ev.timing.steps_per_row(drafted.entropy, drafted.top1)
+        key = tuple(int(s) for s in steps)
+        if key not in rewound:
+            rewound[key] = _call(
+                hook, "rewind", decoding.rewind,
+                drafted.state, drafted.record, jnp.asarray(request.lengths), jnp.asarray(steps),
+                eos_ids=request.eos_ids,
+            )  # fmt: skip
+        state, record = rewound[key]
+        plans.append(CellPlan(eviction=ev, state=state, steps=steps, drafts=record))
+    return plans
+
+
+def select(prefilled: Prefilled, plans: list[CellPlan], hook=None) -> list[CellPlan]:
+    """Every cell's keep mask. Cells at the same eviction point with the same scoring
+    (`eviction.scoring_key`: they differ by budget, or are SnapKV and PyramidKV) are scored
+    once for all of them."""
+    sweeps: dict[tuple, list[int]] = {}
+    for i, plan in enumerate(plans):
+        if plan.eviction is not None:
+            point = None if plan.steps is None else tuple(int(s) for s in plan.steps)
+            sweeps.setdefault((point, scoring_key(plan.eviction)), []).append(i)
+    plans = list(plans)
+    for members in sweeps.values():
+        first = plans[members[0]]
+        obs, drafts = observation.for_policy(first.eviction.policy, prefilled.pre.obs, first.drafts)
+        masks = _call(
+            hook, "keep_masks", keep_masks,
+            first.state.cache, obs, drafts, [plans[i].eviction for i in members],
+        )  # fmt: skip
+        for i, keep in zip(members, masks, strict=True):
+            plans[i] = dataclasses.replace(plans[i], keep=keep)
+    return plans
+
+
+def evict(request: Request, plans: list[CellPlan], hook=None) -> list[CellPlan]:
+    """Each cell's evicted state: masked, or compacted. Compacted cells without a fixed
+    capacity share per-layer capacities (the most any of them keeps per layer, plus room for
+    every new token, rounded up), so they share one compiled decode loop.
+
+    Room for every new token is rounded like the kept entries (not the token buffer's chunk
+    bucket: every decode step reads every slot, and a 512-token bucket for 64 new tokens made
+    a budget-512 grid attend over 1,024 slots instead of 640). Capacities are per layer: a
+    grid with PyramidKV cells would otherwise give every layer the bottom layer's slots.
+    """
+    counts = [None if p.keep is None else np.asarray(jnp.sum(p.keep, axis=-1)) for p in plans]
+    kept = [c for c in counts if c is not None]
+    room = round_up_slots(request.max_new_tokens)
+    shared = layer_capacities(np.max(kept, axis=0), room) if kept else None
+    out = []
+    for plan, count in zip(plans, counts, strict=True):
+        state = plan.state
+        if plan.keep is not None:
+            ev = plan.eviction
+            remaining = request.max_new_tokens - int(np.min(np.asarray(state.step)))
+            cache = _call(
+                hook, "apply_eviction", apply_eviction,
+                state.cache, plan.keep, ev, ev.capacity or shared, remaining, count,
+            )  # fmt: skip
+            state = dataclasses.replace(state, cache=cache)
+        out.append(dataclasses.replace(plan, evicted=state))
+    return out
+
+
+def decode(model: Model, request: Request, plans: list[CellPlan], sampler, hook=None):
+    """Each cell's generated tokens [B, N]. Cells whose caches have the same shape decode as
+    one batch (rows interleaved by `decoding.stack_states`, a copy): decoding reads the
+    weights once per step for all of them, so a grid costs little more than one cell. A
+    single cell decodes its own state, no copy (decode donates it)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, plan in enumerate(plans):
+        cache = plan.evicted.cache
+        groups.setdefault((cache.capacities, cache.group_sizes, cache.dtype), []).append(i)
+    tokens: list[np.ndarray | None] = [None] * len(plans)
+    for members in groups.values():
+        states = [plans[i].evicted for i in members]
+        if len(plans) == 1:
+            state = states[0]
+        else:  # cells may share buffers, so the decode below may only donate a stack of them
+            state = _call(hook, "stack_states", decoding.stack_states, states)
+        state = _call(
+            hook, "decode", decoding.decode,
+            model.forward, model.config, model.params, state,
+            sampler=sampler, eos_ids=request.eos_ids, min_new_tokens=request.min_new_tokens,
+        )  # fmt: skip
+        # Only the tokens come back: splitting the whole state would copy every cell's final
+        # cache for nothing.
+        parts = decoding.split_rows(np.asarray(state.tokens), len(members))
+        for i, part in zip(members, parts, strict=True):
+            tokens[i] = part
+    return tokens
+
+
+def results(
+    model: Model, request: Request, plans: list[CellPlan], tokens
+) -> list[GenerationResult]:
+    """Each cell's ids cut at the first EOS, their text, and what its eviction kept."""
+    out = []
+    for plan, cell_tokens in zip(plans, tokens, strict=True):
+        ids = cut_at_eos(cell_tokens[:, : request.max_new_tokens], request.eos_ids)
+        texts = [model.tokenizer.decode(row) if model.tokenizer else "" for row in ids]
+        kept = k = None
+        if plan.keep is not None:
+            kept = kept_positions(plan.state.cache, plan.keep)
+            steps = plan.steps if plan.steps is not None else [0] * len(ids)
+            k = [1 + int(n) for n in steps]
+        out.append(
+            GenerationResult(
+                prompt_tokens=[list(p) for p in request.prompt_ids],
+                tokens=ids,
+                texts=texts,
+                kept=kept,
+                k=k,
+            )
+        )
+    return out

@@ -1,0 +1,123 @@
+"""What scoring rules may read besides the cache: the recorded queries and attention.
+
+Prefill records the last W prompt queries per layer (and, for H2O, per-slot attention
+sums) only when a policy asks; draft steps record theirs (`DraftRecord`). `with_drafts` joins
+them the way the timing says (`dge_jax.timing`), and `for_policy` cuts the shared record of
+a grid down to what one policy reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What scoring rules may read besides the cache, recorded only when asked for.
+
+    q      : [L, B, Hq, W, D]  the last W queries per layer (post-RoPE), oldest first; prompt
+                               window first, then any draft queries appended after it.
+    q_pos  : [B, W] int32      each query's position, -1 where the slot holds no query (a prompt
+                               shorter than W, or a draft step masked out).
+    attn_sum: [L, B, Hq, S] f32 or None  sum over every observed query of its softmax
+                               attention to each slot (H2O's accumulated attention).
+    is_draft: [W] bool          True for the queries appended by draft steps.
+    prompt_end: [B] int32        position of each row's last prompt token, so that "recent"
+                                 windows are measured in prompt positions whatever was drafted.
+    q_weight: [B, W] f32 or None  each query's weight in the scores (None = all 1); DGE can
+                                 weigh draft queries against prompt-window queries.
+    """
+
+    q: jax.Array | None
+    q_pos: jax.Array | None
+    attn_sum: jax.Array | None
+    is_draft: jax.Array | None
+    prompt_end: jax.Array | None = None
+    q_weight: jax.Array | None = None
+
+
+class DraftRecord(NamedTuple):
+    """What K draft steps observed, per step (so any prefix of them can be replayed).
+
+    q: [L, B, Hq, K, D] the queries of the fed tokens, or None; q_pos: [B, K] their positions
+    (-1 = step not observed); probs: [L, B, Hq, K, S] f32 per-step attention, or None;
+    entropy, top1: [B, K] statistics of the next-token distribution each step produced.
+    """
+
+    q: jax.Array | None
+    q_pos: jax.Array
+    probs: jax.Array | None
+    entropy: jax.Array
+    top1: jax.Array
+
+
+def with_drafts(
+    prompt_obs: Observation,
+    drafts: DraftRecord | None,
+    observe_drafts: jax.Array,
+    slide: bool = False,
+    draft_weight: jax.Array | float = 1.0,
+) -> Observation:
+    """Prompt observation plus the draft queries, which count only where `observe_drafts`.
+
+    observe_drafts (bool) and draft_weight (f32: a draft query's weight relative to a prompt
+    query; 1 = the paper's DGE) are traced, so "dge" and "dge_w" (and "prefill", given the
+    same draft record) share one compiled scorer: unobserved draft steps get q_pos -1 and add
+    no attention. Shapes: q [L, B, Hq, W + K, D], q_pos and q_weight [B, W + K].
+    """
+    if drafts is None:
+        return prompt_obs
+    q, q_pos, attn = prompt_obs.q, prompt_obs.q_pos, prompt_obs.attn_sum
+    d_pos = jnp.where(observe_drafts, drafts.q_pos, -1)  # [B, K]
+    seen = d_pos >= 0
+    n = d_pos.shape[1]
+    weight = jnp.asarray(draft_weight, jnp.float32)
+    is_draft = q_weight = None
+    if q is not None and drafts.q is not None:
+        if slide:
+            # Slide the window: row b's oldest n_b prompt queries drop out, n_b = its
+            # observed drafts, so it sees as many queries as the baseline.
+            n_seen = jnp.sum(seen, axis=1, dtype=jnp.int32)
+            q_pos = jnp.where(jnp.arange(q_pos.shape[1])[None, :] < n_seen[:, None], -1, q_pos)
+        q = jnp.concatenate([q, drafts.q.astype(q.dtype)], axis=3)
+        q_pos = jnp.concatenate([q_pos, d_pos], axis=1)
+        is_draft = jnp.concatenate([jnp.zeros((q.shape[3] - n,), bool), jnp.ones((n,), bool)])
+        q_weight = jnp.where(is_draft[None, :], weight, 1.0) * jnp.ones(q_pos.shape, jnp.float32)
+    if attn is not None and drafts.probs is not None:
+        # probs [L, B, Hq, K, S]: add the observed steps' attention, weighted.
+        step_weight = (seen * weight).astype(jnp.float32)[None, :, None, :, None]
+        attn = attn + jnp.sum(drafts.probs * step_weight, axis=3)
+    return Observation(
+        q=q,
+        q_pos=q_pos,
+        attn_sum=attn,
+        is_draft=is_draft,
+        prompt_end=prompt_obs.prompt_end,
+        q_weight=q_weight,
+    )
+
+
+def for_policy(
+    policy, obs: Observation, drafts: DraftRecord | None
+) -> tuple[Observation, DraftRecord | None]:
+    """The shared prefill observation and draft record cut to what `policy` reads.
+
+    Prefill recorded the largest window any cell needs; a policy with a smaller window sees
+    only its own last w queries, and one that reads no queries (or no attention) sees none.
+    """
+    w = policy.obs_window
+    q = q_pos = is_draft = None
+    if w:
+        q, q_pos, is_draft = obs.q[:, :, :, -w:], obs.q_pos[:, -w:], obs.is_draft[-w:]
+    attn = obs.attn_sum if policy.needs_attn_sum else None
+    obs = Observation(q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end)
+    if drafts is not None:
+        drafts = drafts._replace(
+            q=drafts.q if w else None, probs=drafts.probs if policy.needs_attn_sum else None
+        )
+    return obs, drafts
