@@ -16,7 +16,8 @@ of `benchmarks.run` at 4k), 64 new tokens (EOS banned), warm calls, median of --
   XLA compilations and compile seconds of the cold call (`jax.monitoring`).
 
 Only calls that exist at both commits are used (`dge_jax.generate`, `dge_jax.generate_grid`,
-`dge_jax.decoding.prefill`).
+`dge_jax.decoding.prefill`). `--memory` adds, through the grid's stage hook (this commit
+only), the bytes of its 27 evicted caches against one capacity for all layers.
 """
 
 from __future__ import annotations
@@ -57,14 +58,26 @@ def _median_s(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def measure(runs: int) -> dict:
-    jax.monitoring.register_event_duration_secs_listener(_on_duration)
-    model = dge_jax.load("smollm2-135m-instruct")
+def _grid_inputs(model) -> tuple[list[int], list[Eviction]]:
+    """The 4k-token prompt's ids and the grid's 27 cells."""
     tok = model.tokenizer
     length = TOKENS - 96  # room for the chat template, the answer prefix and NEW tokens
     row = synthetic.make_suite(tok, ["passkey"], 1, length, seed=0)["passkey"][0]
     text = protocol.prepare_sample(row, "passkey", tok, length, tok.apply_chat_template).text
     ids = tok.encode(text)[: TOKENS - NEW]
+    policies = (
+        SnapKV.kvpress(),
+        PyramidKV(window=64, kernel=5, pooling="avg"),
+        StreamingLLM(sinks=4),
+    )
+    timings = (Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2))
+    return ids, [Eviction(p, b, t) for p in policies for t in timings for b in GRID_BUDGETS]
+
+
+def measure(runs: int) -> dict:
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)
+    model = dge_jax.load("smollm2-135m-instruct")
+    ids, cells = _grid_inputs(model)
     snap = SnapKV.kvpress()
 
     tokens = jnp.asarray([[0] * (TOKENS - len(ids)) + ids], jnp.int32)
@@ -86,10 +99,6 @@ def measure(runs: int) -> dict:
     prefill_s = _median_s(prefill, runs)
     full_64, full_2 = _median_s(lambda: gen(NEW), runs), _median_s(lambda: gen(2), runs)
     dge_s = _median_s(lambda: gen(NEW, dge2), runs)
-
-    policies = (snap, PyramidKV(window=64, kernel=5, pooling="avg"), StreamingLLM(sinks=4))
-    timings = (Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2))
-    cells = [Eviction(p, b, t) for p in policies for t in timings for b in GRID_BUDGETS]
 
     def grid():
         return dge_jax.generate_grid(model, [ids], cells, max_new_tokens=NEW, min_new_tokens=NEW)
@@ -114,6 +123,28 @@ def measure(runs: int) -> dict:
     }
 
 
+def grid_memory() -> dict:
+    """Bytes of the 27 evicted caches of the grid, and what one capacity for all layers (the
+    largest) would hold, through `generate_grid`'s stage hook (this commit's API)."""
+    model = dge_jax.load("smollm2-135m-instruct")
+    ids, cells = _grid_inputs(model)
+    evicted = []
+
+    def hook(stage, fn, *args, **kwargs):
+        out = fn(*args, **kwargs)
+        if stage == "apply_eviction":
+            caps = out.capacities
+            evicted.append((out.nbytes(), out.nbytes() * len(caps) * max(caps) // sum(caps)))
+        return out
+
+    dge_jax.generate_grid(model, [ids], cells, max_new_tokens=NEW, min_new_tokens=NEW, hook=hook)
+    mib = 2**20
+    return {
+        "evicted_cache_mib": sum(b for b, _ in evicted) / mib,
+        "one_capacity_mib": sum(o for _, o in evicted) / mib,
+    }
+
+
 def compare(before: dict, after: dict) -> None:
     print("| figure | before | after | after / before |")
     print("| --- | ---: | ---: | ---: |")
@@ -128,7 +159,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write the figures here (JSON)")
     parser.add_argument("--runs", type=int, default=3, help="warm repeats (median)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="only the grid's evicted cache bytes (needs generate_grid's hook)",
+    )
     args = parser.parse_args(argv)
+    if args.memory:
+        print(json.dumps(grid_memory(), indent=1))
+        return
     if args.compare:
         before, after = (json.load(open(p)) for p in args.compare)
         compare(before, after)

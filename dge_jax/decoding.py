@@ -369,8 +369,10 @@ def split_rows(x, parts: int) -> list:
     return [x[c::parts] for c in range(parts)]
 
 
-@jax.jit
-def stack_states(states: list[DecodeState]) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=("group_sizes",))
+def stack_states(
+    states: list[DecodeState], group_sizes: tuple[int, ...] | None = None
+) -> DecodeState:
     """One state holding the given states' rows, interleaved: row r of state c becomes row
     r·C + c of C states (a copy of all of them; `split_rows` undoes it per array).
 
@@ -380,10 +382,13 @@ def stack_states(states: list[DecodeState]) -> DecodeState:
     Every cache must have the same capacities and layer groups; each layer's next write slot
     becomes the largest `index` among them: a cache whose entries end earlier just has empty
     slots before it (pos -1, ignored by the mask), as after compaction. limit and key come
-    from the first.
+    from the first. group_sizes (static): the stack's layer groups (default: the caches'), so
+    that the one copy stacking makes is already in the grouping `decode` runs.
     """
     first = states[0]
     caches = [s.cache for s in states]
+    if group_sizes is not None:  # slices inside this jit: fused into the interleaving copy
+        caches = [regroup(c, group_sizes) for c in caches]
     if len({(c.capacities, c.group_sizes) for c in caches}) != 1:
         raise ValueError(
             "stack_states: caches differ in capacities or layer groups: "

@@ -308,7 +308,8 @@ def decode(model: Model, request: Request, plans: list[CellPlan], sampler, hook=
         if len(plans) == 1:
             state = states[0]
         else:  # cells may share buffers, so the decode below may only donate a stack of them
-            state = _call(hook, "stack_states", decoding.stack_states, states)
+            sizes = decoding.decode_groups(states[0].cache)  # stacked as decode runs them
+            state = _call(hook, "stack_states", decoding.stack_states, states, sizes)
         state = _call(
             hook, "decode", decoding.decode,
             model.forward, model.config, model.params, state,
