@@ -256,7 +256,7 @@ def test_pyramidkv_scores_are_snapkv_scores():
     pyramid = PyramidKV(window=4, kernel=5, pooling="avg", gqa="max", beta=20)
     snap = SnapKV(window=4, kernel=5, pooling="avg", gqa="max")
     np.testing.assert_array_equal(_score(pyramid, cache, obs), _score(snap, cache, obs))
-    budgets = pyramid.layer_budgets(10, L)
+    budgets = pyramid.layer_schedule.layer_budgets(10, L)
     assert int(budgets.sum()) == 10 * L and budgets[0] > budgets[-1] >= 4
 
 
