@@ -150,8 +150,9 @@ def generate_grid(
         chat=chat, chunk=chunk, extra_eos_ids=extra_eos_ids,
     )  # fmt: skip
     cells = check_cells(cells, max_new_tokens)
-    prefilled = prefill(model, request, cells, sampler, seed, hook)
-    drafted = draft(model, request, prefilled, cells, sampler, hook)
+    recording = Recording.of(cells)
+    prefilled = prefill(model, request, recording, sampler, seed, hook)
+    drafted = draft(model, request, prefilled, recording, sampler, hook)
     plans = rewind(request, prefilled, drafted, cells, hook)
     plans = select(prefilled, plans, hook)
     plans = evict(request, plans, hook)
@@ -168,18 +169,38 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
     return cells
 
 
-def prefill(model: Model, request: Request, cells, sampler, seed: int, hook=None) -> Prefilled:
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """What the shared prefill and draft record, for every cell at once: the largest query
+    window any policy reads, whether any reads attention sums, and the largest draft k."""
+
+    obs_window: int
+    record_attn: bool
+    draft_steps: int
+
+    @classmethod
+    def of(cls, cells: Sequence[Eviction | None]) -> Recording:
+        active = [ev for ev in cells if ev is not None]
+        return cls(
+            obs_window=max((ev.policy.obs_window for ev in active), default=0),
+            record_attn=any(ev.policy.needs_attn_sum for ev in active),
+            draft_steps=max((ev.timing.draft_steps for ev in active), default=0),
+        )
+
+
+def prefill(
+    model: Model, request: Request, recording: Recording, sampler, seed: int, hook=None
+) -> Prefilled:
     """Prefill once for every cell, recording the largest query window (and the attention
     sums) any cell's policy reads; choose the first answer token."""
-    active = [ev for ev in cells if ev is not None]
     pre = _call(
         hook, "prefill", decoding.prefill,
         model.forward, model.config, model.params,
         jnp.asarray(request.tokens), jnp.asarray(request.lengths),
         capacity=request.tokens.shape[1] + request.buffer,
         chunk=request.chunk,
-        obs_window=max((ev.policy.obs_window for ev in active), default=0),
-        record_attn=any(ev.policy.needs_attn_sum for ev in active),
+        obs_window=recording.obs_window,
+        record_attn=recording.record_attn,
     )  # fmt: skip
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     eos_ids = request.eos_ids
@@ -193,20 +214,20 @@ def prefill(model: Model, request: Request, cells, sampler, seed: int, hook=None
     return Prefilled(pre=pre, start=start)
 
 
-def draft(model: Model, request: Request, prefilled: Prefilled, cells, sampler, hook=None):
+def draft(
+    model: Model, request: Request, prefilled: Prefilled, recording: Recording, sampler, hook=None
+) -> Drafted | None:
     """One draft to the largest k any cell needs (None if none drafts): `rewind` replays any
     shorter draft from it, per row for adaptive k, so every k shares one draft and one
     compiled scorer."""
-    active = [ev for ev in cells if ev is not None]
-    steps = max((ev.timing.draft_steps for ev in active), default=0)
-    if not steps:
+    if not recording.draft_steps:
         return None
     state, record = _call(
         hook, "draft", decoding.draft,
         model.forward, model.config, model.params, prefilled.start,
-        sampler=sampler, eos_ids=request.eos_ids, num_steps=steps,
-        record_q=max(ev.policy.obs_window for ev in active) > 0,
-        record_attn=any(ev.policy.needs_attn_sum for ev in active),
+        sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
+        record_q=recording.obs_window > 0,
+        record_attn=recording.record_attn,
         min_new_tokens=request.min_new_tokens,
     )  # fmt: skip
     e1, p1 = decoding.next_token_stats(prefilled.pre.logits)

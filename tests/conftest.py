@@ -200,6 +200,26 @@ def build_checkpoint(variant: Variant, folder: pathlib.Path) -> pathlib.Path:
     return folder
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drops every compiled executable after each test module.
+
+    XLA:CPU maps each executable's machine code into memory mappings of its own; the full
+    suite compiles enough of them to pass Linux's per-process limit (vm.max_map_count,
+    65,530 by default; 40k+ by 60 % of the suite), after which the compiler's next mmap fails
+    and the process segfaults inside `backend_compile_and_load`. Clearing after each module
+    keeps the count near 1,100 (measured with /proc/self/maps), at the cost of recompiling
+    what a later module shares with an earlier one.
+    """
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(name) -> folder of the tiny `VARIANTS[name]` checkpoint (built once)."""
