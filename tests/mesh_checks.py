@@ -172,44 +172,53 @@ def axis_size(mesh_shape: dict, axes) -> int:
 def step_facts(before: str, after: str, cfg, mesh_shape: dict) -> dict:
     """What one compiled module does with KV caches.
 
-    caches: the global cache shapes [L, B, Hkv, S, D] in the module, as (B, S); cache_slots:
+    caches: the global cache shapes [Lg, B, Hkv, S, D] in the module, as (B, S); cache_slots:
     those that enter or leave as per-device blocks of their expected sharding (the signature
     holds no global cache); kv_moves: collectives carrying keys/values (an array ending in
-    [S, D]) or the positions of a whole layer stack (s32 [L, ., ., S]); whole_cache: arrays of
-    a whole cache's global shape, or of one layer of it, in the per-device module, i.e. one
-    device holding a whole cache.
+    [S, D]) or the positions of a whole layer group (s32 [Lg, ., ., S]); whole_cache: arrays
+    of a whole layer group's global shape, or of one layer of it, in the per-device module,
+    i.e. one device holding a whole cache.
     """
     nl, hkv, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     flat = before.replace(" ", "")
-    caches = sorted(
-        {(int(b), int(c)) for b, c in re.findall(rf"f32\[{nl},(\d+),{hkv},(\d+),{hd}\]", flat)}
+    # A cache is a tuple of layer groups [Lg, B, Hkv, S, D] (decode on CPU runs one-layer
+    # groups): (Lg, B, S) of every group-shaped array with 1 <= Lg <= L and S > 1 (an array
+    # [Lg, B, H, 1, D] is one step's queries, not a cache).
+    groups = sorted(
+        {
+            (int(lg), int(b), int(c))
+            for lg, b, c in re.findall(rf"f32\[(\d+),(\d+),{hkv},(\d+),{hd}\]", flat)
+            if 1 <= int(lg) <= nl and int(c) > 1
+        }
     )
+    caches = sorted({(b, c) for _, b, c in groups})
     header = re.sub(r"\{[\d,]*\}", "", after.split("\n", 1)[0])  # drop layouts such as {1,0}
     m = re.search(r"entry_computation_layout=\{(.*?)\}", header)
     entry = m.group(1).replace(" ", "") if m else ""
     slots, whole = [], []
     text = after.replace(" ", "")
-    for batch, cap in caches:
+    for lg, batch, cap in groups:
         spec = sh.cache_specs(cfg, batch, mesh_shape).groups[0].k
         rows = batch // axis_size(mesh_shape, spec[1])
         heads = hkv // axis_size(mesh_shape, spec[2])
-        if f"f32[{nl},{rows},{heads},{cap},{hd}]" in entry:
+        if f"f32[{lg},{rows},{heads},{cap},{hd}]" in entry and [batch, cap] not in slots:
             slots.append([batch, cap])
         for shape in (
-            f"f32[{nl},{batch},{hkv},{cap},{hd}]",
+            f"f32[{lg},{batch},{hkv},{cap},{hd}]",
             f"f32[{batch},{hkv},{cap},{hd}]",
-            f"s32[{nl},{batch},{hkv},{cap}]",
+            f"s32[{lg},{batch},{hkv},{cap}]",
             f"s32[{batch},{hkv},{cap}]",
         ):
-            if shape in text:
+            if shape in text and shape not in whole:
                 whole.append(shape)
     capacities = {cap for _, cap in caches}
+    layer_counts = {lg for lg, _, _ in groups}
     found = collectives(after)
     kv_moves = [
         f"{op} {dt}{list(s)}"
         for op, dt, s in found
         if (len(s) >= 2 and s[-1] == hd and s[-2] in capacities)
-        or (dt == "s32" and len(s) == 4 and s[0] == nl and s[-1] in capacities)
+        or (dt == "s32" and len(s) == 4 and s[0] in layer_counts and s[-1] in capacities)
     ]
     return {
         "caches": [list(c) for c in caches],
