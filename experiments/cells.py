@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dge_jax.eviction import Eviction
-from dge_jax.registry import make_policy, policy_fields, resolve
+from dge_jax.registry import POLICIES, WRAPPERS, make_policy, policy_fields, resolve
 from dge_jax.timing import KINDS, Adaptive, Timing
 
 ADAKV_PREFIX = "adakv_"
@@ -84,12 +84,19 @@ def check_method(method: str) -> None:
     name = method.removeprefix(ADAKV_PREFIX)
     if method == "full":
         return
+    known = sorted(n for n in POLICIES if n != "full")
+    reason = ""
     try:
         cls, _ = resolve(name)
     except ValueError as err:
-        raise ValueError(f"unknown method {method!r}: {err}; and adakv_<policy>") from None
-    if cls.name == "full":
-        raise ValueError(f"unknown method {method!r}: FullKV is the method 'full'")
+        reason = f"; {err}" if "inner rule" in str(err) else ""
+        cls = None
+    if cls is None or cls.name == "full":
+        wrapped = ", ".join(f"{w}_<policy>" for w in sorted(WRAPPERS))
+        raise ValueError(
+            f"unknown method {method!r}; known: full, {', '.join(known)}, {wrapped}, and "
+            f"adakv_<policy>{reason}"
+        )
 
 
 def build_cells(

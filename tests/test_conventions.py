@@ -493,3 +493,31 @@ def test_cli_flags(capsys):
     with pytest.raises(SystemExit):
         cli.main(base + ["--policy", "snapkv", "--ties", "first"])
     assert "invalid choice: 'first'" in capsys.readouterr().err
+
+
+def test_cli_wrapped_rules_and_policy_options(capsys):
+    """--policy names a wrapper around a rule; --policy_option sets any field (typed), and is
+    refused, naming the field, by a policy without it (or with --policy full)."""
+    from dge_jax.expected_attention import ExpectedAttention
+    from dge_jax.key_statistics import LagKV
+    from dge_jax.rule_wrappers import CriticalKV
+
+    parse = cli.build_parser().parse_args
+    base = ["generate", "--prompt", "hi"]
+    ev = cli.eviction_from_args(parse(base + [
+        "--policy", "criticalkv_expectedattention", "--policy_option", "first_stage_ratio=0.25",
+        "--policy_option", "use_vnorm=false", "--policy_option", "sinks=2",
+    ]))  # fmt: skip
+    inner = ExpectedAttention(use_vnorm=False, sinks=2)
+    assert ev.policy == CriticalKV(inner=inner, first_stage_ratio=0.25)
+    lag = ["--policy", "lagkv", "--policy_option", "lag_size=64"]
+    ev = cli.eviction_from_args(parse(base + lag))
+    assert ev.policy == LagKV(lag_size=64)
+    line = _cli_error(capsys, "--policy", "keydiff", "--policy_option", "lag_size=64")
+    assert line.startswith("error: unknown option(s) ['lag_size'] for policy 'keydiff'")
+    line = _cli_error(capsys, "--policy_option", "lag_size=64")
+    assert line.startswith("error: --policy_option only apply with an evicting")
+    line = _cli_error(capsys, "--policy", "lagkv", "--policy_option", "lag_size")
+    assert line.startswith("error: --policy_option takes NAME=VALUE")
+    line = _cli_error(capsys, "--policy", "chunkkv_full")
+    assert "inner rule must be one of" in line

@@ -274,18 +274,18 @@ def test_every_policy_runs_under_every_timing_and_head_budget(checkpoint):
     import dge_jax
     from dge_jax.eviction import Eviction
     from dge_jax.generation import generate_grid
-    from dge_jax.registry import POLICIES, make_policy
+    from dge_jax.registry import POLICIES, make_policy, policy_fields
     from dge_jax.timing import KINDS, Timing
 
     model = dge_jax.load(checkpoint("llama"))
     n, budget = 48, 16
     prompt = [[(5 * i + 1) % model.config.vocab_size for i in range(n)]]
     cells = []
-    for name, cls in POLICIES.items():
+    composites = ["criticalkv_expectedattention", "chunkkv_h2o", "criticalkv_tova"]
+    for name in [*POLICIES, *composites]:
         if name == "full":
             continue
-        fields = {f.name for f in dataclasses.fields(cls)}
-        policy = make_policy(name, **({"window": 4} if "window" in fields else {}))
+        policy = make_policy(name, **({"window": 4} if "window" in policy_fields(name) else {}))
         for kind in KINDS:
             for head_budget in ("uniform", "adakv"):
                 cells.append(Eviction(policy, budget, Timing(kind, 1 if kind == "prefill" else 2),
