@@ -112,27 +112,19 @@ def prefill(
         if record_attn:
             attn = attn + out.probs_sum
         if q_stats_from is not None:
-            q_stats = jax.tree.map(jnp.add, q_stats, out.q_stats)
+            q_stats = q_stats.plus(*out.q_stats)
         cache = constrain_cache(out.cache, cfg)  # keeps its layout through the chunk loop
         return (cache, q_buf, qpos_buf, attn, q_stats, out.logits), None
 
     q_buf = jnp.zeros((nl, b, hq, w, hd), dtype) if w else None
     qpos_buf = jnp.full((b, w), -1, jnp.int32) if w else None
     attn = jnp.zeros((nl, b, hq, capacity), jnp.float32) if record_attn else None
-    q_stats = None
-    if q_stats_from is not None:
-        q_stats = (jnp.zeros((nl, b, hq, hd), jnp.float32), jnp.zeros((nl, b, hq, hd, hd)))
+    q_stats = None if q_stats_from is None else _no_queries_yet(cfg, lengths, q_stats_from)
     logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
     xs = (tokens.reshape(b, n, c).transpose(1, 0, 2), positions.reshape(b, n, c).transpose(1, 0, 2))
     (cache, q_buf, qpos_buf, attn, q_stats, logits), _ = jax.lax.scan(
         step, (cache, q_buf, qpos_buf, attn, q_stats, logits), xs
     )
-    if q_stats is not None:
-        q_stats = QueryStats(
-            total=q_stats[0], outer=q_stats[1],
-            count=jnp.maximum(lengths - q_stats_from, 0).astype(jnp.float32),
-            inv_freq=jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
-        )  # fmt: skip
     obs = Observation(
         q=q_buf,
         q_pos=qpos_buf,
@@ -142,6 +134,17 @@ def prefill(
         q_stats=q_stats,
     )
     return PrefillOutput(logits, cache, obs)
+
+
+def _no_queries_yet(cfg: ModelConfig, lengths: jax.Array, start: int) -> QueryStats:
+    """Zero sums, and the count the prompt's positions >= start will bring (per row)."""
+    nl, b, hq, hd = cfg.num_layers, lengths.shape[0], cfg.num_heads, cfg.head_dim
+    return QueryStats(
+        total=jnp.zeros((nl, b, hq, hd), jnp.float32),
+        outer=jnp.zeros((nl, b, hq, hd, hd), jnp.float32),
+        count=jnp.maximum(lengths - start, 0).astype(jnp.float32),
+        inv_freq=jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
+    )
 
 
 @jax.tree_util.register_dataclass

@@ -31,6 +31,10 @@ class QueryStats:
     count: jax.Array
     inv_freq: jax.Array
 
+    def plus(self, total: jax.Array, outer: jax.Array) -> QueryStats:
+        """These statistics with more queries' sums added (the count is set up front)."""
+        return dataclasses.replace(self, total=self.total + total, outer=self.outer + outer)
+
     def mean_and_covariance(self) -> tuple[jax.Array, jax.Array]:
         """Mean [L, B, Hq, D] and population covariance [L, B, Hq, D, D] of the queries."""
         n = jnp.maximum(self.count, 1.0)[None, :, None, None]
