@@ -6,8 +6,8 @@ config + tokenizer) that `dge_jax.load(DIR, mesh=...)` restores sharded.
 Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv]
 [--ties earlier]`; they are refused with the default `--policy full` (no eviction), where they
 would do nothing, as `--top_k/--top_p` are with the default `--temperature 0` (greedy). Policy
-options (`--window --kernel --pooling --gqa --gqa_before_pool`) are refused, naming them, by a
-policy that does not take them.
+options (`--window --kernel --pooling --gqa --gqa_before_pool`, and any field as
+`--policy_option NAME=VALUE`) are refused, naming them, by a policy that does not take them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from dge_jax.eviction import HEAD_BUDGETS, Eviction
 from dge_jax.model import DEFAULT_MODEL
-from dge_jax.policies import POLICIES, make_policy
+from dge_jax.registry import POLICIES, make_policy
 from dge_jax.sampling import Greedy, Sampling
 from dge_jax.selection import TIES
 from dge_jax.timing import KINDS, Timing
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--policy",
         default="full",
-        choices=sorted(POLICIES),
-        help="scoring rule (full = no eviction)",
+        help=f"scoring rule (full = no eviction): {', '.join(sorted(POLICIES))}; a wrapper "
+        "around another rule as <wrapper>_<rule>, e.g. criticalkv_expectedattention",
     )
     ev.add_argument("--budget", type=int, default=None, help="entries kept per kv head (256)")
     ev.add_argument("--timing", default=None, choices=KINDS, help="when to evict (dge)")
@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument(
         "--ties", default=None, choices=TIES, help="equal scores keep the later / earlier (later)"
+    )
+    ev.add_argument(
+        "--policy_option",
+        action="append",
+        default=None,
+        metavar="NAME=VALUE",
+        help="any other field of the policy (repeatable), e.g. lag_size=64, chunk_length=10",
     )
     c = sub.add_parser(
         "convert", help="convert a checkpoint to an orbax folder that `load` restores sharded"
@@ -103,7 +110,7 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
     """The `Eviction` the flags describe (None for --policy full); flags that would be ignored
     and values out of range raise, naming the flag."""
     if args.policy == "full":
-        names = (*EVICTION_DEFAULTS, *POLICY_OPTIONS)
+        names = (*EVICTION_DEFAULTS, *POLICY_OPTIONS, "policy_option")
         given = [f"--{name}" for name in names if getattr(args, name) is not None]
         if given:
             evicting = ", ".join(sorted(set(POLICIES) - {"full"}))
@@ -127,6 +134,7 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
     options = {
         name: getattr(args, name) for name in POLICY_OPTIONS if getattr(args, name) is not None
     }
+    options |= parse_policy_options(args.policy_option or ())
     return Eviction(
         policy=make_policy(args.policy, **options),
         budget=budget,
@@ -134,6 +142,27 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
         head_budget=head_budget,
         ties=ties,
     )
+
+
+def parse_policy_options(items: Sequence[str]) -> dict[str, object]:
+    """``NAME=VALUE`` strings to policy options: integers, then floats, then true/false, else
+    the text (an inner rule's name)."""
+    options: dict[str, object] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--policy_option takes NAME=VALUE, got {item!r}")
+        value: object = text
+        for cast in (int, float):
+            try:
+                value = cast(text)
+                break
+            except ValueError:
+                continue
+        else:
+            value = {"true": True, "false": False}.get(text.lower(), text)
+        options[name] = value
+    return options
 
 
 def sampler_from_args(args: argparse.Namespace) -> Greedy | Sampling:

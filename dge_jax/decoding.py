@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from dge_jax.cache import KVCache, LayerGroup, init_cache, regroup, runs_of_equal
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardFn, group_layers
-from dge_jax.observation import DraftRecord, Observation
+from dge_jax.observation import DraftRecord, Observation, QueryStats
+from dge_jax.rope import inverse_frequencies
 from dge_jax.sharding import constrain_cache, constrain_rows
 
 
@@ -55,6 +56,7 @@ class PrefillOutput(NamedTuple):
         "chunk",
         "obs_window",
         "record_attn",
+        "q_stats_from",
         "cache_dtype",
     ),
 )
@@ -69,13 +71,16 @@ def prefill(
     chunk: int = 512,
     obs_window: int = 0,
     record_attn: bool = False,
+    q_stats_from: int | None = None,
     cache_dtype=None,
 ) -> PrefillOutput:
     """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache.
 
     T must be a multiple of `chunk` (or smaller than it): activations stay [B, chunk, ...]
     however long the prompt. obs_window > 0 records the last W prompt queries per layer;
-    record_attn accumulates every prompt query's attention per slot (H2O).
+    record_attn accumulates every prompt query's attention per slot (H2O); q_stats_from (an
+    int) accumulates the statistics of the pre-RoPE queries at positions >= it
+    (`observation.QueryStats`, ExpectedAttention's).
     """
     b, t = tokens.shape
     c = min(chunk, t)
@@ -94,27 +99,31 @@ def prefill(
     nl, hq, hd = cfg.num_layers, cfg.num_heads, cfg.head_dim
 
     def step(carry, xs):
-        cache, q_buf, qpos_buf, attn, _ = carry
+        cache, q_buf, qpos_buf, attn, q_stats, _ = carry
         tok, pos = xs
         out = forward(
-            cfg, params, tok, pos, cache, obs_window=w, record_attn=record_attn, key_block=c
-        )
+            cfg, params, tok, pos, cache, obs_window=w, record_attn=record_attn,
+            q_stats_from=q_stats_from, key_block=c,
+        )  # fmt: skip
         if w:
             # Rolling window: append this chunk's last min(W, c) queries, keep the last W.
             q_buf = jnp.concatenate([q_buf, out.q_window], axis=3)[:, :, :, -w:]
             qpos_buf = jnp.concatenate([qpos_buf, pos[:, c - min(w, c) :]], axis=1)[:, -w:]
         if record_attn:
             attn = attn + out.probs_sum
+        if q_stats_from is not None:
+            q_stats = q_stats.plus(*out.q_stats)
         cache = constrain_cache(out.cache, cfg)  # keeps its layout through the chunk loop
-        return (cache, q_buf, qpos_buf, attn, out.logits), None
+        return (cache, q_buf, qpos_buf, attn, q_stats, out.logits), None
 
     q_buf = jnp.zeros((nl, b, hq, w, hd), dtype) if w else None
     qpos_buf = jnp.full((b, w), -1, jnp.int32) if w else None
     attn = jnp.zeros((nl, b, hq, capacity), jnp.float32) if record_attn else None
+    q_stats = None if q_stats_from is None else _no_queries_yet(cfg, lengths, q_stats_from)
     logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
     xs = (tokens.reshape(b, n, c).transpose(1, 0, 2), positions.reshape(b, n, c).transpose(1, 0, 2))
-    (cache, q_buf, qpos_buf, attn, logits), _ = jax.lax.scan(
-        step, (cache, q_buf, qpos_buf, attn, logits), xs
+    (cache, q_buf, qpos_buf, attn, q_stats, logits), _ = jax.lax.scan(
+        step, (cache, q_buf, qpos_buf, attn, q_stats, logits), xs
     )
     obs = Observation(
         q=q_buf,
@@ -122,8 +131,20 @@ def prefill(
         attn_sum=attn,
         is_draft=jnp.zeros((w,), bool) if w else None,
         prompt_end=(lengths - 1).astype(jnp.int32),
+        q_stats=q_stats,
     )
     return PrefillOutput(logits, cache, obs)
+
+
+def _no_queries_yet(cfg: ModelConfig, lengths: jax.Array, start: int) -> QueryStats:
+    """Zero sums, and the count the prompt's positions >= start will bring (per row)."""
+    nl, b, hq, hd = cfg.num_layers, lengths.shape[0], cfg.num_heads, cfg.head_dim
+    return QueryStats(
+        total=jnp.zeros((nl, b, hq, hd), jnp.float32),
+        outer=jnp.zeros((nl, b, hq, hd, hd), jnp.float32),
+        count=jnp.maximum(lengths - start, 0).astype(jnp.float32),
+        inv_freq=jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
+    )
 
 
 @jax.tree_util.register_dataclass

@@ -21,7 +21,8 @@ from dge_jax import selection
 from dge_jax.budgets import adakv_budgets, expand_budgets
 from dge_jax.cache import KVCache
 from dge_jax.observation import DraftRecord, Observation, with_drafts
-from dge_jax.policies import Policy, SnapKV, check_fields
+from dge_jax.policies import SnapKV
+from dge_jax.scoring import Policy, check_fields
 from dge_jax.timing import Timing
 
 HEAD_BUDGETS = ("uniform", "adakv")
@@ -71,7 +72,8 @@ class Eviction:
 
 def protected_size(policy: Policy) -> int:
     """Entries per head a policy always keeps (its window or sinks), before drafts."""
-    return int(getattr(policy, "window", 0) or 0) + int(getattr(policy, "sinks", 0) or 0)
+    rule = policy.scorer  # a wrapper protects what its inner rule does
+    return int(getattr(rule, "window", 0) or 0) + int(getattr(rule, "sinks", 0) or 0)
 
 
 def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
@@ -175,7 +177,8 @@ def select_for_budgets(
             per_head = adakv_budgets(scores, budget, alpha, ties)
         else:
             per_head = expand_budgets(budget, nl, b, hkv)
-        keep = selection.select(scores, per_head, ties=ties, positions=cache.pos)
+        ranked = pol.refine(scores, per_head, cache, obs, ties)  # two-stage rules re-rank
+        keep = selection.select(ranked, per_head, ties=ties, positions=cache.pos)
         masks.append(jnp.where(fits[None, :, None, None], cache.valid(), keep))
     return tuple(masks)
 

@@ -27,18 +27,22 @@ class ForwardOutput(NamedTuple):
     cache: the cache with the T new entries written at slots [index, index + T).
     q_window: [L, B, Hq, W, D] the last W queries per layer (post-RoPE), when asked.
     probs_sum: [L, B, Hq, S] f32 attention each slot received from these T queries, when asked.
+    q_stats: (sum [L, B, Hq, D], outer [L, B, Hq, D, D]) f32 of the pre-RoPE queries at
+        positions >= q_stats_from, when asked (ExpectedAttention's query statistics).
     """
 
     logits: jax.Array | None
     cache: KVCache
     q_window: jax.Array | None
     probs_sum: jax.Array | None
+    q_stats: tuple[jax.Array, jax.Array] | None = None
 
 
 # forward(config, params, tokens [B, T], positions [B, T], cache, *, layers, obs_window,
-#         record_attn, logits, key_block) -> ForwardOutput. The layers run group by group over
-# the cache's layer groups (`dge_jax.cache`); `layers` gives the layer weights grouped like
-# the cache (`group_layers`, made once outside a decode loop), None groups them per call.
+#         record_attn, q_stats_from, logits, key_block) -> ForwardOutput. The layers run
+# group by group over the cache's layer groups (`dge_jax.cache`); `layers` gives the layer
+# weights grouped like the cache (`group_layers`, made once outside a decode loop), None
+# groups them per call.
 ForwardFn = Callable[..., ForwardOutput]
 
 
@@ -74,6 +78,9 @@ class ModelFamily:
     # field ("layers.wq") -> logical axes ("layers", "embed", "heads"): how `dge_jax.sharding`
     # lays each parameter out on a mesh.
     param_axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # (cfg, params) -> [L, Hq, hd, D], each query head's rows of W_o; None if not provided
+    # (rules that need it, CriticalKV, then raise).
+    out_projection: Callable[[ModelConfig, Any], jax.Array] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -154,7 +154,7 @@ def generate_grid(
     prefilled = prefill(model, request, recording, sampler, seed, hook)
     drafted = draft(model, request, prefilled, recording, sampler, hook)
     plans = rewind(request, prefilled, drafted, cells, hook)
-    plans = select(prefilled, plans, hook)
+    plans = select(model, prefilled, plans, hook)
     plans = evict(request, plans, hook)
     tokens = decode(model, request, plans, sampler, hook)
     return results(model, request, plans, tokens)
@@ -172,20 +172,34 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
 @dataclasses.dataclass(frozen=True)
 class Recording:
     """What the shared prefill and draft record, for every cell at once: the largest query
-    window any policy reads, whether any reads attention sums, and the largest draft k."""
+    window any policy reads, whether any reads attention sums, where query statistics start
+    (None = not recorded), and the largest draft k."""
 
     obs_window: int
     record_attn: bool
+    q_stats_from: int | None
     draft_steps: int
 
     @classmethod
     def of(cls, cells: Sequence[Eviction | None]) -> Recording:
         active = [ev for ev in cells if ev is not None]
+        starts = {ev.policy.query_stats_from for ev in active} - {None}
+        if len(starts) > 1:
+            raise ValueError(
+                f"one grid records one set of query statistics, but its cells start them at "
+                f"positions {sorted(starts)} (ExpectedAttention sinks): give them one value"
+            )
         return cls(
             obs_window=max((ev.policy.obs_window for ev in active), default=0),
             record_attn=any(ev.policy.needs_attn_sum for ev in active),
+            q_stats_from=next(iter(starts), None),
             draft_steps=max((ev.timing.draft_steps for ev in active), default=0),
         )
+
+    @property
+    def draft_queries(self) -> bool:
+        """Whether the draft steps record their queries (a window, or query statistics)."""
+        return self.obs_window > 0 or self.q_stats_from is not None
 
 
 def prefill(
@@ -201,6 +215,7 @@ def prefill(
         chunk=request.chunk,
         obs_window=recording.obs_window,
         record_attn=recording.record_attn,
+        q_stats_from=recording.q_stats_from,
     )  # fmt: skip
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     eos_ids = request.eos_ids
@@ -226,7 +241,7 @@ def draft(
         hook, "draft", decoding.draft,
         model.forward, model.config, model.params, prefilled.start,
         sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
-        record_q=recording.obs_window > 0,
+        record_q=recording.draft_queries,
         record_attn=recording.record_attn,
         min_new_tokens=request.min_new_tokens,
     )  # fmt: skip
@@ -263,7 +278,17 @@ def rewind(request: Request, prefilled: Prefilled, drafted, cells, hook=None) ->
     return plans
 
 
-def select(prefilled: Prefilled, plans: list[CellPlan], hook=None) -> list[CellPlan]:
+def out_projection(model: Model) -> jax.Array:
+    """[L, Hq, hd, D]: the model's W_o per query head, for rules that read `obs.out_proj`."""
+    if model.family.out_projection is None:
+        raise ValueError(
+            f"the {model.family.model_type!r} family gives no out_projection, which CriticalKV "
+            "needs; add one to its ModelFamily or pick another rule"
+        )
+    return model.family.out_projection(model.config, model.params)
+
+
+def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None) -> list[CellPlan]:
     """Every cell's keep mask. Cells at the same eviction point with the same scoring
     (`eviction.scoring_key`: they differ by budget, or are SnapKV and PyramidKV) are scored
     once for all of them."""
@@ -276,6 +301,8 @@ def select(prefilled: Prefilled, plans: list[CellPlan], hook=None) -> list[CellP
     for members in sweeps.values():
         first = plans[members[0]]
         obs, drafts = observation.for_policy(first.eviction.policy, prefilled.pre.obs, first.drafts)
+        if any(plans[i].eviction.policy.needs_out_proj for i in members):
+            obs = dataclasses.replace(obs, out_proj=out_projection(model))
         masks = _call(
             hook, "keep_masks", keep_masks,
             first.state.cache, obs, drafts, [plans[i].eviction for i in members],

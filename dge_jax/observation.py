@@ -17,6 +17,41 @@ import jax.numpy as jnp
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class QueryStats:
+    """Running statistics of the pre-RoPE queries a rule may read (ExpectedAttention's).
+
+    total: [L, B, Hq, D] f32 sum of the queries, outer: [L, B, Hq, D, D] f32 sum of their
+    outer products, count: [B] f32 how many queries (prompt positions >= the rule's sinks,
+    plus observed drafts), inv_freq: [D / 2] f32 the model's RoPE inverse frequencies (to
+    un-rotate draft queries and to rotate the statistics to future positions).
+    """
+
+    total: jax.Array
+    outer: jax.Array
+    count: jax.Array
+    inv_freq: jax.Array
+
+    def plus(self, total: jax.Array, outer: jax.Array) -> QueryStats:
+        """These statistics with more queries' sums added (the count is set up front)."""
+        return dataclasses.replace(self, total=self.total + total, outer=self.outer + outer)
+
+    def mean_and_covariance(self) -> tuple[jax.Array, jax.Array]:
+        """Mean [L, B, Hq, D] and population covariance [L, B, Hq, D, D] of the queries."""
+        n = jnp.maximum(self.count, 1.0)[None, :, None, None]
+        mean = self.total / n
+        cov = self.outer / n[..., None] - mean[..., :, None] * mean[..., None, :]
+        return mean, cov
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE's rotation in the split-halves layout: x * cos + rotate_half(x) * sin, on the
+    last axis (cos, sin broadcast against x, [..., D])."""
+    half = x.shape[-1] // 2
+    return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Observation:
     """What scoring rules may read besides the cache, recorded only when asked for.
 
@@ -31,6 +66,11 @@ class Observation:
                                  windows are measured in prompt positions whatever was drafted.
     q_weight: [B, W] f32 or None  each query's weight in the scores (None = all 1); DGE can
                                  weigh draft queries against prompt-window queries.
+    out_proj: [L, Hq, D, E] or None  each layer's attention output projection, per query
+                                 head (CriticalKV's ‖W_o v‖); not recorded: the select stage
+                                 adds it from the weights when a rule asks.
+    q_stats: QueryStats or None  statistics of the pre-RoPE prompt queries (and, under DGE,
+                                 the observed drafts'), when a rule asks.
     """
 
     q: jax.Array | None
@@ -39,6 +79,8 @@ class Observation:
     is_draft: jax.Array | None
     prompt_end: jax.Array | None = None
     q_weight: jax.Array | None = None
+    out_proj: jax.Array | None = None
+    q_stats: QueryStats | None = None
 
 
 class DraftRecord(NamedTuple):
@@ -92,6 +134,9 @@ def with_drafts(
         # probs [L, B, Hq, K, S]: add the observed steps' attention, weighted.
         step_weight = (seen * weight).astype(jnp.float32)[None, :, None, :, None]
         attn = attn + jnp.sum(drafts.probs * step_weight, axis=3)
+    q_stats = prompt_obs.q_stats
+    if q_stats is not None and drafts.q is not None:
+        q_stats = _join_draft_queries(q_stats, drafts, seen * weight)
     return Observation(
         q=q,
         q_pos=q_pos,
@@ -99,6 +144,27 @@ def with_drafts(
         is_draft=is_draft,
         prompt_end=prompt_obs.prompt_end,
         q_weight=q_weight,
+        out_proj=prompt_obs.out_proj,
+        q_stats=q_stats,
+    )
+
+
+def _join_draft_queries(stats: QueryStats, drafts: DraftRecord, weight: jax.Array) -> QueryStats:
+    """`stats` with the draft queries added, each with its weight [B, K] (0 = not observed).
+
+    The draft record holds post-RoPE queries; rotating each back by its own position gives
+    the pre-RoPE query the statistics are kept in.
+    """
+    angles = jnp.maximum(drafts.q_pos, 0).astype(jnp.float32)[..., None] * stats.inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, K, D]
+    cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]
+    pre = rotate(drafts.q.astype(jnp.float32), cos, -sin)  # [L, B, Hq, K, D]: R(p)^T q
+    w = weight.astype(jnp.float32)[None, :, None, :, None]
+    return QueryStats(
+        total=stats.total + jnp.sum(pre * w, axis=3),
+        outer=stats.outer + jnp.einsum("lbhkd,lbhke->lbhde", pre * w, pre),
+        count=stats.count + jnp.sum(weight, axis=-1),
+        inv_freq=stats.inv_freq,
     )
 
 
@@ -115,9 +181,15 @@ def for_policy(
     if w:
         q, q_pos, is_draft = obs.q[:, :, :, -w:], obs.q_pos[:, -w:], obs.is_draft[-w:]
     attn = obs.attn_sum if policy.needs_attn_sum else None
-    obs = Observation(q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end)
+    out_proj = obs.out_proj if policy.needs_out_proj else None
+    stats = obs.q_stats if policy.query_stats_from is not None else None
+    obs = Observation(
+        q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end,
+        out_proj=out_proj, q_stats=stats,
+    )  # fmt: skip
     if drafts is not None:
         drafts = drafts._replace(
-            q=drafts.q if w else None, probs=drafts.probs if policy.needs_attn_sum else None
+            q=drafts.q if w or stats is not None else None,
+            probs=drafts.probs if policy.needs_attn_sum else None,
         )
     return obs, drafts

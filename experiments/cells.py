@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dge_jax.eviction import Eviction
-from dge_jax.policies import POLICIES, make_policy
+from dge_jax.registry import POLICIES, WRAPPERS, make_policy, policy_fields, resolve
 from dge_jax.timing import KINDS, Adaptive, Timing
 
 ADAKV_PREFIX = "adakv_"
@@ -44,7 +44,7 @@ class Cell:
         """The subset of `options` this cell's policy takes (none for full)."""
         if self.method == "full":
             return {}
-        fields = {f.name for f in dataclasses.fields(POLICIES[self.policy_name])}
+        fields = policy_fields(self.policy_name)
         return {k: v for k, v in options.items() if k in fields and v is not None}
 
     def eviction(
@@ -82,10 +82,20 @@ def parse_cell_id(cell_id: str) -> Cell:
 def check_method(method: str) -> None:
     """Raises for a method name that names no policy (with or without the adakv_ prefix)."""
     name = method.removeprefix(ADAKV_PREFIX)
-    if method != "full" and (name not in POLICIES or name == "full"):
-        known = sorted(n for n in POLICIES if n != "full")
+    if method == "full":
+        return
+    known = sorted(n for n in POLICIES if n != "full")
+    reason = ""
+    try:
+        cls, _ = resolve(name)
+    except ValueError as err:
+        reason = f"; {err}" if "inner rule" in str(err) else ""
+        cls = None
+    if cls is None or cls.name == "full":
+        wrapped = ", ".join(f"{w}_<policy>" for w in sorted(WRAPPERS))
         raise ValueError(
-            f"unknown method {method!r}; known: full, {', '.join(known)}, and adakv_<policy>"
+            f"unknown method {method!r}; known: full, {', '.join(known)}, {wrapped}, and "
+            f"adakv_<policy>{reason}"
         )
 
 

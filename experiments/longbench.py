@@ -59,7 +59,9 @@ flags.DEFINE_list("datasets", None, "datasets/tasks to run (default: synthetic "
                   f"{','.join(MAIN_JOB_TASKS)}; longbench: those present in --data_dir; ruler: "
                   "all eleven, or those present in --data_dir)")
 flags.DEFINE_list("methods", ["full", "snapkv"], "full, snapkv, pyramidkv, h2o, streamingllm, "
-                  "random, knorm, tova, and adakv_<policy>")
+                  "random, knorm, tova, expectedattention, keydiff, lagkv, criticalkv, "
+                  "chunkkv, <wrapper>_<rule> (criticalkv_expectedattention), and "
+                  "adakv_<policy>")
 flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w")
 flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
 flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")

@@ -55,5 +55,6 @@ for _name, _parse in [
             forward=llama_like.forward,
             init_params=llama_like.init_params,
             param_axes=llama_like.PARAM_AXES,
+            out_projection=llama_like.out_projection,
         )
     )

@@ -182,6 +182,13 @@ def key_map(cfg: ModelConfig):
     )
 
 
+def out_projection(cfg: ModelConfig, params: Params) -> jax.Array:
+    """[L, Hq, hd, D]: each query head's rows of the attention output projection W_o (what
+    CriticalKV multiplies the values by)."""
+    wo = params.layers.wo  # [L, Hq*hd, D]
+    return wo.reshape(wo.shape[0], cfg.num_heads, cfg.head_dim, wo.shape[-1])
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in f32, result cast back to x's dtype before the weight (as Hugging Face)."""
     xf = x.astype(jnp.float32)
@@ -210,6 +217,7 @@ def forward(
     layers: tuple[LayerParams, ...] | None = None,
     obs_window: int = 0,
     record_attn: bool = False,
+    q_stats_from: int | None = None,
     logits: str = "last",
     key_block: int = 0,
 ) -> ForwardOutput:
@@ -219,7 +227,9 @@ def forward(
     tokens, positions: [B, T] int32 (position -1 marks a padding token: it is written with
     pos -1, so no query ever sees it). logits: "last" -> [B, V], "all" -> [B, T, V], "none".
     obs_window > 0 also returns the last min(obs_window, T) queries per layer; record_attn
-    returns per-slot attention sums of these T queries (see `ForwardOutput`). key_block > 0
+    returns per-slot attention sums of these T queries, q_stats_from (an int) the sums of the
+    pre-RoPE queries at positions >= it and of their outer products (see `ForwardOutput`).
+    key_block > 0
     attends over the written slots [0, index + T) only, in blocks of that many keys
     (`written_slot_attention`: what a prefill chunk wants); 0 reads the whole capacity.
 
@@ -239,7 +249,8 @@ def forward(
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t)).astype(jnp.int32)
     run = functools.partial(
         _layer, cfg, positions, new_pos, cos, sin,
-        obs_window=min(obs_window, t), record_attn=record_attn, key_block=key_block,
+        obs_window=min(obs_window, t), record_attn=record_attn, q_stats_from=q_stats_from,
+        key_block=key_block,
     )  # fmt: skip
 
     def scanned_layer(carry, scanned):
@@ -248,21 +259,20 @@ def forward(
         # decode step copy the whole cache.
         x, k_all, v_all, pos_all = carry
         lp, i, slot = scanned
-        x, k_all, v_all, pos_all, q_win, probs_sum = run(x, lp, k_all, v_all, pos_all, i, slot)
-        return (x, k_all, v_all, pos_all), (q_win, probs_sum)
+        x, k_all, v_all, pos_all, recorded = run(x, lp, k_all, v_all, pos_all, i, slot)
+        return (x, k_all, v_all, pos_all), recorded
 
     x = params.embed[tokens]
-    groups, windows, sums = [], [], []
+    groups, recorded = [], []
     for lp, group in zip(layers, cache.groups, strict=True):
         ids = jnp.arange(group.num_layers, dtype=jnp.int32)
-        (x, k, v, pos), (q_win, probs_sum) = jax.lax.scan(
+        (x, k, v, pos), rec = jax.lax.scan(
             scanned_layer, (x, group.k, group.v, group.pos), (lp, ids, group.index)
         )
         groups.append(LayerGroup(k=k, v=v, pos=pos, index=group.index + t))
-        windows.append(q_win)
-        sums.append(probs_sum)
-    q_window = jnp.concatenate(windows) if obs_window else None
-    probs_sum = jnp.concatenate(sums) if record_attn else None
+        recorded.append(rec)
+    # (q_window, probs_sum, q_stats) per group, each [Lg, ...] or None: join the groups.
+    q_window, probs_sum, q_stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *recorded)
     out = None
     if logits != "none":
         x = x[:, -1] if logits == "last" else x
@@ -271,15 +281,25 @@ def forward(
             out = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
         else:
             out = jnp.dot(x, params.lm_head, preferred_element_type=jnp.float32)
-    return ForwardOutput(out, KVCache(tuple(groups)), q_window, probs_sum)
+    return ForwardOutput(out, KVCache(tuple(groups)), q_window, probs_sum, q_stats)
+
+
+def query_statistics(q: jax.Array, positions: jax.Array, start: int) -> tuple[jax.Array, ...]:
+    """Sums over the positions >= start of pre-RoPE queries q [B, T, Hq, D] and of their
+    outer products: ([B, Hq, D], [B, Hq, D, D]) f32 (padding, position -1, never counts)."""
+    w = (positions >= start).astype(jnp.float32)  # [B, T]
+    qf = q.astype(jnp.float32)
+    total = jnp.einsum("bthd,bt->bhd", qf, w)
+    outer = jnp.einsum("bthd,bthe,bt->bhde", qf, qf, w)
+    return total, outer
 
 
 def _layer(cfg, positions, new_pos, cos, sin, x, lp, k_all, v_all, pos_all, i, slot, *,
-           obs_window, record_attn, key_block):  # fmt: skip
+           obs_window, record_attn, q_stats_from, key_block):  # fmt: skip
     """Layer i of a group on x [B, T, D]: writes slots [slot, slot + T) of k_all[i] (in place
     under jit), v_all[i] and pos_all[i] ([Lg, B, Hkv, S, ...] buffers of the group).
-    Returns (x, k_all, v_all, pos_all, last W queries [B, Hq, W, D] or None, per-slot
-    attention sums [B, Hq, S] or None)."""
+    Returns (x, k_all, v_all, pos_all, (last W queries [B, Hq, W, D] or None, per-slot
+    attention sums [B, Hq, S] or None, pre-RoPE query statistics or None))."""
     b, t = positions.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
@@ -289,6 +309,7 @@ def _layer(cfg, positions, new_pos, cos, sin, x, lp, k_all, v_all, pos_all, i, s
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    q_stats = None if q_stats_from is None else query_statistics(q, positions, q_stats_from)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
 
@@ -299,7 +320,7 @@ def _layer(cfg, positions, new_pos, cos, sin, x, lp, k_all, v_all, pos_all, i, s
     x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
     x = x + mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
     q_win = q[:, t - obs_window :].transpose(0, 2, 1, 3) if obs_window else None  # [B, Hq, W, D]
-    return x, k_all, v_all, pos_all, q_win, probs_sum
+    return x, k_all, v_all, pos_all, (q_win, probs_sum, q_stats)
 
 
 def check_shapes(cfg: ModelConfig, params: Params) -> None:

@@ -128,3 +128,22 @@ def test_adaptive_cell_eviction():
     assert Cell("snapkv", "dge", 2, 16).eviction(OPTIONS, rule).timing == Timing("dge", 2)
     prefill = Cell("snapkv", "prefill", 1, 16).eviction(OPTIONS, None, draft_weight=0.5)
     assert prefill.timing == Timing("prefill", 1)
+
+
+def test_wrapped_rules_as_methods():
+    """A wrapper names its inner rule in the method ("criticalkv_h2o"); options go to the rule
+    that takes them; a wrapper of a wrapper, or of FullKV, is refused by name."""
+    from dge_jax.expected_attention import ExpectedAttention
+    from dge_jax.rule_wrappers import ChunkKV, CriticalKV
+
+    cells = build_cells(
+        ["criticalkv_expectedattention", "adakv_chunkkv_h2o"], ["dge"], [2], [32]
+    )
+    options = {"window": 8, "kernel": 7}
+    crit, chunk = (c.eviction(c.policy_options(options)) for c in cells)
+    assert crit.policy == CriticalKV(inner=ExpectedAttention())  # it takes no window
+    assert chunk.policy == ChunkKV(inner=H2O(window=8)) and chunk.head_budget == "adakv"
+    assert cells[1].id == "adakv_chunkkv_h2o/dge/k2/b32"
+    for method in ("chunkkv_criticalkv", "criticalkv_full", "chunkkv_nope"):
+        with pytest.raises(ValueError, match=f"unknown method '{method}'|inner rule must be"):
+            build_cells([method], ["dge"], [2], [32])

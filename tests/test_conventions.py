@@ -29,9 +29,11 @@ from dge_jax.cache import KVCache
 from dge_jax.eviction import Eviction, keep_masks, select_for, select_for_budgets
 from dge_jax.generation import generate_grid
 from dge_jax.observation import Observation
-from dge_jax.policies import H2O, PyramidKV, SnapKV, _reduce, make_policy, pool1d
+from dge_jax.policies import H2O, PyramidKV, SnapKV
 from dge_jax.prompts import bucket_length, pad_left
+from dge_jax.registry import make_policy
 from dge_jax.sampling import Greedy
+from dge_jax.scoring import pool1d, reduce
 from dge_jax.selection import select, top_mask
 from dge_jax.timing import Timing
 
@@ -139,8 +141,8 @@ def test_worked_example_pool_then_mean_vs_mean_then_pool():
     """SnapKV's docstring: 2 query heads of one group, 5 keys, max-pool, kernel 3."""
     attn = jnp.asarray([[0.0, 0.6, 0.0, 0.0, 0.4], [0.0, 0.0, 0.6, 0.0, 0.4]], jnp.float32)
     include = jnp.ones((5,), bool)
-    pool_then_mean = _reduce(pool1d(attn, include, 3, "max"), axis=0, how="mean")
-    mean_then_pool = pool1d(_reduce(attn, axis=0, how="mean"), include, 3, "max")
+    pool_then_mean = reduce(pool1d(attn, include, 3, "max"), axis=0, how="mean")
+    mean_then_pool = pool1d(reduce(attn, axis=0, how="mean"), include, 3, "max")
     np.testing.assert_allclose(pool_then_mean, [0.3, 0.6, 0.6, 0.5, 0.4], rtol=1e-6)
     np.testing.assert_allclose(mean_then_pool, [0.3, 0.3, 0.3, 0.4, 0.4], rtol=1e-6)
 
@@ -491,3 +493,31 @@ def test_cli_flags(capsys):
     with pytest.raises(SystemExit):
         cli.main(base + ["--policy", "snapkv", "--ties", "first"])
     assert "invalid choice: 'first'" in capsys.readouterr().err
+
+
+def test_cli_wrapped_rules_and_policy_options(capsys):
+    """--policy names a wrapper around a rule; --policy_option sets any field (typed), and is
+    refused, naming the field, by a policy without it (or with --policy full)."""
+    from dge_jax.expected_attention import ExpectedAttention
+    from dge_jax.key_statistics import LagKV
+    from dge_jax.rule_wrappers import CriticalKV
+
+    parse = cli.build_parser().parse_args
+    base = ["generate", "--prompt", "hi"]
+    ev = cli.eviction_from_args(parse(base + [
+        "--policy", "criticalkv_expectedattention", "--policy_option", "first_stage_ratio=0.25",
+        "--policy_option", "use_vnorm=false", "--policy_option", "sinks=2",
+    ]))  # fmt: skip
+    inner = ExpectedAttention(use_vnorm=False, sinks=2)
+    assert ev.policy == CriticalKV(inner=inner, first_stage_ratio=0.25)
+    lag = ["--policy", "lagkv", "--policy_option", "lag_size=64"]
+    ev = cli.eviction_from_args(parse(base + lag))
+    assert ev.policy == LagKV(lag_size=64)
+    line = _cli_error(capsys, "--policy", "keydiff", "--policy_option", "lag_size=64")
+    assert line.startswith("error: unknown option(s) ['lag_size'] for policy 'keydiff'")
+    line = _cli_error(capsys, "--policy_option", "lag_size=64")
+    assert line.startswith("error: --policy_option only apply with an evicting")
+    line = _cli_error(capsys, "--policy", "lagkv", "--policy_option", "lag_size")
+    assert line.startswith("error: --policy_option takes NAME=VALUE")
+    line = _cli_error(capsys, "--policy", "chunkkv_full")
+    assert "inner rule must be one of" in line

@@ -116,7 +116,7 @@ def test_readme_figure_is_drawn_by_the_script(tmp_path):
 
 
 def test_readme_tables_name_every_policy_and_timing():
-    from dge_jax.policies import POLICIES
+    from dge_jax.registry import POLICIES
     from dge_jax.timing import KINDS
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -192,10 +192,10 @@ def test_bash_commands_parse():
 @pytest.fixture(scope="module")
 def workspace():
     """The WORKSPACE python blocks executed in a fresh module; registrations undone after."""
-    from dge_jax import families, policies
+    from dge_jax import families, registry
 
     families_before = dict(families._FAMILIES)
-    policies_before = dict(policies.POLICIES)
+    policies_before = dict(registry.POLICIES)
     module = types.ModuleType("workspace_examples")
     sys.modules[module.__name__] = module  # dataclasses look their module up
     try:
@@ -204,8 +204,8 @@ def workspace():
         sys.modules.pop(module.__name__, None)
         families._FAMILIES.clear()
         families._FAMILIES.update(families_before)
-        policies.POLICIES.clear()
-        policies.POLICIES.update(policies_before)
+        registry.POLICIES.clear()
+        registry.POLICIES.update(policies_before)
 
 
 def test_workspace_family_example_loads_a_checkpoint(workspace, checkpoint, tmp_path):
@@ -237,7 +237,7 @@ def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint)
     import dge_jax
     from dge_jax.eviction import Eviction
     from dge_jax.generation import generate_grid
-    from dge_jax.policies import make_policy
+    from dge_jax.registry import make_policy
     from dge_jax.timing import Timing
     from experiments.cells import build_cells
 
@@ -274,18 +274,18 @@ def test_every_policy_runs_under_every_timing_and_head_budget(checkpoint):
     import dge_jax
     from dge_jax.eviction import Eviction
     from dge_jax.generation import generate_grid
-    from dge_jax.policies import POLICIES, make_policy
+    from dge_jax.registry import POLICIES, make_policy, policy_fields
     from dge_jax.timing import KINDS, Timing
 
     model = dge_jax.load(checkpoint("llama"))
     n, budget = 48, 16
     prompt = [[(5 * i + 1) % model.config.vocab_size for i in range(n)]]
     cells = []
-    for name, cls in POLICIES.items():
+    composites = ["criticalkv_expectedattention", "chunkkv_h2o", "criticalkv_tova"]
+    for name in [*POLICIES, *composites]:
         if name == "full":
             continue
-        fields = {f.name for f in dataclasses.fields(cls)}
-        policy = make_policy(name, **({"window": 4} if "window" in fields else {}))
+        policy = make_policy(name, **({"window": 4} if "window" in policy_fields(name) else {}))
         for kind in KINDS:
             for head_budget in ("uniform", "adakv"):
                 cells.append(Eviction(policy, budget, Timing(kind, 1 if kind == "prefill" else 2),

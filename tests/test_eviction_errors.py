@@ -23,7 +23,8 @@ from dge_jax.families import get_family
 from dge_jax.generation import generate
 from dge_jax.model import Model
 from dge_jax.observation import DraftRecord, Observation
-from dge_jax.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM, make_policy
+from dge_jax.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM
+from dge_jax.registry import make_policy
 from dge_jax.timing import Timing
 
 NL, B, HQ, HKV, S, D = 2, 1, 4, 2, 12, 8

@@ -17,7 +17,6 @@ from dge_jax.cache import KVCache
 from dge_jax.observation import Observation
 from dge_jax.policies import (
     H2O,
-    POLICIES,
     TOVA,
     FullKV,
     KeyNorm,
@@ -25,10 +24,9 @@ from dge_jax.policies import (
     RandomScores,
     SnapKV,
     StreamingLLM,
-    gqa_aggregate,
-    make_policy,
-    pool1d,
 )
+from dge_jax.registry import POLICIES, make_policy
+from dge_jax.scoring import gqa_aggregate, pool1d
 from dge_jax.selection import select as _select_eager
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
@@ -384,11 +382,12 @@ def test_full_keeps_everything():
 def test_registry_and_make_policy():
     assert set(POLICIES) == {
         "full", "snapkv", "pyramidkv", "h2o", "streamingllm", "random", "knorm", "tova",
+        "expectedattention", "keydiff", "lagkv", "criticalkv", "chunkkv",
     }  # fmt: skip
     assert make_policy("snapkv", window=8) == SnapKV(window=8)
     assert make_policy("PyramidKV", beta=10).beta == 10
     assert isinstance(make_policy("full"), FullKV)
-    with pytest.raises(ValueError, match="known: full, h2o"):
+    with pytest.raises(ValueError, match="known: chunkkv, .*full, h2o"):
         make_policy("snapkvv")
     with pytest.raises(ValueError, match="unknown option.*'windw'.*known"):
         make_policy("snapkv", windw=8)
