@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from dge_jax.eviction import HEAD_BUDGETS, Eviction
 from dge_jax.model import DEFAULT_MODEL
-from dge_jax.registry import POLICIES, make_policy
+from dge_jax.registry import POLICIES, make_policy, resolve
 from dge_jax.sampling import Greedy, Sampling
 from dge_jax.selection import TIES
 from dge_jax.timing import KINDS, Timing
@@ -29,6 +29,15 @@ EVICTION_DEFAULTS = {
     "budget": 256, "timing": "dge", "k": 2, "head_budget": "uniform", "ties": "later"
 }  # fmt: skip
 POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
+
+
+def policy_name(text: str) -> str:
+    """--policy's check: a registered rule or a wrapper around one (argparse reports it)."""
+    try:
+        resolve(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} ({err})") from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--policy",
         default="full",
+        type=policy_name,
         help=f"scoring rule (full = no eviction): {', '.join(sorted(POLICIES))}; a wrapper "
         "around another rule as <wrapper>_<rule>, e.g. criticalkv_expectedattention",
     )

@@ -154,7 +154,8 @@ def test_k_above_max_new_tokens(model, kind):
 
 
 def test_unknown_policy_name():
-    with pytest.raises(ValueError, match=r"unknown policy 'snapkv2'; known: full, h2o, .*tova"):
+    known = r"known: chunkkv, .*full, h2o, .*tova, and chunkkv_<rule>"
+    with pytest.raises(ValueError, match=rf"unknown policy 'snapkv2'; {known}"):
         make_policy("snapkv2")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for policy 'snapkv'"):
         make_policy("snapkv", windw=8)
@@ -251,7 +252,8 @@ def _cli_error(capsys, *flags: str) -> str:
 def test_cli_eviction_flags_without_an_evicting_policy_are_refused(capsys, flags, named):
     """With --policy full (the default) these flags would be silently ignored."""
     line = _cli_error(capsys, *flags)
-    assert line.startswith(f"error: {named} only apply with an evicting --policy (h2o, knorm")
+    evicting = "(chunkkv, criticalkv, expectedattention, h2o, keydiff, knorm, lagkv"
+    assert line.startswith(f"error: {named} only apply with an evicting --policy {evicting}")
     assert line.endswith("--policy full (the default) keeps the whole cache")
 
 
