@@ -142,8 +142,8 @@ class ChunkKV(_Wrapper):
     may be shorter); a chunk's score is the mean of the inner scores of its entries over
     every kv head of the layer, so all heads of a layer rank chunks alike, and every entry
     scores its chunk's score. The inner rule's always-kept entries (its window, scored +inf)
-    count with the largest finite score of the layer, as kvpress's inner rules score them
-    (max, or max + 1); ChunkKV itself protects nothing, like kvpress.
+    count with the largest finite score of the layer plus 1, as kvpress's SnapKV and
+    ExpectedAttention score them (max + 1); ChunkKV itself protects nothing, like kvpress.
 
     Budget B per head keeps the ⌊B / chunk_length⌋ best chunks and, of the next, its first
     (ties "earlier") or last ("later") B mod chunk_length entries; kvpress keeps whole chunks
@@ -176,7 +176,9 @@ class ChunkKV(_Wrapper):
         prompt = (pos >= 0) & (pos <= obs.prompt_end[None, :, None, None])
         finite = prompt & jnp.isfinite(inner)
         top = jnp.max(jnp.where(finite, inner, -jnp.inf), axis=(2, 3), keepdims=True)  # [L, B]
-        value = jnp.where(finite, inner, jnp.where(prompt & (inner > 0), top, 0.0))
+        # kvpress's inner rules score their window / sinks at max + 1 (SnapKV, ExpectedAttention):
+        # with attention-sized scores (< 1) that +1 is what keeps a window chunk on top.
+        value = jnp.where(finite, inner, jnp.where(prompt & (inner > 0), top + 1.0, 0.0))
         value = jnp.where(jnp.isfinite(value), value, 0.0)  # a layer with no finite score
         nl, b, h, s = pos.shape
         chunks = s // self.chunk_length + 1  # enough for any position a slot can hold

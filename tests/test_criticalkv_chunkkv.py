@@ -175,7 +175,7 @@ def chunkkv_reference(scores: np.ndarray, chunk: int, n_kept_chunks: int) -> set
 def test_chunkkv_keeps_kvpress_chunks(inner, lengths, budget):
     """Budgets that are whole chunks (chunk 5): kvpress's whole-chunk selection, on rows of
     different padding, with a remainder chunk (37 = 7·5 + 2), and with SnapKV's window
-    counted at the largest finite score as kvpress's SnapKV pads it. Where kvpress keeps the
+    counted at the largest finite score + 1 as kvpress's SnapKV pads it. Where kvpress keeps the
     short last chunk (fewer entries than the budget), the budget's rest comes from the next
     best chunk."""
     S, chunk = 40, 5
@@ -186,7 +186,7 @@ def test_chunkkv_keeps_kvpress_chunks(inner, lengths, budget):
     for layer in range(L):
         for row, n in enumerate(lengths):
             s, p = row_view(inner_scores, pos, layer, row)
-            s = np.where(np.isposinf(s), s[np.isfinite(s)].max(), s)
+            s = np.where(np.isposinf(s), s[np.isfinite(s)].max() + 1, s)  # kvpress: max + 1
             want = chunkkv_reference(s, chunk, budget // chunk)
             for h in range(HKV):
                 got = set(pos[layer, row, h][keep[layer, row, h]].tolist())
