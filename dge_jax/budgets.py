@@ -6,6 +6,7 @@ over budgets, or a switch from uniform to per-layer or head-adaptive budgets, co
 
 - ``expand_budgets``: scalar, per-layer ``[L]``, per-head ``[L, Hkv]`` or ``[L, B, Hkv]`` specs.
 - ``adakv_budgets``: AdaKV's head-adaptive split of each layer's pool (any scoring rule).
+- ``global_budgets``: the same split of one pool across all layers and heads (KVzip's).
 - ``PyramidSchedule``: PyramidKV's per-layer budgets (a policy's ``layer_schedule``).
 """
 
@@ -105,6 +106,35 @@ def adakv_budgets(
         valid.reshape(L, B, H * S), ties,
     ).reshape(L, B, H, S)  # fmt: skip
     return jnp.sum(chosen, axis=-1, dtype=jnp.int32)
+
+
+def global_budgets(
+    scores: jax.Array, layer_budgets: jax.Array | int, alpha: float = 0.0, ties: str = "later"
+) -> jax.Array:
+    """Per-head budgets [L, B, Hkv] from one pool per row across every layer and head.
+
+    kvpress ``KVzipPress`` (``layerwise=False``, its default): the pool is Σ_l Hkv·B_l
+    entries; a floor of ⌊α·B_l⌋ per head (KVzip's α is 0), the rest to the highest scores
+    of the whole cache jointly. Like `adakv_budgets` with the layer axis in the pool; ties
+    across heads go by flat index (layer, head, slot): "later" to the later layer and head.
+    Scores must be comparable across layers (KVzip's attention probabilities are).
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    L, B, H, S = scores.shape
+    layer_budgets = jnp.asarray(layer_budgets)
+    if layer_budgets.shape not in ((), (L,)):
+        raise ValueError(f"layer_budgets must be a scalar or [L]={(L,)}, got {layer_budgets.shape}")
+    budget = jnp.broadcast_to(layer_budgets.astype(jnp.int32), (L,))[:, None, None]  # [L, 1, 1]
+    valid = scores > -jnp.inf
+    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+    floor = top_mask(scores, jnp.broadcast_to(_floor_times(budget, alpha), (L, B, H)), valid, ties)
+    raised = jnp.where(floor, jnp.inf, scores)
+    # One ranking per row over [L, H, S]: rows to the front, then flatten (layer-major).
+    flat = lambda x: x.transpose(1, 0, 2, 3).reshape(B, L * H * S)  # noqa: E731
+    pool = jnp.broadcast_to(H * jnp.sum(budget[:, 0, 0]), (B,))
+    chosen = top_mask(flat(raised), pool, flat(valid), ties)
+    return jnp.sum(chosen.reshape(B, L, H, S), axis=-1, dtype=jnp.int32).transpose(1, 0, 2)
 
 
 @dataclasses.dataclass(frozen=True)

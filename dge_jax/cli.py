@@ -3,7 +3,7 @@
 `python -m dge_jax convert --model PATH_OR_NAME --out DIR` writes an orbax folder (params +
 config + tokenizer) that `dge_jax.load(DIR, mesh=...)` restores sharded.
 
-Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv]
+Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv --alpha 0.2]
 [--ties earlier]`; they are refused with the default `--policy full` (no eviction), where they
 would do nothing, as `--top_k/--top_p` are with the default `--temperature 0` (greedy). Policy
 options (`--window --kernel --pooling --gqa --gqa_before_pool`, and any field as
@@ -26,7 +26,8 @@ from dge_jax.timing import KINDS, Timing
 
 # Eviction flags default to None so that a flag the user gave is told from one left out.
 EVICTION_DEFAULTS = {
-    "budget": 256, "timing": "dge", "k": 2, "head_budget": "uniform", "ties": "later"
+    "budget": 256, "timing": "dge", "k": 2, "head_budget": "uniform", "ties": "later",
+    "alpha": 0.2,
 }  # fmt: skip
 POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
 
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer tokens generated with the full cache before eviction (2; prefill: 1)",
     )
     ev.add_argument("--head_budget", default=None, choices=HEAD_BUDGETS, help="(uniform)")
+    ev.add_argument(
+        "--alpha", type=float, default=None,
+        help="adakv / global: each head's floor, a fraction of the budget (0.2; KVzip's: 0)",
+    )  # fmt: skip
     ev.add_argument("--window", type=int, default=None, help="observation / recent window")
     ev.add_argument("--kernel", type=int, default=None, help="SnapKV/PyramidKV pooling kernel")
     ev.add_argument("--pooling", default=None, choices=["max", "avg"])
@@ -129,7 +134,7 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
                 "--policy full (the default) keeps the whole cache"
             )
         return None
-    budget, timing, k, head_budget, ties = (
+    budget, timing, k, head_budget, ties, alpha = (
         default if getattr(args, name) is None else getattr(args, name)
         for name, default in EVICTION_DEFAULTS.items()
     )
@@ -137,6 +142,8 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
         raise ValueError(f"--budget must be >= 1 (entries kept per kv head), got {budget}")
     if k < 1:
         raise ValueError(f"--k must be >= 1 (answer tokens before eviction), got {k}")
+    if args.alpha is not None and head_budget == "uniform":
+        raise ValueError("--alpha applies to --head_budget adakv / global, not uniform budgets")
     if timing == "prefill":
         if k != 1 and args.k is not None:
             raise ValueError("--k applies to --timing dge/dge_w; prefill evicts at k=1")
@@ -150,6 +157,7 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
         budget=budget,
         timing=Timing(timing, k),
         head_budget=head_budget,
+        alpha=alpha,
         ties=ties,
     )
 

@@ -18,14 +18,14 @@ import numpy as np
 
 from dge_jax import cache as kv
 from dge_jax import selection
-from dge_jax.budgets import adakv_budgets, expand_budgets
+from dge_jax.budgets import adakv_budgets, expand_budgets, global_budgets
 from dge_jax.cache import KVCache
 from dge_jax.observation import DraftRecord, Observation, with_drafts
 from dge_jax.policies import SnapKV
 from dge_jax.scoring import Policy, check_fields
 from dge_jax.timing import Timing
 
-HEAD_BUDGETS = ("uniform", "adakv")
+HEAD_BUDGETS = ("uniform", "adakv", "global")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,8 @@ class Eviction:
 
     budget: entries per kv head kept right after eviction (window and drafts included): an
     int, or a per-layer [L] / per-head [L, Hkv] array. head_budget "adakv" re-splits each
-    layer's pool Hkv·B across heads by score (floor alpha·B per head). compact=False keeps the
+    layer's pool Hkv·B across heads by score (floor alpha·B per head); "global" pools every
+    layer's (KVzip's allocation: use alpha=0.0 for kvpress's). compact=False keeps the
     masked cache (same shape); capacity fixes the compacted cache's slots, one for all layers
     (None = derived from what each layer kept: `layer_capacities`), so that a sweep can share
     one compilation of decode.
@@ -175,6 +176,8 @@ def select_for_budgets(
             budget = schedule.layer_budgets(budget, nl)
         if head_budget == "adakv":
             per_head = adakv_budgets(scores, budget, alpha, ties)
+        elif head_budget == "global":
+            per_head = global_budgets(scores, budget, alpha, ties)
         else:
             per_head = expand_budgets(budget, nl, b, hkv)
         ranked = pol.refine(scores, per_head, cache, obs, ties)  # two-stage rules re-rank

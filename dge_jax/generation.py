@@ -1,6 +1,6 @@
 """`generate` and `generate_grid`: text in, text out, in named stages.
 
-    prepare -> prefill -> draft -> rewind -> select -> evict -> decode -> results
+    prepare -> prefill -> reconstruct -> draft -> rewind -> select -> evict -> decode -> results
 
 Each stage is one function below; the numeric work happens in the pure jitted functions they
 call (`dge_jax.decoding`, `dge_jax.eviction`). A grid of cells (evictions, or None for
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax import decoding, observation
+from dge_jax import decoding, kvzip, observation
 from dge_jax.decoding import DecodeState, PrefillOutput
 from dge_jax.eviction import (
     Eviction,
@@ -42,7 +42,10 @@ from dge_jax.sharding import on_model_mesh
 
 GREEDY = Greedy()
 # The jitted steps a hook sees, in the order they first run.
-STAGES = ("prefill", "draft", "rewind", "keep_masks", "apply_eviction", "stack_states", "decode")
+STAGES = (
+    "prefill", "reconstruct", "draft", "rewind", "keep_masks", "apply_eviction", "stack_states",
+    "decode",
+)  # fmt: skip
 Hook = Callable[..., Any]  # hook(stage, fn, *args, **kwargs) -> fn(*args, **kwargs)
 
 
@@ -152,6 +155,7 @@ def generate_grid(
     cells = check_cells(cells, max_new_tokens)
     recording = Recording.of(cells)
     prefilled = prefill(model, request, recording, sampler, seed, hook)
+    prefilled = reconstruct(model, request, prefilled, recording, hook)
     drafted = draft(model, request, prefilled, recording, sampler, hook)
     plans = rewind(request, prefilled, drafted, cells, hook)
     plans = select(model, prefilled, plans, hook)
@@ -173,12 +177,14 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
 class Recording:
     """What the shared prefill and draft record, for every cell at once: the largest query
     window any policy reads, whether any reads attention sums, where query statistics start
-    (None = not recorded), and the largest draft k."""
+    (None = not recorded), the largest draft k, and the reconstruct stage (KVzip's) if any
+    cell reads it."""
 
     obs_window: int
     record_attn: bool
     q_stats_from: int | None
     draft_steps: int
+    reconstruction: kvzip.Reconstruction | None = None
 
     @classmethod
     def of(cls, cells: Sequence[Eviction | None]) -> Recording:
@@ -189,11 +195,18 @@ class Recording:
                 f"one grid records one set of query statistics, but its cells start them at "
                 f"positions {sorted(starts)} (ExpectedAttention sinks): give them one value"
             )
+        recs = {ev.policy.reconstruction for ev in active} - {None}
+        if len(recs) > 1:
+            raise ValueError(
+                f"one grid runs one reconstruct stage, but its KVzip cells differ in it: "
+                f"{sorted(recs, key=repr)}; give them the same sinks, chunk_size and repeat_tail"
+            )
         return cls(
             obs_window=max((ev.policy.obs_window for ev in active), default=0),
             record_attn=any(ev.policy.needs_attn_sum for ev in active),
             q_stats_from=next(iter(starts), None),
             draft_steps=max((ev.timing.draft_steps for ev in active), default=0),
+            reconstruction=next(iter(recs), None),
         )
 
     @property
@@ -227,6 +240,24 @@ def prefill(
         buffer=request.buffer,
     )  # fmt: skip
     return Prefilled(pre=pre, start=start)
+
+
+def reconstruct(
+    model: Model, request: Request, prefilled: Prefilled, recording: Recording, hook=None
+) -> Prefilled:
+    """KVzip's extra passes, when a cell reads them: the model repeats the prompt chunk by
+    chunk over prefill's cache; the attention each prompt entry got goes into `obs.recon`.
+    The cache itself is unchanged (the repeat entries are written into a scratch copy)."""
+    if recording.reconstruction is None:
+        return prefilled
+    pre = prefilled.pre
+    scores, _ = kvzip.reconstruction_scores(
+        model.forward, model.config, model.params, model.tokenizer, pre.cache,
+        request.prompt_ids, recording.reconstruction, bucket=request.chunk,
+        call=lambda fn, *a, **k: _call(hook, "reconstruct", fn, *a, **k),
+    )  # fmt: skip
+    obs = dataclasses.replace(pre.obs, recon=scores)
+    return dataclasses.replace(prefilled, pre=pre._replace(obs=obs))
 
 
 def draft(

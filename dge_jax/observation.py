@@ -71,6 +71,8 @@ class Observation:
                                  adds it from the weights when a rule asks.
     q_stats: QueryStats or None  statistics of the pre-RoPE prompt queries (and, under DGE,
                                  the observed drafts'), when a rule asks.
+    recon: [L, B, Hkv, S] f32 or None  the attention each slot got while the model repeated
+                                 the prompt (KVzip's reconstruct stage), when a rule asks.
     """
 
     q: jax.Array | None
@@ -81,6 +83,7 @@ class Observation:
     q_weight: jax.Array | None = None
     out_proj: jax.Array | None = None
     q_stats: QueryStats | None = None
+    recon: jax.Array | None = None
 
 
 class DraftRecord(NamedTuple):
@@ -146,6 +149,7 @@ def with_drafts(
         q_weight=q_weight,
         out_proj=prompt_obs.out_proj,
         q_stats=q_stats,
+        recon=prompt_obs.recon,
     )
 
 
@@ -183,9 +187,10 @@ def for_policy(
     attn = obs.attn_sum if policy.needs_attn_sum else None
     out_proj = obs.out_proj if policy.needs_out_proj else None
     stats = obs.q_stats if policy.query_stats_from is not None else None
+    recon = obs.recon if policy.reconstruction is not None else None
     obs = Observation(
         q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end,
-        out_proj=out_proj, q_stats=stats,
+        out_proj=out_proj, q_stats=stats, recon=recon,
     )  # fmt: skip
     if drafts is not None:
         drafts = drafts._replace(

@@ -13,6 +13,7 @@ from typing import Any
 
 from dge_jax.expected_attention import ExpectedAttention
 from dge_jax.key_statistics import KeyDiff, LagKV
+from dge_jax.kvzip import KVzip
 from dge_jax.policies import (
     H2O,
     TOVA,
@@ -35,7 +36,7 @@ POLICIES: dict[str, type] = {
     cls.name: cls
     for cls in (
         FullKV, SnapKV, PyramidKV, H2O, StreamingLLM, RandomScores, KeyNorm, TOVA,
-        ExpectedAttention, KeyDiff, LagKV, CriticalKV, ChunkKV,
+        ExpectedAttention, KeyDiff, LagKV, KVzip, CriticalKV, ChunkKV,
     )  # fmt: skip
 }
 # Wrappers: their `inner` rule is named, and takes the options the wrapper does not.

@@ -49,6 +49,10 @@ class _Wrapper(ScoringRule):
         return self.inner.query_stats_from
 
     @property
+    def reconstruction(self):
+        return self.inner.reconstruction
+
+    @property
     def layer_schedule(self) -> PyramidSchedule | None:
         """The inner rule's per-layer budgets (PyramidKV's), if any."""
         return self.inner.layer_schedule

@@ -57,6 +57,11 @@ class Policy(Protocol):
         """[L, B, Hkv, S] f32: higher = keep; empty slots -inf, always-kept slots +inf."""
         ...
 
+    @property
+    def reconstruction(self):
+        """None, or the reconstruct stage whose scores (`obs.recon`) the rule reads."""
+        ...
+
     def refine(
         self,
         scores: jax.Array,
@@ -238,6 +243,12 @@ class ScoringRule:
     def query_stats_from(self) -> int | None:
         """None, or the first prompt position whose pre-RoPE query enters `obs.q_stats`
         (ExpectedAttention's: after its sinks)."""
+        return None
+
+    @property
+    def reconstruction(self):
+        """None, or the reconstruct stage this rule reads (`kvzip.Reconstruction`: the
+        prompt repeated over the cache, its attention in `obs.recon`)."""
         return None
 
     def refine(

@@ -1,7 +1,8 @@
 """The grid a run evaluates: methods x timings x k x budgets, each cell one `Eviction`.
 
 A method is a policy name (`snapkv`, `h2o`, ...), optionally prefixed `adakv_` for AdaKV
-head-level budgets over that policy's scores; `full` is the one cell without eviction.
+head-level budgets over that policy's scores (alpha 0.2), or `global_` for one pool across
+every layer and head (KVzip's allocation, alpha 0); `full` is the one cell without eviction.
 Cell ids are stable strings (`snapkv/dge/k2/b128`), the keys of predictions and tables.
 """
 
@@ -16,6 +17,16 @@ from dge_jax.registry import POLICIES, WRAPPERS, make_policy, policy_fields, res
 from dge_jax.timing import KINDS, Adaptive, Timing
 
 ADAKV_PREFIX = "adakv_"
+# method prefix -> (Eviction.head_budget, Eviction.alpha)
+HEAD_BUDGET_PREFIXES = {ADAKV_PREFIX: ("adakv", 0.2), "global_": ("global", 0.0)}
+
+
+def split_method(method: str) -> tuple[str, str, float]:
+    """(policy name, head_budget, alpha) of a method: `global_kvzip` -> kvzip, global, 0."""
+    for prefix, (head_budget, alpha) in HEAD_BUDGET_PREFIXES.items():
+        if method.startswith(prefix):
+            return method.removeprefix(prefix), head_budget, alpha
+    return method, "uniform", 0.2
 POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
 
 
@@ -38,7 +49,7 @@ class Cell:
 
     @property
     def policy_name(self) -> str:
-        return self.method.removeprefix(ADAKV_PREFIX)
+        return split_method(self.method)[0]
 
     def policy_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """The subset of `options` this cell's policy takes (none for full)."""
@@ -56,6 +67,7 @@ class Cell:
         if self.method == "full":
             return None
         options = self.policy_options(policy_options)
+        _, head_budget, alpha = split_method(self.method)
         if self.adaptive and adaptive is None:
             raise ValueError(f"cell {self.id} is adaptive but no adaptive rule was given")
         return Eviction(
@@ -63,7 +75,8 @@ class Cell:
             budget=self.budget,
             timing=Timing(self.timing, self.k, adaptive=adaptive if self.adaptive else None,
                           draft_weight=draft_weight if self.timing != "prefill" else 1.0),
-            head_budget="adakv" if self.method.startswith(ADAKV_PREFIX) else "uniform",
+            head_budget=head_budget,
+            alpha=alpha,
             ties=ties,
         )
 
@@ -80,8 +93,8 @@ def parse_cell_id(cell_id: str) -> Cell:
 
 
 def check_method(method: str) -> None:
-    """Raises for a method name that names no policy (with or without the adakv_ prefix)."""
-    name = method.removeprefix(ADAKV_PREFIX)
+    """Raises for a method name that names no policy (with or without a head-budget prefix)."""
+    name = split_method(method)[0]
     if method == "full":
         return
     known = sorted(n for n in POLICIES if n != "full")
@@ -95,7 +108,7 @@ def check_method(method: str) -> None:
         wrapped = ", ".join(f"{w}_<policy>" for w in sorted(WRAPPERS))
         raise ValueError(
             f"unknown method {method!r}; known: full, {', '.join(known)}, {wrapped}, and "
-            f"adakv_<policy>{reason}"
+            f"adakv_<policy> or global_<policy>{reason}"
         )
 
 

@@ -99,6 +99,18 @@ def test_adakv_prefix_sets_head_budget():
     assert ada.policy == plain.policy == SnapKV(window=4, kernel=5, pooling="avg", gqa="max")
     assert ada.budget == 64 and ada.timing == Timing("dge", 2)
     assert Cell("adakv_snapkv", "dge", 2, 64).policy_name == "snapkv"
+    assert ada.alpha == 0.2
+
+
+def test_global_prefix_pools_every_layer_with_kvzips_alpha():
+    from dge_jax.kvzip import KVzip
+
+    ev = Cell("global_kvzip", "prefill", 1, 64).eviction(OPTIONS)
+    assert ev.head_budget == "global" and ev.alpha == 0.0 and ev.policy == KVzip()
+    assert Cell("global_kvzip", "dge", 2, 64).id == "global_kvzip/dge/k2/b64"
+    check_method("global_chunkkv_kvzip")
+    with pytest.raises(ValueError, match="unknown method 'global_nope'.*global_<policy>"):
+        check_method("global_nope")
 
 
 def test_prefill_cell_eviction_timing():

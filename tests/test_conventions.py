@@ -525,3 +525,17 @@ def test_cli_wrapped_rules_and_policy_options(capsys):
     err = capsys.readouterr().err
     assert "argument --policy: invalid choice: 'chunkkv_full'" in err
     assert "inner rule must be one of" in err
+
+
+def test_cli_kvzip_with_global_budgets_and_alpha(capsys):
+    """--head_budget global --alpha 0 is kvpress's KVzip allocation; --alpha is refused with
+    uniform budgets, where it would do nothing."""
+    from dge_jax.kvzip import KVzip
+
+    parse = cli.build_parser().parse_args
+    base = ["generate", "--prompt", "hi", "--policy", "kvzip"]
+    ev = cli.eviction_from_args(parse(base + ["--head_budget", "global", "--alpha", "0"]))
+    assert ev.policy == KVzip() and ev.head_budget == "global" and ev.alpha == 0.0
+    assert cli.eviction_from_args(parse(base + ["--head_budget", "adakv"])).alpha == 0.2
+    line = _cli_error(capsys, "--policy", "kvzip", "--alpha", "0")
+    assert line.startswith("error: --alpha applies to --head_budget adakv / global")

@@ -266,7 +266,7 @@ def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's claim: every policy x every timing x both head-budget modes
+# The README's claim: every policy x every timing x every head-budget mode
 
 
 @pytest.mark.slow
@@ -277,17 +277,17 @@ def test_every_policy_runs_under_every_timing_and_head_budget(checkpoint):
     from dge_jax.registry import POLICIES, make_policy, policy_fields
     from dge_jax.timing import KINDS, Timing
 
-    model = dge_jax.load(checkpoint("llama"))
+    model = dge_jax.load(checkpoint("llama_chat"))  # KVzip encodes its repeat instruction
     n, budget = 48, 16
     prompt = [[(5 * i + 1) % model.config.vocab_size for i in range(n)]]
     cells = []
-    composites = ["criticalkv_expectedattention", "chunkkv_h2o", "criticalkv_tova"]
+    composites = ["criticalkv_expectedattention", "chunkkv_h2o", "criticalkv_tova", "chunkkv_kvzip"]
     for name in [*POLICIES, *composites]:
         if name == "full":
             continue
         policy = make_policy(name, **({"window": 4} if "window" in policy_fields(name) else {}))
         for kind in KINDS:
-            for head_budget in ("uniform", "adakv"):
+            for head_budget in ("uniform", "adakv", "global"):
                 cells.append(Eviction(policy, budget, Timing(kind, 1 if kind == "prefill" else 2),
                                       head_budget=head_budget))
     results = generate_grid(model, prompt, cells, max_new_tokens=2)

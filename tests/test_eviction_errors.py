@@ -252,7 +252,7 @@ def _cli_error(capsys, *flags: str) -> str:
 def test_cli_eviction_flags_without_an_evicting_policy_are_refused(capsys, flags, named):
     """With --policy full (the default) these flags would be silently ignored."""
     line = _cli_error(capsys, *flags)
-    evicting = "(chunkkv, criticalkv, expectedattention, h2o, keydiff, knorm, lagkv"
+    evicting = "(chunkkv, criticalkv, expectedattention, h2o, keydiff, knorm, kvzip, lagkv"
     assert line.startswith(f"error: {named} only apply with an evicting --policy {evicting}")
     assert line.endswith("--policy full (the default) keeps the whole cache")
 

@@ -382,7 +382,7 @@ def test_full_keeps_everything():
 def test_registry_and_make_policy():
     assert set(POLICIES) == {
         "full", "snapkv", "pyramidkv", "h2o", "streamingllm", "random", "knorm", "tova",
-        "expectedattention", "keydiff", "lagkv", "criticalkv", "chunkkv",
+        "expectedattention", "keydiff", "lagkv", "kvzip", "criticalkv", "chunkkv",
     }  # fmt: skip
     assert make_policy("snapkv", window=8) == SnapKV(window=8)
     assert make_policy("PyramidKV", beta=10).beta == 10
