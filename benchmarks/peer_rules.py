@@ -21,7 +21,18 @@ one prefill per job, the same results). Recorded per layer and kv head:
   decisions the press takes for that head, from the scores it computed (`boundary_gaps`):
   a differing head with a gap ~1e-6 is a float near-tie; 0 is an exact tie.
 
-`--tiny FOLDER` writes the seeded random Llama the benchmark uses (safetensors).
+KVzip jobs (press {"name": "kvzip", "chunk_size", "layerwise", "n_sink"}, for
+`benchmarks.kvzip_agreement`) run one prefill each (`run_kvzip`): ``KVzipPress`` is its own
+context manager, repeating the context over the cache after the block and listing the
+evicted entries in ``module.masked_key_indices``. Its ratio is `kvzip_ratio` (kvpress prunes
+``int(n * ratio)`` of a pool of n entries: every layer's and head's, or one layer's with
+``layerwise``); the result also holds kvpress's scores [L][Hkv][S] (sinks at its max + 1).
+With ``"prefix_length": 0`` in the spec, the press repeats the whole prompt even when the
+tokenizer has a chat template (kvpress otherwise skips the template prefix's length).
+
+`--tiny FOLDER` writes the seeded random Llama the benchmark uses (safetensors); with
+`--tokenizer-from FOLDER`, its vocabulary is that folder's and that folder's tokenizer files
+are copied beside it (a chat template and instruction ids that kvpress's KVzip can read).
 """
 
 from __future__ import annotations
@@ -29,7 +40,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -53,13 +66,30 @@ TINY_CONFIG = dict(
 )
 
 
-def build_tiny(folder: str, seed: int = 0) -> None:
-    """Saves a seeded random Llama (`TINY_CONFIG`) to `folder` with `save_pretrained`."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def build_tiny(folder: str, seed: int = 0, tokenizer_from: str | None = None) -> None:
+    """Saves a seeded random Llama (`TINY_CONFIG`) to `folder` with `save_pretrained`.
+
+    tokenizer_from: a model folder whose vocabulary size and special token ids the tiny
+    model takes, and whose tokenizer files (`TOKENIZER_FILES`, those present) are copied in.
+    """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    config = dict(TINY_CONFIG)
+    if tokenizer_from:
+        with open(os.path.join(tokenizer_from, "config.json")) as f:
+            source = json.load(f)
+        config["vocab_size"] = source["vocab_size"]
+        config.update({k: source[k] for k in SPECIAL_IDS if source.get(k) is not None})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**TINY_CONFIG)).eval()
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**config)).eval()
     model.save_pretrained(folder)
+    for name in TOKENIZER_FILES if tokenizer_from else ():
+        if os.path.isfile(os.path.join(tokenizer_from, name)):
+            shutil.copy(os.path.join(tokenizer_from, name), os.path.join(folder, name))
 
 
 _MODELS: dict[str, Any] = {}
@@ -72,7 +102,9 @@ def load_model(folder: str) -> Any:
 
     hf_logging.disable_progress_bar()
     if folder not in _MODELS:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="sdpa"
+        )
         _MODELS[folder] = model.eval()
     return _MODELS[folder]
 
@@ -299,6 +331,72 @@ def run_shared(jobs: list[dict]) -> list[dict]:
     return [result(*record) for record in records]
 
 
+def kvzip_ratio(pool: int, kept: int) -> float:
+    """compression_ratio with int(pool * ratio) == pool - kept (half an entry of slack):
+    KVzipPress prunes int(pool * ratio) of a pool of `pool` entries."""
+    ratio = (pool - kept + 0.5) / pool
+    if int(pool * ratio) != pool - kept:
+        raise ValueError(f"no ratio prunes exactly {pool - kept} of {pool}")
+    return ratio
+
+
+def pool_gaps(scores: torch.Tensor, layerwise: bool, budget: int) -> list[list[float]]:
+    """[L][Hkv] kvpress's relative boundary gap of each head's pool: its layer's Hkv * B
+    top scores (layerwise), or every layer's L * Hkv * B (global), one gap per pool."""
+    n_layers, h = scores.shape[0], scores.shape[2]
+    if layerwise:
+        gaps = topk_gap(scores.reshape(n_layers, -1), h * budget)
+        return [[float(g)] * h for g in gaps]
+    gap = float(topk_gap(scores.reshape(1, -1), n_layers * h * budget)[0])
+    return [[gap] * h for _ in range(n_layers)]
+
+
+def run_kvzip(job: dict) -> dict:
+    """One prefill under ``KVzipPress``, its reconstruction run after the block as kvpress
+    does; kept = the complement of each layer's ``masked_key_indices``, and the scores
+    ``compress_post`` ranked (kvpress's ``score_val``, sinks raised), [L][Hkv][S]."""
+    from kvpress import KVzipPress
+    from transformers import DynamicCache
+
+    # Its overhead warning, once per press.
+    logging.getLogger("kvpress.presses.kvzip_press").setLevel(logging.ERROR)
+    model = load_model(job["folder"])
+    spec = {k: v for k, v in job["press"].items() if k not in ("name", "prefix_length")}
+    press = KVzipPress(**spec)
+    cfg, n = model.config, len(job["prompt"])
+    pool = cfg.num_key_value_heads * n * (1 if press.layerwise else cfg.num_hidden_layers)
+    press.compression_ratio = kvzip_ratio(pool, pool * job["budget"] // n)
+    seen: dict[str, Any] = {}
+    compress_post, reconstruct = press.compress_post, press._perform_kvzip_compression
+
+    def recorded_compress_post(model_: Any) -> None:
+        compress_post(model_)
+        seen["scores"] = press.score_val[:, 0].detach().clone()
+        seen["prefix_length"] = press.prefix_length
+
+    def reconstruct_from(model_: Any, tokenizer: Any) -> None:
+        press.prefix_length = job["press"]["prefix_length"]
+        reconstruct(model_, tokenizer)
+
+    press.compress_post = recorded_compress_post
+    if "prefix_length" in job["press"]:
+        press._perform_kvzip_compression = reconstruct_from
+    for layer in model.model.layers:
+        layer.self_attn.masked_key_indices = None
+    with torch.inference_mode():
+        with press(model):
+            ids = torch.tensor([job["prompt"]], dtype=torch.long)
+            model(input_ids=ids, past_key_values=DynamicCache(), logits_to_keep=1)
+    h = cfg.num_key_value_heads
+    kept = [kept_from_mask(layer.self_attn, h, n) for layer in model.model.layers]
+    scores = seen["scores"]
+    return {
+        "id": job["id"], "kept": kept, "gap": pool_gaps(scores, press.layerwise, job["budget"]),
+        "scores": scores.tolist(), "prefix_length": seen["prefix_length"],
+        "ratio": press.compression_ratio,
+    }  # fmt: skip
+
+
 def versions() -> dict:
     """Library versions of this environment."""
     from importlib.metadata import version
@@ -311,23 +409,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", help="JSON file: {'jobs': [...]}")
     p.add_argument("--out", help="JSON file to write the results to")
     p.add_argument("--tiny", help="write the tiny random Llama to this folder and exit")
+    p.add_argument(
+        "--tokenizer-from", help="with --tiny: this model folder's vocabulary and tokenizer"
+    )
     p.add_argument("--separate", action="store_true", help="one prefill per job, not per prompt")
     args = p.parse_args(argv)
     if args.tiny:
-        build_tiny(args.tiny)
+        build_tiny(args.tiny, tokenizer_from=args.tokenizer_from)
         return
     if not (args.jobs and args.out):
         p.error("give --tiny, or --jobs and --out")
     with open(args.jobs) as f:
         jobs = json.load(f)["jobs"]
     start = time.perf_counter()
+    results = []
+    for i, job in enumerate(j for j in jobs if j["press"]["name"] == "kvzip"):
+        results.append(run_kvzip(job))
+        print(f"[peer_rules] kvzip job {i + 1}: {job['id']}", file=sys.stderr, flush=True)
+    jobs = [job for job in jobs if job["press"]["name"] != "kvzip"]
     if args.separate:
-        results = [run_job(job) for job in jobs]
+        results += [run_job(job) for job in jobs]
     else:
         groups: dict[tuple, list[dict]] = {}
         for job in jobs:
             groups.setdefault((job["folder"], tuple(job["prompt"])), []).append(job)
-        results = []
         for i, group in enumerate(groups.values()):
             results += run_shared(group)
             print(f"[peer_rules] prompt {i + 1}/{len(groups)}", file=sys.stderr, flush=True)
