@@ -8,8 +8,11 @@ the softmax taken over the sinks, the chunk being repeated and the repeat tokens
 The repeat tokens are not kept: their entries go into a scratch copy of the cache.
 
 Following kvpress:
-- the context is the prompt after the chat template's prefix (when the prompt starts with
-  it); positions before it (the template's system turn) score 0, except the sinks;
+- the context is the prompt after the chat template's prefix; positions before it (the
+  template's system turn) score 0, except the sinks. One deliberate difference: kvpress
+  skips the prefix's length on every prompt (its pipeline always applies the template),
+  dge_jax only when the prompt starts with the prefix, so a raw prompt (`chat=False`) is
+  repeated from position 0 instead of losing its first tokens;
 - chunk 0 is fed as "Repeat the previous context exactly." + the template's turn end and
   assistant start + the chunk; chunk i > 0 as "Repeat the part of the previous context
   exactly, starting with" + the last ``repeat_tail`` tokens of chunk i - 1 + turn end + chunk;

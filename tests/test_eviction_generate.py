@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import jax_config, jax_model
 
 from dge_jax import decoding as gen
 from dge_jax import eviction as eviction_mod
 from dge_jax.cache import compact
 from dge_jax.config import ModelConfig
 from dge_jax.eviction import Eviction, keep_masks, select_for, select_for_budgets
-from dge_jax.families import get_family
 from dge_jax.generation import generate, generate_grid
 from dge_jax.model import Model
 from dge_jax.policies import H2O, TOVA, KeyNorm, PyramidKV, RandomScores, SnapKV, StreamingLLM
@@ -61,26 +61,11 @@ POLICIES = (
 
 def tiny_config(**overrides) -> ModelConfig:
     """Llama with GQA 4/2, hidden 64, 2 layers; overrides make a config no other test compiled."""
-    base = dict(
-        family="llama",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=L,
-        num_heads=HQ,
-        num_kv_heads=HKV,
-        head_dim=HD,
-        max_position_embeddings=1024,
-    )
-    return ModelConfig(**(base | overrides))
+    return jax_config(**overrides)
 
 
 def tiny_model(cfg: ModelConfig | None = None, seed: int = 0, scale: float = 0.3) -> Model:
-    from models.llama_like import init_params
-
-    cfg = cfg or tiny_config()
-    params = init_params(cfg, jax.random.PRNGKey(seed), scale=scale)
-    return Model(get_family("llama"), cfg, params, tokenizer=None)
+    return jax_model(cfg, seed, scale)
 
 
 @pytest.fixture(scope="module")

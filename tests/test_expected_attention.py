@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import jax_model
 
 from dge_jax.cache import KVCache
 from dge_jax.config import RopeConfig
@@ -140,17 +141,7 @@ def test_draft_queries_join_the_statistics():
 
 @pytest.fixture(scope="module")
 def model():
-    from dge_jax.config import ModelConfig
-    from dge_jax.families import get_family
-    from dge_jax.model import Model
-    from models.llama_like import init_params
-
-    cfg = ModelConfig(
-        family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
-    )  # fmt: skip
-    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.3)
-    return Model(get_family("llama"), cfg, params, tokenizer=None)
+    return jax_model()
 
 
 def _prefill_stats(model, rows, width, chunk, sinks):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import jax_model
 
 from dge_jax.cache import KVCache
 from dge_jax.eviction import Eviction, select_for
@@ -226,14 +227,4 @@ def test_query_free_rules_select_alike_under_every_timing(tiny_model_fixture):
 
 @pytest.fixture(scope="module")
 def tiny_model_fixture():
-    from dge_jax.config import ModelConfig
-    from dge_jax.families import get_family
-    from dge_jax.model import Model
-    from models.llama_like import init_params
-
-    cfg = ModelConfig(
-        family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
-    )  # fmt: skip
-    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.3)
-    return Model(get_family("llama"), cfg, params, tokenizer=None)
+    return jax_model()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_model import jax_model
 
 from dge_jax import decoding, generation, kvzip
 from dge_jax.budgets import adakv_budgets, global_budgets
@@ -50,17 +50,7 @@ class CharTokenizer:
 
 @pytest.fixture(scope="module")
 def model():
-    from dge_jax.config import ModelConfig
-    from dge_jax.families import get_family
-    from dge_jax.model import Model
-    from models.llama_like import init_params
-
-    cfg = ModelConfig(
-        family="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
-    )  # fmt: skip
-    params = init_params(cfg, jax.random.PRNGKey(0), scale=0.3)
-    return Model(get_family("llama"), cfg, params, tokenizer=CharTokenizer())
+    return jax_model(tokenizer=CharTokenizer())
 
 
 def prompt(text: str, template: bool = True) -> list[int]:

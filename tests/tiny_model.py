@@ -94,3 +94,29 @@ if __name__ == "__main__":  # python tests/tiny_model.py OUT_FOLDER
     import sys
 
     print(build_tiny_llama(sys.argv[1]))
+
+
+def jax_config(**overrides):
+    """The tiny Llama the rule tests share, as a config (GQA 4/2, hidden 64, head 16, 2
+    layers, vocab 128); overrides make a config no other test compiled."""
+    from dge_jax.config import ModelConfig
+
+    base = dict(
+        family="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024,
+    )  # fmt: skip
+    return ModelConfig(**(base | overrides))
+
+
+def jax_model(cfg=None, seed: int = 0, scale: float = 0.3, tokenizer=None):
+    """A `dge_jax.Model` of `jax_config()` (or cfg) with seeded random weights built in JAX
+    (no checkpoint folder): N(0, scale²) weights spread the logits, away from ties."""
+    import jax
+
+    from dge_jax.families import get_family
+    from dge_jax.model import Model
+    from models.llama_like import init_params
+
+    cfg = cfg or jax_config()
+    params = init_params(cfg, jax.random.PRNGKey(seed), scale=scale)
+    return Model(get_family("llama"), cfg, params, tokenizer=tokenizer)
