@@ -42,7 +42,6 @@ evidence, `swap_gap`); the largest score difference, relative to the layer's lar
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -54,8 +53,8 @@ import time
 import numpy as np
 
 import dge_jax
-from benchmarks.peer_client import PEERS_PYTHON, SETUP_COMMAND
-from benchmarks.rule_agreement import LONGBENCH, Prompt, compare, fmt_gap, notes, run_peer
+from benchmarks import rule_agreement as ra
+from benchmarks.rule_agreement import Prompt, compare, fmt_gap, notes, run_peer
 from dge_jax.eviction import Eviction
 from dge_jax.kvzip import KVzip, template_parts
 from dge_jax.timing import Timing
@@ -256,23 +255,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument(
-        "--peer-python",
-        type=pathlib.Path,
-        default=PEERS_PYTHON,
-        help=f"python of the peers' venv (default {PEERS_PYTHON}; `{SETUP_COMMAND}`)",
-    )
-    p.add_argument(
-        "--longbench",
-        type=pathlib.Path,
-        default=LONGBENCH,
-        help="folder of LongBench *.jsonl files (contexts; seeded random ids if absent)",
-    )
-    p.add_argument("--json", type=pathlib.Path, help="write the rows and peer versions here")
-    args = p.parse_args(argv)
-    if not args.peer_python.exists():
-        p.error(f"{args.peer_python} is missing; run `{SETUP_COMMAND}` or give --peer-python")
+    args = ra.parse_args(
+        __doc__, argv,
+        "folder of LongBench *.jsonl files (contexts; seeded random ids if absent)",
+    )  # fmt: skip
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvzip_agreement_") as tmp:
         smol = dge_jax.load("smollm2-135m-instruct")

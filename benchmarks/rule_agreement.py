@@ -333,24 +333,27 @@ def run_peer(python: pathlib.Path, args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([str(python), str(PEER_SCRIPT), *args], env=env)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+def parse_args(doc: str, argv: list[str] | None, longbench_help: str) -> argparse.Namespace:
+    """The agreement scripts' flags (--peer-python, --longbench, --json), the venv checked."""
+    p = argparse.ArgumentParser(description=doc.split("\n", 1)[0])
     p.add_argument(
         "--peer-python",
         type=pathlib.Path,
         default=PEERS_PYTHON,
         help=f"python of the peers' venv (default {PEERS_PYTHON}; `{SETUP_COMMAND}`)",
     )
-    p.add_argument(
-        "--longbench",
-        type=pathlib.Path,
-        default=LONGBENCH,
-        help="folder of LongBench *.jsonl files (text prompts; skipped if absent)",
-    )
+    p.add_argument("--longbench", type=pathlib.Path, default=LONGBENCH, help=longbench_help)
     p.add_argument("--json", type=pathlib.Path, help="write the rows and peer versions here")
     args = p.parse_args(argv)
     if not args.peer_python.exists():
         p.error(f"{args.peer_python} is missing; run `{SETUP_COMMAND}` or give --peer-python")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(
+        __doc__, argv, "folder of LongBench *.jsonl files (text prompts; skipped if absent)"
+    )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rule_agreement_") as tmp:
         tiny = pathlib.Path(tmp) / "tiny"

@@ -59,6 +59,24 @@ def expand_budgets(
     return jnp.broadcast_to(spec, (L, B, H))
 
 
+def _floors_raised(
+    scores: jax.Array, layer_budgets: jax.Array | int, alpha: float, ties: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What both allocators start from: budgets [L, 1, 1] int32, valid slots, and scores
+    [L, B, Hkv, S] f32 with each head's top ⌊alpha·B_l⌋ raised to +inf (its floor)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    L, B, H, _ = scores.shape
+    layer_budgets = jnp.asarray(layer_budgets)
+    if layer_budgets.shape not in ((), (L,)):
+        raise ValueError(f"layer_budgets must be a scalar or [L]={(L,)}, got {layer_budgets.shape}")
+    budget = jnp.broadcast_to(layer_budgets.astype(jnp.int32), (L,))[:, None, None]  # [L, 1, 1]
+    valid = scores > -jnp.inf
+    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
+    floor = top_mask(scores, jnp.broadcast_to(_floor_times(budget, alpha), (L, B, H)), valid, ties)
+    return budget, valid, jnp.where(floor, jnp.inf, scores)
+
+
 def adakv_budgets(
     scores: jax.Array, layer_budgets: jax.Array | int, alpha: float = 0.2, ties: str = "later"
 ) -> jax.Array:
@@ -82,18 +100,8 @@ def adakv_budgets(
     #     without the floor the joint top 6 are all head 0's -> counts (6, 0);
     #     with it .9 and .3 are raised first, then the joint top 4 of the rest are head 0's
     #     .8 .7 .6 .5 -> counts (5, 1), sum 6 = Hkv * B_l.
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     L, B, H, S = scores.shape
-    layer_budgets = jnp.asarray(layer_budgets)
-    if layer_budgets.shape not in ((), (L,)):
-        raise ValueError(f"layer_budgets must be a scalar or [L]={(L,)}, got {layer_budgets.shape}")
-    budget = jnp.broadcast_to(layer_budgets.astype(jnp.int32), (L,))[:, None, None]  # [L, 1, 1]
-    n_safe = _floor_times(budget, alpha)
-    valid = scores > -jnp.inf
-    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
-    floor = top_mask(scores, jnp.broadcast_to(n_safe, (L, B, H)), valid, ties)  # [L, B, H, S]
-    raised = jnp.where(floor, jnp.inf, scores)
+    budget, valid, raised = _floors_raised(scores, layer_budgets, alpha, ties)
     # Joint ranking over the layer's heads: flatten [H, S] per (layer, row). Ties follow the
     # same rule as select by flat index: "later" = later head, then later slot; "earlier" =
     # earlier head, then earlier slot. Only the counts come out, and they depend only on each
@@ -119,17 +127,8 @@ def global_budgets(
     across heads go by flat index (layer, head, slot): "later" to the later layer and head.
     Scores must be comparable across layers (KVzip's attention probabilities are).
     """
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     L, B, H, S = scores.shape
-    layer_budgets = jnp.asarray(layer_budgets)
-    if layer_budgets.shape not in ((), (L,)):
-        raise ValueError(f"layer_budgets must be a scalar or [L]={(L,)}, got {layer_budgets.shape}")
-    budget = jnp.broadcast_to(layer_budgets.astype(jnp.int32), (L,))[:, None, None]  # [L, 1, 1]
-    valid = scores > -jnp.inf
-    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
-    floor = top_mask(scores, jnp.broadcast_to(_floor_times(budget, alpha), (L, B, H)), valid, ties)
-    raised = jnp.where(floor, jnp.inf, scores)
+    budget, valid, raised = _floors_raised(scores, layer_budgets, alpha, ties)
     # One ranking per row over [L, H, S]: rows to the front, then flatten (layer-major).
     flat = lambda x: x.transpose(1, 0, 2, 3).reshape(B, L * H * S)  # noqa: E731
     pool = jnp.broadcast_to(H * jnp.sum(budget[:, 0, 0]), (B,))
