@@ -26,6 +26,7 @@ import time
 from absl import app, flags
 from absl import logging as absl_logging
 
+from dge_jax.registry import POLICIES
 from dge_jax.timing import Adaptive
 from experiments import protocol, ruler, synthetic
 from experiments.cells import POLICY_OPTIONS, Cell, build_cells
@@ -58,10 +59,9 @@ flags.DEFINE_string("data_dir", None, "folder of LongBench {dataset}.jsonl files
 flags.DEFINE_list("datasets", None, "datasets/tasks to run (default: synthetic "
                   f"{','.join(MAIN_JOB_TASKS)}; longbench: those present in --data_dir; ruler: "
                   "all eleven, or those present in --data_dir)")
-flags.DEFINE_list("methods", ["full", "snapkv"], "full, snapkv, pyramidkv, h2o, streamingllm, "
-                  "random, knorm, tova, expectedattention, keydiff, lagkv, criticalkv, "
-                  "chunkkv, <wrapper>_<rule> (criticalkv_expectedattention), and "
-                  "adakv_<policy>")
+flags.DEFINE_list("methods", ["full", "snapkv"], f"{', '.join(POLICIES)}, <wrapper>_<rule> "
+                  "(criticalkv_expectedattention), adakv_<policy> (AdaKV head budgets) and "
+                  "global_<policy> (one pool across layers and heads)")
 flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w")
 flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
 flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")
