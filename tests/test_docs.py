@@ -288,8 +288,11 @@ def test_every_policy_runs_under_every_timing_and_head_budget(checkpoint):
         policy = make_policy(name, **({"window": 4} if "window" in policy_fields(name) else {}))
         for kind in KINDS:
             for head_budget in ("uniform", "adakv", "global"):
+                # Head-adaptive cells stay masked: compacted, each would keep its own per-layer
+                # capacities and compile a decode loop of its own (compaction is tested in
+                # test_eviction_generate).
                 cells.append(Eviction(policy, budget, Timing(kind, 1 if kind == "prefill" else 2),
-                                      head_budget=head_budget))
+                                      head_budget=head_budget, compact=head_budget == "uniform"))
     results = generate_grid(model, prompt, cells, max_new_tokens=2)
     total = budget * model.config.num_layers * model.config.num_kv_heads
     for ev, res in zip(cells, results, strict=True):
