@@ -26,6 +26,9 @@ ids, all rows of a batch the same length, so no padding) and decodes greedily fo
   equals the per-head budget. The press's `compress` is timed (eviction overhead), and for
   ScorerPress presses the kept positions per layer and kv head are recorded (same `topk` on
   the same scores, so the same entries kvpress keeps).
+- "kvpress_decoding": kvpress's `DecodingPress` around `StreamingLLMPress`: nothing evicted
+  at prefill, then every `interval` decode steps each layer goes back to `budget` entries
+  (`benchmarks.decode_memory`).
 """
 
 from __future__ import annotations
@@ -332,7 +335,62 @@ def versions() -> dict:
     }
 
 
-RUNNERS = {"transformers": run_transformers, "kvpress": run_kvpress}
+def run_kvpress_decoding(job: dict, rss: RssSampler) -> dict:
+    """kvpress `DecodingPress`: the prompt prefilled whole, then every `interval` decode steps
+    the base press (StreamingLLMPress, 4 sinks) compresses each layer back to `budget`
+    entries per head; greedy, EOS banned, explicit positions (as `run_kvpress`)."""
+    import torch
+    from kvpress import DecodingPress, StreamingLLMPress
+    from transformers import DynamicCache
+
+    model = load_model(job["folder"])
+    ids = torch.tensor(job["prompts"], dtype=torch.long)
+    b, k_len = ids.shape
+    n = job["new_tokens"]
+    banned = torch.tensor(job["eos_ids"], dtype=torch.long)
+    press = DecodingPress(
+        base_press=StreamingLLMPress(n_sink=4), compression_interval=job["interval"],
+        target_size=job["budget"], hidden_states_buffer_size=0,
+    )  # fmt: skip
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float().clone()
+        if len(banned):
+            logits[:, banned] = -float("inf")
+        return logits.argmax(dim=-1)
+
+    base = rss.mark()
+    start = time.perf_counter()
+    with torch.inference_mode(), press(model):
+        cache = DynamicCache()
+        out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        token = pick(out.logits[:, -1])
+        ttft = time.perf_counter() - start
+        generated = [token]
+        positions = torch.full((b, 1), k_len, dtype=torch.long)
+        for i in range(n - 1):
+            out = model(input_ids=token[:, None], past_key_values=cache, position_ids=positions + i)
+            token = pick(out.logits[:, -1])
+            generated.append(token)
+    total = time.perf_counter() - start
+    return {
+        "tokens": torch.stack(generated, dim=1).tolist(),
+        "e2e_s": total,
+        "ttft_s": ttft,
+        "prefill_s": ttft,
+        "decode_s": total - ttft,
+        "decode_steps": n - 1,
+        "evict_s": None,
+        "cache_bytes": cache_bytes(cache),
+        "peak_rss": rss.peak_since_mark(),
+        "rss_base": base,
+    }
+
+
+RUNNERS = {
+    "transformers": run_transformers, "kvpress": run_kvpress,
+    "kvpress_decoding": run_kvpress_decoding,
+}  # fmt: skip
 
 
 def run_job(job: dict, rss: RssSampler, warmed: set[str]) -> dict:

@@ -300,7 +300,7 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
     parts = []  # per input group: (first layer, k, v, pos, count [Lg])
     for first, group in zip(group_bounds(cache.group_sizes)[:-1], cache.groups, strict=True):
         room = max(capacities[first : first + group.num_layers])
-        k, v, pos, count = _compact_heads(group.k, group.v, group.pos, room)
+        k, v, pos, count = compact_heads(group.k, group.v, group.pos, room)
         parts.append((first, k, v, pos, jnp.max(count, axis=(1, 2))))
     counts = jnp.concatenate([p[4] for p in parts])  # [L] each layer's max kept count
     # One shared capacity: every layer's next slot is the max kept count of the whole cache
@@ -328,11 +328,13 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
     return KVCache(tuple(groups))
 
 
-def _compact_heads(
+def compact_heads(
     k: jax.Array, v: jax.Array, pos: jax.Array, capacity: int
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """`compact` of arrays with any leading axes: k, v [..., S, D], pos [..., S] ->
-    [..., capacity(, D)], and count [...] int32, the entries each head now holds."""
+    [..., capacity(, D)], and count [...] int32, the entries each head now holds. The order
+    depends on ``pos`` alone, so other per-slot arrays ([..., S, X]) passed as k or v with the
+    same ``pos`` land in the same slots (decode-time H2O carries its attention sums so)."""
     length = pos.shape[-1]
     if capacity > length:  # growing: append empty slots so the gather below can fill them
         extra = capacity - length

@@ -4,9 +4,11 @@
 config + tokenizer) that `dge_jax.load(DIR, mesh=...)` restores sharded.
 
 Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv --alpha 0.2]
-[--ties earlier]`; they are refused with the default `--policy full` (no eviction), where they
-would do nothing, as `--top_k/--top_p` are with the default `--temperature 0` (greedy). Policy
-options (`--window --kernel --pooling --gqa --gqa_before_pool`, and any field as
+[--ties earlier] [--decode_budget 128 --interval 32]` (the last two also compress while
+decoding; `--json` then lists what each compression kept, `kept_over_time`); they are refused
+with the default `--policy full` (no eviction), where they would do nothing, as
+`--top_k/--top_p` are with the default `--temperature 0` (greedy). Policy options
+(`--window --kernel --pooling --gqa --gqa_before_pool`, and any field as
 `--policy_option NAME=VALUE`) are refused, naming them, by a policy that does not take them.
 """
 
@@ -17,6 +19,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from dge_jax.decode_spec import DecodeCompression
 from dge_jax.eviction import HEAD_BUDGETS, Eviction
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.registry import POLICIES, make_policy, resolve
@@ -30,6 +33,7 @@ EVICTION_DEFAULTS = {
     "alpha": 0.2,
 }  # fmt: skip
 POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
+DECODE_FLAGS = ("decode_budget", "interval")
 
 
 def policy_name(text: str) -> str:
@@ -95,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--ties", default=None, choices=TIES, help="equal scores keep the later / earlier (later)"
     )
     ev.add_argument(
+        "--decode_budget", type=int, default=None,
+        help="also compress while decoding: every --interval new tokens, back to this many "
+        "entries per kv head (with --timing decode: only while decoding)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--interval", type=int, default=None, help="decode steps between compressions (32)"
+    )
+    ev.add_argument(
         "--policy_option",
         action="append",
         default=None,
@@ -125,7 +137,7 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
     """The `Eviction` the flags describe (None for --policy full); flags that would be ignored
     and values out of range raise, naming the flag."""
     if args.policy == "full":
-        names = (*EVICTION_DEFAULTS, *POLICY_OPTIONS, "policy_option")
+        names = (*EVICTION_DEFAULTS, *POLICY_OPTIONS, *DECODE_FLAGS, "policy_option")
         given = [f"--{name}" for name in names if getattr(args, name) is not None]
         if given:
             evicting = ", ".join(sorted(set(POLICIES) - {"full"}))
@@ -134,6 +146,9 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
                 "--policy full (the default) keeps the whole cache"
             )
         return None
+    decode = decode_compression_from_args(args)
+    if args.timing == "decode" and args.budget is None and decode is not None:
+        args = argparse.Namespace(**{**vars(args), "budget": decode.budget})
     budget, timing, k, head_budget, ties, alpha = (
         default if getattr(args, name) is None else getattr(args, name)
         for name, default in EVICTION_DEFAULTS.items()
@@ -144,9 +159,10 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
         raise ValueError(f"--k must be >= 1 (answer tokens before eviction), got {k}")
     if args.alpha is not None and head_budget == "uniform":
         raise ValueError("--alpha applies to --head_budget adakv / global, not uniform budgets")
-    if timing == "prefill":
+    if timing in ("prefill", "decode"):
         if k != 1 and args.k is not None:
-            raise ValueError("--k applies to --timing dge/dge_w; prefill evicts at k=1")
+            when = "evicts at k=1" if timing == "prefill" else "evicts while decoding"
+            raise ValueError(f"--k applies to --timing dge/dge_w; {timing} {when}")
         k = 1
     options = {
         name: getattr(args, name) for name in POLICY_OPTIONS if getattr(args, name) is not None
@@ -159,7 +175,26 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
         head_budget=head_budget,
         alpha=alpha,
         ties=ties,
+        decode=decode,
     )
+
+
+def decode_compression_from_args(args: argparse.Namespace) -> DecodeCompression | None:
+    """--decode_budget / --interval as a `DecodeCompression` (None without them)."""
+    if args.decode_budget is None:
+        if args.interval is not None:
+            raise ValueError("--interval applies with --decode_budget (compression while decoding)")
+        if args.timing == "decode":
+            raise ValueError("--timing decode evicts only while decoding: give --decode_budget")
+        return None
+    if args.decode_budget < 1:
+        raise ValueError(
+            f"--decode_budget must be >= 1 (entries per kv head), got {args.decode_budget}"
+        )
+    interval = 32 if args.interval is None else args.interval
+    if interval < 1:
+        raise ValueError(f"--interval must be >= 1 (decode steps), got {interval}")
+    return DecodeCompression(budget=args.decode_budget, interval=interval)
 
 
 def parse_policy_options(items: Sequence[str]) -> dict[str, object]:
@@ -217,10 +252,13 @@ def run_generate(args: argparse.Namespace) -> dict:
         sampler=sampler,
         seed=args.seed,
         eviction=eviction,
+        record_compressions=args.json and eviction is not None and eviction.decode is not None,
     )
     out = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.texts}
     if result.kept is not None:
         out["kept"] = result.kept[0]  # first row: [layer][kv head] -> kept positions
+    if result.compressions is not None:  # first row: [{"step", "kept": [layer][kv head]}]
+        out["kept_over_time"] = result.compressions[0]
     return out
 
 

@@ -20,6 +20,7 @@ from dge_jax import cache as kv
 from dge_jax import selection
 from dge_jax.budgets import adakv_budgets, expand_budgets, global_budgets
 from dge_jax.cache import KVCache
+from dge_jax.decode_spec import DecodeCompression, check_decode_policy
 from dge_jax.observation import DraftRecord, Observation, with_drafts
 from dge_jax.policies import SnapKV
 from dge_jax.scoring import Policy, check_fields
@@ -48,6 +49,11 @@ class Eviction:
     the AdaKV allocator (equal scores across heads go to the later / earlier head) and grids.
     Worked example, one head, max-pooled scores by position ``[.2, .5, .5, .5, .1]`` (a
     plateau), budget 2: "later" keeps positions 2 and 3, "earlier" positions 1 and 2.
+
+    decode: compression while decoding as well (`dge_jax.decode_compression`): every
+    ``decode.interval`` new tokens the same rule brings each head back to ``decode.budget``.
+    With timing "decode" nothing is evicted before decoding (``budget`` must then equal
+    ``decode.budget``); with the other timings the prompt is evicted at ``budget`` first.
     """
 
     policy: Policy = SnapKV()
@@ -58,6 +64,7 @@ class Eviction:
     compact: bool = True
     capacity: int | None = None
     ties: str = "later"
+    decode: DecodeCompression | None = None
 
     def __post_init__(self):
         check_fields(
@@ -69,6 +76,10 @@ class Eviction:
             raise TypeError(f"Eviction.alpha must be a number in [0, 1], got {self.alpha!r}")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"Eviction.alpha must be a number in [0, 1], got {self.alpha}")
+        if self.decode is not None and not isinstance(self.decode, DecodeCompression):
+            raise TypeError(
+                f"Eviction.decode must be a DecodeCompression or None, got {self.decode!r}"
+            )
 
 
 def protected_size(policy: Policy) -> int:
@@ -97,10 +108,37 @@ def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
             f"k={ev.timing.k} answer tokens are drafted before eviction, more "
             f"than max_new_tokens={max_new_tokens}"
         )
+    if ev.decode is not None or ev.timing.kind == "decode":
+        _check_decode(ev, budget)
     if ev.policy.layer_schedule is not None and budget.ndim:
         raise ValueError(
             f"{type(ev.policy).__name__} sets per-layer budgets itself; give it a scalar budget"
         )
+
+
+def spreads_budget(ev: Eviction) -> bool:
+    """Whether `ev` gives heads or layers unequal budgets (AdaKV, global, PyramidKV)."""
+    return ev.head_budget != "uniform" or ev.policy.layer_schedule is not None
+
+
+def _check_decode(ev: Eviction, budget: np.ndarray) -> None:
+    """Clear errors for decode-time compression settings that cannot work."""
+    spec = ev.decode
+    if spec is None:
+        raise ValueError(
+            "timing 'decode' evicts inside the decode loop and needs Eviction.decode "
+            "(a DecodeCompression with the decode budget and interval)"
+        )
+    if ev.policy.is_full:
+        raise ValueError("decode-time compression needs a scoring rule, not FullKV")
+    if not ev.compact:
+        raise ValueError("decode-time compression compacts the cache; drop compact=False")
+    if ev.timing.kind == "decode" and (budget.ndim or int(budget) != spec.budget):
+        raise ValueError(
+            f"timing 'decode' evicts only while decoding: give budget = decode budget "
+            f"({spec.budget}), got {ev.budget!r}"
+        )
+    check_decode_policy(ev.policy, spec, protected_size(ev.policy))
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha", "ties"))
@@ -133,7 +171,9 @@ def select_for(
     )[0]  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha", "ties"))
+@functools.partial(
+    jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha", "ties", "head_cap")
+)
 def select_for_budgets(
     cache: KVCache,
     prompt_obs: Observation,
@@ -147,11 +187,14 @@ def select_for_budgets(
     head_budget: str = "uniform",
     alpha: float = 0.2,
     ties: str = "later",
+    head_cap: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """`select_for` under several budgets at once: the cache is scored once, then each budget
     selects from those scores (what a budget sweep wants). One keep mask per budget, in
     order; each equals `select_for` with that budget. policy: one for every budget, or one
-    per budget, all with the same `scorer` (SnapKV and PyramidKV cells share a scoring)."""
+    per budget, all with the same `scorer` (SnapKV and PyramidKV cells share a scoring).
+    head_cap (static): no head keeps more than this many entries, whatever an allocator
+    gives it (decode-time compression's fixed-capacity cache, `dge_jax.decode_compression`)."""
     nl, b, hkv, _ = cache.pos.shape
     policies = policy if isinstance(policy, tuple) else (policy,) * len(budgets)
     if len(policies) != len(budgets) or len({p.scorer for p in policies}) != 1:
@@ -180,6 +223,8 @@ def select_for_budgets(
             per_head = global_budgets(scores, budget, alpha, ties)
         else:
             per_head = expand_budgets(budget, nl, b, hkv)
+        if head_cap is not None:
+            per_head = jnp.minimum(per_head, head_cap)
         ranked = pol.refine(scores, per_head, cache, obs, ties)  # two-stage rules re-rank
         keep = selection.select(ranked, per_head, ties=ties, positions=cache.pos)
         masks.append(jnp.where(fits[None, :, None, None], cache.valid(), keep))

@@ -15,6 +15,7 @@ without touching the library.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax import decoding, kvzip, observation
+from dge_jax import decode_compression, decoding, kvzip, observation
+from dge_jax.decode_spec import CAP_MULTIPLE
 from dge_jax.decoding import DecodeState, PrefillOutput
 from dge_jax.eviction import (
     Eviction,
@@ -33,6 +35,7 @@ from dge_jax.eviction import (
     layer_capacities,
     round_up_slots,
     scoring_key,
+    spreads_budget,
 )
 from dge_jax.model import Model
 from dge_jax.observation import DraftRecord
@@ -44,7 +47,7 @@ GREEDY = Greedy()
 # The jitted steps a hook sees, in the order they first run.
 STAGES = (
     "prefill", "reconstruct", "draft", "rewind", "keep_masks", "apply_eviction", "stack_states",
-    "decode",
+    "decode", "decode_compressed",
 )  # fmt: skip
 Hook = Callable[..., Any]  # hook(stage, fn, *args, **kwargs) -> fn(*args, **kwargs)
 
@@ -58,13 +61,17 @@ class GenerationResult:
     """prompt_tokens: ids fed per row; tokens: generated ids per row (up to and including the
     first EOS); texts: decoded `tokens`; kept: per row, layer and kv head, the original
     positions held right after eviction (None without eviction); k: per row, the answer
-    tokens generated with the full cache before eviction (None without eviction)."""
+    tokens generated with the full cache before eviction (None without eviction);
+    compressions: per row, what each decode-time compression kept
+    (`decode_compression.kept_over_time`; None unless asked for with
+    ``record_compressions``)."""
 
     prompt_tokens: list[list[int]]
     tokens: list[list[int]]
     texts: list[str]
     kept: list[list[list[list[int]]]] | None = None
     k: list[int] | None = None
+    compressions: list[list[dict]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +101,8 @@ class CellPlan:
     eviction: None for FullKV. steps: draft steps each row ran before eviction ([B] int, None
     without a draft). state: the decode state at the eviction point; drafts: the draft
     record rewound to `steps` (None without a draft). keep: the keep mask [L, B, Hkv, S]
-    (select stage); evicted: the state decoding starts from (evict stage).
+    (select stage); evicted: the state decoding starts from (evict stage); attn: the
+    attention sums aligned with its cache, for a decode-time rule that reads them (H2O).
     """
 
     eviction: Eviction | None
@@ -103,6 +111,7 @@ class CellPlan:
     drafts: DraftRecord | None = None
     keep: jax.Array | None = None
     evicted: DecodeState | None = None
+    attn: jax.Array | None = None
 
 
 def generate(
@@ -118,13 +127,14 @@ def generate(
     min_new_tokens: int = 0,
     eviction: Eviction | None = None,
     hook: Hook | None = None,
+    record_compressions: bool = False,
 ) -> GenerationResult:
     """Generates for a batch of prompts (text, or lists of token ids); each row is scored and
     evicted on its own when `eviction` is given (None = FullKV)."""
     return generate_grid(
         model, prompts, [eviction], max_new_tokens=max_new_tokens, chat=chat, sampler=sampler,
         seed=seed, chunk=chunk, extra_eos_ids=extra_eos_ids, min_new_tokens=min_new_tokens,
-        hook=hook,
+        hook=hook, record_compressions=record_compressions,
     )[0]  # fmt: skip
 
 
@@ -142,11 +152,14 @@ def generate_grid(
     extra_eos_ids: Sequence[int] = (),
     min_new_tokens: int = 0,
     hook: Hook | None = None,
+    record_compressions: bool = False,
 ) -> list[GenerationResult]:
     """One result per cell (an `Eviction`, or None for FullKV) for the same prompts.
 
     The research loop: one prefill serves every cell, and one draft per k serves every DGE
     and DGE-W cell of that k (the cache is functional, so each cell evicts its own copy).
+    Cells with `Eviction.decode` also compress while decoding; record_compressions keeps
+    what each of their compressions kept (`GenerationResult.compressions`).
     """
     request = prepare(
         model, prompts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
@@ -154,14 +167,14 @@ def generate_grid(
     )  # fmt: skip
     cells = check_cells(cells, max_new_tokens)
     recording = Recording.of(cells)
-    prefilled = prefill(model, request, recording, sampler, seed, hook)
+    prefilled = prefill(model, request, recording, sampler, seed, hook, cache_room(request, cells))
     prefilled = reconstruct(model, request, prefilled, recording, hook)
     drafted = draft(model, request, prefilled, recording, sampler, hook)
     plans = rewind(request, prefilled, drafted, cells, hook)
     plans = select(model, prefilled, plans, hook)
-    plans = evict(request, plans, hook)
-    tokens = decode(model, request, plans, sampler, hook)
-    return results(model, request, plans, tokens)
+    plans = evict(request, prefilled, plans, hook)
+    tokens, logs = decode(model, request, plans, sampler, hook, record_compressions)
+    return results(model, request, plans, tokens, logs)
 
 
 def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[Eviction | None]:
@@ -215,16 +228,35 @@ class Recording:
         return self.obs_window > 0 or self.q_stats_from is not None
 
 
+def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
+    """Slots after the prompt the shared prefill cache needs: room for every new token when a
+    cell decodes in that cache (FullKV, a masked eviction); otherwise only for the drafts and
+    for the first block of a cell that evicts only while decoding (every other cell decodes
+    from a compacted copy), so that prefill's cache does not grow with the answer length."""
+    if any(ev is None or not ev.compact for ev in cells):
+        return request.buffer
+    need = [ev.timing.draft_steps for ev in cells]
+    need += [ev.decode.interval for ev in cells if not ev.timing.before_decoding]
+    return min(request.buffer, round_up_slots(max(need + [1])))
+
+
 def prefill(
-    model: Model, request: Request, recording: Recording, sampler, seed: int, hook=None
+    model: Model,
+    request: Request,
+    recording: Recording,
+    sampler,
+    seed: int,
+    hook=None,
+    room: int | None = None,
 ) -> Prefilled:
     """Prefill once for every cell, recording the largest query window (and the attention
-    sums) any cell's policy reads; choose the first answer token."""
+    sums) any cell's policy reads; choose the first answer token. room: slots after the
+    prompt (default: the token buffer, room for every new token; `cache_room`)."""
     pre = _call(
         hook, "prefill", decoding.prefill,
         model.forward, model.config, model.params,
         jnp.asarray(request.tokens), jnp.asarray(request.lengths),
-        capacity=request.tokens.shape[1] + request.buffer,
+        capacity=request.tokens.shape[1] + (request.buffer if room is None else room),
         chunk=request.chunk,
         obs_window=recording.obs_window,
         record_attn=recording.record_attn,
@@ -325,7 +357,7 @@ def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None)
     once for all of them."""
     sweeps: dict[tuple, list[int]] = {}
     for i, plan in enumerate(plans):
-        if plan.eviction is not None:
+        if plan.eviction is not None and plan.eviction.timing.before_decoding:
             point = None if plan.steps is None else tuple(int(s) for s in plan.steps)
             sweeps.setdefault((point, scoring_key(plan.eviction)), []).append(i)
     plans = list(plans)
@@ -343,7 +375,9 @@ def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None)
     return plans
 
 
-def evict(request: Request, plans: list[CellPlan], hook=None) -> list[CellPlan]:
+def evict(
+    request: Request, prefilled: Prefilled, plans: list[CellPlan], hook=None
+) -> list[CellPlan]:
     """Each cell's evicted state: masked, or compacted. Compacted cells without a fixed
     capacity share per-layer capacities (the most any of them keeps per layer, plus room for
     every new token, rounded up), so they share one compiled decode loop.
@@ -352,36 +386,74 @@ def evict(request: Request, plans: list[CellPlan], hook=None) -> list[CellPlan]:
     bucket: every decode step reads every slot, and a 512-token bucket for 64 new tokens made
     a budget-512 grid attend over 1,024 slots instead of 640). Capacities are per layer: a
     grid with PyramidKV cells would otherwise give every layer the bottom layer's slots.
+
+    A cell that also compresses while decoding (`Eviction.decode`) is compacted to its decode
+    loop's capacity, or, if it kept more, to what it kept plus one interval, one capacity for
+    all layers (the loop compacts that to its own at the first compression).
     """
     counts = [None if p.keep is None else np.asarray(jnp.sum(p.keep, axis=-1)) for p in plans]
-    kept = [c for c in counts if c is not None]
+    kept = [c for c, p in zip(counts, plans, strict=True) if c is not None and not _decodes(p)]
     room = round_up_slots(request.max_new_tokens)
     shared = layer_capacities(np.max(kept, axis=0), room) if kept else None
     out = []
     for plan, count in zip(plans, counts, strict=True):
-        state = plan.state
+        state, ev, attn = plan.state, plan.eviction, None
+        remaining = request.max_new_tokens - int(np.min(np.asarray(state.step)))
+        capacity = shared if ev is None or ev.capacity is None else ev.capacity
+        if _decodes(plan):
+            spec = ev.decode
+            most = 0 if count is None else int(np.max(count, initial=0))
+            spread = spreads_budget(ev)
+            capacity = spec.capacity(spread)  # the loop's: it starts there
+            if most > spec.head_cap(spread):  # kept more: its first block runs bigger
+                capacity = round_up_slots(most, CAP_MULTIPLE) + spec.interval
+            remaining = min(remaining, spec.interval)  # the loop compresses after those
+            if ev.policy.needs_attn_sum:
+                attn = decode_compression.carried_attention(
+                    prefilled.pre.obs, plan.drafts, plan.keep, state.cache.pos, capacity
+                )
         if plan.keep is not None:
-            ev = plan.eviction
-            remaining = request.max_new_tokens - int(np.min(np.asarray(state.step)))
             cache = _call(
                 hook, "apply_eviction", apply_eviction,
-                state.cache, plan.keep, ev, ev.capacity or shared, remaining, count,
+                state.cache, plan.keep, ev, capacity, remaining, count,
             )  # fmt: skip
             state = dataclasses.replace(state, cache=cache)
-        out.append(dataclasses.replace(plan, evicted=state))
+        out.append(dataclasses.replace(plan, evicted=state, attn=attn))
     return out
 
 
-def decode(model: Model, request: Request, plans: list[CellPlan], sampler, hook=None):
-    """Each cell's generated tokens [B, N]. Cells whose caches have the same shape decode as
-    one batch (rows interleaved by `decoding.stack_states`, a copy): decoding reads the
-    weights once per step for all of them, so a grid costs little more than one cell. A
-    single cell decodes its own state, no copy (decode donates it)."""
+def _decodes(plan: CellPlan) -> bool:
+    """Whether the cell compresses while decoding."""
+    return plan.eviction is not None and plan.eviction.decode is not None
+
+
+def decode(
+    model: Model,
+    request: Request,
+    plans: list[CellPlan],
+    sampler,
+    hook=None,
+    record_compressions: bool = False,
+):
+    """Each cell's generated tokens [B, N], and per cell what its decode-time compressions
+    kept (`decode_compression.Compressions` when recorded, else None).
+
+    Cells whose caches have the same shape decode as one batch (rows interleaved by
+    `decoding.stack_states`, a copy): decoding reads the weights once per step for all of
+    them, so a grid costs little more than one cell. A single cell decodes its own state, no
+    copy (decode donates it). A cell that compresses while decoding runs its own loop.
+    """
     groups: dict[tuple, list[int]] = {}
+    tokens: list[np.ndarray | None] = [None] * len(plans)
+    logs: list = [None] * len(plans)
     for i, plan in enumerate(plans):
+        if _decodes(plan):
+            tokens[i], logs[i] = _decode_compressed(
+                model, request, plan, sampler, hook, record_compressions, alone=len(plans) == 1
+            )
+            continue
         cache = plan.evicted.cache
         groups.setdefault((cache.capacities, cache.group_sizes, cache.dtype), []).append(i)
-    tokens: list[np.ndarray | None] = [None] * len(plans)
     for members in groups.values():
         states = [plans[i].evicted for i in members]
         if len(plans) == 1:
@@ -399,15 +471,48 @@ def decode(model: Model, request: Request, plans: list[CellPlan], sampler, hook=
         parts = decoding.split_rows(np.asarray(state.tokens), len(members))
         for i, part in zip(members, parts, strict=True):
             tokens[i] = part
-    return tokens
+    return tokens, logs
+
+
+def _decode_compressed(
+    model: Model, request: Request, plan: CellPlan, sampler, hook, record: bool, alone: bool
+):
+    """One cell's decode loop with compression every interval (`decode_compression`)."""
+    ev = plan.eviction
+    spec, spread = ev.decode, spreads_budget(ev)
+    state = plan.evicted
+    if not alone:
+        # The loop donates its state, and other cells may hold the same arrays: the rewound
+        # tokens and counters, and (nothing evicted before decoding) prefill's cache.
+        cache = state.cache if plan.keep is not None else jax.tree.map(jnp.copy, state.cache)
+        state = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=None))
+        state = dataclasses.replace(state, cache=cache)
+    history = decode_compression.max_compressions(request.buffer, spec.interval) if record else 0
+    with warnings.catch_warnings():
+        # A cache that enters bigger than the loop's capacity is compacted at the first
+        # compression, so XLA cannot reuse its donated buffers for the (smaller) result.
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        state, _, log = _call(
+            hook, "decode_compressed", decode_compression.decode_compressed,
+            model.forward, model.config, model.params, state,
+            jnp.asarray(spec.budget, jnp.int32), plan.attn,
+            out_projection(model) if ev.policy.needs_out_proj else None,
+            policy=ev.policy, interval=spec.interval, capacity=spec.capacity(spread),
+            head_cap=spec.head_cap(spread), sampler=sampler, eos_ids=request.eos_ids,
+            min_new_tokens=request.min_new_tokens, head_budget=ev.head_budget, alpha=ev.alpha,
+            ties=ev.ties, history=history,
+        )  # fmt: skip
+    return np.asarray(state.tokens), log
 
 
 def results(
-    model: Model, request: Request, plans: list[CellPlan], tokens
+    model: Model, request: Request, plans: list[CellPlan], tokens, logs=None
 ) -> list[GenerationResult]:
-    """Each cell's ids cut at the first EOS, their text, and what its eviction kept."""
+    """Each cell's ids cut at the first EOS, their text, and what its eviction kept (and,
+    when recorded, what each decode-time compression kept)."""
     out = []
-    for plan, cell_tokens in zip(plans, tokens, strict=True):
+    logs = logs or [None] * len(plans)
+    for plan, cell_tokens, log in zip(plans, tokens, logs, strict=True):
         ids = cut_at_eos(cell_tokens[:, : request.max_new_tokens], request.eos_ids)
         texts = [model.tokenizer.decode(row) if model.tokenizer else "" for row in ids]
         kept = k = None
@@ -422,6 +527,7 @@ def results(
                 texts=texts,
                 kept=kept,
                 k=k,
+                compressions=None if log is None else decode_compression.kept_over_time(log),
             )
         )
     return out

@@ -9,6 +9,11 @@ with the full cache before eviction, and which of their queries the policy obser
 | "prefill" | prefill              | last w prompt queries                      |
 | "dge"     | k-1 draft steps      | last w prompt queries + the k-1 draft ones |
 | "dge_w"   | k-1 draft steps      | last w prompt queries only                 |
+| "decode"  | the first `interval` decode steps (`Eviction.decode`) | those steps' queries |
+
+"decode" is decoding-time compression alone (kvpress's ``DecodingPress``): nothing is evicted
+before decoding, and the prompt is first evicted with the rest of the cache once the first
+`interval` answer tokens exist (`dge_jax.decode_compression`).
 
 Under both DGE timings the draft entries are always kept, and count against the budget.
 `slide=True` makes DGE's window slide instead: the last w queries overall (the oldest k-1
@@ -21,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-KINDS = ("prefill", "dge", "dge_w")
+KINDS = ("prefill", "dge", "dge_w", "decode")
 
 
 RULES = ("entropy", "top1")
@@ -57,7 +62,8 @@ class Adaptive:
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """kind: "prefill" | "dge" | "dge_w"; k: answer tokens generated with the full cache.
+    """kind: "prefill" | "dge" | "dge_w" | "decode"; k: answer tokens generated with the full
+    cache before the first eviction (1 for "prefill"; "decode" counts in decode intervals).
 
     adaptive: stop drafting per row by a rule (k is then k_max). draft_weight: weight of a
     draft query relative to a prompt-window query in the scores (1 = the paper's DGE).
@@ -76,13 +82,19 @@ class Timing:
             raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
         if self.draft_weight < 0:
             raise ValueError(f"draft_weight must be >= 0, got {self.draft_weight}")
-        if self.adaptive is not None and self.kind == "prefill":
-            raise ValueError("an adaptive k needs timing dge or dge_w, not prefill")
+        if self.adaptive is not None and self.kind in ("prefill", "decode"):
+            raise ValueError(f"an adaptive k needs timing dge or dge_w, not {self.kind}")
 
     @property
     def draft_steps(self) -> int:
-        """Most decode steps run with the full cache before eviction (k - 1; 0 for "prefill")."""
-        return 0 if self.kind == "prefill" else self.k - 1
+        """Draft steps run with the full cache before the prompt's eviction (k - 1; 0 for
+        "prefill", and for "decode", whose first eviction happens inside the decode loop)."""
+        return 0 if self.kind in ("prefill", "decode") else self.k - 1
+
+    @property
+    def before_decoding(self) -> bool:
+        """Whether the prompt is evicted before the decode loop (every kind but "decode")."""
+        return self.kind != "decode"
 
     @property
     def observes_drafts(self) -> bool:

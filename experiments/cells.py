@@ -3,7 +3,10 @@
 A method is a policy name (`snapkv`, `h2o`, ...), optionally prefixed `adakv_` for AdaKV
 head-level budgets over that policy's scores (alpha 0.2), or `global_` for one pool across
 every layer and head (KVzip's allocation, alpha 0); `full` is the one cell without eviction.
-Cell ids are stable strings (`snapkv/dge/k2/b128`), the keys of predictions and tables.
+Cell ids are stable strings (`snapkv/dge/k2/b128`), the keys of predictions and tables. A
+cell that also compresses while decoding ends in its decode budget and interval
+(`snapkv/prefill/b128/d128/i32`); timing "decode" compresses only while decoding, at its
+budget (`snapkv/decode/b128/d128/i32`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from dge_jax.decode_spec import DecodeCompression
 from dge_jax.eviction import Eviction
 from dge_jax.registry import POLICIES, WRAPPERS, make_policy, policy_fields, resolve
 from dge_jax.timing import KINDS, Adaptive, Timing
@@ -39,13 +43,22 @@ class Cell:
     k: int = 1
     budget: int = 0
     adaptive: bool = False  # k is then k_max; the rule and threshold are run settings
+    decode_budget: int = 0  # > 0: compress while decoding, every `interval` tokens
+    interval: int = 0
 
     @property
     def id(self) -> str:
         if self.method == "full":
             return "full"
-        k = f"/k{self.k}{'a' if self.adaptive else ''}" if self.timing != "prefill" else ""
-        return f"{self.method}/{self.timing}{k}/b{self.budget}"
+        drafts = self.timing in ("dge", "dge_w")
+        k = f"/k{self.k}{'a' if self.adaptive else ''}" if drafts else ""
+        decode = f"/d{self.decode_budget}/i{self.interval}" if self.decode_budget else ""
+        return f"{self.method}/{self.timing}{k}/b{self.budget}{decode}"
+
+    @property
+    def without_decode(self) -> Cell:
+        """The same cell with no compression while decoding (its prefill-only baseline)."""
+        return dataclasses.replace(self, decode_budget=0, interval=0)
 
     @property
     def policy_name(self) -> str:
@@ -74,10 +87,12 @@ class Cell:
             policy=make_policy(self.policy_name, **options),
             budget=self.budget,
             timing=Timing(self.timing, self.k, adaptive=adaptive if self.adaptive else None,
-                          draft_weight=draft_weight if self.timing != "prefill" else 1.0),
+                          draft_weight=draft_weight if self.timing in ("dge", "dge_w") else 1.0),
             head_budget=head_budget,
             alpha=alpha,
             ties=ties,
+            decode=DecodeCompression(self.decode_budget, self.interval) if self.decode_budget
+            else None,
         )
 
 
@@ -85,11 +100,12 @@ def parse_cell_id(cell_id: str) -> Cell:
     """Inverse of `Cell.id` (reports read cells back from prediction files)."""
     if cell_id == "full":
         return Cell("full")
-    parts = cell_id.split("/")
-    method, timing, budget = parts[0], parts[1], int(parts[-1].removeprefix("b"))
-    k_text = parts[2].removeprefix("k") if len(parts) == 4 else "1"
+    method, timing, *rest = cell_id.split("/")
+    fields = {part[0]: part[1:] for part in rest}  # k2 / k8a, b128, d128, i32
+    k_text = fields.get("k", "1")
     adaptive = k_text.endswith("a")
-    return Cell(method, timing, int(k_text.removesuffix("a")), budget, adaptive)
+    return Cell(method, timing, int(k_text.removesuffix("a")), int(fields["b"]), adaptive,
+                int(fields.get("d", 0)), int(fields.get("i", 0)))
 
 
 def check_method(method: str) -> None:
@@ -114,12 +130,21 @@ def check_method(method: str) -> None:
 
 def build_cells(
     methods: Sequence[str], timings: Sequence[str], ks: Sequence[int], budgets: Sequence[int],
-    adaptive_k_max: int | None = None,
+    adaptive_k_max: int | None = None, decode_budgets: Sequence[int] = (),
+    intervals: Sequence[int] = (32,),
 ) -> list[Cell]:
     """Every cell of the grid, FullKV first; "prefill" cells ignore k (they evict at k=1).
 
     adaptive_k_max adds, for each DGE timing, an adaptive cell drafting at most that k.
+    decode_budgets adds, next to each cell, its variants that also compress while decoding
+    (every decode budget x interval); timing "decode" cells compress only while decoding, one
+    per decode budget and interval (their budget is the decode budget).
     """
+    if "decode" in timings and not decode_budgets:
+        raise ValueError("timing 'decode' compresses only while decoding: give decode budgets")
+    for n in (*decode_budgets, *intervals):
+        if n < 1:
+            raise ValueError(f"decode budgets and intervals must be >= 1, got {n}")
     for m in methods:
         check_method(m)
     for t in timings:
@@ -132,11 +157,16 @@ def build_cells(
         if b < 1:
             raise ValueError(f"budgets must be >= 1, got {b}")
     cells = [Cell("full")] if "full" in methods else []
+    variants = [(d, i) for d in decode_budgets for i in intervals]
     for method in (m for m in methods if m != "full"):
         for timing in timings:
+            if timing == "decode":
+                cells += [Cell(method, timing, 1, d, False, d, i) for d, i in variants]
+                continue
             for k in ([1] if timing == "prefill" else ks):
                 for budget in budgets:
                     cells.append(Cell(method, timing, k, budget))
+                    cells += [Cell(method, timing, k, budget, False, d, i) for d, i in variants]
             if adaptive_k_max and timing != "prefill":
                 for budget in budgets:
                     cells.append(Cell(method, timing, adaptive_k_max, budget, adaptive=True))

@@ -62,9 +62,15 @@ flags.DEFINE_list("datasets", None, "datasets/tasks to run (default: synthetic "
 flags.DEFINE_list("methods", ["full", "snapkv"], f"{', '.join(POLICIES)}, <wrapper>_<rule> "
                   "(criticalkv_expectedattention), adakv_<policy> (AdaKV head budgets) and "
                   "global_<policy> (one pool across layers and heads)")
-flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w")
+flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w; decode "
+                  "(compress only while decoding, at each --decode_budgets)")
 flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
 flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")
+flags.DEFINE_list("decode_budgets", [], "also compress while decoding: each cell gets variants "
+                  "that every --intervals new tokens go back to these entries per kv head "
+                  "(cells .../d<budget>/i<interval>)")
+flags.DEFINE_list("intervals", ["32"], "decode steps between compressions (with "
+                  "--decode_budgets)")
 flags.DEFINE_integer("num_samples", None, "samples per dataset (default: synthetic and ruler "
                      f"{SYNTHETIC_SAMPLES}, longbench all)")
 flags.DEFINE_integer("max_length", None, "prompt tokens kept by middle truncation (default: "
@@ -221,7 +227,9 @@ def evaluate() -> int:
     started = time.time()
     cells = build_cells(FLAGS.methods, FLAGS.timings, [int(k) for k in FLAGS.k],
                         [int(b) for b in FLAGS.budgets],
-                        adaptive_k_max=FLAGS.k_max if FLAGS.adaptive_rule else None)
+                        adaptive_k_max=FLAGS.k_max if FLAGS.adaptive_rule else None,
+                        decode_budgets=[int(d) for d in FLAGS.decode_budgets],
+                        intervals=[int(i) for i in FLAGS.intervals])
     if FLAGS.num_samples is not None and FLAGS.num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
     mesh = None

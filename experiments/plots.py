@@ -68,7 +68,10 @@ def _series(scores: dict) -> dict[tuple[str, str, int], dict[int, str]]:
     for cell_id in scores["averages"]:
         c = parse_cell_id(cell_id)
         if c.method != "full" and not c.adaptive:
-            out[(c.method, c.timing, c.k)][c.budget] = cell_id
+            # a cell that also compresses while decoding is a series of its own
+            timing = c.timing + (f" + decode {c.decode_budget}/{c.interval}"
+                                 if c.decode_budget else "")  # fmt: skip
+            out[(c.method, timing, c.k)][c.budget] = cell_id
     return out
 
 

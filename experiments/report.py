@@ -73,7 +73,8 @@ def _round(x: float) -> float | None:
 def _cell_order(cell_id: str) -> tuple:
     c = parse_cell_id(cell_id)
     timing = {"prefill": 0, "dge": 1, "dge_w": 2}.get(c.timing, 3)
-    return (c.method != "full", c.method, c.budget, timing, c.k, c.adaptive)
+    return (c.method != "full", c.method, c.budget, timing, c.k, c.adaptive, c.decode_budget,
+            c.interval)
 
 
 def markdown_table(scores: dict) -> str:
@@ -85,13 +86,18 @@ def markdown_table(scores: dict) -> str:
         "mean_en16" in a for a in averages.values()) else []
     tasks = max(a["tasks"] for a in averages.values())
     mean = f"mean ({tasks} task{'s' if tasks > 1 else ''})"
-    header = ["method", "timing", "k", "budget", "n", *datasets, mean, *extra]
+    decoding = any(parse_cell_id(c).decode_budget for c in averages)
+    header = ["method", "timing", "k", "budget", *(["decode"] if decoding else []), "n",
+              *datasets, mean, *extra]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(averages, key=_cell_order):
         c = parse_cell_id(cell)
         row = [c.method, "-" if c.method == "full" else c.timing,
                "-" if c.method == "full" else f"{c.k}{'a' if c.adaptive else ''}",
-               "-" if c.method == "full" else str(c.budget), str(averages[cell]["n"])]
+               "-" if c.method == "full" else str(c.budget)]
+        if decoding:  # decode budget / interval of cells that compress while decoding
+            row.append(f"{c.decode_budget} / {c.interval}" if c.decode_budget else "-")
+        row.append(str(averages[cell]["n"]))
         row += [_fmt(scores["datasets"][d].get(cell)) for d in datasets]
         row += [_fmt(averages[cell].get(name)) for name in ["mean", *extra]]
         lines.append("| " + " | ".join(row) + " |")
@@ -115,8 +121,11 @@ def sample_scores(rows: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
 def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     """Each prefill cell against FullKV (what compression costs), each DGE / DGE-W cell
     against its method's prefill cell at the same budget, then each DGE cell against the DGE-W
-    cell of the same k and budget (the drafted queries' own effect, timing held fixed), on the
-    samples both have: a sample is correct when its row score >=
+    cell of the same k and budget (the drafted queries' own effect, timing held fixed). A cell
+    that also compresses while decoding is compared with FullKV and with its prefill-only
+    form (the same cell without it; for timing "decode", the prefill cell at its budget), and
+    a DGE one with its DGE-W twin. All on the samples both have: a sample is correct when
+    its row score >=
     `correct_at`; wins are samples only the cell gets right, losses those only the other."""
     per_cell = sample_scores(rows)
     k_used: dict[str, list[int]] = defaultdict(list)
@@ -142,13 +151,18 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
         }
 
     cells = [(cell, parse_cell_id(cell)) for cell in sorted(per_cell, key=_cell_order)]
+    decoding = [(cell, c) for cell, c in cells if c.decode_budget]
+    cells = [(cell, c) for cell, c in cells if not c.decode_budget]
     drafted = [(cell, c) for cell, c in cells if c.method != "full" and c.timing != "prefill"]
     against_prefill = [pair(cell, f"{c.method}/prefill/b{c.budget}") for cell, c in drafted]
     against_dge_w = [pair(cell, dataclasses.replace(c, timing="dge_w").id)
-                     for cell, c in drafted if c.timing == "dge"]  # fmt: skip
-    against_full = [pair(cell, "full") for cell, c in cells
-                    if c.method != "full" and c.timing == "prefill"]
-    comparisons = [p for p in against_full + against_prefill + against_dge_w if p is not None]
+                     for cell, c in drafted + decoding if c.timing == "dge"]  # fmt: skip
+    against_full = [pair(cell, "full") for cell, c in cells + decoding
+                    if c.method != "full" and c.timing in ("prefill", "decode")]
+    prefill_only = [pair(cell, f"{c.method}/prefill/b{c.budget}" if c.timing == "decode"
+                         else c.without_decode.id) for cell, c in decoding]  # fmt: skip
+    comparisons = [p for p in against_full + against_prefill + prefill_only + against_dge_w
+                   if p is not None]  # fmt: skip
     for c, adjusted in zip(comparisons, holm([c["p"] for c in comparisons]), strict=True):
         c["p_holm"] = adjusted
     return comparisons
@@ -199,7 +213,10 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
                if significant else f"none differs significantly at {SIGNIFICANT}") + ".")
         drafted = [c for c in comparisons if c["baseline"] != "full"]
         if drafted and not any(c in significant for c in drafted):
-            lines.append("No DGE or DGE-W comparison is significant after correction; the "
+            kinds = ("DGE, DGE-W or decode-time" if any(parse_cell_id(c["cell"]).decode_budget
+                                                      for c in drafted)
+                     else "DGE or DGE-W")  # fmt: skip
+            lines.append(f"No {kinds} comparison is significant after correction; the "
                          f"largest gap is {_largest(drafted)}.")
         lines.append("One suite's effect is a hypothesis until it replicates on another.")
     return " ".join(lines) + "\n"

@@ -93,6 +93,17 @@ TASKS: Mapping[str, SyntheticTask] = MappingProxyType(
             max_new_tokens=48,
             metric="match_fraction",
         ),
+        # A long answer (decode-time compression's task): every one of 16 values, in order.
+        "list_values": SyntheticTask(
+            template=(
+                "Some special magic numbers are hidden within the following text. Make sure to "
+                "memorize them. I will ask you to list all of them afterwards.\n\n"
+                "{context}\n\n{input}\n"
+            ),
+            answer_prefix="The special magic numbers, in order, are:",
+            max_new_tokens=256,
+            metric="match_fraction",
+        ),
         "essay_qa": SyntheticTask(
             template=(
                 "Read the following essays and answer the question that follows. Only give the "
@@ -245,6 +256,17 @@ def needles_vt_chain(rng: random.Random, num_hops: int = 4, num_chains: int = 2)
     return Needles(tuple(sentences), question, answers, tuple(names + values))
 
 
+def needles_list_values(rng: random.Random, num_values: int = 16) -> Needles:
+    """`num_values` key -> 7-digit value needles; the answer is every value (a long answer:
+    about 8 tokens a value, so 16 of them take ~130 of the task's 256 new tokens)."""
+    keys = _distinct(lambda: _key(rng), num_values)
+    values = _distinct(lambda: _number(rng, 7), num_values)
+    question = ("List every special magic number mentioned in the provided text, in the "
+                "order they appear, one per line.")
+    return Needles(tuple(_magic(k, v) for k, v in zip(keys, values, strict=True)), question,
+                   tuple(values), tuple(keys + values))
+
+
 def needles_essay_qa(rng: random.Random) -> Needles:
     """One invented fact sentence and a question whose answer is the fact's filler."""
     fact, question, candidates = rng.choice(_FACTS)
@@ -258,6 +280,7 @@ NEEDLES: Mapping[str, Callable[[random.Random], Needles]] = MappingProxyType(
         "niah_multikey": needles_niah_multikey,
         "niah_multivalue": needles_niah_multivalue,
         "vt_chain": needles_vt_chain,
+        "list_values": needles_list_values,
         "essay_qa": needles_essay_qa,
     }
 )

@@ -34,6 +34,7 @@ from dge_jax import decoding as gen
 from dge_jax import eviction
 from dge_jax import sharding as sh
 from dge_jax.checkpoints import orbax_io
+from dge_jax.decode_spec import DecodeCompression
 from dge_jax.eviction import Eviction
 from dge_jax.generation import generate_grid
 from dge_jax.policies import SnapKV
@@ -67,8 +68,10 @@ CELLS = (
     None,  # FullKV
     Eviction(POLICY, budget=8, timing=dge(2), capacity=CAPACITY),
     Eviction(POLICY, budget=8, timing=dge(2), head_budget="adakv", capacity=CAPACITY),
+    # compression while decoding too: 4 entries of the window + 2 of each interval, of 8
+    Eviction(POLICY, budget=8, timing=dge(2), decode=DecodeCompression(budget=8, interval=2)),
 )
-CELL_NAMES = ("fullkv", "snapkv_dge2", "adakv_dge2")
+CELL_NAMES = ("fullkv", "snapkv_dge2", "adakv_dge2", "snapkv_dge2_decode")
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
 

@@ -159,3 +159,26 @@ def test_wrapped_rules_as_methods():
     for method in ("chunkkv_criticalkv", "criticalkv_full", "chunkkv_nope"):
         with pytest.raises(ValueError, match=f"unknown method '{method}'|inner rule must be"):
             build_cells([method], ["dge"], [2], [32])
+
+
+def test_decode_cells_ids_and_evictions():
+    """Cells that also compress while decoding: one variant per decode budget x interval next
+    to each cell, timing "decode" at its decode budget; ids round-trip and carry the spec."""
+    from dge_jax.decode_spec import DecodeCompression
+
+    cells = build_cells(["full", "snapkv"], ["prefill", "dge", "decode"], [2], [64],
+                        decode_budgets=[32, 48], intervals=[8])
+    assert [c.id for c in cells] == [
+        "full", "snapkv/prefill/b64", "snapkv/prefill/b64/d32/i8", "snapkv/prefill/b64/d48/i8",
+        "snapkv/dge/k2/b64", "snapkv/dge/k2/b64/d32/i8", "snapkv/dge/k2/b64/d48/i8",
+        "snapkv/decode/b32/d32/i8", "snapkv/decode/b48/d48/i8",
+    ]  # fmt: skip
+    for cell in cells:
+        assert parse_cell_id(cell.id) == cell
+    ev = parse_cell_id("snapkv/dge/k2/b64/d32/i8").eviction(OPTIONS)
+    assert ev.decode == DecodeCompression(32, 8) and ev.budget == 64 and ev.timing.k == 2
+    ev = parse_cell_id("snapkv/decode/b32/d32/i8").eviction(OPTIONS)
+    assert ev.timing.kind == "decode" and ev.budget == 32 and ev.decode.interval == 8
+    assert parse_cell_id("snapkv/dge/k2/b64/d32/i8").without_decode.id == "snapkv/dge/k2/b64"
+    with pytest.raises(ValueError, match="give decode budgets"):
+        build_cells(["snapkv"], ["decode"], [2], [64])

@@ -366,6 +366,27 @@ def test_synthetic_suite_on_the_tiny_model(model_dir, env, tmp_path):
     assert (out / "results.md").is_file() and (out / "score_vs_budget.png").is_file()
 
 
+def test_decode_time_compression_cells_on_a_long_answer_task(model_dir, env, tmp_path):
+    """The synthetic long-answer task with cells that compress while decoding: predictions
+    for every cell, and the paired comparisons against FullKV and the prefill-only cell."""
+    out = tmp_path / "decode"
+    run_ok([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
+            "--suite", "synthetic", "--datasets", "list_values", "--num_samples", "1",
+            "--synthetic_length", "1024", "--methods", "full,snapkv", "--timings",
+            "prefill,decode", "--budgets", "32", "--decode_budgets", "32", "--intervals", "8",
+            "--window", "4", "--out_dir", str(out)], env)
+    rows = read_rows(out)
+    assert sorted(r["cell"] for r in rows) == [
+        "full", "snapkv/decode/b32/d32/i8", "snapkv/prefill/b32", "snapkv/prefill/b32/d32/i8"]
+    results = (out / "results.md").read_text()
+    for pair in ("snapkv/decode/b32/d32/i8 | snapkv/prefill/b32 |",
+                 "snapkv/prefill/b32/d32/i8 | snapkv/prefill/b32 |",
+                 "snapkv/decode/b32/d32/i8 | full |"):
+        assert pair in results, pair
+    assert "| decode |" in results.splitlines()[results.splitlines().index(next(
+        line for line in results.splitlines() if line.startswith("| method")))]
+
+
 def test_default_datasets(data_dir, monkeypatch):
     from experiments import longbench
 

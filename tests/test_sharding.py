@@ -25,9 +25,10 @@ from dge_jax.config import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ("8x1", "2x4", "1x8")
-CELLS = ("fullkv", "snapkv_dge2", "adakv_dge2")
+CELLS = ("fullkv", "snapkv_dge2", "adakv_dge2", "snapkv_dge2_decode")
 # The grid's compiled steps (it reads the decoded tokens back on the host, no state split).
-STEPS = ("prefill", "draft", "select_for_budgets", "compact", "stack_states", "decode")
+STEPS = ("prefill", "draft", "select_for_budgets", "compact", "stack_states", "decode",
+         "decode_compressed")
 
 
 def config(heads=8, kv_heads=4, **overrides) -> ModelConfig:

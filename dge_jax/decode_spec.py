@@ -1,0 +1,62 @@
+"""The decode-time compression spec (`Eviction.decode`) and its checks.
+
+Apart from `dge_jax.decode_compression` (the loop) so that `dge_jax.eviction` can hold the
+spec without importing the loop that imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dge_jax.scoring import Policy, check_fields
+
+# Head caps are rounded to this many slots: nearby budgets share a compiled loop, and a
+# decode step (which reads every slot) wastes at most 15 of them.
+CAP_MULTIPLE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCompression:
+    """Compress while decoding: every `interval` new tokens, back to `budget` per kv head.
+
+    The rule, head-budget mode and tie rule are the `Eviction`'s that holds this spec
+    (`Eviction.decode`): one rule per cell. budget counts every entry a head keeps right
+    after a compression (the protected recent ones included); the cache holds at most
+    `head_cap + interval` slots per head (`capacity`).
+    """
+
+    budget: int = 256
+    interval: int = 32
+
+    def __post_init__(self) -> None:
+        check_fields(self, ints={"budget": 1, "interval": 1})
+
+    def head_cap(self, spread: bool = False) -> int:
+        """Most entries one head may keep: the budget rounded up to a slot bucket (so nearby
+        budgets share a compilation); twice that when budgets are spread unevenly over heads
+        or layers (AdaKV, global, PyramidKV: a head's share is capped here, and what the cap
+        cuts off is not re-split)."""
+        cap = -(-self.budget // CAP_MULTIPLE) * CAP_MULTIPLE
+        return 2 * cap if spread else cap
+
+    def capacity(self, spread: bool = False) -> int:
+        """Slots per head of the decode loop's cache: `head_cap` + `interval`."""
+        return self.head_cap(spread) + self.interval
+
+
+def check_decode_policy(policy: Policy, spec: DecodeCompression, protected: int) -> None:
+    """Clear errors for rules and budgets decode-time compression cannot serve."""
+    if policy.reconstruction is not None:
+        raise ValueError(
+            f"{type(policy).__name__} scores from a reconstruction pass over the prompt, which "
+            "has no decode-time form; use it at prefill (no Eviction.decode) or pick another rule"
+        )
+    # The block's own entries are protected by the attention rules (they are the observed
+    # queries'), and sinks / windows by theirs: the budget must hold all of them.
+    need = protected + spec.interval
+    if spec.budget < need:
+        raise ValueError(
+            f"decode budget {spec.budget} is smaller than what a compression always keeps "
+            f"({protected} window/sink entries + {spec.interval} entries of the interval = "
+            f"{need}); raise the decode budget or shorten the interval"
+        )
