@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_models(names: list[str]) -> dict:
-    """name -> (Model, Hugging Face folder the peers load)."""
+def load_models(names: list[str], folders: bool = True) -> dict:
+    """name -> (Model, Hugging Face folder the peers load; None unless `folders`)."""
     import dge_jax
     from benchmarks.scenario_b import write_hf_folder
     from dge_jax.families import get_family
@@ -76,8 +76,10 @@ def load_models(names: list[str]) -> dict:
 
         cfg = ed.model_config(ed.parse_args(["--prompt_len", "8192", "--new_tokens", "4096"]))
         params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
-        folder = pathlib.Path(tempfile.mkdtemp(prefix="dge_decode_memory_"))
-        write_hf_folder(cfg, params, folder)
+        folder = None
+        if folders:  # the peers load the very same weights from it
+            folder = pathlib.Path(tempfile.mkdtemp(prefix="dge_decode_memory_"))
+            write_hf_folder(cfg, params, folder)
         out["kv-dominated"] = (Model(get_family("llama"), cfg, params, tokenizer=None), folder)
     return out
 
@@ -163,7 +165,7 @@ def agreement(a: list[int], b: list[int]) -> str:
     return "equal"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from peers import RssSampler
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     rss = RssSampler()
     rows = []
     policies = {"FullKV": None, "StreamingLLM": StreamingLLM(), "SnapKV w8": SnapKV(window=8)}
-    for name, (model, folder) in load_models(args.models.split(",")).items():
+    for name, (model, folder) in load_models(args.models.split(","), peers is not None).items():
         prompt = prompt_ids(model, args.prompt_len)
         for n in args.lengths:
             mine = {}
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, args))
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
-    return 0
+    return rows
 
 
 def table(rows: list[dict], args) -> str:
@@ -228,4 +230,4 @@ def table(rows: list[dict], args) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

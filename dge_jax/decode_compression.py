@@ -173,6 +173,7 @@ class _Loop:
                 obs_window=1 if reads_q else 0, record_attn=reads_attn,
                 min_new_tokens=self.min_new_tokens,
             )  # fmt: skip
+            s = _finished_rows_write_nothing(s, active)
             if reads_q:  # step i's query goes to ring slot i
                 rq = jax.lax.dynamic_update_slice_in_dim(rq, out.q_window.astype(dtype), i, 3)
             here = jnp.where(active, pos, -1)[:, None]
@@ -190,7 +191,11 @@ class _Loop:
         `capacity` slots in the layer grouping `sizes`; attention sums move with the slots."""
         cfg = self.cfg
         flat = regroup(state.cache, (cfg.num_layers,))  # scoring reads every layer stacked
-        obs = _observation(cfg, self.policy, ring_q, ring_pos, attn, state.pos - 1, out_proj)
+        # Each row's newest entry: the last position it fed while active (a finished row's
+        # pos still counts the batch's steps); a row idle all block keeps what it holds.
+        newest = jnp.max(ring_pos, axis=1)
+        newest = jnp.where(newest >= 0, newest, state.pos - 1)
+        obs = _observation(cfg, self.policy, ring_q, ring_pos, attn, newest, out_proj)
         keep = select_for_budgets(
             flat, obs, None, (budget,), jnp.asarray(False), policy=self.policy,
             head_budget=self.head_budget, alpha=self.alpha, ties=self.ties,
@@ -295,6 +300,18 @@ def decode_compressed(
     fill = jnp.arange(state.tokens.shape[1])[None, :] >= state.step[:, None]
     state = dataclasses.replace(state, tokens=jnp.where(fill, state.last[:, None], state.tokens))
     return state, attn, log
+
+
+def _finished_rows_write_nothing(state: DecodeState, active: jax.Array) -> DecodeState:
+    """The state with the entry this step wrote emptied (pos -1) in rows that had already
+    finished (active [B] False): the batch moves together, but a finished row's cache stays
+    as it was, so its compressions keep what it would keep decoding alone."""
+    groups = []
+    for g in state.cache.groups:
+        written = jnp.arange(g.capacity) == (g.index - 1)[:, None, None, None]  # [Lg, 1, 1, S]
+        gone = written & ~active[None, :, None, None]
+        groups.append(dataclasses.replace(g, pos=jnp.where(gone, -1, g.pos)))
+    return dataclasses.replace(state, cache=KVCache(tuple(groups)))
 
 
 def _record(log: Compressions | None, e: jax.Array, state: DecodeState) -> Compressions | None:

@@ -293,3 +293,16 @@ def test_hf_folder_round_trip(tmp_path):
     assert model.config == cfg
     for ours, loaded in zip(jax.tree.leaves(params), jax.tree.leaves(model.params), strict=True):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(loaded))
+
+
+def test_decode_memory_benchmark_quick(capsys):
+    """`python -m benchmarks.decode_memory --quick`: decode-time compression's cache stays at
+    its capacity for both answer lengths, FullKV's grows, and the table prints."""
+    from benchmarks import decode_memory
+
+    rows = decode_memory.main(["--quick", "--models", "kv", "--no-peers"])
+    cache = {(r["cell"], r["new_tokens"]): r["cache_bytes"] for r in rows}
+    assert cache[("StreamingLLM", 32)] == cache[("StreamingLLM", 64)]
+    assert cache[("SnapKV w8", 64)] == cache[("StreamingLLM", 64)] < cache[("FullKV", 64)]
+    assert cache[("FullKV", 32)] < cache[("FullKV", 64)]
+    assert "| kv-dominated | 64 | dge_jax | SnapKV w8 |" in capsys.readouterr().out

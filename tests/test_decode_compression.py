@@ -70,6 +70,29 @@ def test_budget_holding_everything_gives_fullkv_tokens(model, prompts, full_toke
     assert len(out.compressions[0]) == 4
 
 
+@pytest.mark.parametrize(
+    "ev",
+    [
+        Eviction(SnapKV(window=4), 16, Timing("decode"), decode=DecodeCompression(16, 6)),
+        Eviction(H2O(window=4), 24, Timing("dge", 2), decode=DecodeCompression(16, 5)),
+    ],
+    ids=["snapkv-decode", "h2o-dge"],
+)
+def test_batched_rows_finishing_apart_get_what_they_get_alone(model, prompts, ev):
+    """Rows of different lengths, one stopping early on an EOS: in a batch each row gets the
+    tokens and the compressions it gets alone (a finished row's cache is left as it was)."""
+    plain = dge_jax.generate(model, prompts, max_new_tokens=NEW, eviction=ev).tokens
+    eos = next(t for t in plain[0][8:] if t not in plain[1])  # only row 0 will stop
+    run = functools.partial(dge_jax.generate, model, max_new_tokens=NEW, eviction=ev,
+                            extra_eos_ids=(eos,), record_compressions=True)  # fmt: skip
+    both = run(prompts)
+    assert len(both.tokens[0]) < NEW == len(both.tokens[1])
+    for row, prompt in enumerate(prompts):
+        alone = run([prompt])
+        assert alone.tokens[0] == both.tokens[row]
+        assert alone.compressions[0] == both.compressions[row]
+
+
 # ---------------------------------------------------------------------------------------------
 # A step-by-step reference of the loop: decode steps one at a time, SnapKV scored in NumPy
 # (float64) from the cache and the block's queries, kept sets compacted in NumPy.
