@@ -126,7 +126,11 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     form (the same cell without it; for timing "decode", the prefill cell at its budget), and
     a DGE one with its DGE-W twin. All on the samples both have: a sample is correct when
     its row score >=
-    `correct_at`; wins are samples only the cell gets right, losses those only the other."""
+    `correct_at`; wins are samples only the cell gets right, losses those only the other.
+    For graded metrics (ROUGE, the fraction of answers found), where the threshold can hide a
+    difference, `higher` / `lower` count the samples whose row score is strictly above /
+    below the baseline's, with an exact sign test (`p_scores`, Holm-corrected over the same
+    comparisons as `p_scores_holm`)."""
     per_cell = sample_scores(rows)
     k_used: dict[str, list[int]] = defaultdict(list)
     for (_, cell), group in latest_rows(rows).items():
@@ -141,6 +145,8 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
         theirs = [base[s] >= correct_at for s in common]
         wins = sum(m and not t for m, t in zip(mine, theirs, strict=True))
         losses = sum(t and not m for m, t in zip(mine, theirs, strict=True))
+        higher = sum(per_cell[cell][s] > base[s] for s in common)
+        lower = sum(per_cell[cell][s] < base[s] for s in common)
         ks = k_used.get(cell, [])
         return {
             "cell": cell, "baseline": base_id, "samples": len(common),
@@ -148,6 +154,8 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
             "baseline_accuracy": round(100 * sum(theirs) / len(common), 2),
             "wins": wins, "losses": losses, "p": mcnemar_exact(wins, losses),
             "mean_k": round(sum(ks) / len(ks), 2) if ks else None,
+            # the sign test is McNemar's exact binomial on the discordant pairs by score
+            "higher": higher, "lower": lower, "p_scores": mcnemar_exact(higher, lower),
         }
 
     cells = [(cell, parse_cell_id(cell)) for cell in sorted(per_cell, key=_cell_order)]
@@ -165,19 +173,22 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
                    if p is not None]  # fmt: skip
     for c, adjusted in zip(comparisons, holm([c["p"] for c in comparisons]), strict=True):
         c["p_holm"] = adjusted
+    for c, adjusted in zip(comparisons, holm([c["p_scores"] for c in comparisons]), strict=True):
+        c["p_scores_holm"] = adjusted
     return comparisons
 
 
 def paired_table(comparisons: list[dict]) -> str:
     """Markdown table of `paired_comparisons`."""
     header = ["cell", "vs", "n", "acc %", "base acc %", "wins", "losses", "McNemar p",
-              "p (Holm)", "mean k"]
+              "p (Holm)", "mean k", "score higher / lower", "sign p (Holm)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in comparisons:
         lines.append("| " + " | ".join(str(x) for x in [
             c["cell"], c["baseline"], c["samples"], c["accuracy"], c["baseline_accuracy"],
             c["wins"], c["losses"], format_p(c["p"]), format_p(c["p_holm"]),
             "-" if c["mean_k"] is None else c["mean_k"],
+            f"{c['higher']} / {c['lower']}", format_p(c["p_scores_holm"]),
         ]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -257,7 +268,8 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
         table += ("\nPaired comparisons on the same samples: each prefill baseline against "
                   "FullKV, each DGE / DGE-W cell against the prefill baseline, then DGE against "
                   "DGE-W at the same k and budget (correct = "
-                  "row score >= 0.5; exact McNemar test; Holm's correction over all rows):\n\n"
+                  "row score >= 0.5; exact McNemar test; Holm's correction over all rows; "
+                  "and, by row score, higher / lower with an exact sign test):\n\n"
                   + paired_table(comparisons))
     table += "\n" + summary(scores, comparisons, config)
     (out_dir / "results.md").write_text(table)

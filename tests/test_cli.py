@@ -149,3 +149,29 @@ def test_errors_exit_2_with_one_line(checkpoint, checkpoint_copy, capsys, case, 
     assert code == 2 and captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_decode_budget_json_lists_what_each_compression_kept(checkpoint, capsys):
+    """--timing decode --decode_budget 12 --interval 4: the answer comes with kept_over_time,
+    one entry per compression (the step, and per layer and kv head the kept positions), the
+    same as the library's record."""
+    folder = checkpoint("llama_chat")
+    prompt = " ".join(f"w{i % 50}" for i in range(30))
+    flags = ["--policy", "snapkv", "--window", "4", "--timing", "decode", "--decode_budget",
+             "12", "--interval", "4", "--max_new_tokens", "14"]  # fmt: skip
+    out = main_json(capsys, "--model", str(folder), "--prompt", prompt, *flags)
+    from dge_jax.decode_spec import DecodeCompression
+    from dge_jax.eviction import Eviction
+    from dge_jax.policies import SnapKV
+    from dge_jax.timing import Timing
+
+    model = dge_jax.load(folder)
+    ev = Eviction(SnapKV(window=4), 12, Timing("decode"), decode=DecodeCompression(12, 4))
+    want = dge_jax.generate(model, [prompt], max_new_tokens=14, eviction=ev,
+                            record_compressions=True)  # fmt: skip
+    assert out["tokens"] == want.tokens
+    assert out["kept_over_time"] == want.compressions[0]
+    events = out["kept_over_time"]
+    assert events and all(len(h) <= 12 for e in events for layer in e["kept"] for h in layer)
+    steps = [e["step"] for e in events]
+    assert steps == sorted(steps) and steps[0] <= 5  # every 4 decode steps, or at the EOS

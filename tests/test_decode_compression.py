@@ -277,6 +277,23 @@ def test_adakv_heads_stay_under_their_cap(model, prompts):
     assert len(np.unique(counts)) > 1  # the allocator moved entries between heads
 
 
+def test_decode_budgets_of_one_bucket_share_one_compiled_loop(model, prompts):
+    """The decode budget is traced: budgets 20 and 28 (head cap 32 both) compile the loop
+    once, and keep what each asks for."""
+    fn = decode_compression.decode_compressed
+    runs = {}
+    before = None
+    for budget in (20, 28):
+        ev = Eviction(SnapKV(window=4), budget, Timing("decode"),
+                      decode=DecodeCompression(budget, interval=6))  # fmt: skip
+        runs[budget] = recorded(model, prompts, ev)
+        before = fn._cache_size() if before is None else before
+    assert fn._cache_size() == before
+    for budget, out in runs.items():
+        last = out.compressions[0][-1]["kept"]
+        assert {len(h) for layer in last for h in layer} == {budget}
+
+
 @pytest.mark.parametrize(
     "ev, match",
     [

@@ -247,6 +247,7 @@ def _cli_error(capsys, *flags: str) -> str:
         (["--head_budget", "adakv"], "--head_budget"),
         (["--window", "8", "--gqa", "max"], "--window, --gqa"),
         (["--policy", "full", "--budget", "128"], "--budget"),
+        (["--decode_budget", "64", "--interval", "8"], "--decode_budget, --interval"),
     ],
 )
 def test_cli_eviction_flags_without_an_evicting_policy_are_refused(capsys, flags, named):
@@ -265,6 +266,11 @@ def test_cli_eviction_flags_without_an_evicting_policy_are_refused(capsys, flags
         (["--k", "0"], "--k must be >= 1 (answer tokens before eviction), got 0"),
         (["--k", "-2", "--timing", "dge_w"], "--k must be >= 1"),
         (["--k", "2", "--timing", "prefill"], "--k applies to --timing dge/dge_w; prefill"),
+        (["--interval", "8"], "--interval applies with --decode_budget"),
+        (["--timing", "decode"], "--timing decode evicts only while decoding: give --decode_"),
+        (["--decode_budget", "0"], "--decode_budget must be >= 1 (entries per kv head), got 0"),
+        (["--decode_budget", "64", "--interval", "0"], "--interval must be >= 1"),
+        (["--timing", "decode", "--decode_budget", "64", "--k", "3"], "--k applies to --timing"),
     ],
 )
 def test_cli_bad_budget_or_k_is_one_line(capsys, flags, message):

@@ -256,11 +256,11 @@ def test_paired_comparisons_by_hand():
     assert report.paired_comparisons(rows) == [{
         "cell": base, "baseline": "full", "samples": 4, "accuracy": 25.0,
         "baseline_accuracy": 100.0, "wins": 0, "losses": 3, "p": 0.25, "mean_k": None,
-        "p_holm": 0.5,
+        "p_holm": 0.5, "higher": 0, "lower": 3, "p_scores": 0.25, "p_scores_holm": 0.5,
     }, {
         "cell": dge, "baseline": base, "samples": 4, "accuracy": 100.0,
         "baseline_accuracy": 25.0, "wins": 3, "losses": 0, "p": 0.25, "mean_k": 2.0,
-        "p_holm": 0.5,
+        "p_holm": 0.5, "higher": 3, "lower": 0, "p_scores": 0.25, "p_scores_holm": 0.5,
     }]
 
 
@@ -300,3 +300,18 @@ def test_cell_order_is_total_for_adaptive_cells():
     scores = {"datasets": datasets, "averages": averages}
     flipped = {"datasets": datasets, "averages": dict(reversed(averages.items()))}
     assert report.markdown_table(scores) == report.markdown_table(flipped)
+
+
+def test_graded_scores_get_a_sign_test_beside_mcnemar():
+    """Row scores below the 0.5 threshold on both sides: McNemar sees no discordant pair, the
+    sign test sees the cell above the baseline on every sample."""
+    base = "snapkv/prefill/b16"
+    rows = []
+    for sample in "abcdef":  # match_fraction-like: 1 of 4 values vs none
+        rows.append(line("list_values", base, sample, "nothing", ["1111111", "2", "3", "4"]))
+        rows.append(line("list_values", "full", sample, "1111111", ["1111111", "2", "3", "4"]))
+    (pair,) = report.paired_comparisons(rows)
+    assert (pair["wins"], pair["losses"], pair["p"]) == (0, 0, 1.0)
+    assert (pair["higher"], pair["lower"]) == (0, 6)
+    assert pair["p_scores"] == pytest.approx(mcnemar_exact(0, 6)) and pair["p_scores"] < 0.05
+    assert "| 0 / 6 |" in report.paired_table([pair])
