@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import tempfile
 import time
 
@@ -167,10 +166,8 @@ def agreement(a: list[int], b: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from peers import RssSampler
-
     from benchmarks.peer_client import Peers
+    from benchmarks.peers import RssSampler
     from dge_jax.policies import SnapKV, StreamingLLM
 
     peers = None

@@ -238,6 +238,36 @@ def instrumented(press, kept: dict, timer: list[float], gaps: dict | None = None
             press.score = score
 
 
+def greedy_picker(eos_ids: list[int]):
+    """logits [B, V] -> [B] argmax ids, with `eos_ids` banned (the jobs decode exactly N)."""
+    import torch
+
+    banned = torch.tensor(eos_ids, dtype=torch.long)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float().clone()
+        if len(banned):
+            logits[:, banned] = -float("inf")
+        return logits.argmax(dim=-1)
+
+    return pick
+
+
+def decode_greedy(model, cache, token, k_len: int, n: int, pick) -> list[list[int]]:
+    """[B][n] ids: `token` [B] (from the prefill logits), then n - 1 steps feeding one token
+    at a time over `cache` at explicit positions k_len, k_len + 1, ... (a compressed cache's
+    length no longer gives them)."""
+    import torch
+
+    generated = [token]
+    positions = torch.full((token.shape[0], 1), k_len, dtype=torch.long)
+    for i in range(n - 1):
+        out = model(input_ids=token[:, None], past_key_values=cache, position_ids=positions + i)
+        token = pick(out.logits[:, -1])
+        generated.append(token)
+    return torch.stack(generated, dim=1).tolist()
+
+
 def run_kvpress(job: dict, rss: RssSampler) -> dict:
     """kvpress: compress the whole prompt during prefill, then greedy decode (its pipeline)."""
     import torch
@@ -247,18 +277,12 @@ def run_kvpress(job: dict, rss: RssSampler) -> dict:
     ids = torch.tensor(job["prompts"], dtype=torch.long)
     b, k_len = ids.shape
     n = job["new_tokens"]
-    banned = torch.tensor(job["eos_ids"], dtype=torch.long)
+    pick = greedy_picker(job["eos_ids"])
     ratio = ratio_for(k_len, job["budget"])
     press = make_press(job["press"], ratio, job.get("window"))
     kept: dict[int, list] = {}
     gaps: dict[int, list] = {}
     compress_times: list[float] = []
-
-    def pick(logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float().clone()
-        if len(banned):
-            logits[:, banned] = -float("inf")
-        return logits.argmax(dim=-1)
 
     base = rss.mark()
     start = time.perf_counter()
@@ -269,17 +293,11 @@ def run_kvpress(job: dict, rss: RssSampler) -> dict:
         token = pick(out.logits[:, -1])
         ttft = time.perf_counter() - start
         nbytes = cache_bytes(cache)
-        generated = [token]
-        positions = torch.full((b, 1), k_len, dtype=torch.long)
-        for i in range(n - 1):
-            out = model(input_ids=token[:, None], past_key_values=cache, position_ids=positions + i)
-            token = pick(out.logits[:, -1])
-            generated.append(token)
+        generated = decode_greedy(model, cache, token, k_len, n, pick)
     total = time.perf_counter() - start
     peak = rss.peak_since_mark()
-    tokens = torch.stack(generated, dim=1).tolist()
     result = {
-        "tokens": tokens,
+        "tokens": generated,
         "e2e_s": total,
         "ttft_s": ttft,
         "prefill_s": ttft,
@@ -345,19 +363,13 @@ def run_kvpress_decoding(job: dict, rss: RssSampler) -> dict:
 
     model = load_model(job["folder"])
     ids = torch.tensor(job["prompts"], dtype=torch.long)
-    b, k_len = ids.shape
+    k_len = ids.shape[1]
     n = job["new_tokens"]
-    banned = torch.tensor(job["eos_ids"], dtype=torch.long)
+    pick = greedy_picker(job["eos_ids"])
     press = DecodingPress(
         base_press=StreamingLLMPress(n_sink=4), compression_interval=job["interval"],
         target_size=job["budget"], hidden_states_buffer_size=0,
     )  # fmt: skip
-
-    def pick(logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float().clone()
-        if len(banned):
-            logits[:, banned] = -float("inf")
-        return logits.argmax(dim=-1)
 
     base = rss.mark()
     start = time.perf_counter()
@@ -366,15 +378,10 @@ def run_kvpress_decoding(job: dict, rss: RssSampler) -> dict:
         out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
         token = pick(out.logits[:, -1])
         ttft = time.perf_counter() - start
-        generated = [token]
-        positions = torch.full((b, 1), k_len, dtype=torch.long)
-        for i in range(n - 1):
-            out = model(input_ids=token[:, None], past_key_values=cache, position_ids=positions + i)
-            token = pick(out.logits[:, -1])
-            generated.append(token)
+        generated = decode_greedy(model, cache, token, k_len, n, pick)
     total = time.perf_counter() - start
     return {
-        "tokens": torch.stack(generated, dim=1).tolist(),
+        "tokens": generated,
         "e2e_s": total,
         "ttft_s": ttft,
         "prefill_s": ttft,

@@ -41,7 +41,7 @@ import numpy as np
 
 from dge_jax.cache import KVCache, compact_heads, regroup
 from dge_jax.config import ModelConfig
-from dge_jax.decoding import DecodeState, decode_body, decode_groups, default_layer_loop
+from dge_jax.decoding import DecodeState, decode_body, decode_groups
 from dge_jax.eviction import select_for_budgets
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.observation import DraftRecord, Observation, QueryStats, with_drafts
@@ -98,8 +98,7 @@ def _observation(
         q_stats=stats,
     )
     record = DraftRecord(q=ring_q, q_pos=ring_pos, probs=None, entropy=None, top1=None)
-    obs = with_drafts(base, record, jnp.asarray(True))
-    return dataclasses.replace(obs, is_draft=None if not reads_q else obs.is_draft)
+    return with_drafts(base, record, jnp.asarray(True))
 
 
 def carried_attention(
@@ -146,6 +145,7 @@ class _Loop:
     head_budget: str
     alpha: float
     ties: str
+    layer_loop: str | None
 
     @property
     def reads_q(self) -> bool:
@@ -186,9 +186,10 @@ class _Loop:
         _, state, ring_q, ring_pos, attn = jax.lax.while_loop(cond, body, carry)
         return state, ring_q, ring_pos, attn
 
-    def compress(self, state, budget, ring_q, ring_pos, attn, out_proj, sizes):
+    def compress(self, state, budget, ring_q, ring_pos, attn, out_proj):
         """Score with the block's observation, keep each head's best `budget`, compact to
-        `capacity` slots in the layer grouping `sizes`; attention sums move with the slots."""
+        `capacity` slots, grouped as the decode loop runs them (`decoding.decode_groups`);
+        attention sums move with the slots."""
         cfg = self.cfg
         flat = regroup(state.cache, (cfg.num_layers,))  # scoring reads every layer stacked
         # Each row's newest entry: the last position it fed while active (a finished row's
@@ -208,7 +209,8 @@ class _Loop:
         cache = KVCache.stacked(k, v, kept_pos, jnp.max(count, axis=(1, 2)).astype(jnp.int32))
         if attn is not None:
             attn = _compact_attention(attn, pos, self.capacity)
-        cache = constrain_cache(regroup(cache, sizes), cfg)
+        cache = regroup(cache, decode_groups(cache, self.layer_loop))
+        cache = constrain_cache(cache, cfg)
         return dataclasses.replace(state, cache=cache), attn
 
 
@@ -262,7 +264,7 @@ def decode_compressed(
         raise ValueError(f"{type(policy).__name__} reads attention sums: pass attn")
     loop = _Loop(
         forward, cfg, sampler, eos_ids, min_new_tokens, policy, interval, capacity, head_cap,
-        head_budget, alpha, ties,
+        head_budget, alpha, ties, layer_loop,
     )  # fmt: skip
     state, attn = _grown(state, attn, capacity)
     nl = cfg.num_layers
@@ -273,7 +275,6 @@ def decode_compressed(
             pos=jnp.full(shape, -1, jnp.int32), step=jnp.full((history, shape[2]), -1, jnp.int32)
         )
     e = jnp.int32(0)
-    sizes = _loop_groups(nl, layer_loop)
     if state.cache.capacity > capacity:
         # First block in the cache as it came (prompt not yet evicted, or at a larger budget),
         # compacted to `capacity` at its compression: every later block runs at `capacity`.
@@ -282,8 +283,9 @@ def decode_compressed(
         state, ring_q, ring_pos, attn = loop.block(
             params, state, attn, group_layers(params.layers, big)
         )
-        state, attn = loop.compress(state, budget, ring_q, ring_pos, attn, out_proj, sizes)
+        state, attn = loop.compress(state, budget, ring_q, ring_pos, attn, out_proj)
         log, e = _record(log, e, state), e + 1
+    sizes = decode_groups(state.cache, layer_loop)  # from here on the cache keeps them
     state = dataclasses.replace(state, cache=regroup(state.cache, sizes))
     # The barrier keeps the weights' group slices out of the loop body (decoding.decode).
     layers = jax.lax.optimization_barrier(group_layers(params.layers, sizes))
@@ -291,7 +293,7 @@ def decode_compressed(
     def loop_body(carry):
         state, attn, log, e = carry
         state, ring_q, ring_pos, attn = loop.block(params, state, attn, layers)
-        state, attn = loop.compress(state, budget, ring_q, ring_pos, attn, out_proj, sizes)
+        state, attn = loop.compress(state, budget, ring_q, ring_pos, attn, out_proj)
         return state, attn, _record(log, e, state), e + 1
 
     carry = (state, attn, log, e)
@@ -325,11 +327,10 @@ def _record(log: Compressions | None, e: jax.Array, state: DecodeState) -> Compr
 def _grown(state: DecodeState, attn, capacity: int):
     """The state (and attention sums) with empty slots appended up to `capacity` slots per
     head, if it has fewer: every entry stays in its slot."""
-    cache = regroup(state.cache, (state.cache.num_layers,))
-    extra = capacity - cache.capacity
+    extra = capacity - state.cache.capacity
     if extra <= 0:
         return state, attn
-    g = cache.groups[0]
+    g = regroup(state.cache, (state.cache.num_layers,)).groups[0]
     pad = ((0, 0),) * 3 + ((0, extra),)
     grown = KVCache.stacked(
         jnp.pad(g.k, pad + ((0, 0),)), jnp.pad(g.v, pad + ((0, 0),)),
@@ -339,19 +340,12 @@ def _grown(state: DecodeState, attn, capacity: int):
     return dataclasses.replace(state, cache=grown), attn
 
 
-def _loop_groups(num_layers: int, layer_loop: str | None) -> tuple[int, ...]:
-    """`decoding.decode_groups` of a cache of one capacity for all layers."""
-    return (
-        (1,) * num_layers if (layer_loop or default_layer_loop()) == "unrolled" else (num_layers,)
-    )
-
-
-def kept_over_time(log: Compressions, rows: int | None = None) -> list[list[dict]]:
+def kept_over_time(log: Compressions) -> list[list[dict]]:
     """Per row, one {"step", "kept"} per compression that ran: the answer tokens generated
     by then and, per layer and kv head, the sorted positions the cache held right after."""
     pos, step = np.asarray(log.pos), np.asarray(log.step)
     out = []
-    for r in range(pos.shape[2] if rows is None else rows):
+    for r in range(pos.shape[2]):
         events = []
         for e in range(pos.shape[0]):
             if step[e, r] < 0:
