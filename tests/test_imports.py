@@ -44,6 +44,8 @@ def project_modules(repo: pathlib.Path, roots=ROOTS) -> dict[str, pathlib.Path]:
     for root in roots:
         for path in sorted((repo / root).rglob("*.py")):
             parts = list(path.relative_to(repo).with_suffix("").parts)
+            if any(p.startswith(".") for p in parts):  # benchmarks/.peers/venv: not ours
+                continue
             if parts[-1] == "__init__":
                 parts.pop()
             modules[".".join(parts)] = path
