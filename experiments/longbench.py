@@ -81,6 +81,9 @@ flags.DEFINE_integer("synthetic_length", 512, "synthetic prompt length in model 
 flags.DEFINE_integer("ruler_length", 4096, "RULER's max_seq_length in model tokens: the prompt "
                      "(chat template and answer prefix included) plus the task's generation "
                      "budget; also the {length} of RULER row files")
+flags.DEFINE_bool("answer_prefix", True, "synthetic and RULER suites: end each prompt with the "
+                  "task's answer prefix (e.g. 'The pass key is'); --noanswer_prefix lets the "
+                  "model start its answer unprompted")
 flags.DEFINE_integer("batch_size", 4, "samples per batch (left-padded)")
 flags.DEFINE_string("out_dir", None, "output folder (default runs/<suite>/<model>-<run id>: "
                     "one folder per configuration)")
@@ -160,6 +163,8 @@ def run_identity(model, max_length: int) -> dict:
         "synthetic_length": FLAGS.synthetic_length if FLAGS.suite == "synthetic" else None,
         "seed": FLAGS.seed if FLAGS.suite in ("synthetic", "ruler") else None,
         **({"ruler_length": FLAGS.ruler_length} if FLAGS.suite == "ruler" else {}),
+        # only when off, so the folders of every earlier run keep their identity
+        **({} if FLAGS.answer_prefix else {"answer_prefix": False}),
         "policy_options": {k: getattr(FLAGS, k) for k in POLICY_OPTIONS},
         "draft_weight": FLAGS.draft_weight, "ties": FLAGS.ties,
         "adaptive": (None if FLAGS.adaptive_rule is None else
@@ -230,6 +235,9 @@ def evaluate() -> int:
                         adaptive_k_max=FLAGS.k_max if FLAGS.adaptive_rule else None,
                         decode_budgets=[int(d) for d in FLAGS.decode_budgets],
                         intervals=[int(i) for i in FLAGS.intervals])
+    if not FLAGS.answer_prefix and FLAGS.suite == "longbench":
+        raise ValueError("--noanswer_prefix: LongBench prompts have no answer prefix; it "
+                         "applies to --suite synthetic and --suite ruler")
     if FLAGS.num_samples is not None and FLAGS.num_samples < 1:
         raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
     mesh = None
@@ -331,7 +339,8 @@ def run_dataset(model, generate_grid, dataset, pending, cells, cell_hash, evicti
         # Rows of one batch share one grid: the union of what any of them still misses.
         todo: list[Cell] = [c for c in cells if any(c in m for _, m in batch)]
         samples = [protocol.prepare_sample(row, dataset, tok, max_length,
-                                           tok.apply_chat_template) for row, _ in batch]
+                                           tok.apply_chat_template, FLAGS.answer_prefix)
+                   for row, _ in batch]
         ids = [tok.encode(s.text) for s in samples]
         t0 = time.time()
         results = generate_grid(model, ids, [evictions[c] for c in todo],

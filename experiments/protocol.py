@@ -147,17 +147,22 @@ def prepare_sample(
     tokenizer: Tokenizer,
     max_length: int,
     chat: Callable[[str], str],
+    with_answer_prefix: bool = True,
 ) -> PreparedSample:
     """Prompt -> middle truncation on its tokens -> chat template (not for the six) -> prefix.
 
     `chat(prompt)` renders one user turn with the generation prompt, e.g.
     `dge_jax.tokenizer.Tokenizer.apply_chat_template`; pass `lambda p: p` for a base model.
+    `with_answer_prefix=False` ends the prompt at the chat template's generation prompt, so
+    the model starts its answer unprompted (an ablation: the first drafted tokens are then
+    the answer's own words, not a prefix's continuation).
     """
     prompt = build_prompt(row, dataset)
     text, num_tokens, truncated = truncate_prompt(prompt, tokenizer, max_length)
     if uses_chat_template(dataset):
         text = chat(text)
-    return PreparedSample(text + answer_prefix(dataset, row), num_tokens, truncated)
+    prefix = answer_prefix(dataset, row) if with_answer_prefix else ""
+    return PreparedSample(text + prefix, num_tokens, truncated)
 
 
 @dataclasses.dataclass(frozen=True)

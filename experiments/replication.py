@@ -10,13 +10,20 @@ with the same sign, on at least two different suites (`identity.suite` of the fo
 synthetic, ruler, longbench); several folders of one suite (say, with and without an answer
 prefix) are variants, not independent evidence. Everything else is stated as what it is: a
 hypothesis (one suite), not significant, or contradicted (significant with opposite signs).
+
+Folders that differ in a method setting (SnapKV's window, ties, draft weight, the adaptive
+rule) hold different claims: `snapkv/dge/k3/b128 vs snapkv/prefill/b128 [window=32]` is
+not evidence for the same comparison at window 8. The label names only the settings that
+differ among the folders given, so a sweep at one setting keeps plain claim names.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from experiments.stats import format_p
 
@@ -41,15 +48,50 @@ def verdict(entries: list[dict], alpha: float = SIGNIFICANT) -> str:
     return "not significant on any suite"
 
 
-def replication(folders: Iterable[tuple[str, str, list[dict]]]) -> list[dict]:
-    """One entry per (claim, folder) from (folder, suite, its paired comparisons) triples:
-    claim, suite, folder, n, wins, losses, effect, p, p_holm, and the claim's verdict."""
+# Identity keys that change what a cell *is* (its scoring or timing), as opposed to the suite
+# it runs on (lengths, seed, answer prefix, data): folders differing here hold other claims.
+SETTING_KEYS = ("policy_options", "ties", "draft_weight", "adaptive")
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """One run folder's contribution: its suite, its identity and its paired comparisons
+    (`experiments.report.paired_comparisons`, Holm-corrected within the folder)."""
+
+    folder: str
+    suite: str
+    identity: dict[str, Any]
+    comparisons: list[dict]
+
+
+def settings(identity: dict[str, Any]) -> dict[str, Any]:
+    """The identity's method settings, flattened: {"window": 8, "kernel": 7, ..., "ties": ...}."""
+    out: dict[str, Any] = {}
+    for key in SETTING_KEYS:
+        value = identity.get(key)
+        out.update(value if isinstance(value, dict) else {key: value})
+    return out
+
+
+def setting_labels(identities: Sequence[dict[str, Any]]) -> list[str]:
+    """Per folder, the settings that differ among all the folders, e.g. "window=32" (empty
+    where they agree), so claims of different settings are never pooled."""
+    flat = [settings(i) for i in identities]
+    keys = sorted({k for f in flat for k in f})
+    differing = [k for k in keys if len({repr(f.get(k)) for f in flat}) > 1]
+    return [", ".join(f"{k}={f.get(k)}" for k in differing) for f in flat]
+
+
+def replication(evidence: Iterable[Evidence]) -> list[dict]:
+    """One entry per (claim, folder): claim, suite, folder, setting, n, wins, losses, effect,
+    p, p_holm, and the claim's verdict over every folder that holds it."""
+    evidence = list(evidence)
     by_claim: dict[str, list[dict]] = defaultdict(list)
-    for folder, suite, comparisons in folders:
-        for c in comparisons:
-            claim = f"{c['cell']} vs {c['baseline']}"
+    for ev, label in zip(evidence, setting_labels([e.identity for e in evidence]), strict=True):
+        for c in ev.comparisons:
+            claim = f"{c['cell']} vs {c['baseline']}" + (f" [{label}]" if label else "")
             by_claim[claim].append({
-                "claim": claim, "suite": suite, "folder": str(folder), "n": c["samples"],
+                "claim": claim, "suite": ev.suite, "folder": str(ev.folder), "n": c["samples"],
                 "wins": c["wins"], "losses": c["losses"],
                 "effect": round(c["accuracy"] - c["baseline_accuracy"], 2),
                 "p": c["p"], "p_holm": c["p_holm"],
@@ -72,6 +114,24 @@ def replication_table(entries: list[dict]) -> str:
             e["claim"], e["suite"], pathlib.Path(e["folder"]).name, str(e["n"]),
             f"{e['wins']} / {e['losses']}", f"{e['effect']:+.2f}", format_p(e["p_holm"]),
             e["verdict"]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def replication_matrix(entries: list[dict]) -> str:
+    """Markdown, one row per claim and one column per run folder (headed by its suite):
+    "wins / losses, p (Holm)" in each, then the verdict: the form README quotes."""
+    folders = list(dict.fromkeys(e["folder"] for e in entries))
+    suite_of = {e["folder"]: e["suite"] for e in entries}
+    header = ["claim", *(f"{suite_of[f]}: {pathlib.Path(f).name}" for f in folders), "verdict"]
+    by_claim: dict[str, dict[str, dict]] = defaultdict(dict)
+    for e in entries:
+        by_claim[e["claim"]][e["folder"]] = e
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for claim, per in by_claim.items():
+        cells = [f"{per[f]['wins']} / {per[f]['losses']}, {format_p(per[f]['p_holm'])}"
+                 if f in per else "-" for f in folders]
+        verdict_text = next(iter(per.values()))["verdict"]
+        lines.append("| " + " | ".join([claim, *cells, verdict_text]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -2,6 +2,7 @@
 
     python -m experiments.report OUT_DIR                 # rebuild one run's report
     python -m experiments.report OUT_DIR OUT_DIR [...]   # which claims replicate across suites
+    python -m experiments.report OUT_DIR OUT_DIR [...] --out DIR   # and write DIR/results.md
 
 Reads OUT_DIR/predictions.jsonl, scores every (dataset, cell) with the official metrics,
 and writes scores.json, results.md (n for every cell, paired McNemar comparisons against the
@@ -24,7 +25,13 @@ from experiments import metrics, plots
 from experiments.cells import parse_cell_id
 from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE, read_predictions
-from experiments.replication import SIGNIFICANT, replication, replication_table
+from experiments.replication import (
+    SIGNIFICANT,
+    Evidence,
+    replication,
+    replication_matrix,
+    replication_table,
+)
 from experiments.replication import summary as replication_summary
 from experiments.run_folder import RunFolderError, check_lines, read_config
 from experiments.stats import format_p, holm, mcnemar_exact
@@ -281,8 +288,8 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     return scores
 
 
-def folder_comparisons(out_dir: str | pathlib.Path) -> tuple[str, str, list[dict]]:
-    """(folder, its suite, its paired comparisons): one folder's evidence for replication."""
+def folder_comparisons(out_dir: str | pathlib.Path) -> Evidence:
+    """One folder's evidence for replication: its suite, identity and paired comparisons."""
     out_dir = pathlib.Path(out_dir)
     config = read_config(out_dir)
     if config is None or "identity" not in config:
@@ -293,26 +300,71 @@ def folder_comparisons(out_dir: str | pathlib.Path) -> tuple[str, str, list[dict
     if not rows:
         raise FileNotFoundError(f"no predictions in {path}")
     check_lines(rows, str(path))
-    return str(out_dir), config["identity"]["suite"], paired_comparisons(rows)
+    identity = config["identity"]
+    return Evidence(str(out_dir), identity["suite"], identity, paired_comparisons(rows))
 
 
 def replication_report(folders: list[str]) -> str:
     """The replication table of several run folders and its one-paragraph summary."""
+    return _replication_text(_replication_entries(folders))
+
+
+def _replication_entries(folders: list[str]) -> list[dict]:
     entries = replication(folder_comparisons(f) for f in folders)
     if not entries:
         raise ValueError(f"the folders {folders} hold no paired comparison")
+    return entries
+
+
+def _replication_text(entries: list[dict]) -> str:
     return replication_table(entries) + "\n" + replication_summary(entries)
 
 
+def write_replication(folders: list[str], out_dir: str | pathlib.Path, command: str) -> str:
+    """Writes out_dir/results.md (summary, one row per claim with a column per folder, then
+    every entry) and out_dir/replication.json; returns the Markdown."""
+    entries = _replication_entries(folders)
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = (f"# Replication over {len(folders)} run folders\n\n`{command}`\n\n"
+            + replication_summary(entries) + "\nOne row per claim (wins / losses against the "
+            "baseline, Holm-corrected exact McNemar p within each folder):\n\n"
+            + replication_matrix(entries) + "\nEvery entry:\n\n" + replication_table(entries))
+    (out_dir / "results.md").write_text(text)
+    (out_dir / "replication.json").write_text(json.dumps(
+        {"folders": folders, "command": command, "entries": entries}, indent=2) + "\n")
+    return text
+
+
+USAGE = "usage: python -m experiments.report OUT_DIR [OUT_DIR ...] [--out REPLICATION_DIR]"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """One folder: rebuild its report. Several: print which of their claims replicate."""
-    argv = sys.argv[1:] if argv is None else argv
+    """One folder: rebuild its report. Several: print which of their claims replicate (and,
+    with --out DIR, write DIR/results.md and DIR/replication.json)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    out = None
+    if "--out" in argv:
+        at = argv.index("--out")
+        if at + 1 >= len(argv):
+            print(f"{USAGE}\nerror: --out needs a folder", file=sys.stderr)
+            return 2
+        out = argv[at + 1]
+        argv = argv[:at] + argv[at + 2:]
     if not argv or any(a.startswith("-") for a in argv):
-        print("usage: python -m experiments.report OUT_DIR [OUT_DIR ...]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
+        return 2
+    if out is not None and len(argv) < 2:
+        print(f"{USAGE}\nerror: --out writes a replication: give two or more run folders",
+              file=sys.stderr)
         return 2
     try:
         if len(argv) > 1:
-            print(replication_report(argv), end="")
+            if out is None:
+                print(replication_report(argv), end="")
+            else:
+                command = "python -m experiments.report " + " ".join([*argv, "--out", out])
+                print(write_replication(argv, out, command), end="")
             return 0
         write_report(argv[0])
     except (FileNotFoundError, ValueError) as e:

@@ -220,6 +220,9 @@ def test_synthetic_rows_get_chat_then_answer_prefix():
     sample = protocol.prepare_sample(row, "passkey", CharTokenizer(), 10_000, chat)
     assert sample.text == chat(protocol.build_prompt(row, "passkey")) + "The pass key is"
     assert protocol.max_new_tokens("passkey") == 16
+    bare = protocol.prepare_sample(row, "passkey", CharTokenizer(), 10_000, chat,
+                                   with_answer_prefix=False)
+    assert bare.text == chat(protocol.build_prompt(row, "passkey"))
 
 
 def test_max_new_tokens_official():

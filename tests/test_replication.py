@@ -8,17 +8,19 @@ import pytest
 from experiments import replication, report
 from experiments.predictions import PREDICTIONS_FILE
 from experiments.run_folder import open_run
-from experiments.stats import mcnemar_exact
+from experiments.stats import format_p, mcnemar_exact
 
 BASE, DGE = "snapkv/prefill/b16", "snapkv/dge/k2/b16"
 CLAIM = f"{DGE} vs {BASE}"
 
 
-def make_folder(path, suite, dge_right, base_right, n=14):
+def make_folder(path, suite, dge_right, base_right, n=14, window=8, **identity):
     """A run folder of `suite` where DGE is right on the first `dge_right` samples and the
     baseline on the first `base_right` (so the wins/losses are their difference)."""
     extent = {"datasets": ["passkey"], "cells": [BASE, DGE], "num_samples": n}
-    open_run(path, {"suite": suite}, {"passkey": "sha"}, extent, "test")
+    identity = {"suite": suite, "policy_options": {"window": window, "kernel": 7},
+                "ties": "later", **identity}
+    open_run(path, identity, {"passkey": "sha"}, extent, "test")
     lines = []
     for i in range(n):
         for cell, right in ((BASE, i < base_right), (DGE, i < dge_right)):
@@ -79,3 +81,41 @@ def test_report_cli_prints_the_table_for_several_folders(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "no config.json" in err and err.count("\n") == 1
     assert report.main(["--help"]) == 2
+
+
+def test_folders_of_another_setting_hold_other_claims(tmp_path):
+    """Window 8 on one suite and window 32 on another are two one-suite claims, never one
+    replicated claim; suite-side differences (an answer prefix, lengths) are no setting."""
+    a = make_folder(tmp_path / "a", "synthetic", dge_right=12, base_right=0, window=8)
+    b = make_folder(tmp_path / "b", "ruler", dge_right=12, base_right=0, window=32)
+    c = make_folder(tmp_path / "c", "ruler", dge_right=12, base_right=0, window=8,
+                    answer_prefix=False, ruler_length=4096)
+    entries = replication.replication(report.folder_comparisons(f) for f in (a, b))
+    verdicts = {e["claim"]: e["verdict"] for e in entries}
+    assert verdicts == {
+        f"{CLAIM} [window=8]": "not replicated: significant on synthetic only (1 suite tested)",
+        f"{CLAIM} [window=32]": "not replicated: significant on ruler only (1 suite tested)"}
+    entries = replication.replication(report.folder_comparisons(f) for f in (a, c))
+    assert {e["claim"]: e["verdict"] for e in entries} == {
+        CLAIM: "replicates: better on 2 suites"}
+    assert replication.setting_labels([
+        {"policy_options": {"window": 8}, "ties": "later"},
+        {"policy_options": {"window": 8}, "ties": "earlier"}]) == ["ties=later", "ties=earlier"]
+
+
+def test_report_out_writes_the_claim_matrix(tmp_path, capsys):
+    a = make_folder(tmp_path / "a", "synthetic", dge_right=12, base_right=0)
+    b = make_folder(tmp_path / "b", "ruler", dge_right=11, base_right=1)
+    out = tmp_path / "rep"
+    assert report.main([str(a), str(b), "--out", str(out)]) == 0
+    text = (out / "results.md").read_text()
+    assert capsys.readouterr().out == text
+    assert f"--out {out}`" in text.splitlines()[2]
+    assert "| claim | synthetic: a | ruler: b | verdict |" in text
+    p_a, p_b = (format_p(mcnemar_exact(*wl)) for wl in ((12, 0), (10, 0)))
+    assert f"| {CLAIM} | 12 / 0, {p_a} | 10 / 0, {p_b} | replicates: better on 2 suites |" in text
+    saved = json.loads((out / "replication.json").read_text())
+    assert saved["folders"] == [str(a), str(b)] and len(saved["entries"]) == 2
+    assert report.main([str(a), "--out", str(out)]) == 2
+    assert "two or more run folders" in capsys.readouterr().err
+    assert report.main([str(a), str(b), "--out"]) == 2

@@ -313,6 +313,8 @@ def test_user_mistakes_are_one_line_errors(model_dir, data_dir, env, tmp_path):
     run_refused([*base, "--budgets", "0"], env, "budgets must be >= 1")
     run_refused([*base, "--methods", "snapkv,bogus"], env, "unknown method 'bogus'")
     run_refused([*base, "--datasets", "nope"], env, "unknown synthetic tasks ['nope']")
+    run_refused([*base, "--suite", "longbench", "--data_dir", str(data_dir),
+                 "--noanswer_prefix"], env, "LongBench prompts have no answer prefix")
     run_refused([*base, "--suite", "longbench", "--data_dir", str(tmp_path / "absent")], env,
                 "does not exist")
     bad = tmp_path / "bad_data"
@@ -364,6 +366,31 @@ def test_synthetic_suite_on_the_tiny_model(model_dir, env, tmp_path):
     assert config["identity"]["suite"] == "synthetic"
     assert config["identity"]["synthetic_length"] == 256
     assert (out / "results.md").is_file() and (out / "score_vs_budget.png").is_file()
+
+
+def test_without_answer_prefix_the_prompt_ends_at_the_chat_template(model_dir, env, tmp_path):
+    """--noanswer_prefix: the same rows, prompts shorter by the prefix's tokens, and its own
+    configuration (identity key `answer_prefix: false`; absent when on, so earlier folders
+    keep their identity)."""
+    args = [sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
+            "--datasets", "passkey", "--num_samples", "2", "--synthetic_length", "256",
+            "--methods", "full", "--batch_size", "1"]
+    with_prefix, without = tmp_path / "with", tmp_path / "without"
+    run_ok([*args, "--out_dir", str(with_prefix)], env)
+    run_ok([*args, "--noanswer_prefix", "--out_dir", str(without)], env)
+    identity = {f: json.loads((f / "config.json").read_text())["identity"]
+                for f in (with_prefix, without)}
+    assert "answer_prefix" not in identity[with_prefix]
+    assert identity[without]["answer_prefix"] is False
+    from dge_jax.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(model_dir)
+    prefix_tokens = len(tok.encode(synthetic.TASKS["passkey"].answer_prefix))
+    tokens = {f: {r["sample_id"]: r["prompt_tokens"] for r in read_rows(f)}
+              for f in (with_prefix, without)}
+    assert tokens[with_prefix].keys() == tokens[without].keys()
+    for sample, n in tokens[with_prefix].items():
+        assert 0 < n - tokens[without][sample] <= prefix_tokens + 1  # +1: a merge at the seam
 
 
 def test_decode_time_compression_cells_on_a_long_answer_task(model_dir, env, tmp_path):
