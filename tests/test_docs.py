@@ -177,8 +177,15 @@ def test_bash_commands_parse():
         elif module == "experiments.longbench":
             longbench.append(argv)
         elif module == "experiments.report":
-            # one folder (its report) or several (their replication table), no flags
-            assert argv and not any(a.startswith("-") for a in argv), (
+            # one folder (its report) or several (their replication table, --out DIR to
+            # write it), no other flag
+            folders = list(argv)
+            if "--out" in folders:
+                at = folders.index("--out")
+                assert at + 1 < len(folders), f"--out needs a folder: {argv}"
+                del folders[at:at + 2]
+                assert len(folders) >= 2, f"--out writes a replication of 2+ folders: {argv}"
+            assert folders and not any(a.startswith("-") for a in folders), (
                 f"python -m experiments.report takes run folders: {argv}")
         else:
             assert importlib.util.find_spec(module) is not None, f"no module {module}"
