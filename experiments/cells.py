@@ -108,6 +108,15 @@ def parse_cell_id(cell_id: str) -> Cell:
                 int(fields.get("d", 0)), int(fields.get("i", 0)))
 
 
+def cell_order(cell_id: str) -> tuple:
+    """Sort key of tables: FullKV first, then by method and numeric budget (b64 before
+    b128), prefill before DGE before DGE-W, then k, adaptive, decode budget and interval."""
+    c = parse_cell_id(cell_id)
+    timing = {"prefill": 0, "dge": 1, "dge_w": 2}.get(c.timing, 3)
+    return (c.method != "full", c.method, c.budget, timing, c.k, c.adaptive, c.decode_budget,
+            c.interval)
+
+
 def check_method(method: str) -> None:
     """Raises for a method name that names no policy (with or without a head-budget prefix)."""
     name = split_method(method)[0]

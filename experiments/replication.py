@@ -25,6 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from experiments.cells import cell_order
 from experiments.stats import format_p
 
 REPLICATE_SUITES = 2  # significant, same sign, on this many different suites
@@ -87,17 +88,19 @@ def replication(evidence: Iterable[Evidence]) -> list[dict]:
     p, p_holm, and the claim's verdict over every folder that holds it."""
     evidence = list(evidence)
     by_claim: dict[str, list[dict]] = defaultdict(list)
+    order: dict[str, tuple] = {}
     for ev, label in zip(evidence, setting_labels([e.identity for e in evidence]), strict=True):
         for c in ev.comparisons:
             claim = f"{c['cell']} vs {c['baseline']}" + (f" [{label}]" if label else "")
+            order[claim] = (label, cell_order(c["cell"]), cell_order(c["baseline"]))
             by_claim[claim].append({
-                "claim": claim, "suite": ev.suite, "folder": str(ev.folder), "n": c["samples"],
-                "wins": c["wins"], "losses": c["losses"],
+                "claim": claim, "suite": ev.suite, "folder": str(ev.folder), "setting": label,
+                "n": c["samples"], "wins": c["wins"], "losses": c["losses"],
                 "effect": round(c["accuracy"] - c["baseline_accuracy"], 2),
                 "p": c["p"], "p_holm": c["p_holm"],
             })
     out = []
-    for claim in sorted(by_claim):
+    for claim in sorted(by_claim, key=order.__getitem__):
         entries = by_claim[claim]
         text = verdict(entries)
         out += [{**e, "verdict": text} for e in entries]

@@ -22,7 +22,7 @@ import sys
 from collections import defaultdict
 
 from experiments import metrics, plots
-from experiments.cells import parse_cell_id
+from experiments.cells import cell_order, parse_cell_id
 from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE, read_predictions
 from experiments.replication import (
@@ -59,7 +59,7 @@ def score_rows(rows: list[dict]) -> dict:
             dataset, [r["pred"] for r in group], [r["answers"] for r in group], all_classes
         )
         counts[dataset][cell] = len(group)
-    cells = sorted({c for per in scores.values() for c in per}, key=_cell_order)
+    cells = sorted({c for per in scores.values() for c in per}, key=cell_order)
     averages = {}
     for cell in cells:
         per = {d: s[cell] for d, s in scores.items() if cell in s}
@@ -77,13 +77,6 @@ def _round(x: float) -> float | None:
     return None if x is None or math.isnan(x) else round(x, 2)
 
 
-def _cell_order(cell_id: str) -> tuple:
-    c = parse_cell_id(cell_id)
-    timing = {"prefill": 0, "dge": 1, "dge_w": 2}.get(c.timing, 3)
-    return (c.method != "full", c.method, c.budget, timing, c.k, c.adaptive, c.decode_budget,
-            c.interval)
-
-
 def markdown_table(scores: dict) -> str:
     """Cells as rows; n (samples scored), datasets, the mean over the tasks that ran, and
     both official LongBench averages when all 16 English tasks ran, as columns."""
@@ -97,7 +90,7 @@ def markdown_table(scores: dict) -> str:
     header = ["method", "timing", "k", "budget", *(["decode"] if decoding else []), "n",
               *datasets, mean, *extra]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for cell in sorted(averages, key=_cell_order):
+    for cell in sorted(averages, key=cell_order):
         c = parse_cell_id(cell)
         row = [c.method, "-" if c.method == "full" else c.timing,
                "-" if c.method == "full" else f"{c.k}{'a' if c.adaptive else ''}",
@@ -165,7 +158,7 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
             "higher": higher, "lower": lower, "p_scores": mcnemar_exact(higher, lower),
         }
 
-    cells = [(cell, parse_cell_id(cell)) for cell in sorted(per_cell, key=_cell_order)]
+    cells = [(cell, parse_cell_id(cell)) for cell in sorted(per_cell, key=cell_order)]
     decoding = [(cell, c) for cell, c in cells if c.decode_budget]
     cells = [(cell, c) for cell, c in cells if not c.decode_budget]
     drafted = [(cell, c) for cell, c in cells if c.method != "full" and c.timing != "prefill"]
