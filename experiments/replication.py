@@ -89,10 +89,13 @@ def replication(evidence: Iterable[Evidence]) -> list[dict]:
     evidence = list(evidence)
     by_claim: dict[str, list[dict]] = defaultdict(list)
     order: dict[str, tuple] = {}
-    for ev, label in zip(evidence, setting_labels([e.identity for e in evidence]), strict=True):
+    labels = setting_labels([e.identity for e in evidence])
+    first_folder = {label: labels.index(label) for label in labels}  # settings in given order
+    for ev, label in zip(evidence, labels, strict=True):
         for c in ev.comparisons:
             claim = f"{c['cell']} vs {c['baseline']}" + (f" [{label}]" if label else "")
-            order[claim] = (label, cell_order(c["cell"]), cell_order(c["baseline"]))
+            order[claim] = (first_folder[label], cell_order(c["cell"]),
+                            cell_order(c["baseline"]))
             by_claim[claim].append({
                 "claim": claim, "suite": ev.suite, "folder": str(ev.folder), "setting": label,
                 "n": c["samples"], "wins": c["wins"], "losses": c["losses"],
