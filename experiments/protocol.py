@@ -155,7 +155,7 @@ def prepare_sample(
     `dge_jax.tokenizer.Tokenizer.apply_chat_template`; pass `lambda p: p` for a base model.
     `with_answer_prefix=False` ends the prompt at the chat template's generation prompt, so
     the model starts its answer unprompted (an ablation: the first drafted tokens are then
-    the answer's own words, not a prefix's continuation).
+    the model's own preamble, e.g. "The pass key is", rather than the answer itself).
     """
     prompt = build_prompt(row, dataset)
     text, num_tokens, truncated = truncate_prompt(prompt, tokenizer, max_length)
