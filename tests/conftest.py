@@ -256,14 +256,37 @@ def tokenizer_dir(tmp_path_factory) -> pathlib.Path:
     return folder
 
 
+# ---------------------------------------------------------------------------------------------
+# Real data rows: ../shared/data beside the checkout, or the folders the variables name
+
+
+SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_VARIABLES = {"DGE_LONGBENCH_DIR": "longbench", "DGE_RULER_DIR": "ruler"}
+for _variable, _folder in DATA_VARIABLES.items():
+    # Set for the library and the runner subprocesses too, so nothing needs exporting.
+    if not os.environ.get(_variable) and (SHARED_DATA / _folder).is_dir():
+        os.environ[_variable] = str(SHARED_DATA / _folder)
+
+
+def shared_data_dir(variable: str) -> pathlib.Path:
+    """The rows folder of `variable` (set, or found at ../shared/data beside the checkout).
+
+    Without it the test skips with the reason, so a user without ../shared still gets a green
+    run of everything else; under CI (CI=true) it fails instead, since a CI run that skipped
+    its real-data tests would prove nothing about them.
+    """
+    path = os.environ.get(variable)
+    if path and pathlib.Path(path).is_dir():
+        return pathlib.Path(path)
+    reason = (f"{variable}={path} is not a folder" if path else
+              f"no real rows: {SHARED_DATA / DATA_VARIABLES[variable]} is absent and "
+              f"{variable} is unset (put ../shared beside the checkout or set {variable})")
+    if os.environ.get("CI", "").lower() in ("1", "true"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> pathlib.Path:
-    """The LongBench rows folder named by DGE_LONGBENCH_DIR (CI sets it). Unset is a failure,
-    not a skip: tests that silently skip their real data would prove nothing."""
-    path = os.environ.get("DGE_LONGBENCH_DIR")
-    if not path:
-        pytest.fail("DGE_LONGBENCH_DIR is not set: point it at the LongBench jsonl folder "
-                    "(e.g. export DGE_LONGBENCH_DIR=/work/shared/data/longbench)")
-    if not pathlib.Path(path).is_dir():
-        pytest.fail(f"DGE_LONGBENCH_DIR={path} is not a folder")
-    return pathlib.Path(path)
+    """The shared LongBench rows folder (`shared_data_dir`)."""
+    return shared_data_dir("DGE_LONGBENCH_DIR")

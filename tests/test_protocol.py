@@ -1,7 +1,7 @@
 """LongBench v1 prediction protocol: verbatim tables, prompts of real rows, truncation, chat.
 
-Real rows are read from the folder named by DGE_LONGBENCH_DIR (CI sets it; locally:
-export DGE_LONGBENCH_DIR=/work/shared/data/longbench). Tests that need it fail when it is unset.
+Real rows are read from ../shared/data/longbench beside the checkout (or DGE_LONGBENCH_DIR);
+tests that need them skip without them, and fail under CI (tests/conftest.py, shared_data_dir).
 """
 
 import hashlib

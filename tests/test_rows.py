@@ -1,9 +1,9 @@
 """Strict rows: every LongBench, synthetic and RULER row is checked field by field.
 
 Each bad row below used to load silently (and be scored wrong) or fail with a traceback that
-named neither the file nor the line. Real rows are read from the folder named by
-DGE_LONGBENCH_DIR (CI sets it; locally: export DGE_LONGBENCH_DIR=/work/shared/data/longbench);
-tests that need it fail when it is unset, as in test_protocol.py.
+named neither the file nor the line. Real rows are read from ../shared/data/longbench beside
+the checkout (or DGE_LONGBENCH_DIR); tests that need them skip without them, and fail under CI
+(tests/conftest.py, shared_data_dir).
 """
 
 import json

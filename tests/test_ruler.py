@@ -3,9 +3,8 @@ lengths with a real tokenizer, the shared niah_multikey_3 rows, RULER's metric, 
 runner's loader path and command line.
 
 Lengths are measured with the embedded SmolLM2 tokenizer (converted once into the dge_jax
-cache, no network). The shared RULER rows are read from the folder named by DGE_RULER_DIR
-(CI sets it; locally: export DGE_RULER_DIR=/work/shared/data/ruler); tests that need it fail
-when it is unset.
+cache, no network). The shared RULER rows are read from ../shared/data/ruler beside the checkout
+(or the folder DGE_RULER_DIR names); tests that need them skip without it, and fail under CI.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import sys
 import types
 
 import pytest
+from conftest import shared_data_dir
 
 from experiments import metrics, protocol, rows, ruler, synthetic
 from experiments.predictions import PREDICTIONS_FILE, config_hash
@@ -114,13 +114,10 @@ def suite(tok):
 
 @pytest.fixture(scope="module")
 def ruler_dir() -> pathlib.Path:
-    path = os.environ.get(ruler.DATA_DIR_ENV)
-    if not path:
-        pytest.fail(f"{ruler.DATA_DIR_ENV} is not set: point it at the RULER rows folder "
-                    "(e.g. export DGE_RULER_DIR=/work/shared/data/ruler)")
-    if not (pathlib.Path(path) / SHARED_FILE).is_file():
+    path = shared_data_dir(ruler.DATA_DIR_ENV)
+    if not (path / SHARED_FILE).is_file():
         pytest.fail(f"{ruler.DATA_DIR_ENV}={path} holds no {SHARED_FILE}")
-    return pathlib.Path(path)
+    return path
 
 
 @pytest.fixture(scope="module")
