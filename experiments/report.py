@@ -276,7 +276,7 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     title = plots.title(config, scores)
     per_sample = sample_scores(rows)
     plots.score_vs_budget(scores, per_sample, title, out_dir)
-    plots.dge_delta(scores, per_sample, title, out_dir)
+    plots.dge_delta(comparisons, title, out_dir)
     plots.accuracy_vs_k(scores, title, out_dir)
     return scores
 

@@ -11,7 +11,7 @@ from experiments import plots, report
 from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE
 from experiments.run_folder import RunFolderError
-from experiments.stats import mcnemar_exact
+from experiments.stats import bootstrap_mean_ci, clopper_pearson, mcnemar_exact
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TREC_CLASSES = ["Food", "Date", "Individual", "Location"]
@@ -167,7 +167,7 @@ def test_plot_without_dge_cells_writes_only_score_vs_budget(tmp_path):
     rows = [line("passkey", c, "a", "1", ["1"]) for c in ("full", "snapkv/prefill/b16")]
     scores, per_sample = report.score_rows(rows), report.sample_scores(rows)
     assert plots.score_vs_budget(scores, per_sample, "t", tmp_path).name == "score_vs_budget.png"
-    assert plots.dge_delta(scores, per_sample, "t", tmp_path) is None
+    assert plots.dge_delta(report.paired_comparisons([]), "t", tmp_path) is None
     only_full = [line("passkey", "full", "a", "1", ["1"])]
     assert plots.score_vs_budget(report.score_rows(only_full), report.sample_scores(only_full),
                                  "t", tmp_path) is None
@@ -206,7 +206,7 @@ def test_summary_names_the_significant_differences():
 
 
 def test_plots_carry_intervals_and_notes(tmp_path):
-    """Coinciding series get a note; the delta plot has a zero line and paired intervals."""
+    """Coinciding series get a note; the delta plot draws every paired comparison."""
     rows = []
     for i, (b, d) in enumerate(zip("1x1x1x", "111x11", strict=True)):
         rows += [line("passkey", "full", f"s{i}", "1", ["1"]),
@@ -217,13 +217,49 @@ def test_plots_carry_intervals_and_notes(tmp_path):
     assert plots._coincide_note(scores, sorted(
         (k, c) for k, c in plots._series(scores).items())) == (
         "dge_w (k=2) = prefill (baseline) at every budget")
-    mean, low, high = plots.paired_interval(per_sample, "snapkv/dge/k2/b16",
-                                            "snapkv/prefill/b16")
-    assert mean == pytest.approx(100 * 2 / 6) and low <= mean <= high and high <= 100
-    assert plots.paired_interval(per_sample, "snapkv/dge_w/k2/b16",
-                                 "snapkv/prefill/b16") == (0.0, 0.0, 0.0)
-    for fn in (plots.score_vs_budget, plots.dge_delta):
-        assert fn(scores, per_sample, "m on s, n = 6", tmp_path).read_bytes()[:8] == PNG_MAGIC
+    comparisons = report.paired_comparisons(rows)
+    assert len(plots.win_rate_points(comparisons)) == len(comparisons)
+    assert plots.score_vs_budget(scores, per_sample, "m on s, n = 6",
+                                 tmp_path).read_bytes()[:8] == PNG_MAGIC
+    assert plots.dge_delta(comparisons, "m on s, n = 6",
+                           tmp_path).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_delta_plot_shows_the_paired_tests_verdict():
+    """The delta plot drew a bootstrap interval of the score difference that excluded 0 while
+    the table's McNemar test (Holm-corrected) said not significant. It now draws the win rate
+    with an exact interval at the Bonferroni level of the Holm family: 5 wins / 0 losses out
+    of 20 samples is not significant, so the interval holds 0.5 and the marker is hollow."""
+    rows = []
+    for i in range(20):  # prefill right on 0-9, DGE on 0-14: 5 wins, 0 losses
+        rows += [line("passkey", "full", f"s{i}", "1", ["1"]),
+                 line("passkey", SNAP, f"s{i}", "1" if i < 10 else "x", ["1"]),
+                 line("passkey", "snapkv/dge/k2/b16", f"s{i}", "1" if i < 15 else "x", ["1"])]
+    per_sample = report.sample_scores(rows)
+    diffs = [per_sample["snapkv/dge/k2/b16"][s] - per_sample[SNAP][s] for s in per_sample[SNAP]]
+    _, low, _ = bootstrap_mean_ci({"passkey": diffs})
+    assert low > 0  # what the old plot drew: an interval of the difference excluding 0
+    comparisons = report.paired_comparisons(rows)
+    by_pair = {(c["cell"], c["baseline"]): c for c in comparisons}
+    dge = by_pair[("snapkv/dge/k2/b16", SNAP)]
+    assert (dge["wins"], dge["losses"]) == (5, 0) and dge["p_holm"] > 0.05
+    points = {(p["cell"], p["baseline"]): p for p in plots.win_rate_points(comparisons)}
+    point = points[("snapkv/dge/k2/b16", SNAP)]
+    assert point["name"] == "snapkv/dge/k2 vs snapkv/prefill"
+    assert point["rate"] == 1.0 and point["low"] < 0.5 < point["high"] == 1.0
+    assert not point["filled"]
+    # prefill vs full: 0 wins / 10 losses, Holm p = 2 * 2/1024 < 0.05: filled, below 0.5
+    full = points[(SNAP, "full")]
+    assert full["filled"] and full["rate"] == 0.0 and full["high"] < 0.5
+    # The interval's level is 1 - 0.05/m over the m = 2 comparisons Holm runs over.
+    assert (point["low"], point["high"]) == clopper_pearson(5, 0, 1 - 0.05 / 2)
+
+
+def test_delta_plot_draws_no_interval_for_a_tie():
+    rows = [line("passkey", c, "a", "1", ["1"]) for c in (SNAP, "snapkv/dge/k2/b16")]
+    (point,) = plots.win_rate_points(report.paired_comparisons(rows))
+    assert (point["wins"], point["losses"]) == (0, 0)
+    assert point["rate"] is point["low"] is point["high"] is None and not point["filled"]
 
 
 def test_cli_errors(tmp_path, capsys):
