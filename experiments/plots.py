@@ -73,14 +73,16 @@ def _series(scores: dict) -> dict[tuple[str, str, int], dict[int, str]]:
     return out
 
 
-def _label(timing: str, k: int) -> str:
-    return "prefill (baseline)" if timing == "prefill" else f"{timing} (k={k})"
+def _label(cells: dict[int, str]) -> str:
+    """A series' legend name: its cells' id without the budget (`snapkv/dge/k2`)."""
+    return without_budget(next(iter(cells.values())))
 
 
 def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
                     out_dir: pathlib.Path) -> pathlib.Path | None:
-    """score_vs_budget.png: mean score per budget and timing, one panel per method, FullKV
-    as a band; series with equal scores at every budget are offset and named in a note."""
+    """score_vs_budget.png: mean score per budget and timing, one panel per method, `full`
+    as a band; series (named by their cell id without the budget) with equal scores at every
+    budget are offset and named in a note."""
     series = _series(scores)
     methods = sorted({m for m, _, _ in series})
     if not methods:
@@ -98,9 +100,9 @@ def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
             ax.errorbar([b * 2**dx for b in budgets], [p[0] for p in points],
                         yerr=[[p[0] - p[1] for p in points], [p[2] - p[0] for p in points]],
                         marker="o", capsize=3, color=TIMING_COLORS.get(key[1]),
-                        label=_label(key[1], key[2]))
+                        label=_label(cells))
         if full is not None:
-            ax.axhline(full[0], color="gray", linestyle="--", label="FullKV (band: 95 %)")
+            ax.axhline(full[0], color="gray", linestyle="--", label="full (band: 95 % interval)")
             ax.axhspan(full[1], full[2], color="gray", alpha=0.15)
         note = _coincide_note(scores, mine)
         ax.set_xscale("log", base=2)
@@ -121,14 +123,13 @@ def _offsets(n: int) -> list[float]:
 
 def _coincide_note(scores: dict, mine: list) -> str:
     """"a and b coincide" for series whose mean scores are equal at every budget."""
-    means = {key: tuple(scores["averages"][cells[b]]["mean"] for b in sorted(cells))
-             for key, cells in mine}
+    means = {_label(cells): tuple(scores["averages"][cells[b]]["mean"] for b in sorted(cells))
+             for _, cells in mine}
     groups: dict[tuple, list] = defaultdict(list)
-    for key, m in means.items():
-        groups[m].append(key)
+    for name, m in means.items():
+        groups[m].append(name)
     same = [g for g in groups.values() if len(g) > 1]
-    return "; ".join(" = ".join(_label(t, k) for _, t, k in g) + " at every budget"
-                     for g in same)
+    return "; ".join(" = ".join(g) + " at every budget" for g in same)
 
 
 def without_budget(cell_id: str) -> str:
@@ -222,8 +223,9 @@ def dge_delta(comparisons: list[dict], title_text: str,
 
 
 def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathlib.Path | None:
-    """accuracy_vs_k.png: mean score against k per method and budget (DGE solid, DGE-W
-    dashed, the prefill baseline at k = 1); written only when a run has several k."""
+    """accuracy_vs_k.png: mean score against k per method and budget (dge solid, dge_w
+    dashed, the prefill cell at k = 1), each line named by its cells' id with k as `k*`
+    (`snapkv/dge/k*/b128`); written only when a run has several k."""
     cells = [parse_cell_id(c) for c in scores["averages"]]
     if len({c.k for c in cells if c.timing != "prefill" and not c.adaptive}) < 2:
         return None
@@ -251,4 +253,7 @@ def _k_lines(ax, scores: dict, cells: list[Cell], method: str, budget: int) -> N
         if base is not None:
             pts = [(1, base)] + [p for p in pts if p[0] != 1]
         if pts:
-            ax.plot(*zip(*pts, strict=True), style, marker="o", label=f"{timing} b={budget}")
+            name = f"{method}/{timing}/k*/b{budget}"
+            if base is not None:
+                name += f" (k = 1: {method}/prefill/b{budget})"
+            ax.plot(*zip(*pts, strict=True), style, marker="o", label=name)

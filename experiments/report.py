@@ -92,8 +92,9 @@ def markdown_table(scores: dict) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(averages, key=cell_order):
         c = parse_cell_id(cell)
+        drafts = c.timing in ("dge", "dge_w") and c.method != "full"  # k means nothing else
         row = [c.method, "-" if c.method == "full" else c.timing,
-               "-" if c.method == "full" else f"{c.k}{'a' if c.adaptive else ''}",
+               f"{c.k}{'a' if c.adaptive else ''}" if drafts else "-",
                "-" if c.method == "full" else str(c.budget)]
         if decoding:  # decode budget / interval of cells that compress while decoding
             row.append(f"{c.decode_budget} / {c.interval}" if c.decode_budget else "-")
@@ -197,10 +198,9 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
     """A few plain sentences under the tables: what was compared, on what, what is significant."""
     averages = scores["averages"]
     cells = [parse_cell_id(c) for c in averages]
-    methods = sorted({c.method for c in cells if c.method != "full"})
     budgets = sorted({c.budget for c in cells if c.method != "full"})
-    timings = sorted({c.timing if c.timing == "prefill" else f"{c.timing} (k={c.k})"
-                      for c in cells if c.method != "full"})
+    series = list(dict.fromkeys(plots.without_budget(c) for c in sorted(averages, key=cell_order)
+                                if c != "full"))
     n = sorted({a["n"] for a in averages.values()})
     tasks = max(a["tasks"] for a in averages.values())
     where = ""
@@ -209,11 +209,11 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
         where = f" of {ident['model']} on the {ident['suite']} suite"
     lines = [f"**Summary.** {len(averages)} cells{where}, {_span(n)} samples each over "
              f"{tasks} task{'s' if tasks > 1 else ''}"
-             + (f": {', '.join(methods)} under {', '.join(timings)} at budget"
+             + (f": {'full and ' if 'full' in averages else ''}{', '.join(series)} at budget"
                 f"{'s' if len(budgets) > 1 else ''} {', '.join(map(str, budgets))} entries "
-                "per kv head" if methods else "") + "."]
+                "per kv head" if series else "") + "."]
     if "full" in averages:
-        lines.append(f"FullKV scores {averages['full']['mean']:.2f} (mean over tasks).")
+        lines.append(f"full scores {averages['full']['mean']:.2f} (mean over tasks).")
     if comparisons:
         significant = [c for c in comparisons if c["p_holm"] < SIGNIFICANT]
         lines.append(
@@ -224,11 +224,8 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
                if significant else f"none differs significantly at {SIGNIFICANT}") + ".")
         drafted = [c for c in comparisons if c["baseline"] != "full"]
         if drafted and not any(c in significant for c in drafted):
-            kinds = ("DGE, DGE-W or decode-time" if any(parse_cell_id(c["cell"]).decode_budget
-                                                      for c in drafted)
-                     else "DGE or DGE-W")  # fmt: skip
-            lines.append(f"No {kinds} comparison is significant after correction; the "
-                         f"largest gap is {_largest(drafted)}.")
+            lines.append("No comparison against a baseline other than full is significant "
+                         f"after correction; the largest gap is {_largest(drafted)}.")
         lines.append("One suite's effect is a hypothesis until it replicates on another.")
     return " ".join(lines) + "\n"
 
@@ -265,10 +262,12 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     (out_dir / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
     table = markdown_table(scores)
     if comparisons:
-        table += ("\nPaired comparisons on the same samples: each prefill baseline against "
-                  "FullKV, each DGE / DGE-W cell against the prefill baseline, then DGE against "
-                  "DGE-W at the same k and budget (correct = "
-                  "row score >= 0.5; exact McNemar test; Holm's correction over all rows; "
+        table += ("\nPaired comparisons on the same samples: each `<method>/prefill/b<budget>` "
+                  "cell against `full`, each `dge` / `dge_w` cell against the prefill cell of "
+                  "its method and budget, then each `dge` cell against the `dge_w` cell of the "
+                  "same k and budget, and each cell that compresses while decoding against "
+                  "`full` and its prefill-only cell (correct = row score >= 0.5; exact "
+                  "McNemar test; Holm's correction over all rows; "
                   "and, by row score, higher / lower with an exact sign test):\n\n"
                   + paired_table(comparisons))
     table += "\n" + summary(scores, comparisons, config)

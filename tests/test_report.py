@@ -104,7 +104,7 @@ def test_markdown_table_by_hand():
         "passage_retrieval_zh | trec | mean (5 tasks) |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|\n"
         "| full | - | - | - | 7 | 100.00 | 75.00 | 100.00 | 100.00 | 50.00 | 85.00 |\n"
-        "| snapkv | prefill | 1 | 16 | 6 | 50.00 | 50.00 | 50.00 | - | 75.00 | 56.25 |\n"
+        "| snapkv | prefill | - | 16 | 6 | 50.00 | 50.00 | 50.00 | - | 75.00 | 56.25 |\n"
     )
 
 
@@ -154,7 +154,8 @@ def test_write_report_and_cli(tmp_path, capsys):
     assert "McNemar" in results and report.paired_table(scores["paired"]) in results
     assert results.endswith(report.summary(scores, scores["paired"], None))
     assert "none differs significantly" in results
-    assert "No DGE or DGE-W comparison is significant after correction" in results
+    assert ("No comparison against a baseline other than full is significant after "
+            "correction" in results)
     for name in ("score_vs_budget.png", "dge_delta.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
     first = {p: (tmp_path / p).read_bytes() for p in ("scores.json", "results.md")}
@@ -216,7 +217,7 @@ def test_plots_carry_intervals_and_notes(tmp_path):
     scores, per_sample = report.score_rows(rows), report.sample_scores(rows)
     assert plots._coincide_note(scores, sorted(
         (k, c) for k, c in plots._series(scores).items())) == (
-        "dge_w (k=2) = prefill (baseline) at every budget")
+        "snapkv/dge_w/k2 = snapkv/prefill at every budget")
     comparisons = report.paired_comparisons(rows)
     assert len(plots.win_rate_points(comparisons)) == len(comparisons)
     assert plots.score_vs_budget(scores, per_sample, "m on s, n = 6",
@@ -260,6 +261,49 @@ def test_delta_plot_draws_no_interval_for_a_tie():
     (point,) = plots.win_rate_points(report.paired_comparisons(rows))
     assert (point["wins"], point["losses"]) == (0, 0)
     assert point["rate"] is point["low"] is point["high"] is None and not point["filled"]
+
+
+def test_one_naming_of_cells_in_tables_legends_and_summary(tmp_path, monkeypatch):
+    """Legends said `dge (k=2)`, `prefill (baseline)`, `DGE - prefill`, `FullKV`; the summary
+    `snapkv under dge (k=2)`: names the tables never use. Now every name is a cell id, a cell
+    id without its budget, or two of them joined by `vs`; `k` is `-` where nothing drafts."""
+    legends = {}
+
+    def record(plt, fig, path):  # what each figure's legends say, instead of pixels
+        legends[path.name] = {t.get_text() for ax in fig.axes if ax.get_legend()
+                              for t in ax.get_legend().get_texts()}
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", record)
+    cells = ["full", SNAP, "snapkv/dge/k2/b16", "snapkv/dge_w/k2/b16", "snapkv/dge/k3/b16",
+             "snapkv/dge_w/k3/b16"]
+    rows = [line("passkey", c, s, p, ["1"]) for s in "abcd" for c, p in
+            zip(cells, "1x1x11" if s in "ab" else "11x1xx", strict=True)]
+    write_predictions(tmp_path, rows)
+    report.write_report(tmp_path)
+    assert legends["score_vs_budget.png"] == {
+        "full (band: 95 % interval)", "snapkv/prefill", "snapkv/dge/k2", "snapkv/dge_w/k2",
+        "snapkv/dge/k3", "snapkv/dge_w/k3"}
+    assert legends["dge_delta.png"] == {
+        "snapkv/prefill vs full", "snapkv/dge/k2 vs snapkv/prefill",
+        "snapkv/dge_w/k2 vs snapkv/prefill", "snapkv/dge/k3 vs snapkv/prefill",
+        "snapkv/dge_w/k3 vs snapkv/prefill", "snapkv/dge/k2 vs snapkv/dge_w/k2",
+        "snapkv/dge/k3 vs snapkv/dge_w/k3"}
+    assert legends["accuracy_vs_k.png"] == {
+        "snapkv/dge/k*/b16 (k = 1: snapkv/prefill/b16)",
+        "snapkv/dge_w/k*/b16 (k = 1: snapkv/prefill/b16)"}
+    results = (tmp_path / "results.md").read_text()
+    for other in ("(k=", "DGE - prefill", "DGE-W", "DGE-SnapKV", "FullKV", "(baseline)"):
+        assert other not in results, other
+    assert ("full and snapkv/prefill, snapkv/dge/k2, snapkv/dge/k3, snapkv/dge_w/k2, "
+            "snapkv/dge_w/k3 at budget 16 entries" in results)
+    table = {row.split(" | ")[0][2:]: row.split(" | ")[1:4] for row in results.splitlines()
+             if row.startswith("| full |") or row.startswith("| snapkv |")}
+    assert table["full"] == ["-", "-", "-"]
+    rows_k = [row.split(" | ")[1:4] for row in results.splitlines()
+              if row.startswith("| snapkv |")]
+    assert ["prefill", "-", "16"] in rows_k and ["dge", "2", "16"] in rows_k
 
 
 def test_cli_errors(tmp_path, capsys):
