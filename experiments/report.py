@@ -245,8 +245,79 @@ def _largest(comparisons: list[dict]) -> str:
             f"p = {format_p(c['p'])} before correction)")
 
 
+def header(scores: dict, config: dict | None, rows: list[dict], plot_files: list[str]) -> str:
+    """What results.md opens with, before any table: model, suite and datasets, n, run id,
+    run dates, dge_jax version and the commands that wrote the folder (config.json), and
+    the plot files written beside it."""
+    import dge_jax
+
+    ident = (config or {}).get("identity", {})
+    history = (config or {}).get("history", [])
+    unknown = "unknown"
+    model, suite = ident.get("model"), ident.get("suite")
+    lines = [f"# Results: {model or 'unknown model'}"
+             + (f" on the {suite} suite" if suite else ""), ""]
+    if not ident:
+        lines += ["The folder has no config.json of this runner: what only it records "
+                  "(model, suite, dates, commands) is unknown.", ""]
+    lines.append(f"- model: `{model}`" if model else f"- model: {unknown}")
+    datasets = sorted(scores["datasets"])
+    lines.append(f"- suite: {suite or unknown}; datasets: {', '.join(datasets)}")
+    lines.append(f"- n: {_samples_per_dataset(scores)}")
+    ids = sorted({r["run_id"] for r in rows if "run_id" in r})
+    run_id = (config or {}).get("run_id") or (ids[0] if len(ids) == 1 else None)
+    lines.append(f"- run id: `{run_id}`" if run_id else f"- run id: {unknown}")
+    dates = list(dict.fromkeys(h["at"][:10] for h in history if h.get("at")))
+    lines.append(f"- run date{'s' if len(dates) > 1 else ''}: {', '.join(dates)} (UTC)"
+                 if dates else f"- run dates: {unknown}")
+    mine = dge_jax.__version__
+    ran = ident.get("dge_jax")
+    lines.append(f"- dge_jax: {ran}" + (f" (this report written by {mine})" if ran != mine
+                                         else "") if ran else
+                 f"- dge_jax: {mine} (this report's; the run's is not recorded)")
+    commands = [h for h in history if h.get("command")]
+    if commands:
+        lines.append(f"- command{'s' if len(commands) > 1 else ''} (config.json history):")
+        lines += [f"  - `{_command_text(h['command'])}` ({h.get('at', 'time unknown')})"
+                  for h in commands]
+    else:
+        lines.append(f"- commands: {unknown}")
+    lines.append("- plots beside this file: " + (", ".join(f"`{f}`" for f in plot_files)
+                                                 if plot_files else "none"))
+    return "\n".join(lines) + "\n\n"
+
+
+def _samples_per_dataset(scores: dict) -> str:
+    """"3 samples per dataset", or each dataset's count when they differ; cells with fewer
+    are left to the table's n column."""
+    most = {d: max(per.values()) for d, per in sorted(scores["counts"].items())}
+    fewer = any(n < most[d] for d, per in scores["counts"].items() for n in per.values())
+    text = (f"{next(iter(most.values()))} samples per dataset" if len(set(most.values())) == 1
+            else "samples per dataset: " + ", ".join(f"{d} {n}" for d, n in most.items()))
+    return text + (" (fewer for some cells: the table's n column)" if fewer else "")
+
+
+def _command_text(command: str) -> str:
+    """A history command as one would type it: runners before #28 stored sys.argv, whose
+    first word is the path of experiments/longbench.py when run with `python -m`."""
+    first, _, rest = command.partition(" ")
+    if first.replace("\\", "/").endswith("experiments/longbench.py"):
+        return f"python -m experiments.longbench {rest}".rstrip()
+    return command
+
+
+PAIRED_INTRO = (
+    "\nPaired comparisons on the same samples: each `<method>/prefill/b<budget>` cell against "
+    "`full`, each `dge` / `dge_w` cell against the prefill cell of its method and budget, then "
+    "each `dge` cell against the `dge_w` cell of the same k and budget, and each cell that "
+    "compresses while decoding against `full` and its prefill-only cell (correct = row score "
+    ">= 0.5; exact McNemar test; Holm's correction over all rows; and, by row score, higher / "
+    "lower with an exact sign test):\n\n")
+
+
 def write_report(out_dir: str | pathlib.Path) -> dict:
-    """Scores the run in `out_dir` and writes scores.json, results.md and the plots."""
+    """Scores the run in `out_dir` and writes scores.json, the plots and results.md (which
+    opens with the run's `header`)."""
     out_dir = pathlib.Path(out_dir)
     path = out_dir / PREDICTIONS_FILE
     rows = read_predictions(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
@@ -260,23 +331,17 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     comparisons = paired_comparisons(rows)
     scores["paired"] = comparisons
     (out_dir / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
-    table = markdown_table(scores)
-    if comparisons:
-        table += ("\nPaired comparisons on the same samples: each `<method>/prefill/b<budget>` "
-                  "cell against `full`, each `dge` / `dge_w` cell against the prefill cell of "
-                  "its method and budget, then each `dge` cell against the `dge_w` cell of the "
-                  "same k and budget, and each cell that compresses while decoding against "
-                  "`full` and its prefill-only cell (correct = row score >= 0.5; exact "
-                  "McNemar test; Holm's correction over all rows; "
-                  "and, by row score, higher / lower with an exact sign test):\n\n"
-                  + paired_table(comparisons))
-    table += "\n" + summary(scores, comparisons, config)
-    (out_dir / "results.md").write_text(table)
     title = plots.title(config, scores)
     per_sample = sample_scores(rows)
-    plots.score_vs_budget(scores, per_sample, title, out_dir)
-    plots.dge_delta(comparisons, title, out_dir)
-    plots.accuracy_vs_k(scores, title, out_dir)
+    written = [plots.score_vs_budget(scores, per_sample, title, out_dir),
+               plots.dge_delta(comparisons, title, out_dir),
+               plots.accuracy_vs_k(scores, title, out_dir)]
+    plot_files = [p.name for p in written if p is not None]
+    text = header(scores, config, rows, plot_files) + markdown_table(scores)
+    if comparisons:
+        text += PAIRED_INTRO + paired_table(comparisons)
+    text += "\n" + summary(scores, comparisons, config)
+    (out_dir / "results.md").write_text(text)
     return scores
 
 

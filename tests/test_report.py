@@ -148,7 +148,9 @@ def test_write_report_and_cli(tmp_path, capsys):
     assert json.loads((tmp_path / "scores.json").read_text()) == scores
     assert scores["averages"]["snapkv/dge/k2/b16"] == {"mean": 0.0, "tasks": 1, "n": 2}
     results = (tmp_path / "results.md").read_text()
-    assert results.startswith(report.markdown_table(scores))
+    head, table = results.split("\n| method", 1)  # the header, then the tables
+    assert head.startswith("# Results") and "\n|" not in head
+    assert ("| method" + table).startswith(report.markdown_table(scores))
     # Paired section: dge k2 b16 (0/2 right) vs prefill b16 (1/2): 0 wins, 1 loss, p = 1.
     assert scores["paired"] == report.paired_comparisons(rows)
     assert "McNemar" in results and report.paired_table(scores["paired"]) in results
@@ -162,6 +164,40 @@ def test_write_report_and_cli(tmp_path, capsys):
     assert report.main([str(tmp_path)]) == 0
     assert capsys.readouterr().out == first["results.md"].decode()
     assert {p: (tmp_path / p).read_bytes() for p in first} == first
+
+
+def test_results_open_with_the_runs_header(tmp_path):
+    """results.md started with a table: which model, suite, run, date, version and command
+    it showed was written nowhere in it. The header says so, from config.json's history."""
+    import dge_jax
+
+    rows = [{**line(d, c, s, "1", ["1"]), "run_id": "abc123"} for d in ("passkey", "essay_qa")
+            for c in ("full", SNAP, "snapkv/dge/k2/b16") for s in "ab"]
+    write_predictions(tmp_path, rows)
+    old = "/somewhere/experiments/longbench.py --methods full,snapkv"  # argv of older runners
+    new = "python -m experiments.longbench --methods full,snapkv --extend"
+    (tmp_path / "config.json").write_text(json.dumps({
+        "format": 2, "run_id": "abc123",
+        "identity": {"model": "smollm2-135m-instruct", "suite": "synthetic", "dge_jax": "9.9"},
+        "history": [{"command": old, "at": "2025-01-02T03:04:05+00:00"},
+                    {"command": new, "at": "2025-01-03T00:00:00+00:00"}]}))
+    report.write_report(tmp_path)
+    results = (tmp_path / "results.md").read_text()
+    head = results[:results.index("\n| method")]
+    assert head.splitlines()[0] == "# Results: smollm2-135m-instruct on the synthetic suite"
+    for expected in (
+            "- model: `smollm2-135m-instruct`",
+            "- suite: synthetic; datasets: essay_qa, passkey",
+            "- n: 2 samples per dataset", "- run id: `abc123`",
+            "- run dates: 2025-01-02, 2025-01-03 (UTC)",
+            f"- dge_jax: 9.9 (this report written by {dge_jax.__version__})",
+            "- commands (config.json history):",
+            "  - `python -m experiments.longbench --methods full,snapkv` "
+            "(2025-01-02T03:04:05+00:00)",
+            f"  - `{new}` (2025-01-03T00:00:00+00:00)",
+            "- plots beside this file: `score_vs_budget.png`, `dge_delta.png`"):
+        assert expected in head.splitlines(), (expected, head)
+    assert "unknown" not in head
 
 
 def test_plot_without_dge_cells_writes_only_score_vs_budget(tmp_path):
