@@ -317,7 +317,7 @@ PAIRED_INTRO = (
 
 def write_report(out_dir: str | pathlib.Path) -> dict:
     """Scores the run in `out_dir` and writes scores.json, the plots and results.md (which
-    opens with the run's `header`)."""
+    opens with the run's `header`); says on stderr, in one line, what it wrote."""
     out_dir = pathlib.Path(out_dir)
     path = out_dir / PREDICTIONS_FILE
     rows = read_predictions(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
@@ -342,6 +342,8 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
         text += PAIRED_INTRO + paired_table(comparisons)
     text += "\n" + summary(scores, comparisons, config)
     (out_dir / "results.md").write_text(text)
+    print(f"wrote {out_dir / 'results.md'}, {', '.join(['scores.json', *plot_files])}",
+          file=sys.stderr)
     return scores
 
 

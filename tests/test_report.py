@@ -145,6 +145,9 @@ def test_write_report_and_cli(tmp_path, capsys):
         rows += [line("passkey", cell, s, p, ["1"]) for s, p in zip("ab", preds, strict=True)]
     write_predictions(tmp_path, rows)
     scores = report.write_report(tmp_path)
+    wrote = (f"wrote {tmp_path / 'results.md'}, scores.json, score_vs_budget.png, "
+             "dge_delta.png\n")
+    assert capsys.readouterr().err == wrote  # one line saying what it wrote
     assert json.loads((tmp_path / "scores.json").read_text()) == scores
     assert scores["averages"]["snapkv/dge/k2/b16"] == {"mean": 0.0, "tasks": 1, "n": 2}
     results = (tmp_path / "results.md").read_text()
@@ -162,7 +165,7 @@ def test_write_report_and_cli(tmp_path, capsys):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
     first = {p: (tmp_path / p).read_bytes() for p in ("scores.json", "results.md")}
     assert report.main([str(tmp_path)]) == 0
-    assert capsys.readouterr().out == first["results.md"].decode()
+    assert capsys.readouterr() == (first["results.md"].decode(), wrote)
     assert {p: (tmp_path / p).read_bytes() for p in first} == first
 
 

@@ -264,6 +264,8 @@ def test_report_cli_rebuilds_the_run_outputs(d1, env, tmp_path):
         (out / name).unlink()
     proc = run_ok([sys.executable, "-m", "experiments.report", str(out)], env)
     assert proc.stdout == written["results.md"].decode()
+    assert proc.stderr.splitlines()[-1] == (
+        f"wrote {out / 'results.md'}, scores.json, score_vs_budget.png, dge_delta.png")
     for name, data in written.items():
         assert (out / name).read_bytes() == data, name
     for name in ("score_vs_budget.png", "dge_delta.png"):
@@ -360,6 +362,9 @@ def test_resume_is_quiet_and_counts_only_new_samples(d1, model_dir, data_dir, en
     assert f"({len(DATASETS) * NUM_SAMPLES} samples done" in proc.stdout
     assert not re.search(r"^I\d{4} ", proc.stderr, re.MULTILINE), proc.stderr[-2000:]
     assert "fontManager" not in proc.stderr
+    # the end of a run says what it wrote, in one line
+    assert f"wrote {out / 'results.md'}, scores.json, score_vs_budget.png, dge_delta.png\n" in (
+        proc.stderr)
     assert not re.findall(r"[\d.]+sample/s", proc.stderr), proc.stderr[-2000:]
 
 
