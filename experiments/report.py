@@ -223,9 +223,15 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
                f"significantly at {SIGNIFICANT}: " + "; ".join(map(_pair_text, significant))
                if significant else f"none differs significantly at {SIGNIFICANT}") + ".")
         drafted = [c for c in comparisons if c["baseline"] != "full"]
-        if drafted and not any(c in significant for c in drafted):
+        if all(_tie(c) for c in comparisons):  # no gap to name: say that nothing differs
+            lines.append(f"No comparison differs: each of the {len(comparisons)} has 0 wins "
+                         "and 0 losses (p = 1), the same samples correct on both sides.")
+        elif drafted and not any(c in significant for c in drafted):
             lines.append("No comparison against a baseline other than full is significant "
-                         f"after correction; the largest gap is {_largest(drafted)}.")
+                         "after correction; " + (
+                             "none of them differs (0 wins and 0 losses each)."
+                             if all(_tie(c) for c in drafted) else
+                             f"the largest gap is {_largest(drafted)}."))
         lines.append("One suite's effect is a hypothesis until it replicates on another.")
     return " ".join(lines) + "\n"
 
@@ -237,6 +243,11 @@ def _span(values: list[int]) -> str:
 def _pair_text(c: dict) -> str:
     return (f"{c['cell']} vs {c['baseline']}: {c['accuracy']}% vs {c['baseline_accuracy']}% "
             f"({c['wins']} wins / {c['losses']} losses, p = {format_p(c['p_holm'])})")
+
+
+def _tie(c: dict) -> bool:
+    """No discordant sample: both cells right on the same samples (McNemar p = 1)."""
+    return c["wins"] == c["losses"] == 0
 
 
 def _largest(comparisons: list[dict]) -> str:

@@ -245,6 +245,25 @@ def test_summary_names_the_significant_differences():
                                                           3 * mcnemar_exact(12, 0)])
 
 
+def test_summary_names_no_largest_gap_when_every_comparison_ties():
+    """Every cell right on the same samples: the summary named a 0 / 0, p = 1 comparison
+    "the largest gap"; it now says that no comparison differs."""
+    rows = [line("passkey", c, s, p, ["1"]) for s, p in zip("abc", "1x1", strict=True)
+            for c in ("full", SNAP, "snapkv/dge/k2/b16", "snapkv/dge_w/k2/b16")]
+    scores, pairs = report.score_rows(rows), report.paired_comparisons(rows)
+    assert all((c["wins"], c["losses"], c["p"]) == (0, 0, 1.0) for c in pairs)
+    text = report.summary(scores, pairs, None)
+    assert "largest gap" not in text
+    assert (f"No comparison differs: each of the {len(pairs)} has 0 wins and 0 losses (p = 1)"
+            in text)
+    # Only the comparisons against a baseline other than full tie: none of them is named.
+    rows = [r for r in rows if r["cell"] != "full"] + [
+        line("passkey", "full", s, "1", ["1"]) for s in "abc"]
+    scores, pairs = report.score_rows(rows), report.paired_comparisons(rows)
+    text = report.summary(scores, pairs, None)
+    assert "largest gap" not in text and "none of them differs (0 wins and 0 losses" in text
+
+
 def test_plots_carry_intervals_and_notes(tmp_path):
     """Coinciding series get a note; the delta plot draws every paired comparison."""
     rows = []
