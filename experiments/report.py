@@ -5,9 +5,11 @@
     python -m experiments.report OUT_DIR OUT_DIR [...] --out DIR   # and write DIR/results.md
 
 Reads OUT_DIR/predictions.jsonl, scores every (dataset, cell) with the official metrics,
-and writes scores.json, results.md (n for every cell, paired McNemar comparisons against the
+and writes scores.json, results.md (a header naming the model, suite, n, run id, dates,
+dge_jax version and commands; n for every cell, paired McNemar comparisons against the
 prefill baseline with Holm-corrected p, and a plain-language summary), score_vs_budget.png,
-dge_delta.png and, for runs over several k, accuracy_vs_k.png (`experiments.plots`). Lines of
+dge_delta.png (the paired comparisons' win rates) and, for runs over several k,
+accuracy_vs_k.png (`experiments.plots`), then one stderr line naming what it wrote. Lines of
 several run configurations are refused, never averaged together; a sample predicted twice
 under the same configuration counts once (the last line).
 """
