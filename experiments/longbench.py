@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import shlex
 import sys
 import time
 
@@ -260,7 +261,9 @@ def evaluate() -> int:
     identity = run_identity(model, max_length)
     extent = {"datasets": datasets, "cells": [c.id for c in cells], "num_samples": num_samples}
     out_dir = pathlib.Path(FLAGS.out_dir or default_out_dir(FLAGS.suite, FLAGS.model, identity))
-    open_run(out_dir, identity, data_checksums(datasets), extent, " ".join(sys.argv),
+    # the command as typed (sys.argv[0] is the module's file path under `python -m`)
+    command = "python -m experiments.longbench " + shlex.join(sys.argv[1:])
+    open_run(out_dir, identity, data_checksums(datasets), extent, command.rstrip(),
              extend=FLAGS.extend)
     tag = {"run_id": run_id(identity)}
     cell_hash = {c: config_hash(cell_config(identity, c)) for c in cells}

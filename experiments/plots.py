@@ -1,8 +1,12 @@
-"""The report's figures: score against budget, DGE minus its baseline, score against k.
+"""The report's figures: score against budget, the paired comparisons' win rates, score
+against k.
 
-Every point carries a 95 % bootstrap interval over samples (`stats.bootstrap_mean_ci`), every
-title names the model, the suite and n, and series that coincide are drawn side by side with
-a note saying so, so a figure never shows lines hidden under each other without a word.
+Scores carry a 95 % bootstrap interval over samples (`stats.bootstrap_mean_ci`); the paired
+comparisons are drawn as the report tests them (win rate with an exact interval at the
+Bonferroni level, filled where Holm p < 0.05), so the figure never contradicts the table.
+Every title names the model, the suite and n, and series that coincide are drawn side by
+side with a note saying so, so a figure never shows lines hidden under each other without a
+word.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ import pathlib
 from collections import defaultdict
 
 from experiments.cells import Cell, parse_cell_id
-from experiments.stats import bootstrap_mean_ci
+from experiments.replication import SIGNIFICANT
+from experiments.stats import bootstrap_mean_ci, clopper_pearson
 
 Samples = dict[str, dict[tuple[str, str], float]]  # cell id -> {(dataset, sample): row score}
 TIMING_COLORS = {"prefill": "tab:blue", "dge": "tab:red", "dge_w": "tab:green"}
@@ -55,13 +60,6 @@ def cell_interval(per_sample: Samples, cell: str) -> tuple[float, float, float]:
     return bootstrap_mean_ci(_by_dataset(per_sample[cell]))
 
 
-def paired_interval(per_sample: Samples, cell: str, base: str) -> tuple[float, float, float]:
-    """(mean of cell - base, low, high) over the samples both have, paired per sample."""
-    common = set(per_sample[cell]) & set(per_sample[base])
-    return bootstrap_mean_ci(_by_dataset(
-        {s: per_sample[cell][s] - per_sample[base][s] for s in common}))
-
-
 def _series(scores: dict) -> dict[tuple[str, str, int], dict[int, str]]:
     """(method, timing, k) -> {budget: cell id}, adaptive cells left to the paired table."""
     out: dict[tuple[str, str, int], dict[int, str]] = defaultdict(dict)
@@ -75,14 +73,16 @@ def _series(scores: dict) -> dict[tuple[str, str, int], dict[int, str]]:
     return out
 
 
-def _label(timing: str, k: int) -> str:
-    return "prefill (baseline)" if timing == "prefill" else f"{timing} (k={k})"
+def _label(cells: dict[int, str]) -> str:
+    """A series' legend name: its cells' id without the budget (`snapkv/dge/k2`)."""
+    return without_budget(next(iter(cells.values())))
 
 
 def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
                     out_dir: pathlib.Path) -> pathlib.Path | None:
-    """score_vs_budget.png: mean score per budget and timing, one panel per method, FullKV
-    as a band; series with equal scores at every budget are offset and named in a note."""
+    """score_vs_budget.png: mean score per budget and timing, one panel per method, `full`
+    as a band; series (named by their cell id without the budget) with equal scores at every
+    budget are offset and named in a note."""
     series = _series(scores)
     methods = sorted({m for m, _, _ in series})
     if not methods:
@@ -100,9 +100,9 @@ def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
             ax.errorbar([b * 2**dx for b in budgets], [p[0] for p in points],
                         yerr=[[p[0] - p[1] for p in points], [p[2] - p[0] for p in points]],
                         marker="o", capsize=3, color=TIMING_COLORS.get(key[1]),
-                        label=_label(key[1], key[2]))
+                        label=_label(cells))
         if full is not None:
-            ax.axhline(full[0], color="gray", linestyle="--", label="FullKV (band: 95 %)")
+            ax.axhline(full[0], color="gray", linestyle="--", label="full (band: 95 % interval)")
             ax.axhspan(full[1], full[2], color="gray", alpha=0.15)
         note = _coincide_note(scores, mine)
         ax.set_xscale("log", base=2)
@@ -123,64 +123,109 @@ def _offsets(n: int) -> list[float]:
 
 def _coincide_note(scores: dict, mine: list) -> str:
     """"a and b coincide" for series whose mean scores are equal at every budget."""
-    means = {key: tuple(scores["averages"][cells[b]]["mean"] for b in sorted(cells))
-             for key, cells in mine}
+    means = {_label(cells): tuple(scores["averages"][cells[b]]["mean"] for b in sorted(cells))
+             for _, cells in mine}
     groups: dict[tuple, list] = defaultdict(list)
-    for key, m in means.items():
-        groups[m].append(key)
+    for name, m in means.items():
+        groups[m].append(name)
     same = [g for g in groups.values() if len(g) > 1]
-    return "; ".join(" = ".join(_label(t, k) for _, t, k in g) + " at every budget"
-                     for g in same)
+    return "; ".join(" = ".join(g) + " at every budget" for g in same)
 
 
-def dge_delta(scores: dict, per_sample: Samples, title_text: str,
+def without_budget(cell_id: str) -> str:
+    """A cell id with its budget part left out (`snapkv/dge/k2/b128` -> `snapkv/dge/k2`):
+    the name of a series drawn against budget."""
+    return "/".join(part for part in cell_id.split("/") if not _is_budget(part))
+
+
+def _is_budget(part: str) -> bool:
+    return part[:1] == "b" and part[1:].isdigit()
+
+
+def comparison_name(comparison: dict) -> str:
+    """`snapkv/dge/k2 vs snapkv/prefill`: a paired comparison named by its two cells."""
+    return f"{without_budget(comparison['cell'])} vs {without_budget(comparison['baseline'])}"
+
+
+def win_rate_points(comparisons: list[dict], alpha: float = SIGNIFICANT) -> list[dict]:
+    """What dge_delta.png draws, one point per paired comparison of the report
+    (`report.paired_comparisons`): the win rate wins / (wins + losses) with its exact
+    Clopper-Pearson interval at level 1 - alpha / m (m = the comparisons Holm's correction runs
+    over; Bonferroni-adjusted, so an interval that excludes 1/2 always comes with Holm p <
+    alpha), and `filled` where Holm p < alpha. A tie (no wins, no losses) has no rate and no
+    interval (`rate`, `low`, `high` None)."""
+    m = len(comparisons)
+    points = []
+    for c in comparisons:
+        interval = clopper_pearson(c["wins"], c["losses"], 1 - alpha / m)
+        discordant = c["wins"] + c["losses"]
+        points.append({
+            "name": comparison_name(c), "method": parse_cell_id(c["cell"]).method,
+            "budget": parse_cell_id(c["cell"]).budget, "cell": c["cell"],
+            "baseline": c["baseline"], "wins": c["wins"], "losses": c["losses"],
+            "rate": c["wins"] / discordant if discordant else None,
+            "low": None if interval is None else interval[0],
+            "high": None if interval is None else interval[1],
+            "p_holm": c["p_holm"], "filled": c["p_holm"] < alpha,
+        })
+    return points
+
+
+def dge_delta(comparisons: list[dict], title_text: str,
               out_dir: pathlib.Path) -> pathlib.Path | None:
-    """dge_delta.png: DGE - prefill and DGE-W - prefill per budget, paired per sample, with
-    95 % intervals and a zero line; None when the run has no DGE cell with a baseline."""
-    series = _series(scores)
-    rows = []  # (label, [(name, interval)])
-    for (method, timing, k), cells in sorted(series.items()):
-        if timing != "dge":
-            continue
-        base = series.get((method, "prefill", 1), {})
-        control = series.get((method, "dge_w", k), {})
-        for b in sorted(cells):
-            if b not in base:
-                continue
-            pairs = [("DGE - prefill", paired_interval(per_sample, cells[b], base[b]))]
-            if b in control:
-                pairs.append(("DGE-W - prefill",
-                              paired_interval(per_sample, control[b], base[b])))
-            rows.append((f"{method}\nk={k} b={b}", pairs))
-    if not rows:
+    """dge_delta.png: per budget, the win rate of every paired comparison the report tests
+    (`win_rate_points`), one panel per method, with a 0.5 line (as many wins as losses),
+    filled markers where Holm p < 0.05 and hollow ones otherwise; ties are drawn at 0.5
+    without an interval. None when the run has no paired comparison."""
+    points = win_rate_points(comparisons)
+    if not points:
         return None
+    m = len(points)
+    methods = sorted({p["method"] for p in points})
+    names = list(dict.fromkeys(p["name"] for p in points))
+    colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(5.5, 1.3 * len(rows)), 4.2))
-    colors = {"DGE - prefill": TIMING_COLORS["dge"], "DGE-W - prefill": TIMING_COLORS["dge_w"]}
-    for x, (_, pairs) in enumerate(rows):
-        for j, (name, (mean, low, high)) in enumerate(pairs):
-            ax.errorbar([x + (j - 0.5) * 0.25], [mean], yerr=[[mean - low], [high - mean]],
-                        fmt="o", capsize=4, color=colors[name],
-                        label=name if x == 0 else None)
-            if mean == low == high == 0:  # a zero-width point: say why it has no interval
-                ax.annotate("equal on\nevery sample", (x + (j - 0.5) * 0.25, 0),
-                            textcoords="offset points", xytext=(0, 8), ha="center",
-                            fontsize=7, color=colors[name])
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
-    ax.set_xlim(-0.6, len(rows) - 0.4)
-    ax.set_ylabel("score difference, paired (95 % bootstrap interval)")
-    if all(m == 0 and lo == 0 and hi == 0 for _, pairs in rows for _, (m, lo, hi) in pairs):
-        ax.text(0.5, 0.9, "every cell equals its baseline on every sample",
-                transform=ax.transAxes, ha="center", fontsize=9)
-    ax.legend(fontsize=8)
-    ax.set_title(title_text, fontsize=10)
+    fig, axes = plt.subplots(1, len(methods), figsize=(5.6 * len(methods), 5.2),
+                             squeeze=False)
+    for ax, method in zip(axes[0], methods, strict=True):
+        mine = [n for n in names if any(p["name"] == n and p["method"] == method
+                                        for p in points)]
+        for name, dx in zip(mine, _offsets(len(mine)), strict=True):
+            drawn = [p for p in points if p["name"] == name and p["method"] == method]
+            for i, p in enumerate(drawn):
+                x = p["budget"] * 2**dx
+                face = colors[name] if p["filled"] else "white"
+                label = name if i == 0 else None
+                if p["rate"] is None:  # a tie: no discordant sample, no rate to bound
+                    ax.errorbar([x], [0.5], marker="s", color=colors[name],
+                                markerfacecolor=face, linestyle="none", label=label)
+                    ax.annotate("0 / 0", (x, 0.5), textcoords="offset points", xytext=(0, 6),
+                                ha="center", fontsize=7, color=colors[name])
+                    continue
+                ax.errorbar([x], [p["rate"]], yerr=[[p["rate"] - p["low"]],
+                                                    [p["high"] - p["rate"]]],
+                            marker="o", capsize=3, color=colors[name], markerfacecolor=face,
+                            linestyle="none", label=label)
+        ax.axhline(0.5, color="black", linewidth=0.8)
+        budgets = sorted({p["budget"] for p in points if p["method"] == method})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_title(method, fontsize=9)
+        ax.set_xlabel("budget (entries kept per kv head)")
+        ax.set_ylabel(f"win rate wins / (wins + losses)\nexact interval at 1 - 0.05/{m}",
+                      fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1)
+    fig.suptitle(f"{title_text}\nwin rate, exact (Clopper-Pearson) interval at level "
+                 f"1 - 0.05/m, m = {m} comparisons\n(Holm's family); filled: Holm p < 0.05, "
+                 "hollow: not significant; 0 / 0: a tie", fontsize=9)
     return _save(plt, fig, out_dir / "dge_delta.png")
 
 
 def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathlib.Path | None:
-    """accuracy_vs_k.png: mean score against k per method and budget (DGE solid, DGE-W
-    dashed, the prefill baseline at k = 1); written only when a run has several k."""
+    """accuracy_vs_k.png: mean score against k per method and budget (dge solid, dge_w
+    dashed, the prefill cell at k = 1), each line named by its cells' id with k as `k*`
+    (`snapkv/dge/k*/b128`); written only when a run has several k."""
     cells = [parse_cell_id(c) for c in scores["averages"]]
     if len({c.k for c in cells if c.timing != "prefill" and not c.adaptive}) < 2:
         return None
@@ -208,4 +253,7 @@ def _k_lines(ax, scores: dict, cells: list[Cell], method: str, budget: int) -> N
         if base is not None:
             pts = [(1, base)] + [p for p in pts if p[0] != 1]
         if pts:
-            ax.plot(*zip(*pts, strict=True), style, marker="o", label=f"{timing} b={budget}")
+            name = f"{method}/{timing}/k*/b{budget}"
+            if base is not None:
+                name += f" (k = 1: {method}/prefill/b{budget})"
+            ax.plot(*zip(*pts, strict=True), style, marker="o", label=name)

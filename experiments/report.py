@@ -5,9 +5,11 @@
     python -m experiments.report OUT_DIR OUT_DIR [...] --out DIR   # and write DIR/results.md
 
 Reads OUT_DIR/predictions.jsonl, scores every (dataset, cell) with the official metrics,
-and writes scores.json, results.md (n for every cell, paired McNemar comparisons against the
+and writes scores.json, results.md (a header naming the model, suite, n, run id, dates,
+dge_jax version and commands; n for every cell, paired McNemar comparisons against the
 prefill baseline with Holm-corrected p, and a plain-language summary), score_vs_budget.png,
-dge_delta.png and, for runs over several k, accuracy_vs_k.png (`experiments.plots`). Lines of
+dge_delta.png (the paired comparisons' win rates) and, for runs over several k,
+accuracy_vs_k.png (`experiments.plots`), then one stderr line naming what it wrote. Lines of
 several run configurations are refused, never averaged together; a sample predicted twice
 under the same configuration counts once (the last line).
 """
@@ -92,8 +94,9 @@ def markdown_table(scores: dict) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(averages, key=cell_order):
         c = parse_cell_id(cell)
+        drafts = c.timing in ("dge", "dge_w") and c.method != "full"  # k means nothing else
         row = [c.method, "-" if c.method == "full" else c.timing,
-               "-" if c.method == "full" else f"{c.k}{'a' if c.adaptive else ''}",
+               f"{c.k}{'a' if c.adaptive else ''}" if drafts else "-",
                "-" if c.method == "full" else str(c.budget)]
         if decoding:  # decode budget / interval of cells that compress while decoding
             row.append(f"{c.decode_budget} / {c.interval}" if c.decode_budget else "-")
@@ -197,10 +200,9 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
     """A few plain sentences under the tables: what was compared, on what, what is significant."""
     averages = scores["averages"]
     cells = [parse_cell_id(c) for c in averages]
-    methods = sorted({c.method for c in cells if c.method != "full"})
     budgets = sorted({c.budget for c in cells if c.method != "full"})
-    timings = sorted({c.timing if c.timing == "prefill" else f"{c.timing} (k={c.k})"
-                      for c in cells if c.method != "full"})
+    series = list(dict.fromkeys(plots.without_budget(c) for c in sorted(averages, key=cell_order)
+                                if c != "full"))
     n = sorted({a["n"] for a in averages.values()})
     tasks = max(a["tasks"] for a in averages.values())
     where = ""
@@ -209,11 +211,11 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
         where = f" of {ident['model']} on the {ident['suite']} suite"
     lines = [f"**Summary.** {len(averages)} cells{where}, {_span(n)} samples each over "
              f"{tasks} task{'s' if tasks > 1 else ''}"
-             + (f": {', '.join(methods)} under {', '.join(timings)} at budget"
+             + (f": {'full and ' if 'full' in averages else ''}{', '.join(series)} at budget"
                 f"{'s' if len(budgets) > 1 else ''} {', '.join(map(str, budgets))} entries "
-                "per kv head" if methods else "") + "."]
+                "per kv head" if series else "") + "."]
     if "full" in averages:
-        lines.append(f"FullKV scores {averages['full']['mean']:.2f} (mean over tasks).")
+        lines.append(f"full scores {averages['full']['mean']:.2f} (mean over tasks).")
     if comparisons:
         significant = [c for c in comparisons if c["p_holm"] < SIGNIFICANT]
         lines.append(
@@ -223,12 +225,15 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
                f"significantly at {SIGNIFICANT}: " + "; ".join(map(_pair_text, significant))
                if significant else f"none differs significantly at {SIGNIFICANT}") + ".")
         drafted = [c for c in comparisons if c["baseline"] != "full"]
-        if drafted and not any(c in significant for c in drafted):
-            kinds = ("DGE, DGE-W or decode-time" if any(parse_cell_id(c["cell"]).decode_budget
-                                                      for c in drafted)
-                     else "DGE or DGE-W")  # fmt: skip
-            lines.append(f"No {kinds} comparison is significant after correction; the "
-                         f"largest gap is {_largest(drafted)}.")
+        if all(_tie(c) for c in comparisons):  # no gap to name: say that nothing differs
+            lines.append(f"No comparison differs: each of the {len(comparisons)} has 0 wins "
+                         "and 0 losses (p = 1), the same samples correct on both sides.")
+        elif drafted and not any(c in significant for c in drafted):
+            lines.append("No comparison against a baseline other than full is significant "
+                         "after correction; " + (
+                             "none of them differs (0 wins and 0 losses each)."
+                             if all(_tie(c) for c in drafted) else
+                             f"the largest gap is {_largest(drafted)}."))
         lines.append("One suite's effect is a hypothesis until it replicates on another.")
     return " ".join(lines) + "\n"
 
@@ -242,14 +247,90 @@ def _pair_text(c: dict) -> str:
             f"({c['wins']} wins / {c['losses']} losses, p = {format_p(c['p_holm'])})")
 
 
+def _tie(c: dict) -> bool:
+    """No discordant sample: both cells right on the same samples (McNemar p = 1)."""
+    return c["wins"] == c["losses"] == 0
+
+
 def _largest(comparisons: list[dict]) -> str:
     c = max(comparisons, key=lambda c: (abs(c["wins"] - c["losses"]), -c["p"]))
     return (f"{c['cell']} vs {c['baseline']} ({c['wins']} wins / {c['losses']} losses, "
             f"p = {format_p(c['p'])} before correction)")
 
 
+def header(scores: dict, config: dict | None, rows: list[dict], plot_files: list[str]) -> str:
+    """What results.md opens with, before any table: model, suite and datasets, n, run id,
+    run dates, dge_jax version and the commands that wrote the folder (config.json), and
+    the plot files written beside it."""
+    import dge_jax
+
+    ident = (config or {}).get("identity", {})
+    history = (config or {}).get("history", [])
+    unknown = "unknown"
+    model, suite = ident.get("model"), ident.get("suite")
+    lines = [f"# Results: {model or 'unknown model'}"
+             + (f" on the {suite} suite" if suite else ""), ""]
+    if not ident:
+        lines += ["The folder has no config.json of this runner: what only it records "
+                  "(model, suite, dates, commands) is unknown.", ""]
+    lines.append(f"- model: `{model}`" if model else f"- model: {unknown}")
+    datasets = sorted(scores["datasets"])
+    lines.append(f"- suite: {suite or unknown}; datasets: {', '.join(datasets)}")
+    lines.append(f"- n: {_samples_per_dataset(scores)}")
+    ids = sorted({r["run_id"] for r in rows if "run_id" in r})
+    run_id = (config or {}).get("run_id") or (ids[0] if len(ids) == 1 else None)
+    lines.append(f"- run id: `{run_id}`" if run_id else f"- run id: {unknown}")
+    dates = list(dict.fromkeys(h["at"][:10] for h in history if h.get("at")))
+    lines.append(f"- run date{'s' if len(dates) > 1 else ''}: {', '.join(dates)} (UTC)"
+                 if dates else f"- run dates: {unknown}")
+    mine = dge_jax.__version__
+    ran = ident.get("dge_jax")
+    lines.append(f"- dge_jax: {ran}" + (f" (this report written by {mine})" if ran != mine
+                                         else "") if ran else
+                 f"- dge_jax: {mine} (this report's; the run's is not recorded)")
+    commands = [h for h in history if h.get("command")]
+    if commands:
+        lines.append(f"- command{'s' if len(commands) > 1 else ''} (config.json history):")
+        lines += [f"  - `{_command_text(h['command'])}` ({h.get('at', 'time unknown')})"
+                  for h in commands]
+    else:
+        lines.append(f"- commands: {unknown}")
+    lines.append("- plots beside this file: " + (", ".join(f"`{f}`" for f in plot_files)
+                                                 if plot_files else "none"))
+    return "\n".join(lines) + "\n\n"
+
+
+def _samples_per_dataset(scores: dict) -> str:
+    """"3 samples per dataset", or each dataset's count when they differ; cells with fewer
+    are left to the table's n column."""
+    most = {d: max(per.values()) for d, per in sorted(scores["counts"].items())}
+    fewer = any(n < most[d] for d, per in scores["counts"].items() for n in per.values())
+    text = (f"{next(iter(most.values()))} samples per dataset" if len(set(most.values())) == 1
+            else "samples per dataset: " + ", ".join(f"{d} {n}" for d, n in most.items()))
+    return text + (" (fewer for some cells: the table's n column)" if fewer else "")
+
+
+def _command_text(command: str) -> str:
+    """A history command as one would type it: runners before #28 stored sys.argv, whose
+    first word is the path of experiments/longbench.py when run with `python -m`."""
+    first, _, rest = command.partition(" ")
+    if first.replace("\\", "/").endswith("experiments/longbench.py"):
+        return f"python -m experiments.longbench {rest}".rstrip()
+    return command
+
+
+PAIRED_INTRO = (
+    "\nPaired comparisons on the same samples: each `<method>/prefill/b<budget>` cell against "
+    "`full`, each `dge` / `dge_w` cell against the prefill cell of its method and budget, then "
+    "each `dge` cell against the `dge_w` cell of the same k and budget, and each cell that "
+    "compresses while decoding against `full` and its prefill-only cell (correct = row score "
+    ">= 0.5; exact McNemar test; Holm's correction over all rows; and, by row score, higher / "
+    "lower with an exact sign test):\n\n")
+
+
 def write_report(out_dir: str | pathlib.Path) -> dict:
-    """Scores the run in `out_dir` and writes scores.json, results.md and the plots."""
+    """Scores the run in `out_dir` and writes scores.json, the plots and results.md (which
+    opens with the run's `header`); says on stderr, in one line, what it wrote."""
     out_dir = pathlib.Path(out_dir)
     path = out_dir / PREDICTIONS_FILE
     rows = read_predictions(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
@@ -263,21 +344,19 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     comparisons = paired_comparisons(rows)
     scores["paired"] = comparisons
     (out_dir / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
-    table = markdown_table(scores)
-    if comparisons:
-        table += ("\nPaired comparisons on the same samples: each prefill baseline against "
-                  "FullKV, each DGE / DGE-W cell against the prefill baseline, then DGE against "
-                  "DGE-W at the same k and budget (correct = "
-                  "row score >= 0.5; exact McNemar test; Holm's correction over all rows; "
-                  "and, by row score, higher / lower with an exact sign test):\n\n"
-                  + paired_table(comparisons))
-    table += "\n" + summary(scores, comparisons, config)
-    (out_dir / "results.md").write_text(table)
     title = plots.title(config, scores)
     per_sample = sample_scores(rows)
-    plots.score_vs_budget(scores, per_sample, title, out_dir)
-    plots.dge_delta(scores, per_sample, title, out_dir)
-    plots.accuracy_vs_k(scores, title, out_dir)
+    written = [plots.score_vs_budget(scores, per_sample, title, out_dir),
+               plots.dge_delta(comparisons, title, out_dir),
+               plots.accuracy_vs_k(scores, title, out_dir)]
+    plot_files = [p.name for p in written if p is not None]
+    text = header(scores, config, rows, plot_files) + markdown_table(scores)
+    if comparisons:
+        text += PAIRED_INTRO + paired_table(comparisons)
+    text += "\n" + summary(scores, comparisons, config)
+    (out_dir / "results.md").write_text(text)
+    print(f"wrote {out_dir / 'results.md'}, {', '.join(['scores.json', *plot_files])}",
+          file=sys.stderr)
     return scores
 
 

@@ -1,4 +1,5 @@
-"""The statistics a report states: exact McNemar, Holm's correction, bootstrap intervals.
+"""The statistics a report states: exact McNemar, Holm's correction, Clopper-Pearson and
+bootstrap intervals.
 
 Plain functions of numbers, so tests check them against values worked out by hand.
 """
@@ -21,6 +22,22 @@ def mcnemar_exact(wins: int, losses: int) -> float:
         return 1.0
     tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2**n
     return min(1.0, 2 * tail)
+
+
+def clopper_pearson(successes: int, failures: int, level: float = 0.95
+                    ) -> tuple[float, float] | None:
+    """Exact (Clopper-Pearson) two-sided interval of a binomial proportion at `level`, from
+    the beta quantiles; None without a trial. It excludes 1/2 exactly when the two-sided
+    exact binomial test (`mcnemar_exact`) gives p < 1 - level."""
+    from scipy.stats import beta
+
+    n = successes + failures
+    if n == 0:
+        return None
+    alpha = 1 - level
+    low = 0.0 if successes == 0 else float(beta.ppf(alpha / 2, successes, failures + 1))
+    high = 1.0 if failures == 0 else float(beta.ppf(1 - alpha / 2, successes + 1, failures))
+    return low, high
 
 
 def holm(p_values: Sequence[float]) -> list[float]:

@@ -11,7 +11,7 @@ from experiments import plots, report
 from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE
 from experiments.run_folder import RunFolderError
-from experiments.stats import mcnemar_exact
+from experiments.stats import bootstrap_mean_ci, clopper_pearson, mcnemar_exact
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TREC_CLASSES = ["Food", "Date", "Individual", "Location"]
@@ -104,7 +104,7 @@ def test_markdown_table_by_hand():
         "passage_retrieval_zh | trec | mean (5 tasks) |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|\n"
         "| full | - | - | - | 7 | 100.00 | 75.00 | 100.00 | 100.00 | 50.00 | 85.00 |\n"
-        "| snapkv | prefill | 1 | 16 | 6 | 50.00 | 50.00 | 50.00 | - | 75.00 | 56.25 |\n"
+        "| snapkv | prefill | - | 16 | 6 | 50.00 | 50.00 | 50.00 | - | 75.00 | 56.25 |\n"
     )
 
 
@@ -145,29 +145,69 @@ def test_write_report_and_cli(tmp_path, capsys):
         rows += [line("passkey", cell, s, p, ["1"]) for s, p in zip("ab", preds, strict=True)]
     write_predictions(tmp_path, rows)
     scores = report.write_report(tmp_path)
+    wrote = (f"wrote {tmp_path / 'results.md'}, scores.json, score_vs_budget.png, "
+             "dge_delta.png\n")
+    assert capsys.readouterr().err == wrote  # one line saying what it wrote
     assert json.loads((tmp_path / "scores.json").read_text()) == scores
     assert scores["averages"]["snapkv/dge/k2/b16"] == {"mean": 0.0, "tasks": 1, "n": 2}
     results = (tmp_path / "results.md").read_text()
-    assert results.startswith(report.markdown_table(scores))
+    head, table = results.split("\n| method", 1)  # the header, then the tables
+    assert head.startswith("# Results") and "\n|" not in head
+    assert ("| method" + table).startswith(report.markdown_table(scores))
     # Paired section: dge k2 b16 (0/2 right) vs prefill b16 (1/2): 0 wins, 1 loss, p = 1.
     assert scores["paired"] == report.paired_comparisons(rows)
     assert "McNemar" in results and report.paired_table(scores["paired"]) in results
     assert results.endswith(report.summary(scores, scores["paired"], None))
     assert "none differs significantly" in results
-    assert "No DGE or DGE-W comparison is significant after correction" in results
+    assert ("No comparison against a baseline other than full is significant after "
+            "correction" in results)
     for name in ("score_vs_budget.png", "dge_delta.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC, name
     first = {p: (tmp_path / p).read_bytes() for p in ("scores.json", "results.md")}
     assert report.main([str(tmp_path)]) == 0
-    assert capsys.readouterr().out == first["results.md"].decode()
+    assert capsys.readouterr() == (first["results.md"].decode(), wrote)
     assert {p: (tmp_path / p).read_bytes() for p in first} == first
+
+
+def test_results_open_with_the_runs_header(tmp_path):
+    """results.md started with a table: which model, suite, run, date, version and command
+    it showed was written nowhere in it. The header says so, from config.json's history."""
+    import dge_jax
+
+    rows = [{**line(d, c, s, "1", ["1"]), "run_id": "abc123"} for d in ("passkey", "essay_qa")
+            for c in ("full", SNAP, "snapkv/dge/k2/b16") for s in "ab"]
+    write_predictions(tmp_path, rows)
+    old = "/somewhere/experiments/longbench.py --methods full,snapkv"  # argv of older runners
+    new = "python -m experiments.longbench --methods full,snapkv --extend"
+    (tmp_path / "config.json").write_text(json.dumps({
+        "format": 2, "run_id": "abc123",
+        "identity": {"model": "smollm2-135m-instruct", "suite": "synthetic", "dge_jax": "9.9"},
+        "history": [{"command": old, "at": "2025-01-02T03:04:05+00:00"},
+                    {"command": new, "at": "2025-01-03T00:00:00+00:00"}]}))
+    report.write_report(tmp_path)
+    results = (tmp_path / "results.md").read_text()
+    head = results[:results.index("\n| method")]
+    assert head.splitlines()[0] == "# Results: smollm2-135m-instruct on the synthetic suite"
+    for expected in (
+            "- model: `smollm2-135m-instruct`",
+            "- suite: synthetic; datasets: essay_qa, passkey",
+            "- n: 2 samples per dataset", "- run id: `abc123`",
+            "- run dates: 2025-01-02, 2025-01-03 (UTC)",
+            f"- dge_jax: 9.9 (this report written by {dge_jax.__version__})",
+            "- commands (config.json history):",
+            "  - `python -m experiments.longbench --methods full,snapkv` "
+            "(2025-01-02T03:04:05+00:00)",
+            f"  - `{new}` (2025-01-03T00:00:00+00:00)",
+            "- plots beside this file: `score_vs_budget.png`, `dge_delta.png`"):
+        assert expected in head.splitlines(), (expected, head)
+    assert "unknown" not in head
 
 
 def test_plot_without_dge_cells_writes_only_score_vs_budget(tmp_path):
     rows = [line("passkey", c, "a", "1", ["1"]) for c in ("full", "snapkv/prefill/b16")]
     scores, per_sample = report.score_rows(rows), report.sample_scores(rows)
     assert plots.score_vs_budget(scores, per_sample, "t", tmp_path).name == "score_vs_budget.png"
-    assert plots.dge_delta(scores, per_sample, "t", tmp_path) is None
+    assert plots.dge_delta(report.paired_comparisons([]), "t", tmp_path) is None
     only_full = [line("passkey", "full", "a", "1", ["1"])]
     assert plots.score_vs_budget(report.score_rows(only_full), report.sample_scores(only_full),
                                  "t", tmp_path) is None
@@ -205,8 +245,27 @@ def test_summary_names_the_significant_differences():
                                                           3 * mcnemar_exact(12, 0)])
 
 
+def test_summary_names_no_largest_gap_when_every_comparison_ties():
+    """Every cell right on the same samples: the summary named a 0 / 0, p = 1 comparison
+    "the largest gap"; it now says that no comparison differs."""
+    rows = [line("passkey", c, s, p, ["1"]) for s, p in zip("abc", "1x1", strict=True)
+            for c in ("full", SNAP, "snapkv/dge/k2/b16", "snapkv/dge_w/k2/b16")]
+    scores, pairs = report.score_rows(rows), report.paired_comparisons(rows)
+    assert all((c["wins"], c["losses"], c["p"]) == (0, 0, 1.0) for c in pairs)
+    text = report.summary(scores, pairs, None)
+    assert "largest gap" not in text
+    assert (f"No comparison differs: each of the {len(pairs)} has 0 wins and 0 losses (p = 1)"
+            in text)
+    # Only the comparisons against a baseline other than full tie: none of them is named.
+    rows = [r for r in rows if r["cell"] != "full"] + [
+        line("passkey", "full", s, "1", ["1"]) for s in "abc"]
+    scores, pairs = report.score_rows(rows), report.paired_comparisons(rows)
+    text = report.summary(scores, pairs, None)
+    assert "largest gap" not in text and "none of them differs (0 wins and 0 losses" in text
+
+
 def test_plots_carry_intervals_and_notes(tmp_path):
-    """Coinciding series get a note; the delta plot has a zero line and paired intervals."""
+    """Coinciding series get a note; the delta plot draws every paired comparison."""
     rows = []
     for i, (b, d) in enumerate(zip("1x1x1x", "111x11", strict=True)):
         rows += [line("passkey", "full", f"s{i}", "1", ["1"]),
@@ -216,14 +275,93 @@ def test_plots_carry_intervals_and_notes(tmp_path):
     scores, per_sample = report.score_rows(rows), report.sample_scores(rows)
     assert plots._coincide_note(scores, sorted(
         (k, c) for k, c in plots._series(scores).items())) == (
-        "dge_w (k=2) = prefill (baseline) at every budget")
-    mean, low, high = plots.paired_interval(per_sample, "snapkv/dge/k2/b16",
-                                            "snapkv/prefill/b16")
-    assert mean == pytest.approx(100 * 2 / 6) and low <= mean <= high and high <= 100
-    assert plots.paired_interval(per_sample, "snapkv/dge_w/k2/b16",
-                                 "snapkv/prefill/b16") == (0.0, 0.0, 0.0)
-    for fn in (plots.score_vs_budget, plots.dge_delta):
-        assert fn(scores, per_sample, "m on s, n = 6", tmp_path).read_bytes()[:8] == PNG_MAGIC
+        "snapkv/dge_w/k2 = snapkv/prefill at every budget")
+    comparisons = report.paired_comparisons(rows)
+    assert len(plots.win_rate_points(comparisons)) == len(comparisons)
+    assert plots.score_vs_budget(scores, per_sample, "m on s, n = 6",
+                                 tmp_path).read_bytes()[:8] == PNG_MAGIC
+    assert plots.dge_delta(comparisons, "m on s, n = 6",
+                           tmp_path).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_delta_plot_shows_the_paired_tests_verdict():
+    """The delta plot drew a bootstrap interval of the score difference that excluded 0 while
+    the table's McNemar test (Holm-corrected) said not significant. It now draws the win rate
+    with an exact interval at the Bonferroni level of the Holm family: 5 wins / 0 losses out
+    of 20 samples is not significant, so the interval holds 0.5 and the marker is hollow."""
+    rows = []
+    for i in range(20):  # prefill right on 0-9, DGE on 0-14: 5 wins, 0 losses
+        rows += [line("passkey", "full", f"s{i}", "1", ["1"]),
+                 line("passkey", SNAP, f"s{i}", "1" if i < 10 else "x", ["1"]),
+                 line("passkey", "snapkv/dge/k2/b16", f"s{i}", "1" if i < 15 else "x", ["1"])]
+    per_sample = report.sample_scores(rows)
+    diffs = [per_sample["snapkv/dge/k2/b16"][s] - per_sample[SNAP][s] for s in per_sample[SNAP]]
+    _, low, _ = bootstrap_mean_ci({"passkey": diffs})
+    assert low > 0  # what the old plot drew: an interval of the difference excluding 0
+    comparisons = report.paired_comparisons(rows)
+    by_pair = {(c["cell"], c["baseline"]): c for c in comparisons}
+    dge = by_pair[("snapkv/dge/k2/b16", SNAP)]
+    assert (dge["wins"], dge["losses"]) == (5, 0) and dge["p_holm"] > 0.05
+    points = {(p["cell"], p["baseline"]): p for p in plots.win_rate_points(comparisons)}
+    point = points[("snapkv/dge/k2/b16", SNAP)]
+    assert point["name"] == "snapkv/dge/k2 vs snapkv/prefill"
+    assert point["rate"] == 1.0 and point["low"] < 0.5 < point["high"] == 1.0
+    assert not point["filled"]
+    # prefill vs full: 0 wins / 10 losses, Holm p = 2 * 2/1024 < 0.05: filled, below 0.5
+    full = points[(SNAP, "full")]
+    assert full["filled"] and full["rate"] == 0.0 and full["high"] < 0.5
+    # The interval's level is 1 - 0.05/m over the m = 2 comparisons Holm runs over.
+    assert (point["low"], point["high"]) == clopper_pearson(5, 0, 1 - 0.05 / 2)
+
+
+def test_delta_plot_draws_no_interval_for_a_tie():
+    rows = [line("passkey", c, "a", "1", ["1"]) for c in (SNAP, "snapkv/dge/k2/b16")]
+    (point,) = plots.win_rate_points(report.paired_comparisons(rows))
+    assert (point["wins"], point["losses"]) == (0, 0)
+    assert point["rate"] is point["low"] is point["high"] is None and not point["filled"]
+
+
+def test_one_naming_of_cells_in_tables_legends_and_summary(tmp_path, monkeypatch):
+    """Legends said `dge (k=2)`, `prefill (baseline)`, `DGE - prefill`, `FullKV`; the summary
+    `snapkv under dge (k=2)`: names the tables never use. Now every name is a cell id, a cell
+    id without its budget, or two of them joined by `vs`; `k` is `-` where nothing drafts."""
+    legends = {}
+
+    def record(plt, fig, path):  # what each figure's legends say, instead of pixels
+        legends[path.name] = {t.get_text() for ax in fig.axes if ax.get_legend()
+                              for t in ax.get_legend().get_texts()}
+        plt.close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", record)
+    cells = ["full", SNAP, "snapkv/dge/k2/b16", "snapkv/dge_w/k2/b16", "snapkv/dge/k3/b16",
+             "snapkv/dge_w/k3/b16"]
+    rows = [line("passkey", c, s, p, ["1"]) for s in "abcd" for c, p in
+            zip(cells, "1x1x11" if s in "ab" else "11x1xx", strict=True)]
+    write_predictions(tmp_path, rows)
+    report.write_report(tmp_path)
+    assert legends["score_vs_budget.png"] == {
+        "full (band: 95 % interval)", "snapkv/prefill", "snapkv/dge/k2", "snapkv/dge_w/k2",
+        "snapkv/dge/k3", "snapkv/dge_w/k3"}
+    assert legends["dge_delta.png"] == {
+        "snapkv/prefill vs full", "snapkv/dge/k2 vs snapkv/prefill",
+        "snapkv/dge_w/k2 vs snapkv/prefill", "snapkv/dge/k3 vs snapkv/prefill",
+        "snapkv/dge_w/k3 vs snapkv/prefill", "snapkv/dge/k2 vs snapkv/dge_w/k2",
+        "snapkv/dge/k3 vs snapkv/dge_w/k3"}
+    assert legends["accuracy_vs_k.png"] == {
+        "snapkv/dge/k*/b16 (k = 1: snapkv/prefill/b16)",
+        "snapkv/dge_w/k*/b16 (k = 1: snapkv/prefill/b16)"}
+    results = (tmp_path / "results.md").read_text()
+    for other in ("(k=", "DGE - prefill", "DGE-W", "DGE-SnapKV", "FullKV", "(baseline)"):
+        assert other not in results, other
+    assert ("full and snapkv/prefill, snapkv/dge/k2, snapkv/dge/k3, snapkv/dge_w/k2, "
+            "snapkv/dge_w/k3 at budget 16 entries" in results)
+    table = {row.split(" | ")[0][2:]: row.split(" | ")[1:4] for row in results.splitlines()
+             if row.startswith("| full |") or row.startswith("| snapkv |")}
+    assert table["full"] == ["-", "-", "-"]
+    rows_k = [row.split(" | ")[1:4] for row in results.splitlines()
+              if row.startswith("| snapkv |")]
+    assert ["prefill", "-", "16"] in rows_k and ["dge", "2", "16"] in rows_k
 
 
 def test_cli_errors(tmp_path, capsys):

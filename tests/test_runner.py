@@ -97,6 +97,13 @@ def read_rows(out_dir: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in data.split(b"\n")[:-1]]
 
 
+def from_first_table(results: str) -> str:
+    """results.md from its first table line on (before it: the run's header)."""
+    start = results.index("\n| ") + 1
+    assert results[start:].startswith("| method |"), results[:start + 200]
+    return results[start:]
+
+
 def expected_triples(data_dir) -> set[tuple[str, str, str]]:
     return {(d, row["_id"], cell) for d in DATASETS
             for row in protocol.load_rows(data_dir, d, NUM_SAMPLES) for cell in CELLS}
@@ -149,7 +156,9 @@ def test_killed_run_resumes_to_the_same_results(d1, model_dir, data_dir, env, tm
     assert {r["key"]: r["pred"] for r in rows} == {r["key"]: r["pred"] for r in d1_rows}
     assert json.loads((d2 / "scores.json").read_text()) == json.loads(
         (d1 / "scores.json").read_text())
-    assert (d2 / "results.md").read_text() == (d1 / "results.md").read_text()
+    # The same results; only the header (commands, dates of the folder's history) differs.
+    assert from_first_table((d2 / "results.md").read_text()) == from_first_table(
+        (d1 / "results.md").read_text())
 
     config = json.loads((d2 / "config.json").read_text())
     extent = {"datasets": list(DATASETS), "cells": list(CELLS), "num_samples": NUM_SAMPLES}
@@ -230,7 +239,21 @@ def test_uninterrupted_run_outputs(d1, data_dir):
     assert list(scores["averages"]) == list(CELLS)
     # Two of the 16 English tasks ran: the official 16-task averages are not stated.
     assert set(scores["averages"]["full"]) == {"mean", "tasks", "n"}
-    assert (d1 / "config.json").is_file()
+    config = json.loads((d1 / "config.json").read_text())
+    head = (d1 / "results.md").read_text().split("\n| method")[0].splitlines()
+    (command,) = [h["command"] for h in config["history"]]
+    assert command.startswith("python -m experiments.longbench --model ")
+    import dge_jax
+
+    for expected in (f"- model: `{config['identity']['model']}`",
+                     f"- suite: longbench; datasets: {', '.join(sorted(DATASETS))}",
+                     f"- n: {NUM_SAMPLES} samples per dataset",
+                     f"- run id: `{config['run_id']}`",
+                     f"- run date: {config['history'][0]['at'][:10]} (UTC)",
+                     f"- dge_jax: {dge_jax.__version__}",
+                     f"  - `{command}` ({config['history'][0]['at']})",
+                     "- plots beside this file: `score_vs_budget.png`, `dge_delta.png`"):
+        assert expected in head, (expected, head)
 
 
 def test_report_cli_rebuilds_the_run_outputs(d1, env, tmp_path):
@@ -241,6 +264,8 @@ def test_report_cli_rebuilds_the_run_outputs(d1, env, tmp_path):
         (out / name).unlink()
     proc = run_ok([sys.executable, "-m", "experiments.report", str(out)], env)
     assert proc.stdout == written["results.md"].decode()
+    assert proc.stderr.splitlines()[-1] == (
+        f"wrote {out / 'results.md'}, scores.json, score_vs_budget.png, dge_delta.png")
     for name, data in written.items():
         assert (out / name).read_bytes() == data, name
     for name in ("score_vs_budget.png", "dge_delta.png"):
@@ -283,7 +308,7 @@ def test_more_cells_or_samples_need_extend(d1, model_dir, data_dir, env, tmp_pat
     config = json.loads((d4 / "config.json").read_text())
     assert config["extent"]["cells"] == [*CELLS, "snapkv/prefill/b32", "snapkv/dge/k2/b32"]
     assert len(config["history"]) == 3 and "--extend" in config["history"][-1]["command"]
-    header = (d4 / "results.md").read_text().splitlines()[0]
+    header = from_first_table((d4 / "results.md").read_text()).splitlines()[0]
     assert "| n |" in header
     run_ok([*wider, "--extend"], env)  # the same again resumes: nothing appended
     assert len(read_rows(d4)) == len(rows)
@@ -337,6 +362,9 @@ def test_resume_is_quiet_and_counts_only_new_samples(d1, model_dir, data_dir, en
     assert f"({len(DATASETS) * NUM_SAMPLES} samples done" in proc.stdout
     assert not re.search(r"^I\d{4} ", proc.stderr, re.MULTILINE), proc.stderr[-2000:]
     assert "fontManager" not in proc.stderr
+    # the end of a run says what it wrote, in one line
+    assert f"wrote {out / 'results.md'}, scores.json, score_vs_budget.png, dge_delta.png\n" in (
+        proc.stderr)
     assert not re.findall(r"[\d.]+sample/s", proc.stderr), proc.stderr[-2000:]
 
 

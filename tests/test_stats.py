@@ -1,9 +1,9 @@
-"""`experiments.stats`: Holm's correction and bootstrap intervals against values by hand."""
+"""`experiments.stats`: Holm's correction, exact and bootstrap intervals against values by hand."""
 
 import numpy as np
 import pytest
 
-from experiments.stats import bootstrap_mean_ci, holm
+from experiments.stats import bootstrap_mean_ci, clopper_pearson, holm, mcnemar_exact
 
 
 def test_holm_by_hand():
@@ -26,3 +26,20 @@ def test_bootstrap_interval_brackets_the_mean_and_is_reproducible():
     assert bootstrap_mean_ci({"a": [2.0, 2.0]}) == (2.0, 2.0, 2.0)
     with pytest.raises(ValueError, match="no values"):
         bootstrap_mean_ci({})
+
+
+def test_clopper_pearson_by_hand_and_against_the_exact_test():
+    """Exact interval: k = n gives [(alpha/2)^(1/n), 1]; 0 / 0 has none; at level 1 - a it
+    excludes 1/2 exactly when the exact two-sided binomial (McNemar) p < a."""
+    low, high = clopper_pearson(5, 0, 0.95)
+    assert high == 1.0 and low == pytest.approx(0.025 ** (1 / 5))
+    assert clopper_pearson(0, 3, 0.9)[0] == 0.0
+    assert clopper_pearson(0, 0) is None
+    for a in (0.05, 0.05 / 3, 0.05 / 7):
+        for wins in range(13):
+            for losses in range(13 - wins):
+                if wins + losses == 0:
+                    continue
+                lo, hi = clopper_pearson(wins, losses, 1 - a)
+                assert (lo > 0.5 or hi < 0.5) == (mcnemar_exact(wins, losses) < a), (
+                    a, wins, losses)
