@@ -169,3 +169,308 @@ def test_model_given_as_a_name_says_to_load_it():
     with pytest.raises(TypeError, match=r"model must be a loaded dge_jax\.Model, got str "
                                         r"'smollm2-135m-instruct': load one with dge_jax\.load"):
         dge_jax.generate("smollm2-135m-instruct", ["hi"])
+
+
+# ---------------------------------------------------------------------------------------------
+# 2, 3. The command line: conflicting options, and one line per error
+
+
+def _cli(capsys, *argv: str) -> tuple[int, list[str], str]:
+    """(exit status, stderr lines, stdout) of `python -m dge_jax ARGV` run in-process; a
+    usage error from argparse exits through SystemExit."""
+    from dge_jax import cli
+
+    capsys.readouterr()
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.err.strip().splitlines(), captured.out
+
+
+GEN = ("generate", "--model", "/no/such/model", "--prompt", "hi", "--policy", "snapkv")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--window", "8", "--policy_option", "window=4"],
+         "error: --window 8 and --policy_option window=4 both set the field window; give it once"),
+        (["--policy_option", "window=8", "--policy_option", "window=4"],
+         "error: --policy_option window=8 and --policy_option window=4 both set the field "
+         "window; give it once"),
+        (["--gqa_before_pool", "--policy_option", "gqa_before_pool=false"],
+         "error: --gqa_before_pool and --policy_option gqa_before_pool=false both set"),
+        (["--policy_option", "budget=4"],
+         "error: --policy_option budget=4 sets budget, which is not a field of the policy; "
+         "use --budget 4"),
+        (["--window", "8", "--window", "4"],
+         "error: --window 8 and --window 4 both set window; give it once; see python -m "
+         "dge_jax generate --help"),
+    ],
+    ids=["flag-and-option", "option-twice", "bool-flag-and-option", "eviction-field", "flag-twice"],
+)
+def test_cli_a_field_set_twice_is_refused_naming_both(capsys, flags, message):
+    """`--window 8 --policy_option window=4` used to run window 4, the last one, silently."""
+    code, err, out = _cli(capsys, *GEN, *flags)
+    assert code == 2 and out == "" and len(err) == 1 and err[0].startswith(message), err
+
+
+def test_cli_usage_errors_are_one_line_and_help_exits_0(capsys):
+    """argparse printed its usage block above the error; now one line with the fix."""
+    code, err, _ = _cli(capsys, "generate", "--model", "x")
+    assert code == 2 and err == [
+        "error: the following arguments are required: --prompt; see python -m dge_jax "
+        "generate --help"
+    ]
+    code, err, _ = _cli(capsys, *GEN[:5], "--policy", "snapkv2")
+    assert code == 2 and len(err) == 1 and "invalid choice: 'snapkv2'" in err[0], err
+    code, err, out = _cli(capsys, "generate", "--help")
+    assert code == 0 and err == [] and "--verbose" in out
+
+
+def _break_template(folder, kind: str):
+    """A llama_chat copy whose chat template does not parse, or refuses every prompt."""
+    import json
+
+    if kind == "syntax":
+        (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}")
+        return folder / "chat_template.jinja", "does not parse: line 1: Unexpected end of template"
+    path = folder / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["chat_template"] = "{{ raise_exception('System role not supported') }}"
+    path.write_text(json.dumps(cfg))
+    return path, "refused the prompt: System role not supported"
+
+
+@pytest.mark.parametrize("kind", ["syntax", "raise_exception"])
+def test_cli_broken_chat_template_is_one_line_naming_the_file(checkpoint_copy, capsys, kind):
+    folder = checkpoint_copy("llama_chat")
+    path, message = _break_template(folder, kind)
+    code, err, out = _cli(capsys, "generate", "--model", str(folder), "--prompt", "hi", "--chat")
+    assert code == 2 and out == "" and len(err) == 1, err
+    assert err[0].startswith("error: chat template in ") and str(path) in err[0]
+    assert message in err[0] and err[0].endswith("(no --chat / chat=False)")
+
+
+def test_chat_template_errors_are_a_tokenizer_error(checkpoint_copy):
+    from dge_jax.tokenizer import ChatTemplateError, TokenizerError
+
+    folder = checkpoint_copy("llama_chat")
+    _break_template(folder, "raise_exception")
+    model = dge_jax.load(folder)
+    with pytest.raises(ChatTemplateError, match="System role not supported") as info:
+        _gen(model, ["hi"], chat=True)
+    assert isinstance(info.value, TokenizerError)
+
+
+def test_cli_verbose_keeps_the_traceback(capsys):
+    """--verbose re-raises the error the one-line message reports."""
+    with pytest.raises(ValueError, match="/no/such/model"):
+        _cli(capsys, *GEN[:5], "--verbose")
+    code, err, _ = _cli(capsys, *GEN[:5])
+    assert code == 2 and len(err) == 1 and "/no/such/model" in err[0]
+
+
+def test_cli_unexpected_error_is_one_line_that_points_to_verbose(capsys, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("XLA went away\nsecond line")
+
+    monkeypatch.setattr(dge_jax, "load", broken)
+    code, err, out = _cli(capsys, *GEN[:5])
+    assert code == 1 and out == "" and err == [
+        "error: unexpected RuntimeError: XLA went away second line; rerun with --verbose for "
+        "the traceback and report it"
+    ]
+
+
+def test_cli_unknown_model_name_suggests_the_embedded_one(capsys):
+    code, err, _ = _cli(capsys, "generate", "--model", "smollm2-135m", "--prompt", "hi")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: 'smollm2-135m' is neither a checkpoint folder")
+    assert "did you mean 'smollm2-135m-instruct'?" in err[0]
+
+
+def test_cli_prompt_that_is_not_utf8_names_the_byte(capsys):
+    """Bytes that are not UTF-8 reach sys.argv as lone surrogates (surrogateescape)."""
+    prompt = b"caf\xe9".decode("utf-8", "surrogateescape")
+    code, err, _ = _cli(capsys, *GEN[:4], prompt)
+    assert code == 2 and err == [
+        "error: --prompt is not valid UTF-8 (byte 0xe9 at character 3); pass UTF-8 text, "
+        "e.g. convert it with iconv -t UTF-8"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3, 4, 5. The model cache: faults, temp folders of killed conversions, progress lines
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    """A tiny llama GGUF (tests/test_gguf.py's) and an empty cache for it."""
+    from test_gguf import tiny_hf_tensors, write_tiny_gguf
+
+    return write_tiny_gguf(tmp_path / "tiny.gguf", tiny_hf_tensors(True))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "cache"
+    monkeypatch.setenv("DGE_JAX_CACHE", str(path))
+    return path
+
+
+def _target(cache, gguf_file):
+    from dge_jax.checkpoints import embedded
+
+    return cache / f"tiny-{embedded.cache_key(gguf_file)}"
+
+
+def _cache_fault(case, cache, gguf_file, monkeypatch):
+    """Breaks the cache as `case` says; returns what the error must say."""
+    from dge_jax.checkpoints import embedded, gguf
+
+    if case == "file":
+        cache.write_text("not a folder")
+        return f"the model cache {cache} is a file, not a folder; remove it"
+    if case == "read-only":
+        cache.mkdir()
+        if os.geteuid() == 0:  # root writes anywhere: make the check see a read-only folder
+            monkeypatch.setattr(embedded.os, "access", lambda path, mode: False)
+        else:
+            cache.chmod(0o555)
+        return f"the model cache {cache} is not writable, so tiny cannot be converted"
+    if case == "full":
+        def full(tensors, path, metadata=None):
+            import errno
+
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+
+        monkeypatch.setattr(gguf, "save_file", full)
+        return f"cannot write the conversion of tiny into the model cache {cache} (No space"
+    target = _target(cache, gguf_file)  # "incomplete": renamed whole, then files lost
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    return (f"{target} is an incomplete conversion of tiny (missing model.safetensors, "
+            f"tokenizer.json, tokenizer_config.json, generation_config.json); delete it (rm -r ")
+
+
+CACHE_FAULTS = ["file", "read-only", "full", "incomplete"]
+
+
+@pytest.mark.parametrize("case", CACHE_FAULTS)
+def test_model_cache_faults_raise_model_cache_error(tiny_gguf, cache, monkeypatch, case):
+    from dge_jax.checkpoints.embedded import ModelCacheError, resolve_model_dir
+
+    message = _cache_fault(case, cache, tiny_gguf, monkeypatch)
+    with pytest.raises(ModelCacheError) as info:
+        resolve_model_dir(tiny_gguf)
+    assert isinstance(info.value, OSError)
+    assert str(info.value).startswith(message) and "or set DGE_JAX_CACHE to another folder" in str(
+        info.value
+    )
+    if cache.is_dir():  # nothing half-written is left behind
+        assert not [p for p in cache.iterdir() if ".tmp-" in p.name]
+
+
+@pytest.mark.parametrize("case", CACHE_FAULTS)
+def test_cli_model_cache_faults_exit_1_with_one_line(tiny_gguf, cache, monkeypatch, capsys, case):
+    message = _cache_fault(case, cache, tiny_gguf, monkeypatch)
+    code, err, out = _cli(capsys, "generate", "--model", str(tiny_gguf), "--prompt", "hi")
+    err = [line for line in err if not line.startswith("convert")]  # the progress line
+    assert code == 1 and out == "" and len(err) == 1, err
+    assert err[0].startswith(f"error: {message}")
+
+
+KILLED_CONVERSION = """
+import pathlib, sys, time
+from dge_jax.checkpoints import embedded, gguf
+
+real = gguf.save_file
+def save_then_hang(tensors, path, metadata=None):
+    real(tensors, path, metadata=metadata)
+    pathlib.Path(sys.argv[2]).write_text("written")
+    time.sleep(600)
+
+gguf.save_file = save_then_hang
+embedded.resolve_model_dir(sys.argv[1])
+"""
+
+
+def test_a_killed_conversion_leaves_no_temp_folder(tiny_gguf, cache, tmp_path):
+    """SIGKILL a real conversion once its temp folder holds the weights; the next conversion
+    deletes that folder (its pid is dead on this host) and converts."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dge_jax.checkpoints.embedded import resolve_model_dir
+
+    marker = tmp_path / "written"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CONVERSION, str(tiny_gguf), str(marker)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no conversion started"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    left = [p for p in cache.iterdir() if ".tmp-" in p.name]
+    assert len(left) == 1 and (left[0] / "model.safetensors").is_file()
+    assert f"-{proc.pid}-" in left[0].name  # the temp folder names its owner
+    folder = resolve_model_dir(tiny_gguf)
+    assert (folder / "model.safetensors").is_file()
+    assert sorted(p.name for p in cache.iterdir()) == [folder.name]
+
+
+def test_only_temp_folders_of_dead_processes_on_this_host_are_removed(tiny_gguf, cache):
+    import subprocess
+    import sys
+    import time
+
+    from dge_jax.checkpoints import gguf
+    from dge_jax.checkpoints.embedded import resolve_model_dir
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its pid names no process now
+    host = gguf._host()
+    names = {
+        "dead": f".tiny-x.tmp-{host}-{dead.pid}-0123abcd",
+        "alive": f".tiny-x.tmp-{host}-{os.getpid()}-0123abcd",
+        "other host": f".tiny-x.tmp-{host}x-{dead.pid}-0123abcd",
+        "old legacy": ".tiny-x.tmp-a1b2c3d4",
+        "new legacy": ".tiny-x.tmp-e5f6g7h8",
+        "not ours": "notes.tmp-1-2",
+    }
+    cache.mkdir()
+    for name in names.values():
+        (cache / name).mkdir()
+        (cache / name / "model.safetensors").write_bytes(b"x" * 100)
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(cache / names["old legacy"], (two_days_ago, two_days_ago))
+    folder = resolve_model_dir(tiny_gguf)
+    kept = {p.name for p in cache.iterdir()} - {folder.name}
+    assert kept == {names[k] for k in ("alive", "other host", "new legacy", "not ours")}
+
+
+def test_conversion_says_so_on_stderr_before_and_after(tiny_gguf, cache, capfd):
+    """The embedded model's first load converts for tens of seconds; it used to say nothing."""
+    import re
+
+    from dge_jax.checkpoints.embedded import resolve_model_dir
+
+    capfd.readouterr()
+    folder = resolve_model_dir(tiny_gguf)
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert err[0] == f"converting tiny into {folder} (once) ..."
+    assert re.fullmatch(r"converted tiny in \d+ s", err[1]), err
+    assert resolve_model_dir(tiny_gguf) == folder
+    assert capfd.readouterr().err == ""  # cached: silent
