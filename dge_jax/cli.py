@@ -9,7 +9,12 @@ decoding; `--json` then lists what each compression kept, `kept_over_time`); the
 with the default `--policy full` (no eviction), where they would do nothing, as
 `--top_k/--top_p` are with the default `--temperature 0` (greedy). Policy options
 (`--window --kernel --pooling --gqa --gqa_before_pool`, and any field as
-`--policy_option NAME=VALUE`) are refused, naming them, by a policy that does not take them.
+`--policy_option NAME=VALUE`) are refused, naming them, by a policy that does not take them;
+a field set twice (a flag and a --policy_option, two --policy_option, one flag twice) is refused.
+
+Errors: one line on stderr, `error: <what is wrong>; <the fix>`, exit status 2 for a usage
+error and 1 for a fault of the environment (a model cache that cannot be written, unreadable
+files); `--verbose` shows the traceback instead.
 """
 
 from __future__ import annotations
