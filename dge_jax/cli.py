@@ -9,7 +9,12 @@ decoding; `--json` then lists what each compression kept, `kept_over_time`); the
 with the default `--policy full` (no eviction), where they would do nothing, as
 `--top_k/--top_p` are with the default `--temperature 0` (greedy). Policy options
 (`--window --kernel --pooling --gqa --gqa_before_pool`, and any field as
-`--policy_option NAME=VALUE`) are refused, naming them, by a policy that does not take them.
+`--policy_option NAME=VALUE`) are refused, naming them, by a policy that does not take them;
+a field set twice (a flag and a --policy_option, two --policy_option, one flag twice) is refused.
+
+Errors: one line on stderr, `error: <what is wrong>; <the fix>`, exit status 2 for a usage
+error and 1 for a fault of the environment (a model cache that cannot be written, unreadable
+files); `--verbose` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -36,6 +41,35 @@ POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
 DECODE_FLAGS = ("decode_budget", "interval")
 
 
+class _StoreOnce(argparse.Action):
+    """argparse's "store", but an option given twice is an error naming both values (argparse
+    would keep the last one silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_given", {})
+        if self.dest in seen:
+            first_flag, first = seen[self.dest]
+            parser.error(
+                f"{first_flag} {first} and {option_string} {values} both set {self.dest}; "
+                "give it once"
+            )
+        seen[self.dest] = (option_string, values)
+        setattr(namespace, self.dest, values)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, `error: <what>; <the fix>` (exit
+    status 2), and whose options may each be given once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
 def policy_name(text: str) -> str:
     """--policy's check: a registered rule or a wrapper around one (argparse reports it)."""
     try:
@@ -47,9 +81,14 @@ def policy_name(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(prog="python -m dge_jax", description=__doc__)
+    parser = Parser(prog="python -m dge_jax", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--verbose", action="store_true",
+        help="on an error, show its traceback instead of the one-line message",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text for one prompt")
+    g = sub.add_parser("generate", help="generate text for one prompt", parents=[common])
     g.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -114,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="any other field of the policy (repeatable), e.g. lag_size=64, chunk_length=10",
     )
     c = sub.add_parser(
-        "convert", help="convert a checkpoint to an orbax folder that `load` restores sharded"
+        "convert",
+        help="convert a checkpoint to an orbax folder that `load` restores sharded",
+        parents=[common],
     )
     c.add_argument("--model", required=True, help="checkpoint folder or embedded model name")
     c.add_argument("--out", required=True, help="new folder to write")
@@ -167,7 +208,14 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
     options = {
         name: getattr(args, name) for name in POLICY_OPTIONS if getattr(args, name) is not None
     }
-    options |= parse_policy_options(args.policy_option or ())
+    extra = parse_policy_options(args.policy_option or ())
+    for name in sorted(extra.keys() & options.keys()):
+        flag = f"--{name}" + ("" if options[name] is True else f" {options[name]}")
+        raise ValueError(
+            f"{flag} and --policy_option {name}={extra[name][1]} both set the field {name}; "
+            "give it once"
+        )
+    options |= {name: value for name, (value, _) in extra.items()}
     return Eviction(
         policy=make_policy(args.policy, **options),
         budget=budget,
@@ -197,14 +245,25 @@ def decode_compression_from_args(args: argparse.Namespace) -> DecodeCompression 
     return DecodeCompression(budget=args.decode_budget, interval=interval)
 
 
-def parse_policy_options(items: Sequence[str]) -> dict[str, object]:
-    """``NAME=VALUE`` strings to policy options: integers, then floats, then true/false, else
-    the text (an inner rule's name)."""
-    options: dict[str, object] = {}
+def parse_policy_options(items: Sequence[str]) -> dict[str, tuple[object, str]]:
+    """``NAME=VALUE`` strings to policy options, name -> (value, the text given): integers,
+    then floats, then true/false, else the text (an inner rule's name). A name given twice,
+    or one that has its own flag outside the policy (--budget ...), is refused."""
+    options: dict[str, tuple[object, str]] = {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or not name:
             raise ValueError(f"--policy_option takes NAME=VALUE, got {item!r}")
+        if name in options:
+            raise ValueError(
+                f"--policy_option {name}={options[name][1]} and --policy_option {item} both set "
+                f"the field {name}; give it once"
+            )
+        if name in (*EVICTION_DEFAULTS, *DECODE_FLAGS):
+            raise ValueError(
+                f"--policy_option {item} sets {name}, which is not a field of the policy; "
+                f"use --{name} {text}"
+            )
         value: object = text
         for cast in (int, float):
             try:
@@ -214,7 +273,7 @@ def parse_policy_options(items: Sequence[str]) -> dict[str, object]:
                 continue
         else:
             value = {"true": True, "false": False}.get(text.lower(), text)
-        options[name] = value
+        options[name] = (value, text)
     return options
 
 
@@ -238,10 +297,25 @@ def sampler_from_args(args: argparse.Namespace) -> Greedy | Sampling:
     return Sampling(temperature=args.temperature, top_k=args.top_k or 0, top_p=top_p)
 
 
+def check_prompt_text(text: str) -> None:
+    """--prompt must be valid text: bytes that are not UTF-8 reach Python as lone surrogates
+    (errors="surrogateescape"), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise ValueError(
+            f"--prompt is not valid UTF-8 ({byte} at character {e.start}); pass UTF-8 text, "
+            "e.g. convert it with iconv -t UTF-8"
+        ) from None
+
+
 def run_generate(args: argparse.Namespace) -> dict:
     """Checks the flags, loads the model, generates, and returns the JSON-able result."""
     import dge_jax
 
+    check_prompt_text(args.prompt)
     sampler, eviction = sampler_from_args(args), eviction_from_args(args)  # before loading
     model = dge_jax.load(args.model, dtype=args.dtype)
     result = dge_jax.generate(
@@ -262,17 +336,47 @@ def run_generate(args: argparse.Namespace) -> dict:
     return out
 
 
+# Exit statuses: 2 for a usage error (the flags, the prompt, the model named), 1 for a fault of
+# the environment (files that cannot be read or written, a missing package, out of memory).
+USAGE, ENVIRONMENT = 2, 1
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (templates and tokenizers write several)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines) or type(error).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; bad input exits with status 2 and a one-line message, not a traceback."""
+    """Entry point. Every user mistake or environment fault ends in one stderr line,
+    `error: <what is wrong>; <the fix>`, and exit status 2 (usage) or 1 (environment);
+    --verbose re-raises instead, to keep the traceback. --help exits 0 (argparse)."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "convert":
             print(json.dumps(run_convert(args)))
             return 0
         out = run_generate(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.verbose:
+            raise
+        if isinstance(e, ValueError | TypeError):
+            status, message = USAGE, one_line(e)
+        elif isinstance(e, OSError | MemoryError):
+            status, message = ENVIRONMENT, one_line(e)
+        else:  # a bug: say so, and how to see where
+            status = ENVIRONMENT
+            message = (
+                f"unexpected {type(e).__name__}: {one_line(e)}; rerun with --verbose for the "
+                "traceback and report it"
+            )
+        print(f"error: {message}", file=sys.stderr)
+        return status
     if args.json:
         print(json.dumps(out, ensure_ascii=False))
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 
 import jax
@@ -67,6 +68,11 @@ class Eviction:
     decode: DecodeCompression | None = None
 
     def __post_init__(self):
+        _check_policy(self.policy)
+        _check_timing(self.timing)
+        _check_budget(self.budget)
+        if isinstance(self.budget, numbers.Integral):
+            object.__setattr__(self, "budget", int(self.budget))
         check_fields(
             self, choices={"head_budget": HEAD_BUDGETS, "ties": selection.TIES}, bools=("compact",)
         )
@@ -80,6 +86,70 @@ class Eviction:
             raise TypeError(
                 f"Eviction.decode must be a DecodeCompression or None, got {self.decode!r}"
             )
+
+
+def _check_policy(policy: object) -> None:
+    """Eviction.policy must be a policy object (a name is a common slip)."""
+    if isinstance(policy, str):
+        raise TypeError(
+            f"Eviction.policy must be a policy object, not the string {policy!r}: use "
+            f"dge_jax.registry.make_policy({policy!r}) or a class of dge_jax.policies, "
+            "e.g. SnapKV()"
+        )
+    if isinstance(policy, type) or not hasattr(policy, "scorer"):
+        raise TypeError(
+            f"Eviction.policy must be a policy instance (e.g. SnapKV(), or "
+            f"dge_jax.registry.make_policy('snapkv')), got {policy!r}"
+        )
+
+
+def _check_timing(timing: object) -> None:
+    """Eviction.timing must be a `Timing` (a kind's name is a common slip)."""
+    if isinstance(timing, Timing):
+        return
+    if isinstance(timing, str):
+        fix = {"prefill": "prefill()", "dge": "dge(2)", "dge_w": "dge_w(2)"}.get(timing)
+        fix = f"dge_jax.timing.{fix}" if fix else f"Timing({timing!r}, k)"
+        raise TypeError(
+            f"Eviction.timing must be a Timing, not the string {timing!r}: use {fix} "
+            "(from dge_jax.timing: Timing(kind, k), prefill(), dge(k), dge_w(k))"
+        )
+    raise TypeError(
+        f"Eviction.timing must be a dge_jax.timing.Timing, got {timing!r}: use e.g. "
+        "dge_jax.timing.dge(2), prefill(), dge_w(2) or Timing(kind, k)"
+    )
+
+
+def _check_budget(budget: object) -> None:
+    """Eviction.budget: an int >= 1, or an integer array: [] / per layer [L] / per head
+    [L, Hkv] (their sizes are checked against the model when generating)."""
+    forms = "an int, or an integer array per layer [L] or per layer and kv head [L, Hkv]"
+    if isinstance(budget, bool | np.bool_) or isinstance(budget, str | bytes):
+        raise TypeError(f"Eviction.budget (entries kept per kv head) must be {forms}, got "
+                        f"{budget!r}")  # fmt: skip
+    if isinstance(budget, numbers.Integral):
+        if budget < 1:
+            raise ValueError(
+                f"Eviction.budget must be >= 1 entry per head, got {int(budget)} (entries kept "
+                "per kv head)"
+            )
+        return
+    if isinstance(budget, numbers.Real):
+        raise TypeError(
+            f"Eviction.budget (entries kept per kv head) must be {forms}, got the float "
+            f"{budget!r}: round it, e.g. budget={round(budget) if math.isfinite(budget) else 256}"
+        )
+    try:
+        array = np.asarray(budget)
+    except (TypeError, ValueError):
+        array = np.asarray(None)
+    if array.ndim > 2 or array.size == 0 or array.dtype.kind not in "iu":
+        raise TypeError(f"Eviction.budget (entries kept per kv head) must be {forms}, got "
+                        f"{budget!r}")  # fmt: skip
+    if array.min() < 1:
+        raise ValueError(
+            f"Eviction.budget must be >= 1 entry per head, got {int(array.min())} in {budget!r}"
+        )
 
 
 def protected_size(policy: Policy) -> int:

@@ -40,7 +40,7 @@ from dge_jax.eviction import (
 from dge_jax.model import Model
 from dge_jax.observation import DraftRecord
 from dge_jax.prompts import DEFAULT_CHUNK, Request, cut_at_eos, prepare
-from dge_jax.sampling import Greedy
+from dge_jax.sampling import Greedy, check_sampler
 from dge_jax.sharding import on_model_mesh
 
 GREEDY = Greedy()
@@ -161,6 +161,7 @@ def generate_grid(
     Cells with `Eviction.decode` also compress while decoding; record_compressions keeps
     what each of their compressions kept (`GenerationResult.compressions`).
     """
+    check_sampler(sampler)
     request = prepare(
         model, prompts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
         chat=chat, chunk=chunk, extra_eos_ids=extra_eos_ids,
@@ -179,6 +180,14 @@ def generate_grid(
 
 def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[Eviction | None]:
     """The cells with FullKV as None, each eviction checked (clear errors before compiling)."""
+    if isinstance(cells, Eviction):
+        raise TypeError("cells must be a list of Eviction / None; for one eviction pass [ev]")
+    for i, ev in enumerate(cells):
+        if ev is not None and not isinstance(ev, Eviction):
+            raise TypeError(
+                f"eviction (cell {i}) must be a dge_jax.eviction.Eviction or None (no eviction), "
+                f"got {ev!r}; e.g. Eviction(SnapKV(), budget=256, timing=dge_jax.timing.dge(2))"
+            )
     cells = [None if ev is None or ev.policy.is_full else ev for ev in cells]
     for ev in cells:
         if ev is not None:

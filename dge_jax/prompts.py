@@ -8,7 +8,8 @@ share one compilation. Generated ids come back cut at the first EOS.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -16,6 +17,8 @@ from dge_jax.model import Model
 
 DEFAULT_CHUNK = 512
 MIN_BUCKET = 16
+# What every prompt error ends with: what a prompt may be.
+PROMPT_FORMS = "a prompt is a str, or a list / 1-D integer array of token ids in [0, vocab)"
 
 
 def bucket_length(n: int, chunk: int = DEFAULT_CHUNK) -> int:
@@ -26,6 +29,127 @@ def bucket_length(n: int, chunk: int = DEFAULT_CHUNK) -> int:
     if n <= chunk:  # capped at the chunk, so prefill's "multiple of the chunk" always holds
         return min(chunk, max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()))
     return -(-n // chunk) * chunk
+
+
+def _is_id(x: object) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool | np.bool_)
+
+
+def _kind(value: object) -> str:
+    """`value`'s type and a short repr, for error messages."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40] + '...' if len(text) > 40 else text}"
+
+
+def _check_text(i: int, text: str) -> str:
+    """`text` when it is valid Unicode; a str with lone surrogates (undecodable bytes read
+    with errors="surrogateescape", e.g. sys.argv) cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"prompt {i} is not valid UTF-8 text: character {e.start} is "
+            f"{text[e.start]!r}, a lone surrogate (undecodable bytes); decode the bytes with "
+            "errors='replace', or pass valid text"
+        ) from None
+    return text
+
+
+def _one_prompt(i: int, prompt: object) -> str | list[int]:
+    """Prompt `i` as text or a list of int ids; anything else raises, naming what it is."""
+    if isinstance(prompt, str):
+        return _check_text(i, prompt)
+    if isinstance(prompt, bytes | bytearray | memoryview):
+        raise TypeError(
+            f"prompt {i} is {type(prompt).__name__}, neither text nor token ids: decode it to "
+            "a str (prompt.decode('utf-8')), or pass its token ids as a list of ints; "
+            f"{PROMPT_FORMS}"
+        )
+    if hasattr(prompt, "__array__") and not isinstance(prompt, Sequence):  # numpy, jax
+        array = np.asarray(prompt)
+        if array.ndim != 1:
+            raise TypeError(
+                f"prompt {i} is a {array.ndim}-D array of shape {array.shape}; token ids are a "
+                f"1-D integer array; {PROMPT_FORMS}"
+            )
+        if array.size and (array.dtype.kind not in "iu"):
+            raise TypeError(
+                f"prompt {i} is a {array.dtype} array; token ids are integers (cast whole "
+                f"numbers with .astype(int)); {PROMPT_FORMS}"
+            )
+        return [int(t) for t in array.tolist()]
+    if isinstance(prompt, Sequence):
+        ids = []
+        for j, t in enumerate(prompt):
+            if not _is_id(t):
+                hint = ""
+                if isinstance(t, str):
+                    hint = " (for text, pass the whole prompt as one str)"
+                elif isinstance(t, numbers.Real) and not isinstance(t, bool | np.bool_):
+                    hint = " (cast whole numbers with int())"
+                raise TypeError(
+                    f"prompt {i} has {_kind(t)} at position {j}; token ids are ints{hint}; "
+                    f"{PROMPT_FORMS}"
+                )
+            ids.append(int(t))
+        return ids
+    raise TypeError(f"prompt {i} is {_kind(prompt)}; {PROMPT_FORMS}")
+
+
+def as_prompts(prompts: object) -> list[str] | list[list[int]]:
+    """The batch as all text or all token-id lists, checked: a clear error naming the prompt
+    and what to pass instead for bytes, floats, digit strings, mixed batches and the like.
+
+    Accepted: one str; a list (or other sequence / iterable) of prompts, each a str or a
+    sequence / 1-D integer array of token ids; a 2-D integer array, one row per prompt.
+    """
+    if isinstance(prompts, str):
+        return [_check_text(0, prompts)]
+    if isinstance(prompts, bytes | bytearray | memoryview):
+        raise TypeError(
+            f"prompts is {type(prompts).__name__}, not text: decode it "
+            "(prompts.decode('utf-8')) and pass the str, or pass token ids as [[id, ...]]; "
+            f"{PROMPT_FORMS}"
+        )
+    if hasattr(prompts, "__array__") and not isinstance(prompts, Sequence):  # numpy, jax
+        array = np.asarray(prompts)
+        if array.ndim == 2 and array.dtype.kind in "iu":  # equal-length rows of ids
+            return [[int(t) for t in row] for row in array.tolist()]
+        if array.ndim == 1 and array.dtype.kind == "U":  # an array of texts
+            return [_check_text(i, str(p)) for i, p in enumerate(array.tolist())]
+        if array.ndim == 1 and array.dtype.kind in "iu":
+            raise TypeError(
+                "prompts is a 1-D integer array: if it is one prompt's token ids, pass a batch "
+                "of one ([ids], or ids[None] as a 2-D array)"
+            )
+        raise TypeError(
+            f"prompts is a {array.ndim}-D {array.dtype} array of shape {array.shape}; pass a "
+            "list of prompts, or a 2-D integer array of token ids (one row per prompt); "
+            f"{PROMPT_FORMS}"
+        )
+    if isinstance(prompts, dict | set | frozenset) or not isinstance(prompts, Iterable):
+        raise TypeError(
+            f"prompts must be a list of prompts (or one str), got {_kind(prompts)}; "
+            f"{PROMPT_FORMS}"
+        )
+    items = list(prompts)
+    if items and all(_is_id(t) for t in items):
+        ids = [int(t) for t in items[:4]]
+        shown = repr(ids) if len(items) <= 4 else repr(ids[:3])[:-1] + ", ...]"
+        raise TypeError(
+            f"prompts is a flat list of ints: if they are one prompt's token ids, pass a "
+            f"batch of one, [{shown}]; {PROMPT_FORMS}"
+        )
+    out = [_one_prompt(i, p) for i, p in enumerate(items)]
+    texts = [i for i, p in enumerate(out) if isinstance(p, str)]
+    if texts and len(texts) != len(out):
+        ids = next(i for i, p in enumerate(out) if not isinstance(p, str))
+        raise TypeError(
+            f"prompt {ids} is token ids but prompt {texts[0]} is text: one batch is all text "
+            "or all token ids (encode the text with model.tokenizer.encode first)"
+        )
+    return out
 
 
 def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
@@ -59,7 +183,9 @@ def check_request(
     ctx = model.config.max_position_embeddings
     for i, ids in enumerate(prompt_ids):
         if len(ids) == 0:
-            raise ValueError(f"prompt {i} is empty: give at least one token")
+            raise ValueError(
+                f"prompt {i} is empty (no tokens): pass non-empty text or at least one token id"
+            )
         if len(ids) + max_new_tokens > ctx:
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it "
@@ -68,7 +194,8 @@ def check_request(
         bad = [t for t in ids if not 0 <= int(t) < model.config.vocab_size]
         if bad:
             raise ValueError(
-                f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}"
+                f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}; "
+                f"token ids index the model's vocabulary of {model.config.vocab_size}"
             )
 
 
@@ -109,9 +236,19 @@ def prepare(
     chunk: int = DEFAULT_CHUNK,
     extra_eos_ids: Sequence[int] = (),
 ) -> Request:
-    """Text (or token-id) prompts -> a checked `Request` padded to its length bucket."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
+    """Text (or token-id) prompts -> a checked `Request` padded to its length bucket.
+
+    prompts: one str, a list of prompts (each a str or a list / 1-D integer array of token
+    ids; one batch is all text or all ids), or a 2-D integer array (one row per prompt)."""
+    if isinstance(chunk, bool | np.bool_) or not isinstance(chunk, numbers.Integral):
+        raise TypeError(f"chunk (the prefill chunk size) must be an int >= 1, got {_kind(chunk)}")
+    if chunk < 1:
+        raise ValueError(
+            f"chunk (the prefill chunk size, tokens per prefill step) must be >= 1, got {chunk}; "
+            f"the default is {DEFAULT_CHUNK}"
+        )
+    chunk = int(chunk)
+    prompts = as_prompts(prompts)
     if prompts and isinstance(prompts[0], str):
         prompt_ids = encode_prompts(model, prompts, chat)
     else:
@@ -120,7 +257,7 @@ def prepare(
                 "chat=True applies the chat template to text prompts; these prompts are token "
                 "ids, which are used as given: pass the text, or drop chat=True"
             )
-        prompt_ids = [list(map(int, p)) for p in prompts]
+        prompt_ids = prompts
     check_request(model, prompt_ids, max_new_tokens, min_new_tokens)
     eos_ids = tuple(
         sorted(set(model.tokenizer.eos_ids if model.tokenizer else ()) | set(extra_eos_ids))

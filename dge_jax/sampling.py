@@ -54,3 +54,24 @@ class Sampling:
                 .set(sorted_logits)
             )
         return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def check_sampler(sampler: object) -> None:
+    """A clear error for a sampler that is not one: a name, a class, or something that cannot
+    be called on (logits, key) or passed to jit as a static argument (unhashable)."""
+    use = "Greedy() or Sampling(temperature=..., top_k=..., top_p=...) from dge_jax.sampling"
+    if isinstance(sampler, str):
+        raise TypeError(f"sampler must be a sampler object, not the string {sampler!r}: use {use}")
+    if isinstance(sampler, type):
+        raise TypeError(f"sampler must be an instance, not the class {sampler.__name__}: use {use}")
+    if not callable(sampler):
+        raise TypeError(
+            f"sampler must be callable as sampler(logits, key), got {sampler!r}: use {use}"
+        )
+    try:
+        hash(sampler)
+    except TypeError:
+        raise TypeError(
+            f"sampler {sampler!r} is unhashable; jit takes it as a static argument: use {use}, "
+            "or a frozen dataclass with __call__(logits, key)"
+        ) from None

@@ -415,6 +415,11 @@ def on_model_mesh(fn):
 
     @functools.wraps(fn)
     def wrapper(model, *args, **kwargs):
+        if not hasattr(model, "params"):
+            raise TypeError(
+                f"model must be a loaded dge_jax.Model, got {type(model).__name__} "
+                f"{str(model)[:40]!r}: load one with dge_jax.load(name_or_path)"
+            )
         with mesh_context(model.params):
             return fn(model, *args, **kwargs)
 

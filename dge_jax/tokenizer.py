@@ -24,8 +24,16 @@ class TokenizerError(ValueError):
     """The folder's tokenizer files are missing or unusable."""
 
 
+class ChatTemplateError(TokenizerError):
+    """The chat template does not parse, or refuses the messages (its `raise_exception`)."""
+
+
+class RaisedByTemplate(jinja2.exceptions.TemplateError):
+    """What a chat template's `raise_exception(message)` raises."""
+
+
 def _raise(message: str):
-    raise jinja2.exceptions.TemplateError(message)
+    raise RaisedByTemplate(message)
 
 
 def _token_text(value: Any) -> str | None:
@@ -43,6 +51,8 @@ class Tokenizer:
     chat_template: str | None
     special_tokens: dict[str, str]
     eos_ids: tuple[int, ...]
+    # Where the chat template was read from (named by its errors): a file, or a file's field.
+    chat_template_source: str = "the chat template"
 
     @classmethod
     def from_folder(cls, path: str | pathlib.Path, config: dict | None = None) -> Tokenizer:
@@ -57,8 +67,10 @@ class Tokenizer:
             raise damaged(folder, tok_file, e) from e
         tcfg = _read_json(folder / "tokenizer_config.json")
         template = tcfg.get("chat_template")
+        source = f"the chat_template of {folder / 'tokenizer_config.json'}"
         if (folder / "chat_template.jinja").is_file():
             template = (folder / "chat_template.jinja").read_text()
+            source = str(folder / "chat_template.jinja")
         if isinstance(template, list):  # named templates: use "default"
             template = {t["name"]: t["template"] for t in template}.get("default")
         special = {
@@ -67,7 +79,7 @@ class Tokenizer:
             if k.endswith("_token") and _token_text(v) is not None
         }
         eos = _eos_ids(backend, folder, config or _read_json(folder / "config.json"), special)
-        return cls(backend, template, special, eos)
+        return cls(backend, template, special, eos, source)
 
     @property
     def vocab_size(self) -> int:
@@ -102,11 +114,31 @@ class Tokenizer:
         )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens,
-        )
+        fix = "fix the template, or generate without the chat template (no --chat / chat=False)"
+        try:
+            template = env.from_string(self.chat_template)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ChatTemplateError(
+                f"chat template in {self.chat_template_source} does not parse: line "
+                f"{e.lineno}: {e.message}; {fix}"
+            ) from e
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except RaisedByTemplate as e:
+            raise ChatTemplateError(
+                f"chat template in {self.chat_template_source} refused the prompt: {e}; "
+                "change the messages as it asks, or generate without the chat template "
+                "(no --chat / chat=False)"
+            ) from e
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError, LookupError) as e:
+            raise ChatTemplateError(
+                f"chat template in {self.chat_template_source} failed while rendering "
+                f"({type(e).__name__}: {e}); {fix}"
+            ) from e
 
     def encode_chat(self, messages: list[dict[str, str]] | str) -> list[int]:
         """Token ids of the rendered chat prompt (the template carries its special tokens)."""

@@ -58,15 +58,16 @@ def _generate(model: Model, ev: Eviction, n: int = 20, max_new_tokens: int = 4):
 
 
 @pytest.mark.parametrize("budget", [0, -3, np.array([4, 0])], ids=["0", "-3", "per-layer"])
-def test_budget_below_one(model, budget):
-    ev = Eviction(StreamingLLM(sinks=0), budget=budget, timing=Timing("prefill", 1))
+def test_budget_below_one(budget):
+    """Refused when the Eviction is built (it used to wait for generate)."""
     with pytest.raises(ValueError, match=r"budget must be >= 1 entry per head, got (0|-3)"):
-        _generate(model, ev)
+        Eviction(StreamingLLM(sinks=0), budget=budget, timing=Timing("prefill", 1))
 
 
 def test_budget_not_an_integer():
-    with pytest.raises(ValueError, match="budget must be an integer"):
-        check_eviction(Eviction(SnapKV(), budget=64.5), max_new_tokens=8)
+    """A TypeError when the Eviction is built (it was a ValueError from check_eviction)."""
+    with pytest.raises(TypeError, match="budget .* must be an int"):
+        Eviction(SnapKV(), budget=64.5)
 
 
 @pytest.mark.parametrize(

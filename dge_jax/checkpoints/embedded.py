@@ -7,9 +7,14 @@ converts it to a Hugging Face folder under the cache, and returns that folder. N
 
 from __future__ import annotations
 
+import difflib
+import errno
 import hashlib
 import importlib.util
 import os
+import shlex
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +29,16 @@ _FILES = (
     "tokenizer_config.json",
     "generation_config.json",
 )
+
+
+class ModelCacheError(OSError):
+    """The model cache (`cache_root`) cannot hold a conversion: it is a file, not writable,
+    full, or holds an incomplete conversion. The message names the folder and the fix."""
+
+
+_OR_ELSEWHERE = f"or set {_CACHE_ENV} to another folder"
+# errno values that mean "this folder cannot be written", whatever the file.
+_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
 
 
 @dataclass(frozen=True)
@@ -81,24 +96,90 @@ def cache_key(gguf_path: str | os.PathLike[str], dtype: str = "float32") -> str:
     return digest.hexdigest()[:12]
 
 
+def _missing(folder: Path) -> list[str]:
+    """The files a conversion writes that `folder` lacks (it is renamed into place whole)."""
+    return [name for name in _FILES if not (folder / name).is_file()]
+
+
 def _is_complete(folder: Path) -> bool:
-    """True when `folder` holds every file a conversion writes (it is renamed in whole)."""
-    return all((folder / name).is_file() for name in _FILES)
+    """True when `folder` holds every file a conversion writes."""
+    return not _missing(folder)
+
+
+def check_cache(root: Path, target: Path, name: str) -> None:
+    """`ModelCacheError`s, before converting, for a cache root that is a file or cannot be
+    created or written, and for a target folder that holds an incomplete conversion."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        what = "is a file, not a folder" if root.is_file() else f"cannot be created ({e.strerror})"
+        raise ModelCacheError(
+            f"the model cache {root} {what}; remove it or fix its path, {_OR_ELSEWHERE}"
+        ) from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ModelCacheError(
+            f"the model cache {root} is not writable, so {name} cannot be converted into it; "
+            f"make it writable (chmod u+w {shlex.quote(str(root))}), {_OR_ELSEWHERE}"
+        )
+    if target.is_file() or (target.is_dir() and any(target.iterdir())):
+        quoted = shlex.quote(str(target))
+        missing = "it is a file" if target.is_file() else f"missing {', '.join(_missing(target))}"
+        raise ModelCacheError(
+            f"{target} is an incomplete conversion of {name} ({missing}); delete it "
+            f"(rm -r {quoted}) and the next load converts it again, {_OR_ELSEWHERE}"
+        )
+
+
+def _cache_fault(error: OSError, root: Path, name: str) -> ModelCacheError | None:
+    """The `ModelCacheError` for an OSError met while writing into the cache (None when the
+    error is not about the cache, e.g. the GGUF file cannot be read)."""
+    inside = False
+    for path in (error.filename, error.filename2):
+        if path:
+            try:
+                inside = inside or Path(path).absolute().is_relative_to(root.absolute())
+            except (TypeError, ValueError):
+                pass
+    if not inside and error.errno not in _UNWRITABLE:
+        return None
+    return ModelCacheError(
+        f"cannot write the conversion of {name} into the model cache {root} "
+        f"({error.strerror or error}); free space or make it writable, {_OR_ELSEWHERE}"
+    )
 
 
 def converted_dir(gguf_path: str | os.PathLike[str], name: str, dtype: str = "float32") -> Path:
     """The cached HF folder for a GGUF file, converting it on first use; later calls only hash.
 
-    Concurrent first calls both convert; the loser's copy is dropped and the winner's used."""
-    target = cache_root() / f"{name}-{cache_key(gguf_path, dtype)}"
+    The conversion (tens of seconds for the embedded model) says so on stderr, before and
+    after. Before it, temp folders of conversions that were killed are deleted
+    (`gguf.remove_stale_temps`), and a cache that cannot hold the result raises
+    `ModelCacheError`. Concurrent first calls both convert; the loser's copy is dropped and
+    the winner's used."""
+    root = cache_root()
+    target = root / f"{name}-{cache_key(gguf_path, dtype)}"
     if _is_complete(target):
         return target
+    check_cache(root, target, name)
+    gguf_convert.remove_stale_temps(root)
+    print(f"converting {name} into {target} (once) ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     try:
-        return gguf_convert.convert_gguf_to_hf(gguf_path, target, dtype=dtype)
+        out = gguf_convert.convert_gguf_to_hf(gguf_path, target, dtype=dtype)
     except FileExistsError:
-        if _is_complete(target):
-            return target
-        raise
+        if _is_complete(target):  # another process converted it meanwhile
+            out = target
+        else:
+            raise
+    except OSError as e:
+        fault = _cache_fault(e, root, name)
+        if fault is None:
+            raise
+        raise fault from e
+    print(
+        f"converted {name} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True
+    )
+    return out
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike[str]) -> Path:
@@ -113,7 +194,16 @@ def resolve_model_dir(name_or_path: str | os.PathLike[str]) -> Path:
     name = str(name_or_path)
     if name in EMBEDDED_MODELS:
         return converted_dir(embedded_gguf_path(name), name)
+    if os.sep in name or name.startswith((".", "~")) or path.suffix == ".gguf":
+        what = "folder" if path.suffix != ".gguf" else "file"
+        raise ValueError(
+            f"model {what} {name!r} does not exist, so it is neither a checkpoint folder, "
+            f"a .gguf file, nor an embedded model; give an existing folder or .gguf file, or an "
+            f"embedded model name ({', '.join(sorted(EMBEDDED_MODELS))})"
+        )
+    close = difflib.get_close_matches(name, EMBEDDED_MODELS, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
     raise ValueError(
         f"{name!r} is neither a checkpoint folder, a .gguf file, nor an embedded model; "
-        f"embedded models: {sorted(EMBEDDED_MODELS)}"
+        f"{hint}embedded models: {', '.join(sorted(EMBEDDED_MODELS))}"
     )
