@@ -43,10 +43,14 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def files_fingerprint(folder: str | os.PathLike) -> str:
-    """Short hash of a checkpoint folder: configs and tokenizer by content, weights by size.
+    """Short hash of a checkpoint folder's files, by content (`file_fingerprint` of each).
 
-    Reading every weight byte of an 8B checkpoint would take minutes; a changed config,
-    tokenizer or weight file size is what a different checkpoint in the same path shows.
+    Configs, tokenizer and every file under 64 MiB are hashed in full; larger (weight) files
+    by size, safetensors header and evenly spaced sampled blocks. A re-saved checkpoint with
+    other values of the same shapes thus gets another fingerprint, unless its change is
+    confined to bytes between the sampled blocks of a file over 64 MiB (see
+    `file_fingerprint`). A folder of small text files (the synthetic haystack) keeps the
+    fingerprint the earlier, size-based version gave it.
     """
     folder = pathlib.Path(folder)
     digest = hashlib.sha256()
@@ -55,8 +59,43 @@ def files_fingerprint(folder: str | os.PathLike) -> str:
         if path.suffix in _HASHED_IN_FULL:
             digest.update(f"{rel}:{sha256_file(path)}\n".encode())
         else:
-            digest.update(f"{rel}:{path.stat().st_size}\n".encode())
+            digest.update(f"{rel}:content:{file_fingerprint(path)}\n".encode())
     return digest.hexdigest()[:16]
+
+
+# Files up to FULL_HASH_LIMIT bytes are hashed whole; larger ones by SAMPLED_BLOCKS blocks.
+FULL_HASH_LIMIT = 64 << 20
+SAMPLE_BLOCK = 64 << 10
+SAMPLED_BLOCKS = 128
+_SAFETENSORS_MAX_HEADER = 100 << 20  # safetensors' own limit on its JSON header
+
+
+def file_fingerprint(path: str | os.PathLike) -> str:
+    """Hex sha256 of one file's content: all of it up to 64 MiB, else a sample.
+
+    A file over `FULL_HASH_LIMIT` (64 MiB) is hashed by its size, its safetensors header (the
+    JSON of tensor names, dtypes, shapes and offsets, for `.safetensors` files) and
+    `SAMPLED_BLOCKS` (128) blocks of 64 KiB evenly spaced from its first to its last byte
+    (8 MiB of a multi-GB file: milliseconds instead of the seconds to minutes a full read
+    takes). Limit: a change confined to bytes between sampled blocks goes unseen; on a
+    513 MiB file the blocks are 4 MiB apart, so one re-saved tensor of the same shape under
+    4 MiB may be missed (a fine-tune or another checkpoint changes nearly every block).
+    """
+    path = pathlib.Path(path)
+    size = path.stat().st_size
+    if size <= FULL_HASH_LIMIT:
+        return sha256_file(path)
+    digest = hashlib.sha256(f"size:{size}\n".encode())
+    with open(path, "rb") as f:
+        if path.suffix == ".safetensors":
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            digest.update(b"header:" + head + f.read(min(n, _SAFETENSORS_MAX_HEADER, size)))
+        last = size - SAMPLE_BLOCK
+        for i in range(SAMPLED_BLOCKS):
+            f.seek(last * i // (SAMPLED_BLOCKS - 1))
+            digest.update(f.read(SAMPLE_BLOCK))
+    return digest.hexdigest()
 
 
 def run_id(identity: dict[str, Any]) -> str:
@@ -166,10 +205,14 @@ def open_run(out_dir: str | os.PathLike, identity: dict[str, Any], data: dict[st
     else:
         diff = differences(old["identity"], identity)
         if diff:
+            weights = (" (model_files fingerprints the checkpoint's files by content; a "
+                       "folder written before it did, by size, cannot be checked against "
+                       "this checkpoint)" if any(d.startswith("model_files:") for d in diff)
+                       else "")
             raise RunFolderError(
-                f"{out_dir} holds a run of another configuration ({'; '.join(diff)}); mixing "
-                "them would make every table wrong. Use another --out_dir (or leave it out: "
-                "each configuration gets its own folder)")
+                f"{out_dir} holds a run of another configuration ({'; '.join(diff)}){weights}; "
+                "mixing them would make every table wrong. Use another --out_dir (or leave it "
+                "out: each configuration gets its own folder)")
         _check_data(old["data"], data, out_dir)
         extra = _covers(old["extent"], extent)
         if extra and not extend:

@@ -1,0 +1,146 @@
+"""Hostile inputs to `python -m experiments.longbench` (issue #28), one test per defect.
+
+Swapped weights of the same shapes, empty or malformed list flags, two runners in one folder,
+flags that fail only after the folder is claimed, tracebacks where one line is promised
+(unwritable folder, full disk, Ctrl-C, --help), and an empty data file. Most runs call the
+runner in-process (`run_inprocess`: the same `main`, without the interpreter start-up and
+with the compiled code kept), on the tiny random Llama of tests/tiny_model.py, one synthetic
+sample of 256 tokens; the few that need what a shell sees (a real SIGINT, --help's exit
+status) run a subprocess with this checkout first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+import pytest
+from tiny_model import build_tiny_llama
+
+from experiments import run_folder
+from experiments.predictions import PREDICTIONS_FILE
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> pathlib.Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def cheap_args(model_dir, out_dir, *extra: str) -> list[str]:
+    """A run of a few seconds: one synthetic passkey sample of 256 tokens, FullKV and SnapKV
+    at budget 16 (window 4) before decoding."""
+    return ["--model", str(model_dir), "--datasets", "passkey", "--num_samples", "1",
+            "--synthetic_length", "256", "--methods", "full,snapkv", "--timings", "prefill",
+            "--budgets", "16", "--window", "4", "--out_dir", str(out_dir), *extra]
+
+
+@pytest.fixture
+def run_inprocess(monkeypatch, capsys):
+    """Calls the runner's `main` as `python -m experiments.longbench *args` would; returns
+    (exit status, stdout, stderr). Flags are reset to their defaults first."""
+    from absl import flags
+
+    from experiments import longbench
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+
+    def run(*args: str) -> tuple[int, str, str]:
+        flags.FLAGS.unparse_flags()
+        monkeypatch.setattr(sys, "argv", ["longbench.py", *args])
+        capsys.readouterr()
+        try:
+            longbench.main()
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def subprocess_env(tmp_path) -> dict:
+    """This checkout first on PYTHONPATH (the installed package may point at another one)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", TQDM_DISABLE="1",
+                MPLCONFIGDIR=str(tmp_path / "mpl"))
+
+
+def one_error_line(code: int, err: str, status: int, *needles: str) -> str:
+    """The run ended with `status` and exactly one stderr line, `error: ...` holding needles."""
+    lines = err.strip().splitlines()
+    assert code == status and len(lines) == 1 and lines[0].startswith("error: "), (
+        f"exit {code}, stderr:\n{err[-3000:]}")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def read_lines(out_dir: pathlib.Path) -> list[dict]:
+    path = out_dir / PREDICTIONS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+# 1. The model fingerprint sees weight contents, not only sizes.
+
+
+def test_resaved_weights_of_the_same_shapes_change_the_fingerprint(model_dir, tmp_path):
+    other = build_tiny_llama(tmp_path / "other", seed=1)
+    weights = "model.safetensors"
+    assert (other / weights).stat().st_size == (model_dir / weights).stat().st_size
+    assert (other / weights).read_bytes() != (model_dir / weights).read_bytes()
+    assert run_folder.files_fingerprint(other) != run_folder.files_fingerprint(model_dir)
+
+
+def test_large_weight_files_are_fingerprinted_by_header_and_sampled_blocks(tmp_path):
+    size = run_folder.FULL_HASH_LIMIT + (1 << 20)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [size // 4 - 1024],
+                               "data_offsets": [0, size - 1024]}}).encode()
+    path = tmp_path / "model.safetensors"
+    with path.open("wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(size)  # sparse: zeros past the header
+
+    def fingerprint_with(offset: int, data: bytes) -> str:
+        with path.open("r+b") as f:
+            f.seek(offset)
+            old = f.read(len(data))
+            f.seek(offset)
+            f.write(data)
+        try:
+            return run_folder.files_fingerprint(tmp_path)
+        finally:
+            with path.open("r+b") as f:
+                f.seek(offset)
+                f.write(old)
+
+    base = run_folder.files_fingerprint(tmp_path)
+    step = (size - run_folder.SAMPLE_BLOCK) // (run_folder.SAMPLED_BLOCKS - 1)
+    assert fingerprint_with(step * 7 + 100, b"\x01") != base  # inside a sampled block
+    assert fingerprint_with(size - 1, b"\x01") != base  # the last byte is sampled
+    assert fingerprint_with(12, b"X") != base  # the header
+    # The documented limit: a change between two sampled blocks goes unseen.
+    assert fingerprint_with(step * 7 + run_folder.SAMPLE_BLOCK + 100, b"\x01") == base
+    assert run_folder.files_fingerprint(tmp_path) == base
+
+
+def test_swapped_weights_do_not_resume_into_the_old_folder(model_dir, run_inprocess, tmp_path):
+    """A checkpoint re-saved in place with other values of the same shapes used to resume
+    into the folder of the old weights, mixing two models in one table."""
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    out = tmp_path / "out"
+    code, _, err = run_inprocess(*cheap_args(model, out, "--methods", "full"))
+    assert code == 0, err
+    before = read_lines(out)
+    other = build_tiny_llama(tmp_path / "other", seed=1)
+    shutil.copy(other / "model.safetensors", model / "model.safetensors")
+    code, _, err = run_inprocess(*cheap_args(model, out, "--methods", "full"))
+    one_error_line(code, err, 2, "another configuration", "model_files")
+    assert read_lines(out) == before
