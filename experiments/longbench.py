@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import re
 import sys
 import time
 
@@ -113,6 +114,42 @@ flags.DEFINE_float("adaptive_threshold", 1.0, "threshold of --adaptive_rule")
 flags.DEFINE_integer("k_max", 8, "most answer tokens an adaptive cell drafts")
 flags.DEFINE_float("draft_weight", 1.0, "weight of draft queries relative to prompt-window "
                    "queries in DGE scores (1 = the paper's DGE)")
+
+
+class UsageError(ValueError):
+    """A mistake in the command line: one `error: ...` line and exit status 2."""
+
+
+def list_flag(name: str, integers: bool = False, may_be_empty: bool = False) -> list | None:
+    """The items of list flag --name, each checked: no empty list (unless `may_be_empty`), no
+    empty item (a stray comma), no repeat, and with `integers` whole numbers >= 1 (as ints).
+    None when the flag has no default and was not given (--datasets)."""
+    items = getattr(FLAGS, name)
+    if items is None:
+        return None
+    default = FLAGS[name].default
+    example = f"--{name} {','.join(default)}" if default else f"--{name} a,b"
+    if not items and not may_be_empty:
+        raise UsageError(f"--{name} is empty; give one or more comma-separated items, e.g. "
+                         f"{example}" + ("" if default else f", or leave --{name} out"))
+    values: list = []
+    for item in items:
+        if item == "":
+            raise UsageError(f"--{name} {','.join(items)!r} has an empty item; remove the "
+                             "stray comma")
+        value: int | str = item
+        if integers:
+            if not re.fullmatch(r"[-+]?[0-9]+", item):
+                raise UsageError(f"--{name}: {item!r} is not an integer; give comma-separated "
+                                 f"whole numbers, e.g. {example}")
+            value = int(item)
+            if value < 1:
+                raise UsageError(f"--{name} must be >= 1, got {item!r}; give comma-separated "
+                                 f"whole numbers, e.g. {example}")
+        if value in values:
+            raise UsageError(f"--{name} gives {item!r} twice; give each item once")
+        values.append(value)
+    return values
 
 
 def default_datasets(suite: str, data_dir: str | None, ruler_length: int = 4096) -> list[str]:
@@ -230,11 +267,12 @@ def evaluate() -> int:
     from experiments.report import write_report
 
     started = time.time()
-    cells = build_cells(FLAGS.methods, FLAGS.timings, [int(k) for k in FLAGS.k],
-                        [int(b) for b in FLAGS.budgets],
+    cells = build_cells(list_flag("methods"), list_flag("timings"),
+                        list_flag("k", integers=True), list_flag("budgets", integers=True),
                         adaptive_k_max=FLAGS.k_max if FLAGS.adaptive_rule else None,
-                        decode_budgets=[int(d) for d in FLAGS.decode_budgets],
-                        intervals=[int(i) for i in FLAGS.intervals])
+                        decode_budgets=list_flag("decode_budgets", integers=True,
+                                                 may_be_empty=True),
+                        intervals=list_flag("intervals", integers=True))
     if not FLAGS.answer_prefix and FLAGS.suite == "longbench":
         raise ValueError("--noanswer_prefix: LongBench prompts have no answer prefix; it "
                          "applies to --suite synthetic and --suite ruler")
@@ -247,8 +285,8 @@ def evaluate() -> int:
         mesh = parse_mesh(FLAGS.mesh)
     model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
     check_model(model, mesh)
-    datasets = FLAGS.datasets or default_datasets(FLAGS.suite, FLAGS.data_dir,
-                                                  FLAGS.ruler_length)
+    datasets = list_flag("datasets") or default_datasets(FLAGS.suite, FLAGS.data_dir,
+                                                         FLAGS.ruler_length)
     if FLAGS.suite == "ruler":  # RULER's task names (vt) or ours (ruler_vt)
         datasets = [ruler.dataset_name(d) for d in datasets]
     num_samples = FLAGS.num_samples or (SYNTHETIC_SAMPLES if FLAGS.suite != "longbench"

@@ -144,3 +144,31 @@ def test_swapped_weights_do_not_resume_into_the_old_folder(model_dir, run_inproc
     code, _, err = run_inprocess(*cheap_args(model, out, "--methods", "full"))
     one_error_line(code, err, 2, "another configuration", "model_files")
     assert read_lines(out) == before
+
+
+# 2. Every list flag is checked: empty, empty items, non-integers, repeats.
+
+
+@pytest.mark.parametrize(("flag", "value", "needles"), [
+    ("--budgets", "", ("--budgets", "empty")),
+    ("--budgets", "64,abc", ("--budgets", "'abc'")),
+    ("--budgets", "64,,128", ("--budgets", "empty item")),
+    ("--budgets", "64,-1", ("--budgets", "'-1'")),
+    ("--budgets", "64,64", ("--budgets", "'64'", "twice")),
+    ("--k", "2.5", ("--k", "'2.5'")),
+    ("--k", "", ("--k", "empty")),
+    ("--methods", "", ("--methods", "empty")),
+    ("--methods", "full,,snapkv", ("--methods", "empty item")),
+    ("--timings", "", ("--timings", "empty")),
+    ("--datasets", "", ("--datasets", "empty")),
+    ("--datasets", "passkey,", ("--datasets", "empty item")),
+    ("--decode_budgets", "32,x", ("--decode_budgets", "'x'")),
+    ("--intervals", "", ("--intervals", "empty")),
+])
+def test_list_flags_are_checked(model_dir, run_inprocess, tmp_path, flag, value, needles):
+    """`--budgets ""` used to run FullKV alone ("1 cells x 1 samples"), dropping snapkv
+    without a word; `--budgets 64,abc` ended in int()'s message, naming no flag."""
+    out = tmp_path / "out"
+    code, _, err = run_inprocess(*cheap_args(model_dir, out), flag, value)
+    one_error_line(code, err, 2, *needles)
+    assert not out.exists(), "a refused command claimed the folder"
