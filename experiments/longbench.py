@@ -251,8 +251,9 @@ def run(argv) -> int:
     """The runner; a user mistake ends in one `error: ...` line and exit status 2."""
     del argv
     quiet_logging()
+    state: dict = {"store": None}
     try:
-        return evaluate()
+        return evaluate(state)
     except (ValueError, FileNotFoundError) as e:
         if FLAGS.verbose:
             raise
@@ -260,8 +261,65 @@ def run(argv) -> int:
         return 2
 
 
-def evaluate() -> int:
-    """Loads the model and the suite, predicts every missing (sample, cell), then reports."""
+def check_scalar_flags() -> None:
+    """Refuses integer and number flags out of range (before anything is loaded or written)."""
+    least = {"batch_size": 1, "chunk": 1, "num_samples": 1, "max_length": 2,
+             "synthetic_length": 1, "ruler_length": 1, "window": 0, "kernel": 1}
+    if FLAGS.adaptive_rule:
+        least["k_max"] = 1
+    for name, low in least.items():
+        value = getattr(FLAGS, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name} must be >= {low}, got {value}; see --help")
+    if FLAGS.draft_weight < 0:
+        raise UsageError(f"--draft_weight must be >= 0, got {FLAGS.draft_weight}; see --help")
+    if not FLAGS.answer_prefix and FLAGS.suite == "longbench":
+        raise UsageError("--noanswer_prefix: LongBench prompts have no answer prefix; it "
+                         "applies to --suite synthetic and --suite ruler")
+
+
+def check_datasets(suite: str, datasets: list[str] | None) -> list[str] | None:
+    """The datasets named on the command line, known to the suite (RULER's names as ours)."""
+    if datasets is None:
+        return None
+    if suite == "ruler":  # RULER's task names (vt) or ours (ruler_vt)
+        return [ruler.dataset_name(d) for d in datasets]
+    known = synthetic.TASKS if suite == "synthetic" else ALL_TASKS
+    unknown = [d for d in datasets if d not in known]
+    if unknown:
+        raise UsageError(f"unknown {suite} tasks {unknown} in --datasets; known: "
+                         f"{sorted(known)}")
+    return datasets
+
+
+def grid_evictions(cells: list[Cell], identity: dict, datasets: list[str]) -> dict:
+    """Each cell's `Eviction`, checked against every dataset's generation length (a budget
+    under the protected window, k over max_new_tokens) before anything is written."""
+    from dge_jax.eviction import check_eviction
+
+    adaptive = (None if FLAGS.adaptive_rule is None else
+                Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
+    evictions = {}
+    for c in cells:
+        where = ""
+        try:
+            evictions[c] = ev = c.eviction(identity["policy_options"], adaptive,
+                                           FLAGS.draft_weight, FLAGS.ties)
+            for d in datasets if ev is not None else ():
+                where = f" on {d}"
+                check_eviction(ev, protocol.max_new_tokens(d))
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"cell {c.id}{where}: {e} (--window, --kernel, --pooling, --gqa, "
+                             "--budgets and --k set these)") from e
+    return evictions
+
+
+def evaluate(state: dict) -> int:
+    """Checks every flag, loads the model and the suite, then claims the run folder (nothing
+    is written before), predicts every missing (sample, cell) and reports.
+
+    `state["store"]` is the prediction store once the folder is claimed (for the message of
+    an interrupted run)."""
     import dge_jax
     from dge_jax.generation import generate_grid
     from experiments.report import write_report
@@ -273,11 +331,8 @@ def evaluate() -> int:
                         decode_budgets=list_flag("decode_budgets", integers=True,
                                                  may_be_empty=True),
                         intervals=list_flag("intervals", integers=True))
-    if not FLAGS.answer_prefix and FLAGS.suite == "longbench":
-        raise ValueError("--noanswer_prefix: LongBench prompts have no answer prefix; it "
-                         "applies to --suite synthetic and --suite ruler")
-    if FLAGS.num_samples is not None and FLAGS.num_samples < 1:
-        raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
+    check_scalar_flags()
+    datasets = check_datasets(FLAGS.suite, list_flag("datasets"))
     mesh = None
     if FLAGS.mesh:
         from dge_jax.sharding import parse_mesh
@@ -285,28 +340,29 @@ def evaluate() -> int:
         mesh = parse_mesh(FLAGS.mesh)
     model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
     check_model(model, mesh)
-    datasets = list_flag("datasets") or default_datasets(FLAGS.suite, FLAGS.data_dir,
-                                                         FLAGS.ruler_length)
-    if FLAGS.suite == "ruler":  # RULER's task names (vt) or ours (ruler_vt)
-        datasets = [ruler.dataset_name(d) for d in datasets]
+    if datasets is None:
+        datasets = check_datasets(FLAGS.suite, default_datasets(FLAGS.suite, FLAGS.data_dir,
+                                                                FLAGS.ruler_length))
     num_samples = FLAGS.num_samples or (SYNTHETIC_SAMPLES if FLAGS.suite != "longbench"
                                         else None)
     length = FLAGS.ruler_length if FLAGS.suite == "ruler" else FLAGS.synthetic_length
     suite = load_suite(model, FLAGS.suite, datasets, num_samples, FLAGS.data_dir, length,
                        FLAGS.seed)  # strict: bad rows stop here
     max_length = FLAGS.max_length or default_max_length(model, suite)
+    if max_length < 2:
+        raise UsageError(f"{FLAGS.model}'s context ({model.config.max_position_embeddings} "
+                         f"positions) leaves no room for prompts of {', '.join(datasets)} "
+                         "once their answers fit; use a model with a longer context")
     identity = run_identity(model, max_length)
+    evictions = grid_evictions(cells, identity, datasets)
+    data = data_checksums(datasets)
     extent = {"datasets": datasets, "cells": [c.id for c in cells], "num_samples": num_samples}
     out_dir = pathlib.Path(FLAGS.out_dir or default_out_dir(FLAGS.suite, FLAGS.model, identity))
-    open_run(out_dir, identity, data_checksums(datasets), extent, " ".join(sys.argv),
-             extend=FLAGS.extend)
+    # Everything above only reads; from here on the folder is claimed.
+    open_run(out_dir, identity, data, extent, " ".join(sys.argv), extend=FLAGS.extend)
     tag = {"run_id": run_id(identity)}
     cell_hash = {c: config_hash(cell_config(identity, c)) for c in cells}
-    adaptive = (None if FLAGS.adaptive_rule is None else
-                Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
-    evictions = {c: c.eviction(identity["policy_options"], adaptive, FLAGS.draft_weight,
-                               FLAGS.ties) for c in cells}
-    store = PredictionStore(out_dir)
+    store = state["store"] = PredictionStore(out_dir)
     pending = {d: missing_cells(rows, d, cells, cell_hash, store) for d, rows in suite.items()}
     total = sum(map(len, suite.values()))
     todo = sum(map(len, pending.values()))
@@ -318,11 +374,13 @@ def evaluate() -> int:
     # initial= counts the samples already done without timing them, so the rate on resume is
     # the rate of this run's own samples.
     bar = tqdm(total=total, initial=total - todo, unit="sample", dynamic_ncols=True)
-    for dataset in suite:
-        run_dataset(model, generate_grid, dataset, pending[dataset], cells, cell_hash,
-                    evictions, max_length, store, bar, tag)
-        bar.write(summary_line(dataset, store, cells, cell_hash))
-    bar.close()
+    try:
+        for dataset in suite:
+            run_dataset(model, generate_grid, dataset, pending[dataset], cells, cell_hash,
+                        evictions, max_length, store, bar, tag)
+            bar.write(summary_line(dataset, store, cells, cell_hash))
+    finally:
+        bar.close()
     write_report(out_dir)
     print((out_dir / "results.md").read_text(), end="")
     print(f"wall time {time.time() - started:.0f} s; predictions in {store.path}")

@@ -172,3 +172,34 @@ def test_list_flags_are_checked(model_dir, run_inprocess, tmp_path, flag, value,
     code, _, err = run_inprocess(*cheap_args(model_dir, out), flag, value)
     one_error_line(code, err, 2, *needles)
     assert not out.exists(), "a refused command claimed the folder"
+
+
+# 4. Every flag is checked before the folder is claimed.
+
+
+def test_bad_flags_are_refused_before_the_folder_is_claimed(model_dir, run_inprocess,
+                                                             tmp_path):
+    """--window 0, --batch_size 0, --chunk 0 (a ZeroDivisionError traceback) used to fail
+    after config.json was written, and the corrected rerun was then refused as "another
+    configuration"."""
+    out = tmp_path / "out"
+    for extra, needles in [
+        (("--window", "0"), ("window", "snapkv/prefill/b16")),
+        (("--kernel", "4"), ("kernel",)),
+        (("--batch_size", "0"), ("--batch_size",)),
+        (("--chunk", "0"), ("--chunk",)),
+        (("--num_samples", "0"), ("--num_samples",)),
+        (("--max_length", "1"), ("--max_length",)),
+        (("--synthetic_length", "0"), ("--synthetic_length",)),
+        (("--draft_weight", "-1"), ("--draft_weight",)),
+        (("--adaptive_rule", "entropy", "--k_max", "0"), ("--k_max",)),
+        (("--budgets", "2"), ("budget 2 is smaller",)),  # below the protected window of 4
+        (("--timings", "dge", "--k", "20", "--budgets", "64"), ("k=20", "max_new_tokens=16")),
+        (("--datasets", "nope"), ("unknown synthetic tasks",)),
+    ]:
+        code, _, err = run_inprocess(*cheap_args(model_dir, out), *extra)
+        one_error_line(code, err, 2, *needles)
+        assert not out.exists(), f"{extra} claimed the folder"
+    code, _, err = run_inprocess(*cheap_args(model_dir, out))  # the corrected command runs
+    assert code == 0, err
+    assert {r["cell"] for r in read_lines(out)} == {"full", "snapkv/prefill/b16"}
