@@ -34,8 +34,10 @@ from experiments.cells import POLICY_OPTIONS, Cell, build_cells
 from experiments.longbench_config import ALL_TASKS
 from experiments.predictions import PredictionStore, config_hash, prediction_key
 from experiments.run_folder import (
+    RunFolderBusy,
     default_out_dir,
     files_fingerprint,
+    locked,
     open_run,
     run_id,
     sha256_file,
@@ -259,6 +261,11 @@ def run(argv) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunFolderBusy as e:
+        if FLAGS.verbose:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def check_scalar_flags() -> None:
@@ -322,7 +329,6 @@ def evaluate(state: dict) -> int:
     an interrupted run)."""
     import dge_jax
     from dge_jax.generation import generate_grid
-    from experiments.report import write_report
 
     started = time.time()
     cells = build_cells(list_flag("methods"), list_flag("timings"),
@@ -358,8 +364,18 @@ def evaluate(state: dict) -> int:
     data = data_checksums(datasets)
     extent = {"datasets": datasets, "cells": [c.id for c in cells], "num_samples": num_samples}
     out_dir = pathlib.Path(FLAGS.out_dir or default_out_dir(FLAGS.suite, FLAGS.model, identity))
-    # Everything above only reads; from here on the folder is claimed.
-    open_run(out_dir, identity, data, extent, " ".join(sys.argv), extend=FLAGS.extend)
+    # Everything above only reads; from here on the folder is claimed, by one runner at once.
+    with locked(out_dir):
+        open_run(out_dir, identity, data, extent, " ".join(sys.argv), extend=FLAGS.extend)
+        return predict(state, out_dir, model, generate_grid, suite, cells, identity,
+                       evictions, max_length, started)
+
+
+def predict(state, out_dir, model, generate_grid, suite, cells, identity, evictions,
+            max_length, started) -> int:
+    """Predicts every (sample, cell) the folder lacks, then writes the report."""
+    from experiments.report import write_report
+
     tag = {"run_id": run_id(identity)}
     cell_hash = {c: config_hash(cell_config(identity, c)) for c in cells}
     store = state["store"] = PredictionStore(out_dir)

@@ -14,23 +14,88 @@ the identity, the data checksums, the extent and every command that wrote the fo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from experiments.predictions import PREDICTIONS_FILE, config_hash
 
 CONFIG_FILE = "config.json"
+LOCK_FILE = ".lock"  # flock'ed by the runner that writes the folder; holds its pid
 FORMAT = 2  # config.json layout; folders of the first runner (no run_id) are refused
 _HASHED_IN_FULL = (".json", ".jinja", ".txt", ".model")  # small files whose bytes matter
 
 
 class RunFolderError(ValueError):
     """A folder that cannot take this run; the message says what differs and what to do."""
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process holds the folder's lock; the message names its pid."""
+
+
+def _holder_pid(path: pathlib.Path) -> str:
+    """The pid the lock's holder wrote, or "unknown" (it may not have written it yet)."""
+    for _ in range(20):
+        try:
+            pid = path.read_text().strip()
+        except OSError:
+            pid = ""
+        if pid:
+            return pid
+        time.sleep(0.025)
+    return "unknown"
+
+
+@contextlib.contextmanager
+def locked(out_dir: str | os.PathLike) -> Iterator[pathlib.Path]:
+    """Holds an exclusive lock on run folder `out_dir` (created if absent) while in the block.
+
+    `fcntl.flock` on OUT_DIR/.lock, which holds the holder's pid; the kernel drops the lock
+    when the process dies, so a killed run leaves no stale lock (only the file, which the next
+    runner reuses). Raises RunFolderBusy, naming the holder's pid, if another process holds
+    it. The file is removed on release (while still locked: a runner that opened it meanwhile
+    sees it is gone and opens the new one). Reading a folder (the report) takes no lock.
+    """
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_FILE
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunFolderBusy(
+                f"{out_dir} is in use by another runner (pid {_holder_pid(path)}); wait for "
+                "it to end (or stop it), or use another --out_dir") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev,
+                                                                         held.st_ino):
+            break
+        os.close(fd)  # released and removed by its last holder between open and flock
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

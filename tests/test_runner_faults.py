@@ -11,10 +11,12 @@ status) run a subprocess with this checkout first on PYTHONPATH.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -44,11 +46,13 @@ def cheap_args(model_dir, out_dir, *extra: str) -> list[str]:
 def run_inprocess(monkeypatch, capsys):
     """Calls the runner's `main` as `python -m experiments.longbench *args` would; returns
     (exit status, stdout, stderr). Flags are reset to their defaults first."""
+    import tqdm
     from absl import flags
 
     from experiments import longbench
 
-    monkeypatch.setenv("TQDM_DISABLE", "1")
+    # No progress bar on stderr (TQDM_DISABLE is read when tqdm is first imported).
+    monkeypatch.setattr(tqdm, "tqdm", functools.partial(tqdm.tqdm, disable=True))
 
     def run(*args: str) -> tuple[int, str, str]:
         flags.FLAGS.unparse_flags()
@@ -203,3 +207,48 @@ def test_bad_flags_are_refused_before_the_folder_is_claimed(model_dir, run_inpro
     code, _, err = run_inprocess(*cheap_args(model_dir, out))  # the corrected command runs
     assert code == 0, err
     assert {r["cell"] for r in read_lines(out)} == {"full", "snapkv/prefill/b16"}
+
+
+# 3. One runner per folder.
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_runner_in_a_busy_folder_is_refused(model_dir, run_inprocess, tmp_path):
+    """Two runners in one --out_dir used to both compute everything and write every line
+    twice. The runner holds an flock on OUT_DIR/.lock (with its pid) for the whole run; a
+    second one is refused naming the holder, and the report reads the folder regardless."""
+    out = tmp_path / "out"
+    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", "full"))
+    assert code == 0, err
+    before = (out / PREDICTIONS_FILE).read_bytes()
+    config = (out / "config.json").read_bytes()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out / ".lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        for methods in ("full", "full,snapkv"):  # nothing to do / something to do
+            code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", methods,
+                                                     "--extend"))
+            one_error_line(code, err, 1, str(out), f"pid {holder.pid}")
+        assert (out / PREDICTIONS_FILE).read_bytes() == before
+        assert (out / "config.json").read_bytes() == config
+        from experiments import report
+
+        assert report.main([str(out)]) == 0  # reading needs no lock
+    finally:
+        holder.communicate("", timeout=60)
+    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", "full,snapkv",
+                                             "--extend"))
+    assert code == 0, err
+    keys = [r["key"] for r in read_lines(out)]
+    assert len(keys) == len(set(keys)) == 2
+    assert not (out / ".lock").exists(), "the lock file outlived the run"
