@@ -18,11 +18,16 @@ nothing useful at small budgets (DESIGN §6). Change them with --window/--kernel
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import pathlib
 import re
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -249,23 +254,79 @@ def quiet_logging() -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
+# Exit statuses: a mistake in the command or its inputs, a fault of the environment (a file
+# system, another runner, memory), and Ctrl-C (128 + SIGINT, as a shell reports it).
+USAGE, ENVIRONMENT, INTERRUPTED = 2, 1, 130
+
+
 def run(argv) -> int:
-    """The runner; a user mistake ends in one `error: ...` line and exit status 2."""
-    del argv
+    """The runner: every user mistake and environment fault ends in one `error: <what>;
+    <fix>` line on stderr (exit 2 for a mistake, 1 for the environment; Ctrl-C: 130, saying
+    what is saved); --verbose shows the traceback instead."""
     quiet_logging()
-    state: dict = {"store": None}
+    state: dict = {"store": None, "saved_before": 0, "out_dir": None}
     try:
+        if len(argv) > 1:
+            raise UsageError(f"unexpected argument {argv[1]!r}: flags take one value each, "
+                             "lists without spaces (--budgets 128,256); see --help")
         return evaluate(state)
-    except (ValueError, FileNotFoundError) as e:
+    except KeyboardInterrupt:
         if FLAGS.verbose:
             raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RunFolderBusy as e:
-        if FLAGS.verbose:
+        print(f"error: {interrupted(state)}", file=sys.stderr)
+        return INTERRUPTED
+    except Exception as e:
+        status, message = error_line(e, state)
+        if status is None or FLAGS.verbose:
             raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        print(f"error: {message}", file=sys.stderr)
+        return status
+
+
+def saved(state: dict) -> str:
+    """How many predictions the folder holds now (and how many this run added)."""
+    store = state["store"]
+    if store is None:
+        return "no prediction was written"
+    n, new = len(store.rows), len(store.rows) - state["saved_before"]
+    return f"{n} predictions are saved in {store.path} ({new} by this run)"
+
+
+def interrupted(state: dict) -> str:
+    if state["store"] is None:
+        return "interrupted before any prediction was written; rerun the command to start"
+    return f"interrupted; {saved(state)}: rerun the same command to resume from them"
+
+
+def error_line(e: BaseException, state: dict) -> tuple[int | None, str]:
+    """(exit status, the `error:` line's text) of a user mistake or environment fault; (None,
+    "") for anything else (a bug: its traceback is kept)."""
+    if isinstance(e, RunFolderBusy):
+        return ENVIRONMENT, str(e)
+    if isinstance(e, OSError) and e.errno is not None:  # from the operating system
+        where = e.filename or "a file"
+        out_dir = state["out_dir"]
+        ours = out_dir is not None and e.filename is not None and (
+            str(out_dir).startswith(str(e.filename)) or str(e.filename).startswith(str(out_dir)))
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            kept = f" ({saved(state)}, and are kept)" if state["store"] is not None else ""
+            fix = (f"free space there (or pass another --out_dir) and rerun the same "
+                   f"command{kept}")
+        elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = ("pass an --out_dir you can write" if ours else
+                   "check its permissions (the runner writes only under --out_dir)")
+        elif ours and e.errno in (errno.ENOTDIR, errno.EEXIST):
+            fix = "--out_dir must name a folder (or a path where one can be made)"
+        else:
+            fix = "check the path and rerun (--verbose shows the traceback)"
+        return ENVIRONMENT, f"{where}: {e.strerror}; {fix}"
+    if isinstance(e, ValueError | FileNotFoundError):
+        return USAGE, str(e)
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)[:200]:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return ENVIRONMENT, (f"out of memory ({first[:160]}); lower --batch_size or "
+                             "--max_length, or spread the model with --mesh")
+    return None, ""
 
 
 def check_scalar_flags() -> None:
@@ -365,6 +426,7 @@ def evaluate(state: dict) -> int:
     extent = {"datasets": datasets, "cells": [c.id for c in cells], "num_samples": num_samples}
     out_dir = pathlib.Path(FLAGS.out_dir or default_out_dir(FLAGS.suite, FLAGS.model, identity))
     # Everything above only reads; from here on the folder is claimed, by one runner at once.
+    state["out_dir"] = out_dir
     with locked(out_dir):
         open_run(out_dir, identity, data, extent, " ".join(sys.argv), extend=FLAGS.extend)
         return predict(state, out_dir, model, generate_grid, suite, cells, identity,
@@ -379,6 +441,7 @@ def predict(state, out_dir, model, generate_grid, suite, cells, identity, evicti
     tag = {"run_id": run_id(identity)}
     cell_hash = {c: config_hash(cell_config(identity, c)) for c in cells}
     store = state["store"] = PredictionStore(out_dir)
+    state["saved_before"] = len(store.rows)
     pending = {d: missing_cells(rows, d, cells, cell_hash, store) for d, rows in suite.items()}
     total = sum(map(len, suite.values()))
     todo = sum(map(len, pending.values()))
@@ -471,8 +534,28 @@ def run_dataset(model, generate_grid, dataset, pending, cells, cell_hash, evicti
                     "truncated": samples[i].truncated, "grid_seconds": round(seconds, 3),
                     "k": None if result.k is None else result.k[i],
                 })
-        store.append(lines)
+        with sigint_deferred():  # a sample's lines are written whole, or not at all
+            store.append(lines)
         bar.update(len(batch))
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Holds Ctrl-C back while in the block: it is acted on (KeyboardInterrupt) right after.
+
+    A Python-level handler, not a signal mask: XLA's threads would take a masked SIGINT and
+    the interpreter would still raise it in the main thread, inside the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])
 
 
 def summary_line(dataset: str, store: PredictionStore, cells, cell_hash) -> str:
@@ -490,8 +573,26 @@ def summary_line(dataset: str, store: PredictionStore, cells, cell_hash) -> str:
     return f"{dataset}: " + " | ".join(parts)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, except: -h is --help, the help flags exit 0 (absl exits 1), and a
+    malformed flag is one `error:` line with exit status 2 (absl prints two lines, exit 1)."""
+    if "--" in argv:
+        cut = argv.index("--")
+        argv = [*("--help" if a == "-h" else a for a in argv[:cut]), *argv[cut:]]
+    else:
+        argv = ["--help" if a == "-h" else a for a in argv]
+    try:
+        return FLAGS(argv)
+    except SystemExit as e:  # the help flags print their text, then exit 1
+        raise SystemExit(0 if e.code == 1 else e.code) from None
+    except flags.Error as e:
+        message = " ".join(str(e).split())
+        print(f"error: {message}; see --help", file=sys.stderr)
+        raise SystemExit(USAGE) from None
+
+
 def main() -> None:
-    app.run(run)
+    app.run(run, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -252,3 +252,80 @@ def test_a_second_runner_in_a_busy_folder_is_refused(model_dir, run_inprocess, t
     keys = [r["key"] for r in read_lines(out)]
     assert len(keys) == len(set(keys)) == 2
     assert not (out / ".lock").exists(), "the lock file outlived the run"
+
+
+# 5. One line, not a traceback: help, flag mistakes, an unwritable folder, a full disk, Ctrl-C.
+
+
+def test_help_exits_0(run_inprocess, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "experiments.longbench", "--help"], cwd=REPO,
+                          env=subprocess_env(tmp_path), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--budgets" in proc.stdout and "python -m experiments.longbench" in proc.stdout
+    code, out, _ = run_inprocess("-h")  # (in-process, __main__ is pytest: no flags listed)
+    assert code == 0 and "--helpfull" in out
+    code, out, _ = run_inprocess("--helpfull")
+    assert code == 0 and "--budgets" in out
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (("--batch_size", "abc"), ("--batch_size", "abc", "--help")),
+    (("--no_such_flag",), ("no_such_flag", "--help")),
+    (("--budgets", "64,", "128"), ("'128'",)),  # a space after the comma
+])
+def test_flag_mistakes_are_one_line(run_inprocess, tmp_path, args, needles):
+    code, _, err = run_inprocess("--out_dir", str(tmp_path / "out"), *args)
+    one_error_line(code, err, 2, *needles)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unwritable_out_dir_is_one_line(model_dir, run_inprocess):
+    """An OSError (here EPERM: sysfs takes no folders, even from root) used to be a
+    traceback."""
+    out = pathlib.Path("/sys/dge_jax_test/run")
+    if not pathlib.Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs to stand for an unwritable folder")
+    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", "full"))
+    one_error_line(code, err, 1, "/sys/dge_jax_test", "--out_dir")
+
+
+def test_a_full_disk_is_one_line(model_dir, run_inprocess, tmp_path, monkeypatch):
+    import errno
+
+    from experiments import predictions
+
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(predictions, "_write_all", no_space)
+    out = tmp_path / "out"
+    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", "full"))
+    one_error_line(code, err, 1, "No space left on device", "rerun")
+
+
+def test_ctrl_c_is_one_line_saying_what_is_saved(model_dir, tmp_path):
+    """SIGINT used to print 38 lines of traceback; now one line with the number of saved
+    predictions (rerunning resumes), exit status 130."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "experiments.longbench",
+            *cheap_args(model_dir, out, "--methods", "full", "--num_samples", "20",
+                        "--batch_size", "1")]
+    proc = subprocess.Popen(args, cwd=REPO, env=subprocess_env(tmp_path), text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    path = out / PREDICTIONS_FILE
+    deadline = time.time() + TIMEOUT
+    try:
+        while not (path.is_file() and path.read_bytes().endswith(b"\n")) and \
+                proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    saved = len(read_lines(out))
+    assert 1 <= saved < 20
+    one_error_line(proc.returncode, err, 130, f"{saved} predictions", "rerun")
