@@ -245,7 +245,8 @@ def _check_data(old: dict[str, str], new: dict[str, str], out_dir: pathlib.Path)
         raise RunFolderError(
             f"{out_dir} was run on other data for {', '.join(changed)} (sha256 of the rows' "
             "source); its predictions would mix two versions of the data. Use another "
-            "--out_dir (or leave it out: each configuration gets its own folder)")
+            "--out_dir for this data (the default folder is named by the configuration, not "
+            "the data, so it is this one), or restore the data this folder was run on")
 
 
 def open_run(out_dir: str | os.PathLike, identity: dict[str, Any], data: dict[str, str],

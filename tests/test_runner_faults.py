@@ -329,3 +329,35 @@ def test_ctrl_c_is_one_line_saying_what_is_saved(model_dir, tmp_path):
     saved = len(read_lines(out))
     assert 1 <= saved < 20
     one_error_line(proc.returncode, err, 130, f"{saved} predictions", "rerun")
+
+
+# 6. An empty data file, and data that changed under a folder.
+
+
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_an_empty_data_file_is_refused_before_the_folder_is_claimed(model_dir, run_inprocess,
+                                                                    tmp_path, content):
+    """It used to claim a folder with the empty file's checksum, then fail blaming the
+    predictions."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "trec.jsonl").write_text(content)
+    out = tmp_path / "out"
+    code, _, err = run_inprocess("--model", str(model_dir), "--suite", "longbench",
+                                 "--data_dir", str(data), "--datasets", "trec",
+                                 "--methods", "full", "--out_dir", str(out))
+    one_error_line(code, err, 2, str(data / "trec.jsonl"), "no rows")
+    assert not out.exists()
+
+
+def test_changed_data_gives_a_fix_that_works(tmp_path):
+    """The advice was "leave --out_dir out", but the default folder is named by the
+    configuration, not the data: it is this same folder."""
+    identity = {"model": "m"}
+    extent = {"datasets": ["trec"], "cells": ["full"], "num_samples": 1}
+    run_folder.open_run(tmp_path, identity, {"trec": "a" * 64}, extent, "first")
+    with pytest.raises(run_folder.RunFolderError) as refused:
+        run_folder.open_run(tmp_path, identity, {"trec": "b" * 64}, extent, "second")
+    message = str(refused.value)
+    assert "trec" in message and "leave it out" not in message
+    assert "another --out_dir" in message and "restore" in message
