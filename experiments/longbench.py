@@ -9,7 +9,13 @@
 One prefill (and one draft per k) per sample serves every cell of the grid. Predictions are
 appended to OUT_DIR/predictions.jsonl as they complete, so a killed run resumes where it
 stopped; scores.json, results.md and plots are rewritten at the end (and can be rebuilt with
-`python -m experiments.report OUT_DIR`).
+`python -m experiments.report OUT_DIR`). Every flag, dataset and data file is checked before
+the folder is claimed; one runner at a time writes a folder (it holds OUT_DIR/.lock).
+
+A mistake in the command or its inputs ends in one `error: <what>; <fix>` line and exit status
+2, a fault of the environment (unwritable or full disk, a busy folder) in one line and status
+1, Ctrl-C in one line saying how many predictions are saved (rerunning resumes) and status
+130; --verbose shows the traceback instead.
 
 SnapKV-family defaults here are KVCache-Factory's LongBench setting (window 8, kernel 7,
 max-pool), not the SnapKV paper's window 32: on the embedded 135M model window 32 keeps almost

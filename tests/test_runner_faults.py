@@ -150,6 +150,15 @@ def test_swapped_weights_do_not_resume_into_the_old_folder(model_dir, run_inproc
     assert read_lines(out) == before
 
 
+def test_a_folder_fingerprinted_by_size_is_not_resumed(tmp_path):
+    """Folders written before weights were fingerprinted by content cannot be checked against
+    a checkpoint: they are refused (a run without --out_dir gets a new folder), saying why."""
+    extent = {"datasets": ["passkey"], "cells": ["full"], "num_samples": 1}
+    run_folder.open_run(tmp_path, {"model_files": "by-size"}, {}, extent, "old runner")
+    with pytest.raises(run_folder.RunFolderError, match="by size"):
+        run_folder.open_run(tmp_path, {"model_files": "by-content"}, {}, extent, "new runner")
+
+
 # 2. Every list flag is checked: empty, empty items, non-integers, repeats.
 
 
