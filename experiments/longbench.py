@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import pathlib
 import re
 import signal
@@ -598,7 +599,11 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    app.run(run, flags_parser=parse_flags)
+    try:
+        app.run(run, flags_parser=parse_flags)
+    except BrokenPipeError:  # stdout closed early (--help | head): no traceback at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None
 
 
 if __name__ == "__main__":
