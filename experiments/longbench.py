@@ -9,7 +9,13 @@
 One prefill (and one draft per k) per sample serves every cell of the grid. Predictions are
 appended to OUT_DIR/predictions.jsonl as they complete, so a killed run resumes where it
 stopped; scores.json, results.md and plots are rewritten at the end (and can be rebuilt with
-`python -m experiments.report OUT_DIR`).
+`python -m experiments.report OUT_DIR`). Every flag, dataset and data file is checked before
+the folder is claimed; one runner at a time writes a folder (it holds OUT_DIR/.lock).
+
+A mistake in the command or its inputs ends in one `error: <what>; <fix>` line and exit status
+2, a fault of the environment (unwritable or full disk, a busy folder) in one line and status
+1, Ctrl-C in one line saying how many predictions are saved (rerunning resumes) and status
+130; --verbose shows the traceback instead.
 
 SnapKV-family defaults here are KVCache-Factory's LongBench setting (window 8, kernel 7,
 max-pool), not the SnapKV paper's window 32: on the embedded 135M model window 32 keeps almost
@@ -18,11 +24,18 @@ nothing useful at small budgets (DESIGN §6). Change them with --window/--kernel
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
 import pathlib
+import re
 import shlex
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -34,8 +47,10 @@ from experiments.cells import POLICY_OPTIONS, Cell, build_cells
 from experiments.longbench_config import ALL_TASKS
 from experiments.predictions import PredictionStore, config_hash, prediction_key
 from experiments.run_folder import (
+    RunFolderBusy,
     default_out_dir,
     files_fingerprint,
+    locked,
     open_run,
     run_id,
     sha256_file,
@@ -114,6 +129,42 @@ flags.DEFINE_float("adaptive_threshold", 1.0, "threshold of --adaptive_rule")
 flags.DEFINE_integer("k_max", 8, "most answer tokens an adaptive cell drafts")
 flags.DEFINE_float("draft_weight", 1.0, "weight of draft queries relative to prompt-window "
                    "queries in DGE scores (1 = the paper's DGE)")
+
+
+class UsageError(ValueError):
+    """A mistake in the command line: one `error: ...` line and exit status 2."""
+
+
+def list_flag(name: str, integers: bool = False, may_be_empty: bool = False) -> list | None:
+    """The items of list flag --name, each checked: no empty list (unless `may_be_empty`), no
+    empty item (a stray comma), no repeat, and with `integers` whole numbers >= 1 (as ints).
+    None when the flag has no default and was not given (--datasets)."""
+    items = getattr(FLAGS, name)
+    if items is None:
+        return None
+    default = FLAGS[name].default
+    example = f"--{name} {','.join(default)}" if default else f"--{name} a,b"
+    if not items and not may_be_empty:
+        raise UsageError(f"--{name} is empty; give one or more comma-separated items, e.g. "
+                         f"{example}" + ("" if default else f", or leave --{name} out"))
+    values: list = []
+    for item in items:
+        if item == "":
+            raise UsageError(f"--{name} {','.join(items)!r} has an empty item; remove the "
+                             "stray comma")
+        value: int | str = item
+        if integers:
+            if not re.fullmatch(r"[-+]?[0-9]+", item):
+                raise UsageError(f"--{name}: {item!r} is not an integer; give comma-separated "
+                                 f"whole numbers, e.g. {example}")
+            value = int(item)
+            if value < 1:
+                raise UsageError(f"--{name} must be >= 1, got {item!r}; give comma-separated "
+                                 f"whole numbers, e.g. {example}")
+        if value in values:
+            raise UsageError(f"--{name} gives {item!r} twice; give each item once")
+        values.append(value)
+    return values
 
 
 def default_datasets(suite: str, data_dir: str | None, ruler_length: int = 4096) -> list[str]:
@@ -211,36 +262,152 @@ def quiet_logging() -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
+# Exit statuses: a mistake in the command or its inputs, a fault of the environment (a file
+# system, another runner, memory), and Ctrl-C (128 + SIGINT, as a shell reports it).
+USAGE, ENVIRONMENT, INTERRUPTED = 2, 1, 130
+
+
 def run(argv) -> int:
-    """The runner; a user mistake ends in one `error: ...` line and exit status 2."""
-    del argv
+    """The runner: every user mistake and environment fault ends in one `error: <what>;
+    <fix>` line on stderr (exit 2 for a mistake, 1 for the environment; Ctrl-C: 130, saying
+    what is saved); --verbose shows the traceback instead."""
     quiet_logging()
+    state: dict = {"store": None, "saved_before": 0, "out_dir": None}
     try:
-        return evaluate()
-    except (ValueError, FileNotFoundError) as e:
+        if len(argv) > 1:
+            raise UsageError(f"unexpected argument {argv[1]!r}: flags take one value each, "
+                             "lists without spaces (--budgets 128,256); see --help")
+        return evaluate(state)
+    except KeyboardInterrupt:
         if FLAGS.verbose:
             raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"error: {interrupted(state)}", file=sys.stderr)
+        return INTERRUPTED
+    except Exception as e:
+        status, message = error_line(e, state)
+        if status is None or FLAGS.verbose:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return status
 
 
-def evaluate() -> int:
-    """Loads the model and the suite, predicts every missing (sample, cell), then reports."""
+def saved(state: dict) -> str:
+    """How many predictions the folder holds now (and how many this run added)."""
+    store = state["store"]
+    if store is None:
+        return "no prediction was written"
+    n, new = len(store.rows), len(store.rows) - state["saved_before"]
+    return f"{n} predictions are saved in {store.path} ({new} by this run)"
+
+
+def interrupted(state: dict) -> str:
+    if state["store"] is None:
+        return "interrupted before any prediction was written; rerun the command to start"
+    return f"interrupted; {saved(state)}: rerun the same command to resume from them"
+
+
+def error_line(e: BaseException, state: dict) -> tuple[int | None, str]:
+    """(exit status, the `error:` line's text) of a user mistake or environment fault; (None,
+    "") for anything else (a bug: its traceback is kept)."""
+    if isinstance(e, RunFolderBusy):
+        return ENVIRONMENT, str(e)
+    if isinstance(e, OSError) and e.errno is not None:  # from the operating system
+        where = e.filename or "a file"
+        out_dir = state["out_dir"]
+        ours = out_dir is not None and e.filename is not None and (
+            str(out_dir).startswith(str(e.filename)) or str(e.filename).startswith(str(out_dir)))
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            kept = f" ({saved(state)}, and are kept)" if state["store"] is not None else ""
+            fix = (f"free space there (or pass another --out_dir) and rerun the same "
+                   f"command{kept}")
+        elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = ("pass an --out_dir you can write" if ours else
+                   "check its permissions (the runner writes only under --out_dir)")
+        elif ours and e.errno in (errno.ENOTDIR, errno.EEXIST):
+            fix = "--out_dir must name a folder (or a path where one can be made)"
+        else:
+            fix = "check the path and rerun (--verbose shows the traceback)"
+        return ENVIRONMENT, f"{where}: {e.strerror}; {fix}"
+    if isinstance(e, ValueError | FileNotFoundError):
+        return USAGE, str(e)
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)[:200]:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return ENVIRONMENT, (f"out of memory ({first[:160]}); lower --batch_size or "
+                             "--max_length, or spread the model with --mesh")
+    return None, ""
+
+
+def check_scalar_flags() -> None:
+    """Refuses integer and number flags out of range (before anything is loaded or written)."""
+    least = {"batch_size": 1, "chunk": 1, "num_samples": 1, "max_length": 2,
+             "synthetic_length": 1, "ruler_length": 1, "window": 0, "kernel": 1}
+    if FLAGS.adaptive_rule:
+        least["k_max"] = 1
+    for name, low in least.items():
+        value = getattr(FLAGS, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name} must be >= {low}, got {value}; see --help")
+    if FLAGS.draft_weight < 0:
+        raise UsageError(f"--draft_weight must be >= 0, got {FLAGS.draft_weight}; see --help")
+    if not FLAGS.answer_prefix and FLAGS.suite == "longbench":
+        raise UsageError("--noanswer_prefix: LongBench prompts have no answer prefix; it "
+                         "applies to --suite synthetic and --suite ruler")
+
+
+def check_datasets(suite: str, datasets: list[str] | None) -> list[str] | None:
+    """The datasets named on the command line, known to the suite (RULER's names as ours)."""
+    if datasets is None:
+        return None
+    if suite == "ruler":  # RULER's task names (vt) or ours (ruler_vt)
+        return [ruler.dataset_name(d) for d in datasets]
+    known = synthetic.TASKS if suite == "synthetic" else ALL_TASKS
+    unknown = [d for d in datasets if d not in known]
+    if unknown:
+        raise UsageError(f"unknown {suite} tasks {unknown} in --datasets; known: "
+                         f"{sorted(known)}")
+    return datasets
+
+
+def grid_evictions(cells: list[Cell], identity: dict, datasets: list[str]) -> dict:
+    """Each cell's `Eviction`, checked against every dataset's generation length (a budget
+    under the protected window, k over max_new_tokens) before anything is written."""
+    from dge_jax.eviction import check_eviction
+
+    adaptive = (None if FLAGS.adaptive_rule is None else
+                Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
+    evictions = {}
+    for c in cells:
+        where = ""
+        try:
+            evictions[c] = ev = c.eviction(identity["policy_options"], adaptive,
+                                           FLAGS.draft_weight, FLAGS.ties)
+            for d in datasets if ev is not None else ():
+                where = f" on {d}"
+                check_eviction(ev, protocol.max_new_tokens(d))
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"cell {c.id}{where}: {e} (--window, --kernel, --pooling, --gqa, "
+                             "--budgets and --k set these)") from e
+    return evictions
+
+
+def evaluate(state: dict) -> int:
+    """Checks every flag, loads the model and the suite, then claims the run folder (nothing
+    is written before), predicts every missing (sample, cell) and reports.
+
+    `state["store"]` is the prediction store once the folder is claimed (for the message of
+    an interrupted run)."""
     import dge_jax
     from dge_jax.generation import generate_grid
-    from experiments.report import write_report
 
     started = time.time()
-    cells = build_cells(FLAGS.methods, FLAGS.timings, [int(k) for k in FLAGS.k],
-                        [int(b) for b in FLAGS.budgets],
+    cells = build_cells(list_flag("methods"), list_flag("timings"),
+                        list_flag("k", integers=True), list_flag("budgets", integers=True),
                         adaptive_k_max=FLAGS.k_max if FLAGS.adaptive_rule else None,
-                        decode_budgets=[int(d) for d in FLAGS.decode_budgets],
-                        intervals=[int(i) for i in FLAGS.intervals])
-    if not FLAGS.answer_prefix and FLAGS.suite == "longbench":
-        raise ValueError("--noanswer_prefix: LongBench prompts have no answer prefix; it "
-                         "applies to --suite synthetic and --suite ruler")
-    if FLAGS.num_samples is not None and FLAGS.num_samples < 1:
-        raise ValueError(f"--num_samples must be >= 1, got {FLAGS.num_samples}")
+                        decode_budgets=list_flag("decode_budgets", integers=True,
+                                                 may_be_empty=True),
+                        intervals=list_flag("intervals", integers=True))
+    check_scalar_flags()
+    datasets = check_datasets(FLAGS.suite, list_flag("datasets"))
     mesh = None
     if FLAGS.mesh:
         from dge_jax.sharding import parse_mesh
@@ -248,30 +415,43 @@ def evaluate() -> int:
         mesh = parse_mesh(FLAGS.mesh)
     model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
     check_model(model, mesh)
-    datasets = FLAGS.datasets or default_datasets(FLAGS.suite, FLAGS.data_dir,
-                                                  FLAGS.ruler_length)
-    if FLAGS.suite == "ruler":  # RULER's task names (vt) or ours (ruler_vt)
-        datasets = [ruler.dataset_name(d) for d in datasets]
+    if datasets is None:
+        datasets = check_datasets(FLAGS.suite, default_datasets(FLAGS.suite, FLAGS.data_dir,
+                                                                FLAGS.ruler_length))
     num_samples = FLAGS.num_samples or (SYNTHETIC_SAMPLES if FLAGS.suite != "longbench"
                                         else None)
     length = FLAGS.ruler_length if FLAGS.suite == "ruler" else FLAGS.synthetic_length
     suite = load_suite(model, FLAGS.suite, datasets, num_samples, FLAGS.data_dir, length,
                        FLAGS.seed)  # strict: bad rows stop here
     max_length = FLAGS.max_length or default_max_length(model, suite)
+    if max_length < 2:
+        raise UsageError(f"{FLAGS.model}'s context ({model.config.max_position_embeddings} "
+                         f"positions) leaves no room for prompts of {', '.join(datasets)} "
+                         "once their answers fit; use a model with a longer context")
     identity = run_identity(model, max_length)
+    evictions = grid_evictions(cells, identity, datasets)
+    data = data_checksums(datasets)
     extent = {"datasets": datasets, "cells": [c.id for c in cells], "num_samples": num_samples}
     out_dir = pathlib.Path(FLAGS.out_dir or default_out_dir(FLAGS.suite, FLAGS.model, identity))
+    # Everything above only reads; from here on the folder is claimed, by one runner at once.
+    state["out_dir"] = out_dir
     # the command as typed (sys.argv[0] is the module's file path under `python -m`)
-    command = "python -m experiments.longbench " + shlex.join(sys.argv[1:])
-    open_run(out_dir, identity, data_checksums(datasets), extent, command.rstrip(),
-             extend=FLAGS.extend)
+    command = ("python -m experiments.longbench " + shlex.join(sys.argv[1:])).rstrip()
+    with locked(out_dir):
+        open_run(out_dir, identity, data, extent, command, extend=FLAGS.extend)
+        return predict(state, out_dir, model, generate_grid, suite, cells, identity,
+                       evictions, max_length, started)
+
+
+def predict(state, out_dir, model, generate_grid, suite, cells, identity, evictions,
+            max_length, started) -> int:
+    """Predicts every (sample, cell) the folder lacks, then writes the report."""
+    from experiments.report import write_report
+
     tag = {"run_id": run_id(identity)}
     cell_hash = {c: config_hash(cell_config(identity, c)) for c in cells}
-    adaptive = (None if FLAGS.adaptive_rule is None else
-                Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
-    evictions = {c: c.eviction(identity["policy_options"], adaptive, FLAGS.draft_weight,
-                               FLAGS.ties) for c in cells}
-    store = PredictionStore(out_dir)
+    store = state["store"] = PredictionStore(out_dir)
+    state["saved_before"] = len(store.rows)
     pending = {d: missing_cells(rows, d, cells, cell_hash, store) for d, rows in suite.items()}
     total = sum(map(len, suite.values()))
     todo = sum(map(len, pending.values()))
@@ -283,11 +463,13 @@ def evaluate() -> int:
     # initial= counts the samples already done without timing them, so the rate on resume is
     # the rate of this run's own samples.
     bar = tqdm(total=total, initial=total - todo, unit="sample", dynamic_ncols=True)
-    for dataset in suite:
-        run_dataset(model, generate_grid, dataset, pending[dataset], cells, cell_hash,
-                    evictions, max_length, store, bar, tag)
-        bar.write(summary_line(dataset, store, cells, cell_hash))
-    bar.close()
+    try:
+        for dataset in suite:
+            run_dataset(model, generate_grid, dataset, pending[dataset], cells, cell_hash,
+                        evictions, max_length, store, bar, tag)
+            bar.write(summary_line(dataset, store, cells, cell_hash))
+    finally:
+        bar.close()
     write_report(out_dir)
     print((out_dir / "results.md").read_text(), end="")
     print(f"wall time {time.time() - started:.0f} s; predictions in {store.path}")
@@ -362,8 +544,28 @@ def run_dataset(model, generate_grid, dataset, pending, cells, cell_hash, evicti
                     "truncated": samples[i].truncated, "grid_seconds": round(seconds, 3),
                     "k": None if result.k is None else result.k[i],
                 })
-        store.append(lines)
+        with sigint_deferred():  # a sample's lines are written whole, or not at all
+            store.append(lines)
         bar.update(len(batch))
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Holds Ctrl-C back while in the block: it is acted on (KeyboardInterrupt) right after.
+
+    A Python-level handler, not a signal mask: XLA's threads would take a masked SIGINT and
+    the interpreter would still raise it in the main thread, inside the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])
 
 
 def summary_line(dataset: str, store: PredictionStore, cells, cell_hash) -> str:
@@ -381,8 +583,30 @@ def summary_line(dataset: str, store: PredictionStore, cells, cell_hash) -> str:
     return f"{dataset}: " + " | ".join(parts)
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, except: -h is --help, the help flags exit 0 (absl exits 1), and a
+    malformed flag is one `error:` line with exit status 2 (absl prints two lines, exit 1)."""
+    if "--" in argv:
+        cut = argv.index("--")
+        argv = [*("--help" if a == "-h" else a for a in argv[:cut]), *argv[cut:]]
+    else:
+        argv = ["--help" if a == "-h" else a for a in argv]
+    try:
+        return FLAGS(argv)
+    except SystemExit as e:  # the help flags print their text, then exit 1
+        raise SystemExit(0 if e.code == 1 else e.code) from None
+    except flags.Error as e:
+        message = " ".join(str(e).split())
+        print(f"error: {message}; see --help", file=sys.stderr)
+        raise SystemExit(USAGE) from None
+
+
 def main() -> None:
-    app.run(run)
+    try:
+        app.run(run, flags_parser=parse_flags)
+    except BrokenPipeError:  # stdout closed early (--help | head): no traceback at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None
 
 
 if __name__ == "__main__":

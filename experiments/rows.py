@@ -185,10 +185,14 @@ def read_jsonl(path: str | os.PathLike, schema: Schema, fix: str) -> list[dict]:
     """Every row of a JSONL file, parsed and checked against `schema` (blank lines skipped).
 
     The whole file is checked even when the caller uses only its first rows: a bad row or a
-    repeated id further down would otherwise appear only when more samples are asked for.
+    repeated id further down would otherwise appear only when more samples are asked for. A
+    file with no row (empty or blank) is a RowError too: there is nothing to evaluate, and a
+    run would otherwise record the empty file's checksum and fail later.
     """
     source = os.fspath(path)
     with open(path, "rb") as f:
         lines = [(f"line {n}", raw) for n, raw in enumerate(f, 1) if raw.strip()]
+    if not lines:
+        raise RowError(f"{source} holds no rows (it is empty or blank); {fix}")
     return check_rows(((label, parse_line(raw, source, label, fix)) for label, raw in lines),
                       schema, source, fix)

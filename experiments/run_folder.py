@@ -14,23 +14,88 @@ the identity, the data checksums, the extent and every command that wrote the fo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from experiments.predictions import PREDICTIONS_FILE, config_hash
 
 CONFIG_FILE = "config.json"
+LOCK_FILE = ".lock"  # flock'ed by the runner that writes the folder; holds its pid
 FORMAT = 2  # config.json layout; folders of the first runner (no run_id) are refused
 _HASHED_IN_FULL = (".json", ".jinja", ".txt", ".model")  # small files whose bytes matter
 
 
 class RunFolderError(ValueError):
     """A folder that cannot take this run; the message says what differs and what to do."""
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process holds the folder's lock; the message names its pid."""
+
+
+def _holder_pid(path: pathlib.Path) -> str:
+    """The pid the lock's holder wrote, or "unknown" (it may not have written it yet)."""
+    for _ in range(20):
+        try:
+            pid = path.read_text().strip()
+        except OSError:
+            pid = ""
+        if pid:
+            return pid
+        time.sleep(0.025)
+    return "unknown"
+
+
+@contextlib.contextmanager
+def locked(out_dir: str | os.PathLike) -> Iterator[pathlib.Path]:
+    """Holds an exclusive lock on run folder `out_dir` (created if absent) while in the block.
+
+    `fcntl.flock` on OUT_DIR/.lock, which holds the holder's pid; the kernel drops the lock
+    when the process dies, so a killed run leaves no stale lock (only the file, which the next
+    runner reuses). Raises RunFolderBusy, naming the holder's pid, if another process holds
+    it. The file is removed on release (while still locked: a runner that opened it meanwhile
+    sees it is gone and opens the new one). Reading a folder (the report) takes no lock.
+    """
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_FILE
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunFolderBusy(
+                f"{out_dir} is in use by another runner (pid {_holder_pid(path)}); wait for "
+                "it to end (or stop it), or use another --out_dir") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        held = os.fstat(fd)
+        if current is not None and (current.st_dev, current.st_ino) == (held.st_dev,
+                                                                         held.st_ino):
+            break
+        os.close(fd)  # released and removed by its last holder between open and flock
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -43,10 +108,14 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def files_fingerprint(folder: str | os.PathLike) -> str:
-    """Short hash of a checkpoint folder: configs and tokenizer by content, weights by size.
+    """Short hash of a checkpoint folder's files, by content (`file_fingerprint` of each).
 
-    Reading every weight byte of an 8B checkpoint would take minutes; a changed config,
-    tokenizer or weight file size is what a different checkpoint in the same path shows.
+    Configs, tokenizer and every file under 64 MiB are hashed in full; larger (weight) files
+    by size, safetensors header and evenly spaced sampled blocks. A re-saved checkpoint with
+    other values of the same shapes thus gets another fingerprint, unless its change is
+    confined to bytes between the sampled blocks of a file over 64 MiB (see
+    `file_fingerprint`). A folder of small text files (the synthetic haystack) keeps the
+    fingerprint the earlier, size-based version gave it.
     """
     folder = pathlib.Path(folder)
     digest = hashlib.sha256()
@@ -55,8 +124,43 @@ def files_fingerprint(folder: str | os.PathLike) -> str:
         if path.suffix in _HASHED_IN_FULL:
             digest.update(f"{rel}:{sha256_file(path)}\n".encode())
         else:
-            digest.update(f"{rel}:{path.stat().st_size}\n".encode())
+            digest.update(f"{rel}:content:{file_fingerprint(path)}\n".encode())
     return digest.hexdigest()[:16]
+
+
+# Files up to FULL_HASH_LIMIT bytes are hashed whole; larger ones by SAMPLED_BLOCKS blocks.
+FULL_HASH_LIMIT = 64 << 20
+SAMPLE_BLOCK = 64 << 10
+SAMPLED_BLOCKS = 128
+_SAFETENSORS_MAX_HEADER = 100 << 20  # safetensors' own limit on its JSON header
+
+
+def file_fingerprint(path: str | os.PathLike) -> str:
+    """Hex sha256 of one file's content: all of it up to 64 MiB, else a sample.
+
+    A file over `FULL_HASH_LIMIT` (64 MiB) is hashed by its size, its safetensors header (the
+    JSON of tensor names, dtypes, shapes and offsets, for `.safetensors` files) and
+    `SAMPLED_BLOCKS` (128) blocks of 64 KiB evenly spaced from its first to its last byte
+    (8 MiB of a multi-GB file: milliseconds instead of the seconds to minutes a full read
+    takes). Limit: a change confined to bytes between sampled blocks goes unseen; on a
+    513 MiB file the blocks are 4 MiB apart, so one re-saved tensor of the same shape under
+    4 MiB may be missed (a fine-tune or another checkpoint changes nearly every block).
+    """
+    path = pathlib.Path(path)
+    size = path.stat().st_size
+    if size <= FULL_HASH_LIMIT:
+        return sha256_file(path)
+    digest = hashlib.sha256(f"size:{size}\n".encode())
+    with open(path, "rb") as f:
+        if path.suffix == ".safetensors":
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            digest.update(b"header:" + head + f.read(min(n, _SAFETENSORS_MAX_HEADER, size)))
+        last = size - SAMPLE_BLOCK
+        for i in range(SAMPLED_BLOCKS):
+            f.seek(last * i // (SAMPLED_BLOCKS - 1))
+            digest.update(f.read(SAMPLE_BLOCK))
+    return digest.hexdigest()
 
 
 def run_id(identity: dict[str, Any]) -> str:
@@ -141,7 +245,8 @@ def _check_data(old: dict[str, str], new: dict[str, str], out_dir: pathlib.Path)
         raise RunFolderError(
             f"{out_dir} was run on other data for {', '.join(changed)} (sha256 of the rows' "
             "source); its predictions would mix two versions of the data. Use another "
-            "--out_dir (or leave it out: each configuration gets its own folder)")
+            "--out_dir for this data (the default folder is named by the configuration, not "
+            "the data, so it is this one), or restore the data this folder was run on")
 
 
 def open_run(out_dir: str | os.PathLike, identity: dict[str, Any], data: dict[str, str],
@@ -166,10 +271,14 @@ def open_run(out_dir: str | os.PathLike, identity: dict[str, Any], data: dict[st
     else:
         diff = differences(old["identity"], identity)
         if diff:
+            weights = (" (model_files fingerprints the checkpoint's files by content; a "
+                       "folder written before it did, by size, cannot be checked against "
+                       "this checkpoint)" if any(d.startswith("model_files:") for d in diff)
+                       else "")
             raise RunFolderError(
-                f"{out_dir} holds a run of another configuration ({'; '.join(diff)}); mixing "
-                "them would make every table wrong. Use another --out_dir (or leave it out: "
-                "each configuration gets its own folder)")
+                f"{out_dir} holds a run of another configuration ({'; '.join(diff)}){weights}; "
+                "mixing them would make every table wrong. Use another --out_dir (or leave it "
+                "out: each configuration gets its own folder)")
         _check_data(old["data"], data, out_dir)
         extra = _covers(old["extent"], extent)
         if extra and not extend:
