@@ -56,16 +56,20 @@ def _check_text(i: int, text: str) -> str:
     return text
 
 
+def _bytes_error(name: str, value: object, ids_form: str) -> TypeError:
+    """Bytes are neither text nor token ids: say how to pass either."""
+    return TypeError(
+        f"{name} is {type(value).__name__}, neither text nor token ids: decode it to a str "
+        f"(.decode('utf-8')), or pass token ids as {ids_form}; {PROMPT_FORMS}"
+    )
+
+
 def _one_prompt(i: int, prompt: object) -> str | list[int]:
     """Prompt `i` as text or a list of int ids; anything else raises, naming what it is."""
     if isinstance(prompt, str):
         return _check_text(i, prompt)
     if isinstance(prompt, bytes | bytearray | memoryview):
-        raise TypeError(
-            f"prompt {i} is {type(prompt).__name__}, neither text nor token ids: decode it to "
-            "a str (prompt.decode('utf-8')), or pass its token ids as a list of ints; "
-            f"{PROMPT_FORMS}"
-        )
+        raise _bytes_error(f"prompt {i}", prompt, "[id, ...]")
     if hasattr(prompt, "__array__") and not isinstance(prompt, Sequence):  # numpy, jax
         array = np.asarray(prompt)
         if array.ndim != 1:
@@ -107,11 +111,7 @@ def as_prompts(prompts: object) -> list[str] | list[list[int]]:
     if isinstance(prompts, str):
         return [_check_text(0, prompts)]
     if isinstance(prompts, bytes | bytearray | memoryview):
-        raise TypeError(
-            f"prompts is {type(prompts).__name__}, not text: decode it "
-            "(prompts.decode('utf-8')) and pass the str, or pass token ids as [[id, ...]]; "
-            f"{PROMPT_FORMS}"
-        )
+        raise _bytes_error("prompts", prompts, "[[id, ...]]")
     if hasattr(prompts, "__array__") and not isinstance(prompts, Sequence):  # numpy, jax
         array = np.asarray(prompts)
         if array.ndim == 2 and array.dtype.kind in "iu":  # equal-length rows of ids

@@ -38,7 +38,7 @@ def test_bytes_prompt_is_refused_not_read_as_token_ids(chat_model):
     """b"Hello there" used to become the ids of its bytes (104, 101, ...): garbage."""
     with pytest.raises(TypeError, match=rf"prompt 0 is bytes, .*decode it to a str.*{FORMS}"):
         _gen(chat_model, [b"hello there"])
-    with pytest.raises(TypeError, match=r"prompts is bytes, not text: decode it"):
+    with pytest.raises(TypeError, match=r"prompts is bytes, neither text nor token ids: decode it"):
         _gen(chat_model, b"hello there")
 
 
