@@ -57,8 +57,8 @@ from experiments.run_folder import (
 )
 
 PROTOCOL = "longbench-v1-pred.py"  # experiments.protocol's steps; bump if they change
-# The no-argument job (the README's first command) is chosen by measurement (README, "Latest
-# results", the no-argument run): the synthetic tasks on which the embedded model's FullKV
+# The no-argument job (the README's first command) is chosen by measurement (RESULTS.md, the
+# no-argument run): the synthetic tasks on which the embedded model's FullKV
 # answers well at 512 tokens while SnapKV at budgets 128 / 256 falls far below it, enough
 # samples for a paired test, batches of 4, and all of it in under 5 minutes on a 2-core CPU.
 MAIN_JOB_TASKS = ("passkey", "essay_qa")
