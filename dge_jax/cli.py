@@ -88,7 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="on an error, show its traceback instead of the one-line message",
     )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text for one prompt", parents=[common])
+    _add_generate(sub.add_parser("generate", help="generate text for one prompt", parents=[common]))
+    _add_convert(
+        sub.add_parser(
+            "convert",
+            help="convert a checkpoint to an orbax folder that `load` restores sharded",
+            parents=[common],
+        )
+    )
+    return parser
+
+
+def _add_generate(g: argparse.ArgumentParser) -> None:
+    """The `generate` subcommand's flags: the prompt and sampling, then the eviction group."""
     g.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -152,16 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="any other field of the policy (repeatable), e.g. lag_size=64, chunk_length=10",
     )
-    c = sub.add_parser(
-        "convert",
-        help="convert a checkpoint to an orbax folder that `load` restores sharded",
-        parents=[common],
-    )
+
+
+def _add_convert(c: argparse.ArgumentParser) -> None:
+    """The `convert` subcommand's flags."""
     c.add_argument("--model", required=True, help="checkpoint folder or embedded model name")
     c.add_argument("--out", required=True, help="new folder to write")
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.add_argument("--mesh", default=None, help="read sharded on a mesh, e.g. data=1,model=8")
-    return parser
 
 
 def run_convert(args: argparse.Namespace) -> dict:
