@@ -101,10 +101,11 @@ def run_dge(model, prompt: list[int], n: int, policy, args, rss) -> dict:
     """One dge_jax run: FullKV (policy None) or decode-time compression with `policy`. The
     prefill cache holds prompt + N slots for FullKV, prompt + one interval (rounded as the
     pipeline rounds it, `generation.cache_room`) for compression."""
-    from dge_jax import decode_compression, decoding
-    from dge_jax.decode_spec import DecodeCompression
-    from dge_jax.eviction import round_up_slots
-    from dge_jax.sampling import Greedy
+    from dge_jax.eviction import decode_compression
+    from dge_jax.eviction.decode_spec import DecodeCompression
+    from dge_jax.eviction.evict import round_up_slots
+    from dge_jax.runtime import decoding
+    from dge_jax.runtime.sampling import Greedy
 
     cfg, params, eos = model.config, model.params, eos_of(model)
     tokens = jnp.asarray([prompt], jnp.int32)
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     from benchmarks.peer_client import Peers
     from benchmarks.peers import RssSampler
-    from dge_jax.policies import SnapKV, StreamingLLM
+    from dge_jax.rules.policies import SnapKV, StreamingLLM
 
     peers = None
     if not args.no_peers and pathlib.Path(args.peer_python).exists():

@@ -26,15 +26,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax import decoding as gen
-from dge_jax.cache import compact
 from dge_jax.config import ModelConfig, RopeConfig
-from dge_jax.eviction import select_for
+from dge_jax.eviction.evict import select_for
+from dge_jax.eviction.selection import apply_keep
+from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
-from dge_jax.policies import SnapKV
-from dge_jax.sampling import Greedy
-from dge_jax.selection import apply_keep
-from dge_jax.timing import Timing
+from dge_jax.rules.policies import SnapKV
+from dge_jax.runtime import decoding as gen
+from dge_jax.runtime.cache import compact
+from dge_jax.runtime.sampling import Greedy
 
 GREEDY = Greedy()
 EOS_IDS: tuple[int, ...] = ()  # no EOS: every run decodes the same number of steps

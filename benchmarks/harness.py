@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 from benchmarks.peers import RssSampler
-from dge_jax import decoding as gen
-from dge_jax.eviction import select_for
+from dge_jax.eviction.evict import select_for
+from dge_jax.runtime import decoding as gen
 
 COMPILE_EVENTS = (
     "/jax/core/compile/jaxpr_trace_duration",
@@ -172,7 +172,7 @@ class StageTimer:
 
 def jit_cache_sizes() -> dict[str, int]:
     """Compiled variants held by each of the library's jitted steps so far."""
-    from dge_jax import eviction
+    from dge_jax.eviction import evict as eviction
 
     fns = {
         "prefill": gen.prefill,

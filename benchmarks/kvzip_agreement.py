@@ -55,9 +55,9 @@ import numpy as np
 import dge_jax
 from benchmarks import rule_agreement as ra
 from benchmarks.rule_agreement import Prompt, compare, fmt_gap, notes, run_peer
-from dge_jax.eviction import Eviction
-from dge_jax.kvzip import KVzip, template_parts
-from dge_jax.timing import Timing
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.kvzip import KVzip, template_parts
 
 PREFILL = Timing("prefill", 1)
 SINKS = 4

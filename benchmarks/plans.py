@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 import dge_jax
-from dge_jax.eviction import Eviction
-from dge_jax.policies import PyramidKV, SnapKV, StreamingLLM
-from dge_jax.timing import Timing
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.policies import PyramidKV, SnapKV, StreamingLLM
 
 SNAPKV = SnapKV.kvpress()  # window 64, kernel 5, avg-pool: selects what SnapKVPress selects
 PREFILL, DGE2, DGE_W2 = Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2)

@@ -36,12 +36,12 @@ from collections.abc import Callable
 
 import dge_jax
 from benchmarks.peer_client import PEERS_PYTHON, SETUP_COMMAND
-from dge_jax.eviction import Eviction
-from dge_jax.expected_attention import ExpectedAttention
-from dge_jax.key_statistics import KeyDiff, LagKV
-from dge_jax.policies import SnapKV
-from dge_jax.rule_wrappers import ChunkKV, CriticalKV
-from dge_jax.timing import Timing
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.expected_attention import ExpectedAttention
+from dge_jax.rules.key_statistics import KeyDiff, LagKV
+from dge_jax.rules.policies import SnapKV
+from dge_jax.rules.rule_wrappers import ChunkKV, CriticalKV
 
 HERE = pathlib.Path(__file__).resolve().parent
 PEER_SCRIPT = HERE / "peer_rules.py"

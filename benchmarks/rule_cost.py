@@ -21,9 +21,9 @@ import jax
 import numpy as np
 
 import dge_jax
-from dge_jax.eviction import Eviction
-from dge_jax.registry import make_policy
-from dge_jax.timing import Timing
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.registry import make_policy
 
 RULES = (
     ("snapkv", {"window": 8}),

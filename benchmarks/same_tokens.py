@@ -24,9 +24,9 @@ import json
 import sys
 
 import dge_jax
-from dge_jax.eviction import Eviction
-from dge_jax.policies import PyramidKV, SnapKV, StreamingLLM
-from dge_jax.timing import Timing
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.policies import PyramidKV, SnapKV, StreamingLLM
 from experiments import protocol, synthetic
 
 PREFILL, DGE2, DGE_W2 = Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2)

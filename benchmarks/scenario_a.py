@@ -16,9 +16,10 @@ from benchmarks import eviction_decode as ed
 from benchmarks.harness import Call, StageTimer, jit_cache_sizes
 from benchmarks.plans import A_METHODS, GRID_POLICIES, GRID_TIMINGS, Plan, a_cells
 from benchmarks.work import linear_params, prefill_flops, tree_bytes
-from dge_jax import generation, prompts
+from dge_jax import generation
 from dge_jax.config import ModelConfig
-from dge_jax.eviction import Eviction
+from dge_jax.eviction.evict import Eviction
+from dge_jax.runtime import prompts
 
 PROMPT_TASKS = ("passkey", "niah_multikey", "vt_chain", "essay_qa")
 
@@ -199,7 +200,7 @@ def prefill_profile(
     is what the chunked prefill computes); the rest of the prefill is norms, RoPE, cache
     writes and the LM head. (XLA's cost analysis does not see inside the prefill's scans.)
     """
-    from dge_jax.attention import written_slot_attention
+    from dge_jax.runtime.attention import written_slot_attention
 
     cfg, params = model.config, model.params
     t = prompts.bucket_length(tokens, chunk)

@@ -23,13 +23,13 @@ from benchmarks import eviction_decode as ed
 from benchmarks.harness import CompileCost, CompileLog, Memory
 from benchmarks.plans import DGE2, Plan
 from benchmarks.work import prefill_flops, tree_bytes
-from dge_jax import decoding as gen
-from dge_jax.cache import compact
 from dge_jax.config import ModelConfig
-from dge_jax.eviction import capacity_for, select_for
+from dge_jax.eviction.evict import capacity_for, select_for
+from dge_jax.eviction.selection import apply_keep
 from dge_jax.families import get_family
-from dge_jax.policies import SnapKV
-from dge_jax.selection import apply_keep
+from dge_jax.rules.policies import SnapKV
+from dge_jax.runtime import decoding as gen
+from dge_jax.runtime.cache import compact
 
 
 def kv_config(plan: Plan, tokens: int, batch: int, max_tokens: int | None = None):

@@ -16,7 +16,7 @@ of `benchmarks.run` at 4k), 64 new tokens (EOS banned), warm calls, median of --
   XLA compilations and compile seconds of the cold call (`jax.monitoring`).
 
 Only calls that exist at both commits are used (`dge_jax.generate`, `dge_jax.generate_grid`,
-`dge_jax.decoding.prefill`). `--memory` adds, through the grid's stage hook (this commit
+`dge_jax.runtime.decoding.prefill`). `--memory` adds, through the grid's stage hook (this commit
 only), the bytes of its 27 evicted caches against one capacity for all layers.
 """
 
@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 
 import dge_jax
-from dge_jax import decoding
-from dge_jax.eviction import Eviction
-from dge_jax.policies import PyramidKV, SnapKV, StreamingLLM
-from dge_jax.timing import Timing
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.policies import PyramidKV, SnapKV, StreamingLLM
+from dge_jax.runtime import decoding
 from experiments import protocol, synthetic
 
 TOKENS, NEW, BUDGET = 4096, 64, 256

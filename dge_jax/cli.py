@@ -24,13 +24,13 @@ import json
 import sys
 from collections.abc import Sequence
 
-from dge_jax.decode_spec import DecodeCompression
-from dge_jax.eviction import HEAD_BUDGETS, Eviction
+from dge_jax.eviction.decode_spec import DecodeCompression
+from dge_jax.eviction.evict import HEAD_BUDGETS, Eviction
+from dge_jax.eviction.selection import TIES
+from dge_jax.eviction.timing import KINDS, Timing
 from dge_jax.model import DEFAULT_MODEL
-from dge_jax.registry import POLICIES, make_policy, resolve
-from dge_jax.sampling import Greedy, Sampling
-from dge_jax.selection import TIES
-from dge_jax.timing import KINDS, Timing
+from dge_jax.rules.registry import POLICIES, make_policy, resolve
+from dge_jax.runtime.sampling import Greedy, Sampling
 
 # Eviction flags default to None so that a flag the user gave is told from one left out.
 EVICTION_DEFAULTS = {
@@ -177,7 +177,7 @@ def _add_convert(c: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> dict:
     """Converts `--model` into an orbax folder at `--out`; returns the JSON-able summary."""
     from dge_jax.checkpoints import orbax_io
-    from dge_jax.sharding import parse_mesh
+    from dge_jax.runtime.sharding import parse_mesh
 
     mesh = parse_mesh(args.mesh) if args.mesh else None
     out = orbax_io.convert(args.model, args.out, dtype=args.dtype, mesh=mesh)

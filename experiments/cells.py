@@ -15,10 +15,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from dge_jax.decode_spec import DecodeCompression
-from dge_jax.eviction import Eviction
-from dge_jax.registry import POLICIES, WRAPPERS, make_policy, policy_fields, resolve
-from dge_jax.timing import KINDS, Adaptive, Timing
+from dge_jax.eviction.decode_spec import DecodeCompression
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import KINDS, Adaptive, Timing
+from dge_jax.rules.registry import POLICIES, WRAPPERS, make_policy, policy_fields, resolve
 
 ADAKV_PREFIX = "adakv_"
 # method prefix -> (Eviction.head_budget, Eviction.alpha)

@@ -40,8 +40,8 @@ from collections.abc import Iterator
 from absl import app, flags
 from absl import logging as absl_logging
 
-from dge_jax.registry import POLICIES
-from dge_jax.timing import Adaptive
+from dge_jax.eviction.timing import Adaptive
+from dge_jax.rules.registry import POLICIES
 from experiments import protocol, ruler, synthetic
 from experiments.cells import POLICY_OPTIONS, Cell, build_cells
 from experiments.longbench_config import ALL_TASKS
@@ -371,7 +371,7 @@ def check_datasets(suite: str, datasets: list[str] | None) -> list[str] | None:
 def grid_evictions(cells: list[Cell], identity: dict, datasets: list[str]) -> dict:
     """Each cell's `Eviction`, checked against every dataset's generation length (a budget
     under the protected window, k over max_new_tokens) before anything is written."""
-    from dge_jax.eviction import check_eviction
+    from dge_jax.eviction.evict import check_eviction
 
     adaptive = (None if FLAGS.adaptive_rule is None else
                 Adaptive(FLAGS.adaptive_rule, FLAGS.adaptive_threshold))
@@ -410,7 +410,7 @@ def evaluate(state: dict) -> int:
     datasets = check_datasets(FLAGS.suite, list_flag("datasets"))
     mesh = None
     if FLAGS.mesh:
-        from dge_jax.sharding import parse_mesh
+        from dge_jax.runtime.sharding import parse_mesh
 
         mesh = parse_mesh(FLAGS.mesh)
     model = dge_jax.load(FLAGS.model, dtype=FLAGS.dtype, mesh=mesh)
@@ -493,7 +493,7 @@ def check_model(model, mesh) -> None:
     if model.tokenizer is None:
         raise ValueError(f"{FLAGS.model} has no tokenizer.json; the runner needs one")
     if mesh is not None:
-        from dge_jax.sharding import row_multiple
+        from dge_jax.runtime.sharding import row_multiple
 
         rows = row_multiple(model.config, dict(mesh.shape))
         if FLAGS.batch_size % rows:

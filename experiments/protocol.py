@@ -19,7 +19,7 @@ row's `input` is the prompt (RULER's own template, already filled), the chat tem
 it, and the row's `answer_prefix` follows, as RULER's call_api.py sends `input + answer_prefix`.
 The tokenizer is any object with `encode(text) -> list[int]` and `decode(ids) -> str` (decode
 should skip special tokens, as pred.py's `skip_special_tokens=True` does;
-`dge_jax.tokenizer.Tokenizer` qualifies).
+`dge_jax.runtime.tokenizer.Tokenizer` qualifies).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def prepare_sample(
     """Prompt -> middle truncation on its tokens -> chat template (not for the six) -> prefix.
 
     `chat(prompt)` renders one user turn with the generation prompt, e.g.
-    `dge_jax.tokenizer.Tokenizer.apply_chat_template`; pass `lambda p: p` for a base model.
+    `dge_jax.runtime.tokenizer.Tokenizer.apply_chat_template`; pass `lambda p: p` for a base model.
     `with_answer_prefix=False` ends the prompt at the chat template's generation prompt, so
     the model starts its answer unprompted (an ablation: the first drafted tokens are then
     the model's own preamble, e.g. "The pass key is", rather than the answer itself).

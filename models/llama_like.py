@@ -3,7 +3,7 @@
 Llama, Mistral, Qwen2 and Qwen3 differ only by switches in `ModelConfig` (q/k/v bias, q/k
 norm, explicit head_dim, tied head), so one forward serves them all. Layer parameters are
 stacked on a leading [L] axis and the layers run under `lax.scan` over each layer group of the
-cache (`dge_jax.cache`): compile time stays flat as models get deeper.
+cache (`dge_jax.runtime.cache`): compile time stays flat as models get deeper.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.attention import cache_layer_attention
-from dge_jax.cache import KVCache, LayerGroup
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardOutput, group_layers
-from dge_jax.rope import apply_rope, inverse_frequencies, rope_tables
+from dge_jax.runtime.attention import cache_layer_attention
+from dge_jax.runtime.cache import KVCache, LayerGroup
+from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables
 
 
 @jax.tree_util.register_dataclass
@@ -65,7 +65,7 @@ class Weight:
     """One parameter field: everything the library needs to know about it, in one row.
 
     name: the field ("layers.wq": stacked on a leading [L] axis); axes: its logical axes
-    (`dge_jax.sharding` maps them onto a mesh); hf_key: the Hugging Face tensor name pattern
+    (`dge_jax.runtime.sharding` maps them onto a mesh); hf_key: the Hugging Face tensor name pattern
     (a captured group is the layer index); transform: "keep", or "transpose" for torch's
     [out, in] linear weights (we keep [in, out]); shape and present: from the config;
     init: "ones" (norms) or "normal" (random init for tests and benchmarks).

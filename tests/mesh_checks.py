@@ -30,17 +30,17 @@ import numpy as np
 from safetensors.numpy import save_file
 
 import dge_jax
-from dge_jax import decoding as gen
-from dge_jax import eviction
-from dge_jax import sharding as sh
 from dge_jax.checkpoints import orbax_io
-from dge_jax.decode_spec import DecodeCompression
-from dge_jax.eviction import Eviction
+from dge_jax.eviction import evict as eviction
+from dge_jax.eviction.decode_spec import DecodeCompression
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import dge, prefill
 from dge_jax.generation import generate_grid
-from dge_jax.policies import SnapKV
-from dge_jax.prompts import pad_left
-from dge_jax.sampling import Greedy
-from dge_jax.timing import dge, prefill
+from dge_jax.rules.policies import SnapKV
+from dge_jax.runtime import decoding as gen
+from dge_jax.runtime import sharding as sh
+from dge_jax.runtime.prompts import pad_left
+from dge_jax.runtime.sampling import Greedy
 
 MESHES = ((8, 1), (2, 4), (1, 8))
 CONFIG = {

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.budgets import PyramidSchedule, _floor_times, adakv_budgets, expand_budgets
-from dge_jax.policies import PyramidKV
-from dge_jax.selection import select
+from dge_jax.eviction.budgets import PyramidSchedule, _floor_times, adakv_budgets, expand_budgets
+from dge_jax.eviction.selection import select
+from dge_jax.rules.policies import PyramidKV
 
 L, B, H = 3, 2, 4
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from dge_jax.policies import H2O, SnapKV, StreamingLLM
-from dge_jax.timing import Adaptive, Timing
+from dge_jax.eviction.timing import Adaptive, Timing
+from dge_jax.rules.policies import H2O, SnapKV, StreamingLLM
 from experiments.cells import Cell, build_cells, check_method, parse_cell_id
 
 OPTIONS = {"window": 4, "kernel": 5, "pooling": "avg", "gqa": "max"}
@@ -103,7 +103,7 @@ def test_adakv_prefix_sets_head_budget():
 
 
 def test_global_prefix_pools_every_layer_with_kvzips_alpha():
-    from dge_jax.kvzip import KVzip
+    from dge_jax.rules.kvzip import KVzip
 
     ev = Cell("global_kvzip", "prefill", 1, 64).eviction(OPTIONS)
     assert ev.head_budget == "global" and ev.alpha == 0.0 and ev.policy == KVzip()
@@ -145,8 +145,8 @@ def test_adaptive_cell_eviction():
 def test_wrapped_rules_as_methods():
     """A wrapper names its inner rule in the method ("criticalkv_h2o"); options go to the rule
     that takes them; a wrapper of a wrapper, or of FullKV, is refused by name."""
-    from dge_jax.expected_attention import ExpectedAttention
-    from dge_jax.rule_wrappers import ChunkKV, CriticalKV
+    from dge_jax.rules.expected_attention import ExpectedAttention
+    from dge_jax.rules.rule_wrappers import ChunkKV, CriticalKV
 
     cells = build_cells(
         ["criticalkv_expectedattention", "adakv_chunkkv_h2o"], ["dge"], [2], [32]
@@ -164,7 +164,7 @@ def test_wrapped_rules_as_methods():
 def test_decode_cells_ids_and_evictions():
     """Cells that also compress while decoding: one variant per decode budget x interval next
     to each cell, timing "decode" at its decode budget; ids round-trip and carry the spec."""
-    from dge_jax.decode_spec import DecodeCompression
+    from dge_jax.eviction.decode_spec import DecodeCompression
 
     cells = build_cells(["full", "snapkv"], ["prefill", "dge", "decode"], [2], [64],
                         decode_budgets=[32, 48], intervals=[8])

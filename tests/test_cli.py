@@ -105,7 +105,7 @@ def test_sampling_flag_errors_speak_in_flags(capsys, flags, message):
 
 
 def test_sampling_api_error_still_names_greedy():
-    from dge_jax.sampling import Sampling
+    from dge_jax.runtime.sampling import Sampling
 
     with pytest.raises(ValueError, match=r"temperature must be > 0 \(got -1\); use Greedy\(\)"):
         Sampling(temperature=-1)
@@ -160,10 +160,10 @@ def test_decode_budget_json_lists_what_each_compression_kept(checkpoint, capsys)
     flags = ["--policy", "snapkv", "--window", "4", "--timing", "decode", "--decode_budget",
              "12", "--interval", "4", "--max_new_tokens", "14"]  # fmt: skip
     out = main_json(capsys, "--model", str(folder), "--prompt", prompt, *flags)
-    from dge_jax.decode_spec import DecodeCompression
-    from dge_jax.eviction import Eviction
-    from dge_jax.policies import SnapKV
-    from dge_jax.timing import Timing
+    from dge_jax.eviction.decode_spec import DecodeCompression
+    from dge_jax.eviction.evict import Eviction
+    from dge_jax.eviction.timing import Timing
+    from dge_jax.rules.policies import SnapKV
 
     model = dge_jax.load(folder)
     ev = Eviction(SnapKV(window=4), 12, Timing("decode"), decode=DecodeCompression(12, 4))

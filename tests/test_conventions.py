@@ -24,18 +24,18 @@ import pytest
 from numpy_reference import pool as ref_pool
 
 from dge_jax import cli
-from dge_jax import decoding as gen
-from dge_jax.cache import KVCache
-from dge_jax.eviction import Eviction, keep_masks, select_for, select_for_budgets
+from dge_jax.eviction.evict import Eviction, keep_masks, select_for, select_for_budgets
+from dge_jax.eviction.observation import Observation
+from dge_jax.eviction.selection import select, top_mask
+from dge_jax.eviction.timing import Timing
 from dge_jax.generation import generate_grid
-from dge_jax.observation import Observation
-from dge_jax.policies import H2O, PyramidKV, SnapKV
-from dge_jax.prompts import bucket_length, pad_left
-from dge_jax.registry import make_policy
-from dge_jax.sampling import Greedy
-from dge_jax.scoring import pool1d, reduce
-from dge_jax.selection import select, top_mask
-from dge_jax.timing import Timing
+from dge_jax.rules.policies import H2O, PyramidKV, SnapKV
+from dge_jax.rules.registry import make_policy
+from dge_jax.rules.scoring import pool1d, reduce
+from dge_jax.runtime import decoding as gen
+from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.prompts import bucket_length, pad_left
+from dge_jax.runtime.sampling import Greedy
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
 HQ = HKV * G
@@ -498,9 +498,9 @@ def test_cli_flags(capsys):
 def test_cli_wrapped_rules_and_policy_options(capsys):
     """--policy names a wrapper around a rule; --policy_option sets any field (typed), and is
     refused, naming the field, by a policy without it (or with --policy full)."""
-    from dge_jax.expected_attention import ExpectedAttention
-    from dge_jax.key_statistics import LagKV
-    from dge_jax.rule_wrappers import CriticalKV
+    from dge_jax.rules.expected_attention import ExpectedAttention
+    from dge_jax.rules.key_statistics import LagKV
+    from dge_jax.rules.rule_wrappers import CriticalKV
 
     parse = cli.build_parser().parse_args
     base = ["generate", "--prompt", "hi"]
@@ -530,7 +530,7 @@ def test_cli_wrapped_rules_and_policy_options(capsys):
 def test_cli_kvzip_with_global_budgets_and_alpha(capsys):
     """--head_budget global --alpha 0 is kvpress's KVzip allocation; --alpha is refused with
     uniform budgets, where it would do nothing."""
-    from dge_jax.kvzip import KVzip
+    from dge_jax.rules.kvzip import KVzip
 
     parse = cli.build_parser().parse_args
     base = ["generate", "--prompt", "hi", "--policy", "kvzip"]

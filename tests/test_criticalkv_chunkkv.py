@@ -1,4 +1,4 @@
-"""CriticalKV and ChunkKV (`dge_jax.rule_wrappers`) against NumPy transcriptions of kvpress's
+"""CriticalKV and ChunkKV (`dge_jax.rules.rule_wrappers`) against NumPy transcriptions of kvpress's
 ``CriticalKVPress`` and ``ChunkKVPress``, on hand-made left-padded caches with SnapKV and
 KeyDiff inside; the registry's wrapper names; the scoring a grid shares."""
 
@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.budgets import adakv_budgets
-from dge_jax.cache import KVCache
-from dge_jax.eviction import select_for, select_for_budgets
-from dge_jax.key_statistics import KeyDiff
-from dge_jax.observation import Observation
-from dge_jax.policies import H2O, KeyNorm, PyramidKV, SnapKV
-from dge_jax.registry import POLICIES, make_policy
-from dge_jax.rule_wrappers import ChunkKV, CriticalKV, projected_value_norms
+from dge_jax.eviction.budgets import adakv_budgets
+from dge_jax.eviction.evict import select_for, select_for_budgets
+from dge_jax.eviction.observation import Observation
+from dge_jax.rules.key_statistics import KeyDiff
+from dge_jax.rules.policies import H2O, KeyNorm, PyramidKV, SnapKV
+from dge_jax.rules.registry import POLICIES, make_policy
+from dge_jax.rules.rule_wrappers import ChunkKV, CriticalKV, projected_value_norms
+from dge_jax.runtime.cache import KVCache
 
 L, HKV, G, D, E = 2, 2, 2, 8, 12
 HQ = HKV * G

@@ -1,4 +1,4 @@
-"""Decoding-time compression (`dge_jax.decode_compression`): equality with FullKV when the
+"""Decoding-time compression (`dge_jax.eviction.decode_compression`): equality with FullKV when the
 budget holds everything, SnapKV's kept sets after every compression against a step-by-step
 NumPy reference of the same rule, masked = compacted logits, StreamingLLM's exact kept
 sets, flat memory in the answer length, composition with every timing, and the refusals."""
@@ -15,15 +15,16 @@ from numpy_reference import pool
 from tiny_model import jax_model
 
 import dge_jax
-from dge_jax import decode_compression, decoding
-from dge_jax.cache import KVCache
-from dge_jax.decode_spec import DecodeCompression
-from dge_jax.eviction import Eviction
-from dge_jax.policies import H2O, SnapKV, StreamingLLM
-from dge_jax.prompts import cut_at_eos, prepare
-from dge_jax.registry import make_policy
-from dge_jax.sampling import Greedy
-from dge_jax.timing import Timing
+from dge_jax.eviction import decode_compression
+from dge_jax.eviction.decode_spec import DecodeCompression
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.policies import H2O, SnapKV, StreamingLLM
+from dge_jax.rules.registry import make_policy
+from dge_jax.runtime import decoding
+from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.prompts import cut_at_eos, prepare
+from dge_jax.runtime.sampling import Greedy
 
 NEW = 30  # answer tokens
 

@@ -136,8 +136,8 @@ def test_readme_figure_is_drawn_by_the_script(tmp_path):
 
 
 def test_readme_tables_name_every_policy_and_timing():
-    from dge_jax.registry import POLICIES
-    from dge_jax.timing import KINDS
+    from dge_jax.eviction.timing import KINDS
+    from dge_jax.rules.registry import POLICIES
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     for name in POLICIES:
@@ -219,7 +219,8 @@ def test_bash_commands_parse():
 @pytest.fixture(scope="module")
 def workspace():
     """The WORKSPACE python blocks executed in a fresh module; registrations undone after."""
-    from dge_jax import families, registry
+    from dge_jax import families
+    from dge_jax.rules import registry
 
     families_before = dict(families._FAMILIES)
     policies_before = dict(registry.POLICIES)
@@ -239,8 +240,8 @@ def test_workspace_family_example_loads_a_checkpoint(workspace, checkpoint, tmp_
     import jax.numpy as jnp
 
     import dge_jax
-    from dge_jax.decoding import teacher_forced_logits
     from dge_jax.families import get_family
+    from dge_jax.runtime.decoding import teacher_forced_logits
 
     assert get_family("myfamily").parse_config is workspace["parse_myfamily"]
     folder = shutil.copytree(checkpoint("qwen2"), tmp_path / "myfamily")
@@ -262,10 +263,10 @@ def test_workspace_family_example_loads_a_checkpoint(workspace, checkpoint, tmp_
 
 def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint):
     import dge_jax
-    from dge_jax.eviction import Eviction
+    from dge_jax.eviction.evict import Eviction
+    from dge_jax.eviction.timing import Timing
     from dge_jax.generation import generate_grid
-    from dge_jax.registry import make_policy
-    from dge_jax.timing import Timing
+    from dge_jax.rules.registry import make_policy
     from experiments.cells import build_cells
 
     recency = workspace["Recency"]
@@ -299,10 +300,10 @@ def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint)
 @pytest.mark.slow
 def test_every_policy_runs_under_every_timing_and_head_budget(checkpoint):
     import dge_jax
-    from dge_jax.eviction import Eviction
+    from dge_jax.eviction.evict import Eviction
+    from dge_jax.eviction.timing import KINDS, Timing
     from dge_jax.generation import generate_grid
-    from dge_jax.registry import POLICIES, make_policy, policy_fields
-    from dge_jax.timing import KINDS, Timing
+    from dge_jax.rules.registry import POLICIES, make_policy, policy_fields
 
     model = dge_jax.load(checkpoint("llama_chat"))  # KVzip encodes its repeat instruction
     n, budget = 48, 16

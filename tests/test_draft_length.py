@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax import decoding as gen
 from dge_jax.config import ModelConfig
-from dge_jax.eviction import Eviction, select_for_budgets
+from dge_jax.eviction.evict import Eviction, select_for_budgets
+from dge_jax.eviction.timing import Adaptive, Timing
 from dge_jax.families import get_family
 from dge_jax.generation import generate_grid
 from dge_jax.model import Model
-from dge_jax.policies import H2O, SnapKV
-from dge_jax.timing import Adaptive, Timing
+from dge_jax.rules.policies import H2O, SnapKV
+from dge_jax.runtime import decoding as gen
 
 LENGTHS = (52, 37)
 N_NEW = 10

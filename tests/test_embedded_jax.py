@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import dge_jax
-from dge_jax import decoding
 from dge_jax.checkpoints.embedded import embedded_gguf_path
+from dge_jax.runtime import decoding
 
 NAME = "smollm2-135m-instruct"
 pytestmark = pytest.mark.slow

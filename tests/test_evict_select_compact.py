@@ -1,5 +1,5 @@
-"""Selection, masking (dge_jax/selection.py) and compaction (dge_jax/cache.py) on tiny hand-made
-caches."""
+"""Selection, masking (dge_jax/eviction/selection.py) and compaction (dge_jax/runtime/cache.py)
+on tiny hand-made caches."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.cache import KVCache, check_capacity, compact, regroup
-from dge_jax.selection import apply_keep, select, top_mask
+from dge_jax.eviction.selection import apply_keep, select, top_mask
+from dge_jax.runtime.cache import KVCache, check_capacity, compact, regroup
 
 L, B, HKV, G, S, D = 2, 2, 2, 2, 12, 4
 

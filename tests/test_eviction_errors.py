@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 
 from dge_jax import cli
-from dge_jax.cache import init_cache
 from dge_jax.config import ModelConfig
-from dge_jax.eviction import Eviction, check_eviction, select_for
+from dge_jax.eviction.evict import Eviction, check_eviction, select_for
+from dge_jax.eviction.observation import DraftRecord, Observation
+from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
 from dge_jax.generation import generate
 from dge_jax.model import Model
-from dge_jax.observation import DraftRecord, Observation
-from dge_jax.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM
-from dge_jax.registry import make_policy
-from dge_jax.timing import Timing
+from dge_jax.rules.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM
+from dge_jax.rules.registry import make_policy
+from dge_jax.runtime.cache import init_cache
 
 NL, B, HQ, HKV, S, D = 2, 1, 4, 2, 12, 8
 

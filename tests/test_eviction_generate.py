@@ -25,18 +25,18 @@ import numpy as np
 import pytest
 from tiny_model import jax_config, jax_model
 
-from dge_jax import decoding as gen
-from dge_jax import eviction as eviction_mod
-from dge_jax.cache import compact
 from dge_jax.config import ModelConfig
-from dge_jax.eviction import Eviction, keep_masks, select_for, select_for_budgets
+from dge_jax.eviction import evict as eviction_mod
+from dge_jax.eviction.evict import Eviction, keep_masks, select_for, select_for_budgets
+from dge_jax.eviction.selection import apply_keep
+from dge_jax.eviction.timing import Timing
 from dge_jax.generation import generate, generate_grid
 from dge_jax.model import Model
-from dge_jax.policies import H2O, TOVA, KeyNorm, PyramidKV, RandomScores, SnapKV, StreamingLLM
-from dge_jax.prompts import pad_left
-from dge_jax.sampling import Greedy
-from dge_jax.selection import apply_keep
-from dge_jax.timing import Timing
+from dge_jax.rules.policies import H2O, TOVA, KeyNorm, PyramidKV, RandomScores, SnapKV, StreamingLLM
+from dge_jax.runtime import decoding as gen
+from dge_jax.runtime.cache import compact
+from dge_jax.runtime.prompts import pad_left
+from dge_jax.runtime.sampling import Greedy
 
 L, HQ, HKV, HD, VOCAB = 2, 4, 2, 16, 128
 WINDOW = 8

@@ -1,4 +1,4 @@
-"""ExpectedAttention (`dge_jax.expected_attention`): its scores against a NumPy transcription
+"""ExpectedAttention (`dge_jax.rules.expected_attention`): its scores against a NumPy transcription
 of kvpress's ``ExpectedAttentionPress`` (explicit averaged rotation matrices), the query
 statistics the forward records (against the layer-0 queries computed by hand, across chunk
 sizes and padding), draft queries joining the statistics, and a grid's one recording."""
@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from tiny_model import jax_model
 
-from dge_jax.cache import KVCache
 from dge_jax.config import RopeConfig
-from dge_jax.eviction import Eviction
-from dge_jax.expected_attention import ExpectedAttention
-from dge_jax.observation import DraftRecord, Observation, QueryStats, with_drafts
-from dge_jax.rope import inverse_frequencies
-from dge_jax.timing import Timing
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.expected_attention import ExpectedAttention
+from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.rope import inverse_frequencies
 
 L, HKV, G, D = 2, 2, 2, 8
 HQ = HKV * G
@@ -145,7 +145,7 @@ def model():
 
 
 def _prefill_stats(model, rows, width, chunk, sinks):
-    from dge_jax import decoding
+    from dge_jax.runtime import decoding
 
     tokens = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import dge_jax
-from dge_jax import decoding
-from dge_jax.prompts import bucket_length, pad_left
-from dge_jax.sampling import Greedy, Sampling
+from dge_jax.runtime import decoding
+from dge_jax.runtime.prompts import bucket_length, pad_left
+from dge_jax.runtime.sampling import Greedy, Sampling
 
 # Most tests share prompts of lengths (20, 13) -> bucket 32 and N new tokens, so the jitted
 # prefill compiles once for the module and each sampler compiles only its decode loop.
@@ -279,12 +279,14 @@ def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
     """The decode loop updates its cache buffers in place: its compiled body holds no copy
     of a cache-sized array. (XLA:CPU copied every batch-1 buffer 2-4 times per step while
     attention read the buffer its write had just produced; see
-    dge_jax.attention.cache_layer_attention.)"""
+    dge_jax.runtime.attention.cache_layer_attention.)"""
     import re
 
     cfg = model.config
     slots = 40
-    cache = dge_jax.cache.init_cache(cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    cache = dge_jax.runtime.cache.init_cache(
+        cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim
+    )
     state = decoding.start_state(cache, jnp.ones((batch,), jnp.int32), jnp.full((batch,), 8), 4,
                                  (), jax.random.PRNGKey(0))  # fmt: skip
     for loop in ("scan", "unrolled"):
@@ -307,7 +309,7 @@ def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
 def test_forward_over_any_layer_grouping_equals_the_one_group_forward(model, prompts, grouping):
     """The same forward over the same layers in other groups (`regroup`): same logits, same
     queries, and a cache holding the same entries, in the grouping it was given."""
-    from dge_jax.cache import init_cache, regroup
+    from dge_jax.runtime.cache import init_cache, regroup
 
     cfg = model.config
     nl = cfg.num_layers
@@ -338,7 +340,7 @@ def test_forward_over_any_layer_grouping_equals_the_one_group_forward(model, pro
 
 def test_unknown_layer_loop_is_a_clear_error(model, prompts):
     state = decoding.start_state(
-        dge_jax.cache.init_cache(model.config.num_layers, 1, model.config.num_kv_heads, 8,
+        dge_jax.runtime.cache.init_cache(model.config.num_layers, 1, model.config.num_kv_heads, 8,
                                  model.config.head_dim),
         jnp.zeros((1,), jnp.int32), jnp.asarray([4]), 2, (), jax.random.PRNGKey(0),
     )  # fmt: skip
@@ -354,7 +356,9 @@ def test_split_rows_undoes_stack_states(model):
     cfg = model.config
     states = []
     for c in range(3):
-        cache = dge_jax.cache.init_cache(cfg.num_layers, 2, cfg.num_kv_heads, 8, cfg.head_dim)
+        cache = dge_jax.runtime.cache.init_cache(
+            cfg.num_layers, 2, cfg.num_kv_heads, 8, cfg.head_dim
+        )
         first = jnp.asarray([10 * c + 1, 10 * c + 2], jnp.int32)
         states.append(decoding.start_state(cache, first, jnp.full((2,), 4), 3, (),
                                            jax.random.PRNGKey(0)))  # fmt: skip
@@ -371,10 +375,10 @@ def test_split_rows_undoes_stack_states(model):
 def test_the_hook_sees_every_stage_in_order_and_changes_nothing(model, prompts, greedy):
     """generate_grid runs its jitted steps through the hook, in pipeline order; a single cell
     decodes its own state (no stack_states copy); tokens equal the hook-free call's."""
-    from dge_jax.eviction import Eviction
+    from dge_jax.eviction.evict import Eviction
+    from dge_jax.eviction.timing import Timing
     from dge_jax.generation import STAGES, generate_grid
-    from dge_jax.policies import SnapKV
-    from dge_jax.timing import Timing
+    from dge_jax.rules.policies import SnapKV
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""KVzip (`dge_jax.kvzip`) against a NumPy transcription of kvpress's ``KVzipPress``: the
+"""KVzip (`dge_jax.rules.kvzip`) against a NumPy transcription of kvpress's ``KVzipPress``: the
 repeat prompts of ``prepare``, the max cross-attention of ``score_kvzip`` (sinks, chunk,
 causal repeat tokens), its sinks and its global / layerwise allocations, on a tiny random
 Llama with a hand-made character tokenizer; left padding, several chunks, prompts with and
@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 from tiny_model import jax_model
 
-from dge_jax import decoding, generation, kvzip
-from dge_jax.budgets import adakv_budgets, global_budgets
-from dge_jax.eviction import Eviction
-from dge_jax.kvzip import KVzip, Reconstruction
-from dge_jax.observation import Observation
-from dge_jax.timing import Timing
+from dge_jax import generation
+from dge_jax.eviction.budgets import adakv_budgets, global_budgets
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.observation import Observation
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules import kvzip
+from dge_jax.rules.kvzip import KVzip, Reconstruction
+from dge_jax.runtime import decoding
 
 VOCAB = 128
 
@@ -190,7 +192,7 @@ def test_score_keeps_sinks_scores_template_prefix_zero_and_checks_shape():
     pos = np.full((L, B, H, S), -1, np.int32)
     pos[..., 2:] = np.arange(10)  # two padding slots, then positions 0..9
     recon = np.linspace(0.1, 0.9, S, dtype=np.float32).reshape(L, B, H, S)
-    from dge_jax.cache import KVCache
+    from dge_jax.runtime.cache import KVCache
 
     zeros = jnp.zeros((L, B, H, S, 4))
     cache = KVCache.stacked(zeros, zeros, jnp.asarray(pos), S)

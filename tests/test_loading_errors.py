@@ -18,7 +18,7 @@ import dge_jax
 from dge_jax.checkpoints.hf import CheckpointError, load_hf_checkpoint
 from dge_jax.config import ConfigError
 from dge_jax.generation import generate_grid
-from dge_jax.prompts import check_request
+from dge_jax.runtime.prompts import check_request
 
 _DROP = object()  # edit_config(folder, key=_DROP) removes the key
 

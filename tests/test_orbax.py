@@ -19,10 +19,10 @@ import pytest
 from mesh_checks import CONFIG, write_checkpoint, write_tokenizer
 
 import dge_jax
-from dge_jax import sharding as sh
 from dge_jax.checkpoints import hf, orbax_io
 from dge_jax.checkpoints.hf import CheckpointError, load_hf_checkpoint, plan_tensors
 from dge_jax.cli import main
+from dge_jax.runtime import sharding as sh
 
 
 def leaves(params) -> dict[str, np.ndarray]:

@@ -28,10 +28,10 @@ import torch
 import transformers
 
 import dge_jax
-from dge_jax import decoding
 from dge_jax.config import RopeConfig
-from dge_jax.prompts import bucket_length, pad_left
-from dge_jax.sampling import Greedy
+from dge_jax.runtime import decoding
+from dge_jax.runtime.prompts import bucket_length, pad_left
+from dge_jax.runtime.sampling import Greedy
 
 PARITY_VARIANTS = [
     "llama",

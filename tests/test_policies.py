@@ -1,4 +1,5 @@
-"""Scoring rules (dge_jax/policies.py): every rule's selection against a plain-numpy reference."""
+"""Scoring rules (dge_jax/rules/policies.py): every rule's selection against a plain-numpy
+reference."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import numpy as np
 import pytest
 from numpy_reference import pool as _pool
 
-from dge_jax.cache import KVCache
-from dge_jax.observation import Observation
-from dge_jax.policies import (
+from dge_jax.eviction.observation import Observation
+from dge_jax.eviction.selection import select as _select_eager
+from dge_jax.rules.policies import (
     H2O,
     TOVA,
     FullKV,
@@ -25,9 +26,9 @@ from dge_jax.policies import (
     SnapKV,
     StreamingLLM,
 )
-from dge_jax.registry import POLICIES, make_policy
-from dge_jax.scoring import gqa_aggregate, pool1d
-from dge_jax.selection import select as _select_eager
+from dge_jax.rules.registry import POLICIES, make_policy
+from dge_jax.rules.scoring import gqa_aggregate, pool1d
+from dge_jax.runtime.cache import KVCache
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
 select = jax.jit(_select_eager)

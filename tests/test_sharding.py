@@ -20,8 +20,8 @@ import sys
 import jax
 import pytest
 
-from dge_jax import sharding as sh
 from dge_jax.config import ModelConfig
+from dge_jax.runtime import sharding as sh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ("8x1", "2x4", "1x8")
@@ -127,7 +127,7 @@ def test_bad_meshes_on_one_device():
 
 
 def test_cache_placement_and_no_op_constraints_without_a_mesh():
-    from dge_jax.cache import init_cache
+    from dge_jax.runtime.cache import init_cache
 
     cache = init_cache(2, 8, 4, 16, 16)
     assert sh.constrain_cache(cache, config()) is cache

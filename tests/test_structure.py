@@ -18,7 +18,7 @@ def _functions(path: pathlib.Path):
 def test_no_function_in_the_library_is_longer_than_80_lines():
     long = [
         f"{path.name}:{line} {name} ({n} lines)"
-        for path in sorted(LIBRARY.glob("*.py"))
+        for path in sorted(LIBRARY.rglob("*.py"))
         for name, line, n in _functions(path)
         if n > MAX_LINES
     ]
@@ -28,7 +28,7 @@ def test_no_function_in_the_library_is_longer_than_80_lines():
 def test_nothing_in_the_library_asks_which_form_a_cache_is_in():
     """The cache has one form (a tuple of layer groups): no code tests whether its arrays are
     tuples of per-layer arrays, as the per-layer form that it replaced made code do."""
-    for path in sorted(LIBRARY.glob("*.py")):
+    for path in sorted(LIBRARY.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
                 target = ast.unparse(node.args[0])

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import dge_jax
-from dge_jax.eviction import Eviction
-from dge_jax.policies import SnapKV
-from dge_jax.timing import Timing
+from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.policies import SnapKV
 
 FORMS = r"a prompt is a str, or a list / 1-D integer array of token ids in \[0, vocab\)"
 
@@ -110,7 +110,7 @@ def test_text_with_lone_surrogates_names_the_character(chat_model):
 
 
 def test_sampler_given_as_a_string_names_the_sampler_classes(chat_model):
-    from dge_jax.sampling import Greedy
+    from dge_jax.runtime.sampling import Greedy
 
     with pytest.raises(TypeError, match=r"sampler must be a sampler object, not the string "
                                         r"'greedy': use Greedy\(\) or Sampling\("):
@@ -255,7 +255,7 @@ def test_cli_broken_chat_template_is_one_line_naming_the_file(checkpoint_copy, c
 
 
 def test_chat_template_errors_are_a_tokenizer_error(checkpoint_copy):
-    from dge_jax.tokenizer import ChatTemplateError, TokenizerError
+    from dge_jax.runtime.tokenizer import ChatTemplateError, TokenizerError
 
     folder = checkpoint_copy("llama_chat")
     _break_template(folder, "raise_exception")

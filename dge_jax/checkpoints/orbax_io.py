@@ -32,12 +32,12 @@ from dge_jax.checkpoints.hf import (
     parse_config,
     read_config,
 )
-from dge_jax.sharding import DEFAULT_RULES, AxisRules, field_name, param_shardings
+from dge_jax.runtime.sharding import DEFAULT_RULES, AxisRules, field_name, param_shardings
 
 FORMAT = "dge_jax.orbax"
 VERSION = 1
 PARAMS_DIR = "params"
-# Files the tokenizer, chat template and EOS ids are read from (dge_jax.tokenizer).
+# Files the tokenizer, chat template and EOS ids are read from (dge_jax.runtime.tokenizer).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

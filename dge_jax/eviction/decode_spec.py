@@ -1,14 +1,14 @@
 """The decode-time compression spec (`Eviction.decode`) and its checks.
 
-Apart from `dge_jax.decode_compression` (the loop) so that `dge_jax.eviction` can hold the
-spec without importing the loop that imports it.
+Apart from `dge_jax.eviction.decode_compression` (the loop) so that `dge_jax.eviction.evict`
+can hold the spec without importing the loop that imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from dge_jax.scoring import Policy, check_fields
+from dge_jax.rules.scoring import Policy, check_fields
 
 # Head caps are rounded to this many slots: nearby budgets share a compiled loop, and a
 # decode step (which reads every slot) wastes at most 15 of them.

@@ -14,9 +14,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax.cache import KVCache
-from dge_jax.observation import Observation
-from dge_jax.scoring import ScoringRule, check_fields, finish, require_obs
+from dge_jax.eviction.observation import Observation
+from dge_jax.rules.scoring import ScoringRule, check_fields, finish, require_obs
+from dge_jax.runtime.cache import KVCache
 
 
 def prompt_entries(cache: KVCache, obs: Observation) -> jax.Array:

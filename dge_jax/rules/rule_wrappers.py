@@ -14,12 +14,12 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax import selection
-from dge_jax.budgets import PyramidSchedule
-from dge_jax.cache import KVCache
-from dge_jax.observation import Observation
-from dge_jax.policies import SnapKV
-from dge_jax.scoring import Policy, ScoringRule, finish, group_heads, require_obs
+from dge_jax.eviction import selection
+from dge_jax.eviction.budgets import PyramidSchedule
+from dge_jax.eviction.observation import Observation
+from dge_jax.rules.policies import SnapKV
+from dge_jax.rules.scoring import Policy, ScoringRule, finish, group_heads, require_obs
+from dge_jax.runtime.cache import KVCache
 
 
 def _check_inner(owner: object, inner: object) -> None:

@@ -17,8 +17,9 @@ What the generator reads besides ``score``:
   budget is known (the scores themselves, except for two-stage rules such as CriticalKV).
 
 This module holds the attention rules and controls and the registry of every rule; the
-shared pieces are in `dge_jax.scoring`, the query-free rules in `dge_jax.key_statistics`,
-the rules built on another rule's scores in `dge_jax.rule_wrappers`.
+shared pieces are in `dge_jax.rules.scoring`, the query-free rules in
+`dge_jax.rules.key_statistics`, the rules built on another rule's scores in
+`dge_jax.rules.rule_wrappers`.
 
 Shapes: cache ``k: [L, B, Hkv, S, D]``, ``pos: [L, B, Hkv, S]``; ``obs.q: [L, B, Hq, W, D]``,
 ``obs.q_pos: [B, W]``. GQA: query head h belongs to kv head ``h // (Hq // Hkv)``; a kv head's
@@ -36,10 +37,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax.budgets import PyramidSchedule
-from dge_jax.cache import KVCache
-from dge_jax.observation import Observation
-from dge_jax.scoring import (
+from dge_jax.eviction.budgets import PyramidSchedule
+from dge_jax.eviction.observation import Observation
+from dge_jax.rules.scoring import (
     GQA,
     POOLING,
     ScoringRule,
@@ -52,6 +52,7 @@ from dge_jax.scoring import (
     require_obs,
     window_attention_sum,
 )
+from dge_jax.runtime.cache import KVCache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from fractions import Fraction
 import jax
 import jax.numpy as jnp
 
-from dge_jax.selection import top_mask
+from dge_jax.eviction.selection import top_mask
 
 
 def _floor_times(n: jax.Array, alpha: float) -> jax.Array:

@@ -2,7 +2,7 @@
 
 Prefill records the last W prompt queries per layer (and, for H2O, per-slot attention
 sums) only when a policy asks; draft steps record theirs (`DraftRecord`). `with_drafts` joins
-them the way the timing says (`dge_jax.timing`), and `for_policy` cuts the shared record of
+them the way the timing says (`dge_jax.eviction.timing`), and `for_policy` cuts the shared record of
 a grid down to what one policy reads.
 """
 

@@ -17,15 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax import cache as kv
-from dge_jax import selection
-from dge_jax.budgets import adakv_budgets, expand_budgets, global_budgets
-from dge_jax.cache import KVCache
-from dge_jax.decode_spec import DecodeCompression, check_decode_policy
-from dge_jax.observation import DraftRecord, Observation, with_drafts
-from dge_jax.policies import SnapKV
-from dge_jax.scoring import Policy, check_fields
-from dge_jax.timing import Timing
+from dge_jax.eviction import selection
+from dge_jax.eviction.budgets import adakv_budgets, expand_budgets, global_budgets
+from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_policy
+from dge_jax.eviction.observation import DraftRecord, Observation, with_drafts
+from dge_jax.eviction.timing import Timing
+from dge_jax.rules.policies import SnapKV
+from dge_jax.rules.scoring import Policy, check_fields
+from dge_jax.runtime import cache as kv
+from dge_jax.runtime.cache import KVCache
 
 HEAD_BUDGETS = ("uniform", "adakv", "global")
 
@@ -51,7 +51,7 @@ class Eviction:
     Worked example, one head, max-pooled scores by position ``[.2, .5, .5, .5, .1]`` (a
     plateau), budget 2: "later" keeps positions 2 and 3, "earlier" positions 1 and 2.
 
-    decode: compression while decoding as well (`dge_jax.decode_compression`): every
+    decode: compression while decoding as well (`dge_jax.eviction.decode_compression`): every
     ``decode.interval`` new tokens the same rule brings each head back to ``decode.budget``.
     With timing "decode" nothing is evicted before decoding (``budget`` must then equal
     ``decode.budget``); with the other timings the prompt is evicted at ``budget`` first.
@@ -93,13 +93,13 @@ def _check_policy(policy: object) -> None:
     if isinstance(policy, str):
         raise TypeError(
             f"Eviction.policy must be a policy object, not the string {policy!r}: use "
-            f"dge_jax.registry.make_policy({policy!r}) or a class of dge_jax.policies, "
+            f"dge_jax.rules.registry.make_policy({policy!r}) or a class of dge_jax.rules.policies, "
             "e.g. SnapKV()"
         )
     if isinstance(policy, type) or not hasattr(policy, "scorer"):
         raise TypeError(
             f"Eviction.policy must be a policy instance (e.g. SnapKV(), or "
-            f"dge_jax.registry.make_policy('snapkv')), got {policy!r}"
+            f"dge_jax.rules.registry.make_policy('snapkv')), got {policy!r}"
         )
 
 
@@ -109,14 +109,14 @@ def _check_timing(timing: object) -> None:
         return
     if isinstance(timing, str):
         fix = {"prefill": "prefill()", "dge": "dge(2)", "dge_w": "dge_w(2)"}.get(timing)
-        fix = f"dge_jax.timing.{fix}" if fix else f"Timing({timing!r}, k)"
+        fix = f"dge_jax.eviction.timing.{fix}" if fix else f"Timing({timing!r}, k)"
         raise TypeError(
             f"Eviction.timing must be a Timing, not the string {timing!r}: use {fix} "
-            "(from dge_jax.timing: Timing(kind, k), prefill(), dge(k), dge_w(k))"
+            "(from dge_jax.eviction.timing: Timing(kind, k), prefill(), dge(k), dge_w(k))"
         )
     raise TypeError(
-        f"Eviction.timing must be a dge_jax.timing.Timing, got {timing!r}: use e.g. "
-        "dge_jax.timing.dge(2), prefill(), dge_w(2) or Timing(kind, k)"
+        f"Eviction.timing must be a dge_jax.eviction.timing.Timing, got {timing!r}: use e.g. "
+        "dge_jax.eviction.timing.dge(2), prefill(), dge_w(2) or Timing(kind, k)"
     )
 
 
@@ -264,7 +264,8 @@ def select_for_budgets(
     order; each equals `select_for` with that budget. policy: one for every budget, or one
     per budget, all with the same `scorer` (SnapKV and PyramidKV cells share a scoring).
     head_cap (static): no head keeps more than this many entries, whatever an allocator
-    gives it (decode-time compression's fixed-capacity cache, `dge_jax.decode_compression`)."""
+    gives it (decode-time compression's fixed-capacity cache,
+    `dge_jax.eviction.decode_compression`)."""
     nl, b, hkv, _ = cache.pos.shape
     policies = policy if isinstance(policy, tuple) else (policy,) * len(budgets)
     if len(policies) != len(budgets) or len({p.scorer for p in policies}) != 1:

@@ -2,7 +2,7 @@
 
 A timing never knows which policy runs: it only decides how many answer tokens are drafted
 with the full cache before eviction, and which of their queries the policy observes
-(`dge_jax.observation.with_drafts` assembles them).
+(`dge_jax.eviction.observation.with_drafts` assembles them).
 
 | kind      | evicts after         | observation queries                        |
 |-----------|----------------------|--------------------------------------------|
@@ -13,7 +13,7 @@ with the full cache before eviction, and which of their queries the policy obser
 
 "decode" is decoding-time compression alone (kvpress's ``DecodingPress``): nothing is evicted
 before decoding, and the prompt is first evicted with the rest of the cache once the first
-`interval` answer tokens exist (`dge_jax.decode_compression`).
+`interval` answer tokens exist (`dge_jax.eviction.decode_compression`).
 
 Under both DGE timings the draft entries are always kept, and count against the budget.
 `slide=True` makes DGE's window slide instead: the last w queries overall (the oldest k-1

@@ -1,11 +1,11 @@
 """What every scoring rule shares: the `Policy` protocol, the `ScoringRule` defaults, field
 checks, the score sentinels, GQA aggregation, window attention and pooling.
 
-The rules themselves live in `dge_jax.policies` (attention rules and controls, and the
-registry), `dge_jax.key_statistics` (query-free rules) and `dge_jax.rule_wrappers` (rules
-built on another rule's scores). Shapes: cache ``k: [L, B, Hkv, S, D]``,
-``pos: [L, B, Hkv, S]``; ``obs.q: [L, B, Hq, W, D]``, ``obs.q_pos: [B, W]``. GQA: query head
-h belongs to kv head ``h // (Hq // Hkv)``.
+The rules themselves live in `dge_jax.rules.policies` (attention rules and controls, and the
+registry), `dge_jax.rules.key_statistics` (query-free rules) and
+`dge_jax.rules.rule_wrappers` (rules built on another rule's scores). Shapes: cache
+``k: [L, B, Hkv, S, D]``, ``pos: [L, B, Hkv, S]``; ``obs.q: [L, B, Hq, W, D]``,
+``obs.q_pos: [B, W]``. GQA: query head h belongs to kv head ``h // (Hq // Hkv)``.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.budgets import PyramidSchedule
-from dge_jax.cache import INT32_MAX, KVCache
-from dge_jax.observation import Observation
+from dge_jax.eviction.budgets import PyramidSchedule
+from dge_jax.eviction.observation import Observation
+from dge_jax.runtime.cache import INT32_MAX, KVCache
 
 GQA = ("mean", "max")
 POOLING = ("max", "avg")
 
 
 class Policy(Protocol):
-    """What every scoring rule offers the generator (see `dge_jax.policies`)."""
+    """What every scoring rule offers the generator (see `dge_jax.rules.policies`)."""
 
     is_full: ClassVar[bool]
     needs_attn_sum: ClassVar[bool]

@@ -35,17 +35,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.cache import KVCache
 from dge_jax.config import ModelConfig
+from dge_jax.eviction.observation import Observation
 from dge_jax.families import ForwardFn
-from dge_jax.key_statistics import prompt_entries
-from dge_jax.observation import Observation
-from dge_jax.prompts import bucket_length, pad_left
-from dge_jax.scoring import ScoringRule, check_fields, finish, require_obs
+from dge_jax.rules.key_statistics import prompt_entries
+from dge_jax.rules.scoring import ScoringRule, check_fields, finish, require_obs
+from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.prompts import bucket_length, pad_left
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
-_MASKED = -1e30  # as dge_jax.attention: a fully masked row stays finite
+_MASKED = -1e30  # as dge_jax.runtime.attention: a fully masked row stays finite
 
 
 @dataclasses.dataclass(frozen=True)

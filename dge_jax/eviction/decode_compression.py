@@ -39,15 +39,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.cache import KVCache, compact_heads, regroup
 from dge_jax.config import ModelConfig
-from dge_jax.decoding import DecodeState, decode_body, decode_groups
-from dge_jax.eviction import select_for_budgets
+from dge_jax.eviction.evict import select_for_budgets
+from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
 from dge_jax.families import ForwardFn, group_layers
-from dge_jax.observation import DraftRecord, Observation, QueryStats, with_drafts
-from dge_jax.rope import inverse_frequencies
-from dge_jax.scoring import Policy
-from dge_jax.sharding import constrain_cache
+from dge_jax.rules.scoring import Policy
+from dge_jax.runtime.cache import KVCache, compact_heads, regroup
+from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups
+from dge_jax.runtime.rope import inverse_frequencies
+from dge_jax.runtime.sharding import constrain_cache
 
 
 class Compressions(NamedTuple):

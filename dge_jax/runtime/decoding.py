@@ -24,12 +24,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dge_jax.cache import KVCache, LayerGroup, init_cache, regroup, runs_of_equal
 from dge_jax.config import ModelConfig
+from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats
 from dge_jax.families import ForwardFn, group_layers
-from dge_jax.observation import DraftRecord, Observation, QueryStats
-from dge_jax.rope import inverse_frequencies
-from dge_jax.sharding import constrain_cache, constrain_rows
+from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache, regroup, runs_of_equal
+from dge_jax.runtime.rope import inverse_frequencies
+from dge_jax.runtime.sharding import constrain_cache, constrain_rows
 
 
 def prompt_positions(lengths: jax.Array, t: int) -> jax.Array:
@@ -90,7 +90,8 @@ def prefill(
         raise ValueError(f"cache capacity {capacity} is smaller than the prompt ({t})")
     dtype = cache_dtype or params.embed.dtype
     cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
-    # Under jax.set_mesh (dge_jax.sharding): rows over data, kv heads over model; else no-ops.
+    # Under jax.set_mesh (dge_jax.runtime.sharding): rows over data, kv heads over model;
+    # else no-ops.
     tokens, lengths = constrain_rows(cfg, tokens, lengths)
     cache = constrain_cache(cache, cfg)
     positions = prompt_positions(lengths, t)
@@ -397,7 +398,7 @@ def stack_states(
     """One state holding the given states' rows, interleaved: row r of state c becomes row
     r·C + c of C states (a copy of all of them; `split_rows` undoes it per array).
 
-    Interleaved, not concatenated, so that on a device mesh (dge_jax.sharding) every row
+    Interleaved, not concatenated, so that on a device mesh (dge_jax.runtime.sharding) every row
     stays on the device that holds it: a device's block of rows of each state becomes one
     block of the stack, and neither stacking nor splitting moves a cache entry.
     Every cache must have the same capacities and layer groups; each layer's next write slot

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dge_jax.expected_attention import ExpectedAttention
-from dge_jax.key_statistics import KeyDiff, LagKV
-from dge_jax.kvzip import KVzip
-from dge_jax.policies import (
+from dge_jax.rules.expected_attention import ExpectedAttention
+from dge_jax.rules.key_statistics import KeyDiff, LagKV
+from dge_jax.rules.kvzip import KVzip
+from dge_jax.rules.policies import (
     H2O,
     TOVA,
     FullKV,
@@ -24,8 +24,8 @@ from dge_jax.policies import (
     SnapKV,
     StreamingLLM,
 )
-from dge_jax.rule_wrappers import ChunkKV, CriticalKV
-from dge_jax.scoring import Policy
+from dge_jax.rules.rule_wrappers import ChunkKV, CriticalKV
+from dge_jax.rules.scoring import Policy
 
 
 def _names(cls: type) -> list[str]:

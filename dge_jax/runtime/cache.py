@@ -278,8 +278,8 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
 
     ``capacity`` may instead give each layer its own (a sequence of L ints: budgets that differ
     by layer, as PyramidKV's, then cost only what each layer keeps). Each run of layers of
-    one capacity is then one layer group (`dge_jax.cache`), and each layer's ``index`` is its
-    own max kept count.
+    one capacity is then one layer group (`dge_jax.runtime.cache`), and each layer's
+    ``index`` is its own max kept count.
 
     Precondition (check on the host with ``check_capacity``): no head holds more than its
     layer's capacity entries; under jit the extra ones would be dropped silently (the newest

@@ -19,9 +19,9 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax.cache import KVCache
-from dge_jax.observation import Observation, rotate
-from dge_jax.scoring import ScoringRule, check_fields, finish, group_heads, require_obs
+from dge_jax.eviction.observation import Observation, rotate
+from dge_jax.rules.scoring import ScoringRule, check_fields, finish, group_heads, require_obs
+from dge_jax.runtime.cache import KVCache
 
 
 def average_rotation(start: jax.Array, count: int, inv_freq: jax.Array) -> tuple[jax.Array, ...]:

@@ -2,7 +2,7 @@
 
 Eviction is masking first (DESIGN §3). ``select`` turns scores and per-head budgets into a keep
 mask, ``apply_keep`` writes ``pos = -1`` into the evicted slots (same shapes, so the attention
-code does not change); `dge_jax.cache.compact` then gathers the kept slots into a smaller
+code does not change); `dge_jax.runtime.cache.compact` then gathers the kept slots into a smaller
 cache of static capacity so memory and decode cost really fall. Budgets are traced arrays: a
 sweep over budgets reuses one compiled ``select``.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dge_jax.cache import INT32_MAX, KVCache
+from dge_jax.runtime.cache import INT32_MAX, KVCache
 
 TIES = ("later", "earlier")
 
@@ -152,7 +152,7 @@ def select(
     if budgets.ndim not in (0, 3):
         raise ValueError(
             f"budgets must be a scalar or [L, B, Hkv], got shape {budgets.shape}; "
-            "use dge_jax.budgets.expand_budgets for per-layer or per-head specs"
+            "use dge_jax.eviction.budgets.expand_budgets for per-layer or per-head specs"
         )
     if jnp.issubdtype(budgets.dtype, jnp.floating):
         raise TypeError(f"budgets must be integers, got {budgets.dtype}")

@@ -66,7 +66,7 @@ def cached_attention(
     else:
         scores = jnp.einsum("bkrd,bksd->bkrs", qg, k, preferred_element_type=jnp.float32)
         scores = scores * scale
-    # [B, Hkv, G*T, S]; slot visible iff 0 <= its pos <= the row's query pos (dge_jax.cache)
+    # [B, Hkv, G*T, S]; slot visible iff 0 <= its pos <= the row's query pos (dge_jax.runtime.cache)
     row_pos = jnp.tile(query_pos, (1, g))[:, None, :, None]
     if new is not None:
         # The slots the new entries will take are read as empty; the new entries' scores

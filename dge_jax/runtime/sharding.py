@@ -60,9 +60,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dge_jax.cache import KVCache, LayerGroup, init_cache
 from dge_jax.config import ModelConfig
 from dge_jax.families import get_family
+from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache
 
 MESH_AXES = ("data", "model")
 MeshAxes = str | tuple[str, ...] | None
@@ -167,7 +167,7 @@ class AxisRules:
 DEFAULT_RULES = AxisRules()
 
 
-# One layer group of the cache (dge_jax.cache.LayerGroup): k, v [Lg, B, Hkv, S, D],
+# One layer group of the cache (dge_jax.runtime.cache.LayerGroup): k, v [Lg, B, Hkv, S, D],
 # pos [Lg, B, Hkv, S], index [Lg] (replicated).
 GROUP_AXES = LayerGroup(
     k=("layers", "batch", "kv_heads", "seq", "head_dim"),
@@ -243,7 +243,7 @@ def check_mesh(mesh: Mesh) -> None:
     if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
         raise MeshError(
             f"mesh axis types {mesh.axis_types} must be Auto; build the mesh with "
-            "dge_jax.sharding.make_mesh (jax.make_mesh defaults to Explicit axes)"
+            "dge_jax.runtime.sharding.make_mesh (jax.make_mesh defaults to Explicit axes)"
         )
 
 

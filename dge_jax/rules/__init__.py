@@ -1,0 +1,1 @@
+"""The scoring rules (what each one ranks cache entries by) and the registry that names them."""
