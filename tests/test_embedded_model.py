@@ -237,7 +237,7 @@ def test_logits_match_transformers_gguf_loader(gguf_file, model_dir, ours, conve
 
 
 def test_greedy_answer_is_paris(ours, converted_model):
-    # DESIGN.md: the embedded model answers "The capital of France is Paris."
+    # the embedded model, in transformers as here, answers "The capital of France is Paris."
     import torch
 
     text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

@@ -13,8 +13,8 @@ Asserted:
 - no import cycle among the project's modules (the failure names, for every import that is
   on a cycle, a shortest such cycle as a path a -> b -> ... -> a, with each edge's file:line
   and, for a lazy import, its function);
-- no module in dge_jax/ imports anything from models/ (DESIGN: models/ imports dge_jax, never
-  the reverse).
+- no module in dge_jax/ imports anything from models/ (families are entry points: models/
+  imports dge_jax, never the reverse).
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def test_dge_jax_never_imports_models(edges):
     bad = [e for e in edges if e.src.split(".")[0] == "dge_jax" and e.dst.split(".")[0] == "models"]
     if bad:
         pytest.fail(
-            "dge_jax/ imports models/ (DESIGN: models/ imports dge_jax, never the reverse):\n"
+            "dge_jax/ imports models/ (models/ imports dge_jax, never the reverse):\n"
             + "\n".join(f"  {e.where}: {e.src} -> {e.dst}  {e.code}" for e in bad),
             pytrace=False,
         )

@@ -1,8 +1,8 @@
 """Budgets: how many entries each kv head keeps right after eviction.
 
-A budget counts every entry a head keeps, the protected window and draft entries included
-(DESIGN §2). Whatever the spec, ``select`` reads a traced int32 ``[L, B, Hkv]`` array, so a sweep
-over budgets, or a switch from uniform to per-layer or head-adaptive budgets, compiles once.
+A budget counts every entry a head keeps, the protected window and draft entries included.
+Whatever the spec, ``select`` reads a traced int32 ``[L, B, Hkv]`` array, so a sweep over budgets,
+or a switch from uniform to per-layer or head-adaptive budgets, compiles once.
 
 - ``expand_budgets``: scalar, per-layer ``[L]``, per-head ``[L, Hkv]`` or ``[L, B, Hkv]`` specs.
 - ``adakv_budgets``: AdaKV's head-adaptive split of each layer's pool (any scoring rule).

@@ -283,7 +283,8 @@ def select_for_budgets(
     for budget, pol in zip(budgets, policies, strict=True):
         schedule = pol.layer_schedule
         # A row whose every head holds no more than the nominal budget is not compressed at
-        # all (DESIGN §2), whatever a schedule or allocator would move between layers/heads.
+        # all, whatever a schedule or allocator would move between layers/heads: a prompt no
+        # longer than the budget is never compressed.
         nominal = expand_budgets(budget, nl, b, hkv)
         fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
         if schedule is not None:

@@ -1,10 +1,10 @@
 """Selection: choose the slots each head keeps, then mask the rest out.
 
-Eviction is masking first (DESIGN §3). ``select`` turns scores and per-head budgets into a keep
-mask, ``apply_keep`` writes ``pos = -1`` into the evicted slots (same shapes, so the attention
-code does not change); `dge_jax.runtime.cache.compact` then gathers the kept slots into a smaller
-cache of static capacity so memory and decode cost really fall. Budgets are traced arrays: a
-sweep over budgets reuses one compiled ``select``.
+Eviction is masking first, so budgets stay traced and a sweep compiles once. ``select`` turns
+scores and per-head budgets into a keep mask, ``apply_keep`` writes ``pos = -1`` into the
+evicted slots (same shapes, so the attention code does not change);
+`dge_jax.runtime.cache.compact` then gathers the kept slots into a smaller cache of static
+capacity so memory and decode cost really fall.
 
 Ranking rule, used everywhere a tie could matter: a head's slots are ordered by score, highest
 first, and equal scores by the tie rule ``ties`` (``Eviction.ties``):

@@ -1,4 +1,4 @@
-"""When eviction happens, and which queries the scoring rule may then observe (DESIGN §1).
+"""When eviction happens, and which queries the scoring rule may then observe.
 
 A timing never knows which policy runs: it only decides how many answer tokens are drafted
 with the full cache before eviction, and which of their queries the policy observes

@@ -1,4 +1,4 @@
-"""Scale-out on a device mesh: logical axis rules, parameter and cache shardings (DESIGN §3).
+"""Scale-out on a device mesh: logical axis rules, parameter and cache shardings.
 
 The mesh has two axes, ``data`` and ``model``. Every array dimension that may be split has a
 *logical* name (batch, heads, kv_heads, mlp, vocab, embed, layers, seq, head_dim); `AxisRules`
