@@ -45,7 +45,7 @@ from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, w
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.rules.scoring import Policy
 from dge_jax.runtime.cache import KVCache, compact_heads, regroup
-from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups
+from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
 from dge_jax.runtime.rope import inverse_frequencies
 from dge_jax.runtime.sharding import constrain_cache
 
@@ -285,22 +285,16 @@ def decode_compressed(
         )
         state, attn = loop.compress(state, budget, ring_q, ring_pos, attn, out_proj)
         log, e = _record(log, e, state), e + 1
-    sizes = decode_groups(state.cache, layer_loop)  # from here on the cache keeps them
-    state = dataclasses.replace(state, cache=regroup(state.cache, sizes))
-    # The barrier keeps the weights' group slices out of the loop body (decoding.decode).
-    layers = jax.lax.optimization_barrier(group_layers(params.layers, sizes))
 
-    def loop_body(carry):
-        state, attn, log, e = carry
+    def body(state, extra, layers):  # the cache keeps the decode grouping through compressions
+        attn, log, e = extra
         state, ring_q, ring_pos, attn = loop.block(params, state, attn, layers)
         state, attn = loop.compress(state, budget, ring_q, ring_pos, attn, out_proj)
-        return state, attn, _record(log, e, state), e + 1
+        return state, (attn, _record(log, e, state), e + 1)
 
-    carry = (state, attn, log, e)
-    state, attn, log, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done), loop_body, carry)
-    state = dataclasses.replace(state, cache=regroup(state.cache, (nl,)))
-    fill = jnp.arange(state.tokens.shape[1])[None, :] >= state.step[:, None]
-    state = dataclasses.replace(state, tokens=jnp.where(fill, state.last[:, None], state.tokens))
+    state, (attn, log, _) = until_done(
+        params, state, body, (attn, log, e), layer_loop=layer_loop, back_to=(nl,)
+    )
     return state, attn, log
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -487,27 +488,49 @@ def decode(
     layer weights while decoding and a longer compile. None: `default_layer_loop()`. The
     cache comes back in the grouping it was given. Same tokens either way.
     """
-    n = state.tokens.shape[1]
-    sizes, given = decode_groups(state.cache, layer_loop), state.cache.group_sizes
+
+    def body(s, extra, layers):
+        step = decode_body(
+            forward, cfg, params, sampler, eos_ids, s, layers=layers, min_new_tokens=min_new_tokens
+        )
+        return step[0], extra
+
+    return until_done(params, state, body, (), layer_loop=layer_loop)[0]
+
+
+def until_done(
+    params,
+    state: DecodeState,
+    body: Callable,
+    extra,
+    *,
+    layer_loop: str | None,
+    back_to: tuple[int, ...] | None = None,
+) -> tuple[DecodeState, Any]:
+    """The scaffold of every decode loop: `body(state, extra, layers) -> (state, extra)` runs
+    in a `lax.while_loop` until every row is done (EOS or its limit), over the cache regrouped
+    for decoding (`decode_groups`) and the weights grouped the same way (`layers`).
+
+    The cache then goes back to `back_to` layer groups (default: the grouping it came in, so
+    donated buffers hold the result, as they can only when shapes match, and a caller gets
+    the layout it gave), and rows that stopped early keep their last id (their EOS) as
+    padding for the steps the loop skipped. Returns (state, extra).
+    """
+    given = state.cache.group_sizes
+    sizes = decode_groups(state.cache, layer_loop)
     state = dataclasses.replace(state, cache=regroup(state.cache, sizes))
     # The barrier keeps the weights' group slices out of the loop body, so they are made once.
     layers = jax.lax.optimization_barrier(group_layers(params.layers, sizes))
-
-    def cond(s):
-        return ~jnp.all(s.done)  # done includes reaching the limit
-
-    def body(s):
-        return decode_body(
-            forward, cfg, params, sampler, eos_ids, s, layers=layers, min_new_tokens=min_new_tokens
-        )[0]
-
-    state = jax.lax.while_loop(cond, body, state)
-    # Back to the grouping it came in, so the donated buffers hold the result (as they can
-    # only when shapes match) and a caller gets the layout it gave.
-    state = dataclasses.replace(state, cache=regroup(state.cache, given))
-    # Rows that stopped early keep their EOS as padding for the steps the loop skipped.
-    fill = jnp.arange(n)[None, :] >= state.step[:, None]
-    return dataclasses.replace(state, tokens=jnp.where(fill, state.last[:, None], state.tokens))
+    state, extra = jax.lax.while_loop(
+        lambda carry: ~jnp.all(carry[0].done),  # done includes reaching the limit
+        lambda carry: body(carry[0], carry[1], layers),
+        (state, extra),
+    )
+    state = dataclasses.replace(state, cache=regroup(state.cache, back_to or given))
+    fill = jnp.arange(state.tokens.shape[1])[None, :] >= state.step[:, None]
+    return dataclasses.replace(
+        state, tokens=jnp.where(fill, state.last[:, None], state.tokens)
+    ), extra
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "cfg"))
