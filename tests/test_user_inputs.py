@@ -435,12 +435,12 @@ def test_only_temp_folders_of_dead_processes_on_this_host_are_removed(tiny_gguf,
     import sys
     import time
 
-    from dge_jax.checkpoints import gguf
+    from dge_jax.checkpoints import temp_folders
     from dge_jax.checkpoints.embedded import resolve_model_dir
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # reaped: its pid names no process now
-    host = gguf._host()
+    host = temp_folders._host()
     names = {
         "dead": f".tiny-x.tmp-{host}-{dead.pid}-0123abcd",
         "alive": f".tiny-x.tmp-{host}-{os.getpid()}-0123abcd",

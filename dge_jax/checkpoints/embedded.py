@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import gguf as gguf_convert
+from . import temp_folders
 
 _CACHE_ENV = "DGE_JAX_CACHE"
 _HEADER_BYTES = 1 << 20  # hashed with the file size: metadata and the first tensors
@@ -153,7 +154,7 @@ def converted_dir(gguf_path: str | os.PathLike[str], name: str, dtype: str = "fl
 
     The conversion (tens of seconds for the embedded model) says so on stderr, before and
     after. Before it, temp folders of conversions that were killed are deleted
-    (`gguf.remove_stale_temps`), and a cache that cannot hold the result raises
+    (`temp_folders.remove_stale_temps`), and a cache that cannot hold the result raises
     `ModelCacheError`. Concurrent first calls both convert; the loser's copy is dropped and
     the winner's used."""
     root = cache_root()
@@ -161,7 +162,7 @@ def converted_dir(gguf_path: str | os.PathLike[str], name: str, dtype: str = "fl
     if _is_complete(target):
         return target
     check_cache(root, target, name)
-    gguf_convert.remove_stale_temps(root)
+    temp_folders.remove_stale_temps(root)
     print(f"converting {name} into {target} (once) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
