@@ -2,7 +2,7 @@
 
 from importlib import metadata
 
-from dge_jax.generation import GenerationResult, generate, generate_grid
+from dge_jax.generation import GenerationConfig, GenerationResult, generate, generate_grid
 from dge_jax.model import DEFAULT_MODEL, Model, load
 
 try:
@@ -12,6 +12,7 @@ except metadata.PackageNotFoundError:  # run from a source tree that was never i
 
 __all__ = [
     "DEFAULT_MODEL",
+    "GenerationConfig",
     "GenerationResult",
     "Model",
     "__version__",

@@ -116,28 +116,51 @@ class CellPlan:
     attn: jax.Array | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate, apart from the prompts and the evictions; static per call.
+
+    max_new_tokens / min_new_tokens: answer length bounds (EOS is banned before the minimum,
+    transformers' min_length); chat: wrap text prompts in the chat template; sampler: `Greedy()`
+    or `Sampling(...)`; seed: the PRNG seed of sampling; chunk: prompt tokens per prefill step;
+    extra_eos_ids: ids that end an answer besides the tokenizer's EOS; record_compressions:
+    keep what each decode-time compression kept (`GenerationResult.compressions`).
+    """
+
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    chat: bool = False
+    sampler: Any = GREEDY
+    seed: int = 0
+    chunk: int = DEFAULT_CHUNK
+    extra_eos_ids: Sequence[int] = ()
+    record_compressions: bool = False
+
+    @classmethod
+    def of(cls, config: GenerationConfig | None, options: dict[str, Any]) -> GenerationConfig:
+        """`config` (default: the defaults) with `options` (fields by name) replacing fields."""
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise TypeError(f"unknown generation option(s) {unknown}; known: {', '.join(known)}")
+        return dataclasses.replace(config or cls(), **options)
+
+
 def generate(
     model: Model,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
-    max_new_tokens: int = 64,
-    chat: bool = False,
-    sampler=GREEDY,
-    seed: int = 0,
-    chunk: int = DEFAULT_CHUNK,
-    extra_eos_ids: Sequence[int] = (),
-    min_new_tokens: int = 0,
     eviction: Eviction | None = None,
+    config: GenerationConfig | None = None,
     hook: Hook | None = None,
-    record_compressions: bool = False,
+    **options: Any,
 ) -> GenerationResult:
     """Generates for a batch of prompts (text, or lists of token ids); each row is scored and
-    evicted on its own when `eviction` is given (None = FullKV)."""
-    return generate_grid(
-        model, prompts, [eviction], max_new_tokens=max_new_tokens, chat=chat, sampler=sampler,
-        seed=seed, chunk=chunk, extra_eos_ids=extra_eos_ids, min_new_tokens=min_new_tokens,
-        hook=hook, record_compressions=record_compressions,
-    )[0]  # fmt: skip
+    evicted on its own when `eviction` is given (None = FullKV). options: fields of
+    `GenerationConfig` by name (``max_new_tokens=32``), over `config`'s."""
+    return generate_grid(model, prompts, [eviction], config=config, hook=hook, **options)[0]
 
 
 @on_model_mesh  # a model loaded with a mesh runs every step on it (dge_jax.runtime.sharding)
@@ -146,37 +169,36 @@ def generate_grid(
     prompts: Sequence[str] | Sequence[Sequence[int]],
     cells: Sequence[Eviction | None],
     *,
-    max_new_tokens: int = 64,
-    chat: bool = False,
-    sampler=GREEDY,
-    seed: int = 0,
-    chunk: int = DEFAULT_CHUNK,
-    extra_eos_ids: Sequence[int] = (),
-    min_new_tokens: int = 0,
+    config: GenerationConfig | None = None,
     hook: Hook | None = None,
-    record_compressions: bool = False,
+    **options: Any,
 ) -> list[GenerationResult]:
     """One result per cell (an `Eviction`, or None for FullKV) for the same prompts.
 
     The research loop: one prefill serves every cell, and one draft per k serves every DGE
     and DGE-W cell of that k (the cache is functional, so each cell evicts its own copy).
     Cells with `Eviction.decode` also compress while decoding; record_compressions keeps
-    what each of their compressions kept (`GenerationResult.compressions`).
+    what each of their compressions kept (`GenerationResult.compressions`). options: fields
+    of `GenerationConfig` by name, over `config`'s.
     """
+    cfg = GenerationConfig.of(config, options)
+    sampler = cfg.sampler
     check_sampler(sampler)
     request = prepare(
-        model, prompts, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-        chat=chat, chunk=chunk, extra_eos_ids=extra_eos_ids,
+        model, prompts, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+        chat=cfg.chat, chunk=cfg.chunk, extra_eos_ids=cfg.extra_eos_ids,
     )  # fmt: skip
-    cells = check_cells(cells, max_new_tokens)
+    cells = check_cells(cells, cfg.max_new_tokens)
     recording = Recording.of(cells)
-    prefilled = prefill(model, request, recording, sampler, seed, hook, cache_room(request, cells))
+    prefilled = prefill(
+        model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells)
+    )
     prefilled = reconstruct(model, request, prefilled, recording, hook)
     drafted = draft(model, request, prefilled, recording, sampler, hook)
     plans = rewind(request, prefilled, drafted, cells, hook)
     plans = select(model, prefilled, plans, hook)
     plans = evict(request, prefilled, plans, hook)
-    tokens, logs = decode(model, request, plans, sampler, hook, record_compressions)
+    tokens, logs = decode(model, request, plans, sampler, hook, cfg.record_compressions)
     return results(model, request, plans, tokens, logs)
 
 

@@ -127,15 +127,18 @@ def test_prefill_chunk_below_one_or_not_an_int(chat_model, chunk, error):
 
 def test_timing_given_as_a_string_says_which_timing_to_use():
     with pytest.raises(TypeError, match=r"Eviction\.timing must be a Timing, not the string "
-                                        r"'dge': use dge_jax\.timing\.dge\(2\)"):
+                                        r"'dge': use dge_jax\.eviction\.timing\.dge\(2\)"):
         Eviction(SnapKV(), timing="dge")
-    with pytest.raises(TypeError, match=r"not the string 'prefill': use dge_jax\.timing\.prefill"):
+    with pytest.raises(
+        TypeError, match=r"not the string 'prefill': use dge_jax\.eviction\.timing\.prefill"
+    ):
         Eviction(SnapKV(), timing="prefill")
 
 
 def test_policy_given_as_a_string_says_how_to_make_one():
     with pytest.raises(TypeError, match=r"Eviction\.policy must be a policy object, not the "
-                                        r"string 'snapkv': use dge_jax\.registry\.make_policy"):
+                                        r"string 'snapkv': use "
+                                        r"dge_jax\.rules\.registry\.make_policy"):
         Eviction("snapkv")
 
 
@@ -161,7 +164,7 @@ def test_bad_budgets_fail_at_construction_naming_the_field(budget, error, messag
 
 def test_eviction_given_as_a_string_is_refused(chat_model):
     with pytest.raises(TypeError, match=r"eviction \(cell 0\) must be a dge_jax\.eviction\."
-                                        r"Eviction or None"):
+                                        r"evict\.Eviction or None"):
         _gen(chat_model, ["the cat"], eviction="snapkv")
 
 
@@ -474,3 +477,18 @@ def test_conversion_says_so_on_stderr_before_and_after(tiny_gguf, cache, capfd):
     assert re.fullmatch(r"converted tiny in \d+ s", err[1]), err
     assert resolve_model_dir(tiny_gguf) == folder
     assert capfd.readouterr().err == ""  # cached: silent
+
+
+def test_generation_config_and_options_are_one_setting(chat_model):
+    """`config=GenerationConfig(...)` and options by name are the same call; options win over
+    the config's fields; an unknown option names the known ones."""
+    base = dge_jax.GenerationConfig(max_new_tokens=3, min_new_tokens=3)
+    by_config = dge_jax.generate(chat_model, ["Hello there"], config=base)
+    by_name = dge_jax.generate(chat_model, ["Hello there"], max_new_tokens=3, min_new_tokens=3)
+    assert by_config.tokens == by_name.tokens and len(by_name.tokens[0]) == 3
+    longer = dge_jax.generate(chat_model, ["Hello there"], config=base, max_new_tokens=5)
+    assert len(longer.tokens[0]) == 5
+    with pytest.raises(TypeError, match=r"unknown generation option\(s\) \['max_tokens'\]"):
+        dge_jax.generate(chat_model, ["Hello there"], max_tokens=3)
+    with pytest.raises(TypeError, match="config must be a GenerationConfig, got dict"):
+        dge_jax.generate(chat_model, ["Hello there"], config={"max_new_tokens": 3})
