@@ -14,6 +14,7 @@ parametrised over the registry, so a rule dropped into dge_jax/rules/ is held to
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import pathlib
@@ -26,8 +27,9 @@ import numpy as np
 import pytest
 
 from dge_jax.eviction.observation import Observation, QueryStats, for_policy
+from dge_jax.rules.base import Needs
 from dge_jax.rules.full import is_full
-from dge_jax.rules.registry import POLICIES, make_policy, policy_fields
+from dge_jax.rules.registry import POLICIES, WRAPPERS, make_policy, policy_fields
 from dge_jax.runtime.cache import KVCache
 
 NAMES = sorted(POLICIES)
@@ -54,6 +56,30 @@ def test_rule_lives_in_the_file_named_after_it(name):
     path = pathlib.Path(inspect.getsourcefile(POLICIES[name]))
     assert path.parent.name == "rules" and path.parent.parent.name == "dge_jax", path
     assert path.stem.replace("_", "") == name, f"{name} is defined in {path.name}"
+
+
+# ----------------------------------------------------------------------------- needs
+
+
+@pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
+def test_wrappers_read_what_their_inner_rule_reads(wrapper):
+    """A wrapper's needs are its inner rule's, plus its own (CriticalKV's output projection;
+    ChunkKV protects nothing itself)."""
+    for inner in sorted(set(EVICTING) - set(WRAPPERS)):
+        outer, rule = make_policy(wrapper, inner=inner), make_policy(inner)
+        assert dataclasses.replace(outer.needs, out_proj=False, protected=0) == (
+            dataclasses.replace(rule.needs, out_proj=False, protected=0)
+        ), (wrapper, inner)
+        assert outer.needs.protected in (0, rule.needs.protected)
+
+
+def test_needs_union_is_what_one_recording_serves():
+    a = Needs(window=4, protected=4)
+    b = Needs(attn_sum=True, query_stats_from=2, protected=8)
+    assert a | b == Needs(window=4, attn_sum=True, query_stats_from=2, protected=8)
+    assert (a | b).queries and not Needs().queries and Needs(protected=3).query_free
+    with pytest.raises(ValueError, match="one set of query statistics"):
+        b | Needs(query_stats_from=3)
 
 
 # ----------------------------------------------------------------------------- scores
