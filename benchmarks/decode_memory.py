@@ -116,7 +116,7 @@ def run_dge(model, prompt: list[int], n: int, policy, args, rss) -> dict:
     def start():
         pre = decoding.prefill(
             model.forward, cfg, params, tokens, lengths, capacity=len(prompt) + room,
-            chunk=chunk, obs_window=8 if policy is not None and policy.obs_window else 0,
+            chunk=chunk, obs_window=8 if policy is not None and policy.needs.window else 0,
         )  # fmt: skip
         first = jnp.argmax(decoding.suppress_eos(pre.logits, eos, True), -1).astype(jnp.int32)
         return decoding.start_state(pre.cache, first, lengths, n, eos, jax.random.PRNGKey(0))
@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     from benchmarks.peer_client import Peers
     from benchmarks.peers import RssSampler
-    from dge_jax.rules.policies import SnapKV, StreamingLLM
+    from dge_jax.rules.snapkv import SnapKV
+    from dge_jax.rules.streamingllm import StreamingLLM
 
     peers = None
     if not args.no_peers and pathlib.Path(args.peer_python).exists():

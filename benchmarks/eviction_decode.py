@@ -31,7 +31,7 @@ from dge_jax.eviction.evict import select_for
 from dge_jax.eviction.selection import apply_keep
 from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
-from dge_jax.rules.policies import SnapKV
+from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import compact
 from dge_jax.runtime.sampling import Greedy
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         lengths,
         capacity=capacity,
         chunk=chunk,
-        obs_window=policy.obs_window,
+        obs_window=policy.needs.window,
     ).compile()
     compile_s = time.perf_counter() - compile_start
     t_prefill, pre = timed(prefill, params, tokens, lengths)

@@ -11,7 +11,9 @@ import dataclasses
 import dge_jax
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.policies import PyramidKV, SnapKV, StreamingLLM
+from dge_jax.rules.pyramidkv import PyramidKV
+from dge_jax.rules.snapkv import SnapKV
+from dge_jax.rules.streamingllm import StreamingLLM
 
 SNAPKV = SnapKV.kvpress()  # window 64, kernel 5, avg-pool: selects what SnapKVPress selects
 PREFILL, DGE2, DGE_W2 = Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2)

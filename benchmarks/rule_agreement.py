@@ -38,10 +38,12 @@ import dge_jax
 from benchmarks.peer_client import PEERS_PYTHON, SETUP_COMMAND
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
+from dge_jax.rules.chunkkv import ChunkKV
+from dge_jax.rules.criticalkv import CriticalKV
 from dge_jax.rules.expected_attention import ExpectedAttention
-from dge_jax.rules.key_statistics import KeyDiff, LagKV
-from dge_jax.rules.policies import SnapKV
-from dge_jax.rules.rule_wrappers import ChunkKV, CriticalKV
+from dge_jax.rules.keydiff import KeyDiff
+from dge_jax.rules.lagkv import LagKV
+from dge_jax.rules.snapkv import SnapKV
 
 HERE = pathlib.Path(__file__).resolve().parent
 PEER_SCRIPT = HERE / "peer_rules.py"

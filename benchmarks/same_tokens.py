@@ -26,7 +26,9 @@ import sys
 import dge_jax
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.policies import PyramidKV, SnapKV, StreamingLLM
+from dge_jax.rules.pyramidkv import PyramidKV
+from dge_jax.rules.snapkv import SnapKV
+from dge_jax.rules.streamingllm import StreamingLLM
 from experiments import protocol, synthetic
 
 PREFILL, DGE2, DGE_W2 = Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2)

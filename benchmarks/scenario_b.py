@@ -27,7 +27,7 @@ from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import capacity_for, select_for
 from dge_jax.eviction.selection import apply_keep
 from dge_jax.families import get_family
-from dge_jax.rules.policies import SnapKV
+from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import compact
 
@@ -172,7 +172,7 @@ def time_kv_steps(
         lengths,
         capacity=capacity,
         chunk=chunk,
-        obs_window=policy.obs_window,
+        obs_window=policy.needs.window,
     )
     t_prefill, pre = ed.timed(prefill, params, ids, lengths)
     start_time = time.perf_counter()

@@ -30,7 +30,7 @@ import numpy as np
 from benchmarks import machine
 from dge_jax.eviction import selection
 from dge_jax.eviction.observation import Observation
-from dge_jax.rules.policies import SnapKV
+from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
 from dge_jax.runtime.cache import KVCache
 

@@ -33,7 +33,9 @@ import jax.numpy as jnp
 import dge_jax
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.policies import PyramidKV, SnapKV, StreamingLLM
+from dge_jax.rules.pyramidkv import PyramidKV
+from dge_jax.rules.snapkv import SnapKV
+from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.runtime import decoding
 from experiments import protocol, synthetic
 

@@ -38,7 +38,8 @@ from dge_jax.eviction.evict import (
 )
 from dge_jax.eviction.observation import DraftRecord
 from dge_jax.model import Model
-from dge_jax.rules import kvzip
+from dge_jax.rules.base import Needs
+from dge_jax.rules.full import is_full
 from dge_jax.runtime import decoding
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
 from dge_jax.runtime.prompts import DEFAULT_CHUNK, Request, cut_at_eos, prepare
@@ -213,7 +214,7 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
                 f"eviction), got {ev!r}; e.g. Eviction(SnapKV(), budget=256, "
                 "timing=dge_jax.eviction.timing.dge(2))"
             )
-    cells = [None if ev is None or ev.policy.is_full else ev for ev in cells]
+    cells = [None if ev is None or is_full(ev.policy) else ev for ev in cells]
     for ev in cells:
         if ev is not None:
             check_eviction(ev, max_new_tokens)
@@ -222,44 +223,23 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
 
 @dataclasses.dataclass(frozen=True)
 class Recording:
-    """What the shared prefill and draft record, for every cell at once: the largest query
-    window any policy reads, whether any reads attention sums, where query statistics start
-    (None = not recorded), the largest draft k, and the reconstruct stage (KVzip's) if any
-    cell reads it."""
+    """What the shared prefill and draft record, for every cell at once: the union of the
+    cells' declared needs (`Needs.__or__`: the largest query window, attention sums if any
+    reads them, the one start of query statistics, the one reconstruct stage) and the
+    largest draft k."""
 
-    obs_window: int
-    record_attn: bool
-    q_stats_from: int | None
+    needs: Needs
     draft_steps: int
-    reconstruction: kvzip.Reconstruction | None = None
 
     @classmethod
     def of(cls, cells: Sequence[Eviction | None]) -> Recording:
+        """The recording the evicting cells of a grid need together (None: FullKV)."""
         active = [ev for ev in cells if ev is not None]
-        starts = {ev.policy.query_stats_from for ev in active} - {None}
-        if len(starts) > 1:
-            raise ValueError(
-                f"one grid records one set of query statistics, but its cells start them at "
-                f"positions {sorted(starts)} (ExpectedAttention sinks): give them one value"
-            )
-        recs = {ev.policy.reconstruction for ev in active} - {None}
-        if len(recs) > 1:
-            raise ValueError(
-                f"one grid runs one reconstruct stage, but its KVzip cells differ in it: "
-                f"{sorted(recs, key=repr)}; give them the same sinks, chunk_size and repeat_tail"
-            )
-        return cls(
-            obs_window=max((ev.policy.obs_window for ev in active), default=0),
-            record_attn=any(ev.policy.needs_attn_sum for ev in active),
-            q_stats_from=next(iter(starts), None),
-            draft_steps=max((ev.timing.draft_steps for ev in active), default=0),
-            reconstruction=next(iter(recs), None),
-        )
-
-    @property
-    def draft_queries(self) -> bool:
-        """Whether the draft steps record their queries (a window, or query statistics)."""
-        return self.obs_window > 0 or self.q_stats_from is not None
+        needs = Needs()
+        for ev in active:
+            needs = needs | ev.policy.needs
+        steps = max((ev.timing.draft_steps for ev in active), default=0)
+        return cls(needs=needs, draft_steps=steps)
 
 
 def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
@@ -292,9 +272,9 @@ def prefill(
         jnp.asarray(request.tokens), jnp.asarray(request.lengths),
         capacity=request.tokens.shape[1] + (request.buffer if room is None else room),
         chunk=request.chunk,
-        obs_window=recording.obs_window,
-        record_attn=recording.record_attn,
-        q_stats_from=recording.q_stats_from,
+        obs_window=recording.needs.window,
+        record_attn=recording.needs.attn_sum,
+        q_stats_from=recording.needs.query_stats_from,
     )  # fmt: skip
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     eos_ids = request.eos_ids
@@ -314,12 +294,13 @@ def reconstruct(
     """KVzip's extra passes, when a cell reads them: the model repeats the prompt chunk by
     chunk over prefill's cache; the attention each prompt entry got goes into `obs.recon`.
     The cache itself is unchanged (the repeat entries are written into a scratch copy)."""
-    if recording.reconstruction is None:
+    stage = recording.needs.reconstruction
+    if stage is None:
         return prefilled
     pre = prefilled.pre
-    scores, _ = kvzip.reconstruction_scores(
+    scores, _ = stage.scores(
         model.forward, model.config, model.params, model.tokenizer, pre.cache,
-        request.prompt_ids, recording.reconstruction, bucket=request.chunk,
+        request.prompt_ids, bucket=request.chunk,
         call=lambda fn, *a, **k: _call(hook, "reconstruct", fn, *a, **k),
     )  # fmt: skip
     obs = dataclasses.replace(pre.obs, recon=scores)
@@ -338,8 +319,8 @@ def draft(
         hook, "draft", decoding.draft,
         model.forward, model.config, model.params, prefilled.start,
         sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
-        record_q=recording.draft_queries,
-        record_attn=recording.record_attn,
+        record_q=recording.needs.queries,
+        record_attn=recording.needs.attn_sum,
         min_new_tokens=request.min_new_tokens,
     )  # fmt: skip
     e1, p1 = decoding.next_token_stats(prefilled.pre.logits)
@@ -398,7 +379,7 @@ def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None)
     for members in sweeps.values():
         first = plans[members[0]]
         obs, drafts = observation.for_policy(first.eviction.policy, prefilled.pre.obs, first.drafts)
-        if any(plans[i].eviction.policy.needs_out_proj for i in members):
+        if any(plans[i].eviction.policy.needs.out_proj for i in members):
             obs = dataclasses.replace(obs, out_proj=out_projection(model))
         masks = _call(
             hook, "keep_masks", keep_masks,
@@ -442,7 +423,7 @@ def evict(
             if most > spec.head_cap(spread):  # kept more: its first block runs bigger
                 capacity = round_up_slots(most, CAP_MULTIPLE) + spec.interval
             remaining = min(remaining, spec.interval)  # the loop compresses after those
-            if ev.policy.needs_attn_sum:
+            if ev.policy.needs.attn_sum:
                 attn = decode_compression.carried_attention(
                     prefilled.pre.obs, plan.drafts, plan.keep, state.cache.pos, capacity
                 )
@@ -530,7 +511,7 @@ def _decode_compressed(
             hook, "decode_compressed", decode_compression.decode_compressed,
             model.forward, model.config, model.params, state,
             jnp.asarray(spec.budget, jnp.int32), plan.attn,
-            out_projection(model) if ev.policy.needs_out_proj else None,
+            out_projection(model) if ev.policy.needs.out_proj else None,
             policy=ev.policy, interval=spec.interval, capacity=spec.capacity(spread),
             head_cap=spec.head_cap(spread), sampler=sampler, eos_ids=request.eos_ids,
             min_new_tokens=request.min_new_tokens, head_budget=ev.head_budget, alpha=ev.alpha,

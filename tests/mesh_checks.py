@@ -36,7 +36,7 @@ from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge, prefill
 from dge_jax.generation import generate_grid
-from dge_jax.rules.policies import SnapKV
+from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime import sharding as sh
 from dge_jax.runtime.prompts import pad_left
@@ -273,7 +273,7 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
     out: dict = {"tokens": {}}
     with sh.mesh_context(model.params):
         pre = gen.prefill(model.forward, cfg, model.params, tokens, lengths, capacity=CAPACITY,
-                          chunk=16, obs_window=POLICY.obs_window)  # fmt: skip
+                          chunk=16, obs_window=POLICY.needs.window)  # fmt: skip
         key = jax.random.PRNGKey(0)
         state = gen.start_state(pre.cache, Greedy()(pre.logits, key), lengths, MAX_NEW, (), key)
         keep = eviction.keep_mask(state.cache, pre.obs, None, ev)

@@ -13,7 +13,7 @@ import pytest
 
 from dge_jax.eviction.budgets import PyramidSchedule, _floor_times, adakv_budgets, expand_budgets
 from dge_jax.eviction.selection import select
-from dge_jax.rules.policies import PyramidKV
+from dge_jax.rules.pyramidkv import PyramidKV
 
 L, B, H = 3, 2, 4
 

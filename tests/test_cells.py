@@ -3,7 +3,9 @@
 import pytest
 
 from dge_jax.eviction.timing import Adaptive, Timing
-from dge_jax.rules.policies import H2O, SnapKV, StreamingLLM
+from dge_jax.rules.h2o import H2O
+from dge_jax.rules.snapkv import SnapKV
+from dge_jax.rules.streamingllm import StreamingLLM
 from experiments.cells import Cell, build_cells, check_method, parse_cell_id
 
 OPTIONS = {"window": 4, "kernel": 5, "pooling": "avg", "gqa": "max"}
@@ -145,8 +147,9 @@ def test_adaptive_cell_eviction():
 def test_wrapped_rules_as_methods():
     """A wrapper names its inner rule in the method ("criticalkv_h2o"); options go to the rule
     that takes them; a wrapper of a wrapper, or of FullKV, is refused by name."""
+    from dge_jax.rules.chunkkv import ChunkKV
+    from dge_jax.rules.criticalkv import CriticalKV
     from dge_jax.rules.expected_attention import ExpectedAttention
-    from dge_jax.rules.rule_wrappers import ChunkKV, CriticalKV
 
     cells = build_cells(
         ["criticalkv_expectedattention", "adakv_chunkkv_h2o"], ["dge"], [2], [32]

@@ -163,7 +163,7 @@ def test_decode_budget_json_lists_what_each_compression_kept(checkpoint, capsys)
     from dge_jax.eviction.decode_spec import DecodeCompression
     from dge_jax.eviction.evict import Eviction
     from dge_jax.eviction.timing import Timing
-    from dge_jax.rules.policies import SnapKV
+    from dge_jax.rules.snapkv import SnapKV
 
     model = dge_jax.load(folder)
     ev = Eviction(SnapKV(window=4), 12, Timing("decode"), decode=DecodeCompression(12, 4))

@@ -29,9 +29,11 @@ from dge_jax.eviction.observation import Observation
 from dge_jax.eviction.selection import select, top_mask
 from dge_jax.eviction.timing import Timing
 from dge_jax.generation import generate_grid
-from dge_jax.rules.policies import H2O, PyramidKV, SnapKV
+from dge_jax.rules.h2o import H2O
+from dge_jax.rules.ops import pool1d, reduce
+from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.registry import make_policy
-from dge_jax.rules.scoring import pool1d, reduce
+from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import bucket_length, pad_left
@@ -498,9 +500,9 @@ def test_cli_flags(capsys):
 def test_cli_wrapped_rules_and_policy_options(capsys):
     """--policy names a wrapper around a rule; --policy_option sets any field (typed), and is
     refused, naming the field, by a policy without it (or with --policy full)."""
+    from dge_jax.rules.criticalkv import CriticalKV
     from dge_jax.rules.expected_attention import ExpectedAttention
-    from dge_jax.rules.key_statistics import LagKV
-    from dge_jax.rules.rule_wrappers import CriticalKV
+    from dge_jax.rules.lagkv import LagKV
 
     parse = cli.build_parser().parse_args
     base = ["generate", "--prompt", "hi"]

@@ -1,4 +1,5 @@
-"""CriticalKV and ChunkKV (`dge_jax.rules.rule_wrappers`) against NumPy transcriptions of kvpress's
+"""CriticalKV and ChunkKV (`dge_jax.rules.criticalkv`, `dge_jax.rules.chunkkv`) against NumPy
+transcriptions of kvpress's
 ``CriticalKVPress`` and ``ChunkKVPress``, on hand-made left-padded caches with SnapKV and
 KeyDiff inside; the registry's wrapper names; the scoring a grid shares."""
 
@@ -14,10 +15,14 @@ import pytest
 from dge_jax.eviction.budgets import adakv_budgets
 from dge_jax.eviction.evict import select_for, select_for_budgets
 from dge_jax.eviction.observation import Observation
-from dge_jax.rules.key_statistics import KeyDiff
-from dge_jax.rules.policies import H2O, KeyNorm, PyramidKV, SnapKV
+from dge_jax.rules.chunkkv import ChunkKV
+from dge_jax.rules.criticalkv import CriticalKV, projected_value_norms
+from dge_jax.rules.h2o import H2O
+from dge_jax.rules.keydiff import KeyDiff
+from dge_jax.rules.knorm import KeyNorm
+from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.registry import POLICIES, make_policy
-from dge_jax.rules.rule_wrappers import ChunkKV, CriticalKV, projected_value_norms
+from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime.cache import KVCache
 
 L, HKV, G, D, E = 2, 2, 2, 8, 12
@@ -214,10 +219,10 @@ def test_chunkkv_partial_chunk_follows_the_tie_rule():
 
 
 def test_wrappers_read_what_their_inner_rule_reads():
-    assert CriticalKV(inner=H2O()).needs_attn_sum and CriticalKV(inner=H2O()).obs_window == 0
-    assert ChunkKV(inner=SnapKV(window=16)).obs_window == 16
+    assert CriticalKV(inner=H2O()).needs.attn_sum and CriticalKV(inner=H2O()).needs.window == 0
+    assert ChunkKV(inner=SnapKV(window=16)).needs.window == 16
     assert CriticalKV(inner=PyramidKV()).layer_schedule == PyramidKV().layer_schedule
-    assert not ChunkKV(inner=KeyDiff()).needs_attn_sum
+    assert not ChunkKV(inner=KeyDiff()).needs.attn_sum
 
 
 # ------------------------------------------------------------------------------ registry

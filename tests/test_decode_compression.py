@@ -19,8 +19,10 @@ from dge_jax.eviction import decode_compression
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.policies import H2O, SnapKV, StreamingLLM
+from dge_jax.rules.h2o import H2O
 from dge_jax.rules.registry import make_policy
+from dge_jax.rules.snapkv import SnapKV
+from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.runtime import decoding
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import cut_at_eos, prepare

@@ -4,22 +4,26 @@
   blocks use the `model` the first one loaded), on the embedded SmolLM2 model; so do those of
   docs/usage.md, in a namespace of their own (its first block is its setup).
 - Every ```python block of WORKSPACE.md runs in a fresh module namespace; the "add a model
-  family" and "add a policy" examples then register a real family and a real policy, and the
-  tests below use them: the family loads a tiny checkpoint, the policy generates under every
-  timing. The registrations are removed afterwards.
+  family" and "add a scoring rule" examples then register a real family and a real rule, and
+  the tests below use them: the family loads a tiny checkpoint, the rule generates under every
+  timing. The registrations are removed afterwards. The rule's block is also saved, under a
+  fresh name, as a file of dge_jax/rules/ in a copy of the repository, where the command line
+  and the runner use it with no other edit.
 - Every `python -m ...` command of the ```bash blocks of every document parses with the real
   argument parsers (running them would take minutes: the runner and the CLI have their own
   tests).
 - The quick start stays the README's first two commands (the second is the line .ci/run
-  runs), the README's figure is drawn by docs/make_figure.py, and every policy the README's
-  tables claim runs under every timing.
+  runs), the README's figure is drawn by docs/make_figure.py, and the README's tables name
+  every registered rule (tests/test_rule_contract.py runs each under every timing).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import shlex
@@ -296,36 +300,63 @@ def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------
-# The README's claim: every policy x every timing x every head-budget mode
+# WORKSPACE: "Add a scoring rule" is one file, in a copy of the repository
 
 
-@pytest.mark.slow
-def test_every_policy_runs_under_every_timing_and_head_budget(checkpoint):
-    import dge_jax
-    from dge_jax.eviction.evict import Eviction
-    from dge_jax.eviction.timing import KINDS, Timing
-    from dge_jax.generation import generate_grid
-    from dge_jax.rules.registry import POLICIES, make_policy, policy_fields
+def recipe_block() -> Block:
+    """The block of "Add a scoring rule": its first line names the file it is saved as."""
+    found = [b for b in blocks("WORKSPACE.md", "python")
+             if b.source.startswith("# dge_jax/rules/")]  # fmt: skip
+    assert len(found) == 1, "WORKSPACE.md needs one python block starting # dge_jax/rules/<file>.py"
+    return found[0]
 
-    model = dge_jax.load(checkpoint("llama_chat"))  # KVzip encodes its repeat instruction
-    n, budget = 48, 16
-    prompt = [[(5 * i + 1) % model.config.vocab_size for i in range(n)]]
-    cells = []
-    composites = ["criticalkv_expectedattention", "chunkkv_h2o", "criticalkv_tova", "chunkkv_kvzip"]
-    for name in [*POLICIES, *composites]:
-        if name == "full":
-            continue
-        policy = make_policy(name, **({"window": 4} if "window" in policy_fields(name) else {}))
-        for kind in (k for k in KINDS if k != "decode"):  # decode: test_decode_compression
-            for head_budget in ("uniform", "adakv", "global"):
-                # Head-adaptive cells stay masked: compacted, each would keep its own per-layer
-                # capacities and compile a decode loop of its own (compaction is tested in
-                # test_eviction_generate).
-                cells.append(Eviction(policy, budget, Timing(kind, 1 if kind == "prefill" else 2),
-                                      head_budget=head_budget, compact=head_budget == "uniform"))
-    results = generate_grid(model, prompt, cells, max_new_tokens=2)
-    total = budget * model.config.num_layers * model.config.num_kv_heads
-    for ev, res in zip(cells, results, strict=True):
-        kept = [len(h) for layer in res.kept[0] for h in layer]
-        assert sum(kept) == total, (ev, kept)  # PyramidKV and AdaKV move budget, keep the total
-        assert len(res.tokens[0]) >= 1
+
+def renamed_recipe(source: str, fresh: str) -> str:
+    """The recipe with its registered name set to `fresh` and its class renamed to match."""
+    name = re.search(r'name: ClassVar\[str\] = "(\w+)"', source)
+    cls = re.search(r"^class (\w+)\(", source, re.M)
+    assert name and cls, "the recipe must define a class with a registered name"
+    source = source.replace(f'"{name.group(1)}"', f'"{fresh}"')
+    return re.sub(rf"\b{cls.group(1)}\b", fresh.capitalize(), source)
+
+
+RECIPE_CHECK = """
+from dge_jax.rules.registry import make_policy
+from experiments.cells import build_cells
+import sys
+name = sys.argv[1]
+policy = make_policy(name)
+assert type(policy).__module__ == "dge_jax.rules." + name, type(policy).__module__
+assert build_cells(["full", name], ["prefill", "dge", "dge_w"], [2], [8])[1].method == name
+print("ok")
+"""
+
+
+def test_workspace_rule_recipe_is_the_only_edit(checkpoint, tmp_path):
+    """Saving the recipe under a fresh name in a copy of the repository is enough for the
+    command line and the runner to use the rule (no registry line, no other file)."""
+    block = recipe_block()
+    path = block.source.splitlines()[0].removeprefix("#").strip()
+    assert re.fullmatch(r"dge_jax/rules/\w+\.py", path), path
+    copy = tmp_path / "repo"
+    skip = shutil.ignore_patterns("__pycache__", ".*")
+    for item in ("dge_jax", "models", "experiments", "setup.cfg", "pyproject.toml"):
+        if (ROOT / item).is_dir():
+            shutil.copytree(ROOT / item, copy / item, ignore=skip)
+        else:
+            shutil.copy2(ROOT / item, copy / item)
+    fresh = "recipecheck"
+    (copy / "dge_jax" / "rules" / f"{fresh}.py").write_text(renamed_recipe(block.source, fresh))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(copy))
+    run = functools.partial(subprocess.run, cwd=copy, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    prompt = " ".join(["the cat sat on the mat"] * 6)
+    proc = run([sys.executable, "-m", "dge_jax", "generate", "--model",
+                str(checkpoint("llama_chat")), "--prompt", prompt, "--policy", fresh,
+                "--budget", "8", "--timing", "dge", "--k", "2", "--max_new_tokens", "4",
+                "--json"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert 1 <= len(out["tokens"][0]) <= 4
+    proc = run([sys.executable, "-c", RECIPE_CHECK, fresh])
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

@@ -22,7 +22,8 @@ from dge_jax.eviction.timing import Adaptive, Timing
 from dge_jax.families import get_family
 from dge_jax.generation import generate_grid
 from dge_jax.model import Model
-from dge_jax.rules.policies import H2O, SnapKV
+from dge_jax.rules.h2o import H2O
+from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 
 LENGTHS = (52, 37)

@@ -23,8 +23,12 @@ from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
 from dge_jax.generation import generate
 from dge_jax.model import Model
-from dge_jax.rules.policies import H2O, TOVA, PyramidKV, SnapKV, StreamingLLM
+from dge_jax.rules.h2o import H2O
+from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.registry import make_policy
+from dge_jax.rules.snapkv import SnapKV
+from dge_jax.rules.streamingllm import StreamingLLM
+from dge_jax.rules.tova import TOVA
 from dge_jax.runtime.cache import init_cache
 
 NL, B, HQ, HKV, S, D = 2, 1, 4, 2, 12, 8

@@ -32,7 +32,13 @@ from dge_jax.eviction.selection import apply_keep
 from dge_jax.eviction.timing import Timing
 from dge_jax.generation import generate, generate_grid
 from dge_jax.model import Model
-from dge_jax.rules.policies import H2O, TOVA, KeyNorm, PyramidKV, RandomScores, SnapKV, StreamingLLM
+from dge_jax.rules.h2o import H2O
+from dge_jax.rules.knorm import KeyNorm
+from dge_jax.rules.pyramidkv import PyramidKV
+from dge_jax.rules.random import RandomScores
+from dge_jax.rules.snapkv import SnapKV
+from dge_jax.rules.streamingllm import StreamingLLM
+from dge_jax.rules.tova import TOVA
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import compact
 from dge_jax.runtime.prompts import pad_left
@@ -314,11 +320,11 @@ def test_one_scoring_for_many_budgets_equals_one_selection_each(model, policy, h
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     pre = gen.prefill(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
-                      obs_window=WINDOW, record_attn=policy.needs_attn_sum)  # fmt: skip
+                      obs_window=WINDOW, record_attn=policy.needs.attn_sum)  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
     state, drafts = gen.draft(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1,
-                              record_attn=policy.needs_attn_sum)  # fmt: skip
+                              record_attn=policy.needs.attn_sum)  # fmt: skip
     budgets = [12, 20, 30] if isinstance(policy, PyramidKV) else [12, np.array([20, 16]), 30]
     if type(policy) is SnapKV and head_budget == "uniform":
         budgets.append(np.array([[12, 14], [16, 18]]))  # per head

@@ -192,7 +192,7 @@ def test_a_grid_records_one_set_of_statistics(model):
     with pytest.raises(ValueError, match="start them at positions \\[2, 4\\]"):
         Recording.of(cells)
     rec = Recording.of(cells[:1])
-    assert rec.q_stats_from == 4 and rec.draft_queries and rec.obs_window == 0
+    assert rec.needs.query_stats_from == 4 and rec.needs.queries and rec.needs.window == 0
     prompts = [np.random.default_rng(n).integers(0, 128, n).tolist() for n in (44, 30)]
     out = generate_grid(model, prompts, cells[:1], max_new_tokens=3)
     assert all(len(h) == 16 for layer in out[0].kept[0] for h in layer)

@@ -378,7 +378,7 @@ def test_the_hook_sees_every_stage_in_order_and_changes_nothing(model, prompts, 
     from dge_jax.eviction.evict import Eviction
     from dge_jax.eviction.timing import Timing
     from dge_jax.generation import STAGES, generate_grid
-    from dge_jax.rules.policies import SnapKV
+    from dge_jax.rules.snapkv import SnapKV
 
     seen = []
 

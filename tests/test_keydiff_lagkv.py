@@ -1,4 +1,5 @@
-"""KeyDiff and LagKV (`dge_jax.rules.key_statistics`) against NumPy transcriptions of kvpress's
+"""KeyDiff and LagKV (`dge_jax.rules.keydiff`, `dge_jax.rules.lagkv`) against NumPy
+transcriptions of kvpress's
 ``KeyDiffPress.score`` and ``LagKVPress.score``, on hand-made left-padded caches: padding,
 draft entries, prompts shorter than the budget or than the partitioning, and selection."""
 
@@ -15,7 +16,8 @@ from tiny_model import jax_model
 from dge_jax.eviction.evict import Eviction, select_for
 from dge_jax.eviction.observation import Observation
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.key_statistics import KeyDiff, LagKV
+from dge_jax.rules.keydiff import KeyDiff
+from dge_jax.rules.lagkv import LagKV
 from dge_jax.runtime.cache import KVCache
 
 L, HKV, D = 2, 2, 8

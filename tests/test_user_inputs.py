@@ -15,7 +15,7 @@ import pytest
 import dge_jax
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.policies import SnapKV
+from dge_jax.rules.snapkv import SnapKV
 
 FORMS = r"a prompt is a str, or a list / 1-D integer array of token ids in \[0, vocab\)"
 

@@ -43,7 +43,7 @@ from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import select_for_budgets
 from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
 from dge_jax.families import ForwardFn, group_layers
-from dge_jax.rules.scoring import Policy
+from dge_jax.rules.base import Policy
 from dge_jax.runtime.cache import KVCache, compact_heads, regroup
 from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
 from dge_jax.runtime.rope import inverse_frequencies
@@ -80,14 +80,14 @@ def _observation(
     nl, b = cfg.num_layers, ring_pos.shape[0]
     hq, hd = cfg.num_heads, cfg.head_dim
     stats = None
-    if policy.query_stats_from is not None:
+    if policy.needs.query_stats_from is not None:
         stats = QueryStats(
             total=jnp.zeros((nl, b, hq, hd), jnp.float32),
             outer=jnp.zeros((nl, b, hq, hd, hd), jnp.float32),
             count=jnp.zeros((b,), jnp.float32),
             inv_freq=jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
         )
-    reads_q = policy.obs_window > 0
+    reads_q = policy.needs.window > 0
     base = Observation(
         q=jnp.zeros((nl, b, hq, 0, hd), ring_q.dtype) if reads_q else None,
         q_pos=jnp.zeros((b, 0), jnp.int32) if reads_q else None,
@@ -149,7 +149,7 @@ class _Loop:
 
     @property
     def reads_q(self) -> bool:
-        return self.policy.obs_window > 0 or self.policy.query_stats_from is not None
+        return self.policy.needs.queries
 
     def block(self, params, state: DecodeState, attn, layers):
         """Up to `interval` decode steps (fewer once every row is done). Returns the state,
@@ -260,7 +260,7 @@ def decode_compressed(
             f"decode-time compression needs one capacity for all layers, got "
             f"{state.cache.capacities}; compact the cache to one capacity first"
         )
-    if policy.needs_attn_sum and attn is None:
+    if policy.needs.attn_sum and attn is None:
         raise ValueError(f"{type(policy).__name__} reads attention sums: pass attn")
     loop = _Loop(
         forward, cfg, sampler, eos_ids, min_new_tokens, policy, interval, capacity, head_cap,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dge_jax.rules.scoring import Policy, check_fields
+from dge_jax.rules.base import Policy, check_fields
 
 # Head caps are rounded to this many slots: nearby budgets share a compiled loop, and a
 # decode step (which reads every slot) wastes at most 15 of them.
@@ -46,7 +46,7 @@ class DecodeCompression:
 
 def check_decode_policy(policy: Policy, spec: DecodeCompression, protected: int) -> None:
     """Clear errors for rules and budgets decode-time compression cannot serve."""
-    if policy.reconstruction is not None:
+    if policy.needs.reconstruction is not None:
         raise ValueError(
             f"{type(policy).__name__} scores from a reconstruction pass over the prompt, which "
             "has no decode-time form; use it at prefill (no Eviction.decode) or pick another rule"

@@ -22,8 +22,9 @@ from dge_jax.eviction.budgets import adakv_budgets, expand_budgets, global_budge
 from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_policy
 from dge_jax.eviction.observation import DraftRecord, Observation, with_drafts
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.policies import SnapKV
-from dge_jax.rules.scoring import Policy, check_fields
+from dge_jax.rules.base import Policy, check_fields
+from dge_jax.rules.full import is_full
+from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
 from dge_jax.runtime.cache import KVCache
 
@@ -93,8 +94,8 @@ def _check_policy(policy: object) -> None:
     if isinstance(policy, str):
         raise TypeError(
             f"Eviction.policy must be a policy object, not the string {policy!r}: use "
-            f"dge_jax.rules.registry.make_policy({policy!r}) or a class of dge_jax.rules.policies, "
-            "e.g. SnapKV()"
+            f"dge_jax.rules.registry.make_policy({policy!r}) or a rule class of dge_jax.rules, "
+            "e.g. dge_jax.rules.snapkv.SnapKV()"
         )
     if isinstance(policy, type) or not hasattr(policy, "scorer"):
         raise TypeError(
@@ -154,8 +155,7 @@ def _check_budget(budget: object) -> None:
 
 def protected_size(policy: Policy) -> int:
     """Entries per head a policy always keeps (its window or sinks), before drafts."""
-    rule = policy.scorer  # a wrapper protects what its inner rule does
-    return int(getattr(rule, "window", 0) or 0) + int(getattr(rule, "sinks", 0) or 0)
+    return policy.needs.protected
 
 
 def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
@@ -166,7 +166,7 @@ def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
     if budget.min() < 1:
         raise ValueError(f"budget must be >= 1 entry per head, got {int(budget.min())}")
     need = protected_size(ev.policy) + ev.timing.draft_steps
-    if not ev.policy.is_full and budget.min() < need:
+    if not is_full(ev.policy) and budget.min() < need:
         raise ValueError(
             f"budget {int(budget.min())} is smaller than what {type(ev.policy).__name__} always "
             f"keeps ({protected_size(ev.policy)} window/sink entries + "
@@ -199,7 +199,7 @@ def _check_decode(ev: Eviction, budget: np.ndarray) -> None:
             "timing 'decode' evicts inside the decode loop and needs Eviction.decode "
             "(a DecodeCompression with the decode budget and interval)"
         )
-    if ev.policy.is_full:
+    if is_full(ev.policy):
         raise ValueError("decode-time compression needs a scoring rule, not FullKV")
     if not ev.compact:
         raise ValueError("decode-time compression compacts the cache; drop compact=False")

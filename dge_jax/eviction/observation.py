@@ -14,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dge_jax.runtime.rope import rotate
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -41,13 +43,6 @@ class QueryStats:
         mean = self.total / n
         cov = self.outer / n[..., None] - mean[..., :, None] * mean[..., None, :]
         return mean, cov
-
-
-def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """RoPE's rotation in the split-halves layout: x * cos + rotate_half(x) * sin, on the
-    last axis (cos, sin broadcast against x, [..., D])."""
-    half = x.shape[-1] // 2
-    return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
 
 
 @jax.tree_util.register_dataclass
@@ -180,14 +175,15 @@ def for_policy(
     Prefill recorded the largest window any cell needs; a policy with a smaller window sees
     only its own last w queries, and one that reads no queries (or no attention) sees none.
     """
-    w = policy.obs_window
+    needs = policy.needs
+    w = needs.window
     q = q_pos = is_draft = None
     if w:
         q, q_pos, is_draft = obs.q[:, :, :, -w:], obs.q_pos[:, -w:], obs.is_draft[-w:]
-    attn = obs.attn_sum if policy.needs_attn_sum else None
-    out_proj = obs.out_proj if policy.needs_out_proj else None
-    stats = obs.q_stats if policy.query_stats_from is not None else None
-    recon = obs.recon if policy.reconstruction is not None else None
+    attn = obs.attn_sum if needs.attn_sum else None
+    out_proj = obs.out_proj if needs.out_proj else None
+    stats = obs.q_stats if needs.query_stats_from is not None else None
+    recon = obs.recon if needs.reconstruction is not None else None
     obs = Observation(
         q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end,
         out_proj=out_proj, q_stats=stats, recon=recon,
@@ -195,6 +191,6 @@ def for_policy(
     if drafts is not None:
         drafts = drafts._replace(
             q=drafts.q if w or stats is not None else None,
-            probs=drafts.probs if policy.needs_attn_sum else None,
+            probs=drafts.probs if needs.attn_sum else None,
         )
     return obs, drafts

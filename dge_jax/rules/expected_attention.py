@@ -19,16 +19,19 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax.eviction.observation import Observation, rotate
-from dge_jax.rules.scoring import ScoringRule, check_fields, finish, group_heads, require_obs
+from dge_jax.eviction.observation import Observation
+from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require_obs
+from dge_jax.rules.ops import group_heads
+from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.rope import rotate
 
 
 def average_rotation(start: jax.Array, count: int, inv_freq: jax.Array) -> tuple[jax.Array, ...]:
     """cos, sin [B, D]: RoPE's rotation averaged over positions start .. start + count - 1.
 
     The mean of rotation matrices R(p) = cos(pθ)·I + sin(pθ)·P (P = rotate_half) is
-    mean(cos)·I + mean(sin)·P, so it applies like RoPE itself (`observation.rotate`).
+    mean(cos)·I + mean(sin)·P, so it applies like RoPE itself (`rope.rotate`).
     """
     positions = start[:, None].astype(jnp.float32) + jnp.arange(count, dtype=jnp.float32)
     angles = positions[..., None] * inv_freq  # [B, count, D / 2]
@@ -36,6 +39,7 @@ def average_rotation(start: jax.Array, count: int, inv_freq: jax.Array) -> tuple
     return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class ExpectedAttention(ScoringRule):
     """Expected attention of future queries, kvpress's defaults: 512 future positions, 4
@@ -58,9 +62,10 @@ class ExpectedAttention(ScoringRule):
             raise TypeError(f"ExpectedAttention.epsilon must be a number, got {self.epsilon!r}")
 
     @property
-    def query_stats_from(self) -> int:
-        """Queries after the sinks enter the statistics (the sinks' are outliers)."""
-        return self.sinks
+    def needs(self) -> Needs:
+        """Query statistics from after the sinks (the sinks' queries are outliers); the
+        sinks are always kept."""
+        return Needs(query_stats_from=self.sinks, protected=self.sinks)
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
         """[L, B, Hkv, S] f32: expected attention (× ‖v‖) of each prompt entry after the

@@ -38,8 +38,9 @@ import numpy as np
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.observation import Observation
 from dge_jax.families import ForwardFn
-from dge_jax.rules.key_statistics import prompt_entries
-from dge_jax.rules.scoring import ScoringRule, check_fields, finish, require_obs
+from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require_obs
+from dge_jax.rules.ops import prompt_entries
+from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import bucket_length, pad_left
 
@@ -57,7 +58,25 @@ class Reconstruction:
     chunk_size: int
     repeat_tail: int
 
+    def scores(
+        self,
+        forward: ForwardFn,
+        cfg: ModelConfig,
+        params,
+        tokenizer,
+        cache: KVCache,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        bucket: int = 512,
+        call=None,
+    ) -> tuple[jax.Array, int]:
+        """This stage run over prefill's cache: `reconstruction_scores` (`obs.recon`)."""
+        return reconstruction_scores(
+            forward, cfg, params, tokenizer, cache, prompt_ids, self, bucket=bucket, call=call
+        )
 
+
+@register
 @dataclasses.dataclass(frozen=True)
 class KVzip(ScoringRule):
     """KVzip: score = max over the repeating queries (and the kv head's query group) of the
@@ -78,8 +97,12 @@ class KVzip(ScoringRule):
         check_fields(self, ints={"sinks": 0, "chunk_size": 1, "repeat_tail": 0})
 
     @property
-    def reconstruction(self) -> Reconstruction:
-        return Reconstruction(self.sinks, self.chunk_size, self.repeat_tail)
+    def needs(self) -> Needs:
+        """The reconstruct stage's scores; the sinks are always kept."""
+        return Needs(
+            reconstruction=Reconstruction(self.sinks, self.chunk_size, self.repeat_tail),
+            protected=self.sinks,
+        )
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
         """[L, B, Hkv, S] f32: the reconstruction attention of each prompt entry."""

@@ -1,5 +1,9 @@
 """Every scoring rule by name, for command lines, runner methods and sweeps.
 
+A rule registers itself with ``@register`` on its class. The first time the registry is
+read, it imports every module of the `dge_jax.rules` package (`pkgutil.iter_modules`, names
+computed at run time), so a new file in dge_jax/rules/ is the only edit a new rule needs.
+
 ``make_policy("snapkv", window=8)``; a wrapper takes its inner rule by name and passes the
 options it does not have itself on to it: ``make_policy("criticalkv", inner="h2o",
 window=16)`` is ``CriticalKV(inner=H2O(window=16))``, and so is the composite name
@@ -9,38 +13,105 @@ window=16)`` is ``CriticalKV(inner=H2O(window=16))``, and so is the composite na
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pathlib
+import pkgutil
+from collections.abc import Iterator, MutableMapping, Set
 from typing import Any
 
-from dge_jax.rules.expected_attention import ExpectedAttention
-from dge_jax.rules.key_statistics import KeyDiff, LagKV
-from dge_jax.rules.kvzip import KVzip
-from dge_jax.rules.policies import (
-    H2O,
-    TOVA,
-    FullKV,
-    KeyNorm,
-    PyramidKV,
-    RandomScores,
-    SnapKV,
-    StreamingLLM,
-)
-from dge_jax.rules.rule_wrappers import ChunkKV, CriticalKV
-from dge_jax.rules.scoring import Policy
+from dge_jax.rules.base import Policy
+
+_RULES: dict[str, type] = {}
+_state = {"discovered": False, "discovering": False}
+
+
+def register(cls: type) -> type:
+    """Class decorator: the rule answers to ``cls.name`` (lower case) in the registry."""
+    name = cls.name
+    if not isinstance(name, str) or name != name.lower() or not name:
+        raise ValueError(f"{cls.__qualname__}.name must be a lower-case string, got {name!r}")
+    known = _RULES.get(name)
+    if known is not None and (known.__module__, known.__qualname__) != (
+        cls.__module__,
+        cls.__qualname__,
+    ):
+        raise ValueError(
+            f"rule name {name!r} is taken by {known.__module__}.{known.__qualname__}; "
+            f"give {cls.__module__}.{cls.__qualname__} another name"
+        )
+    _RULES[name] = cls
+    return cls
+
+
+def discover() -> None:
+    """Imports every module of this package once, so that each rule file registers itself."""
+    if _state["discovered"] or _state["discovering"]:
+        return
+    _state["discovering"] = True
+    try:
+        package = __name__.rpartition(".")[0]
+        folder = str(pathlib.Path(__file__).resolve().parent)
+        for info in sorted(pkgutil.iter_modules([folder]), key=lambda m: m.name):
+            importlib.import_module(f"{package}.{info.name}")
+        _state["discovered"] = True
+    finally:
+        _state["discovering"] = False
+
+
+class _Registry(MutableMapping):
+    """name -> rule class, filled by `register`, read after `discover` (names sorted)."""
+
+    def __getitem__(self, name: str) -> type:
+        discover()
+        return _RULES[name]
+
+    def __setitem__(self, name: str, cls: type) -> None:
+        _RULES[name] = cls
+
+    def __delitem__(self, name: str) -> None:
+        del _RULES[name]
+
+    def __iter__(self) -> Iterator[str]:
+        discover()
+        return iter(sorted(_RULES))
+
+    def __len__(self) -> int:
+        discover()
+        return len(_RULES)
+
+    def __contains__(self, name: object) -> bool:
+        discover()
+        return name in _RULES
+
+    def __repr__(self) -> str:
+        return f"POLICIES({dict(self.items())!r})"
+
+
+POLICIES = _Registry()
 
 
 def _names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-POLICIES: dict[str, type] = {
-    cls.name: cls
-    for cls in (
-        FullKV, SnapKV, PyramidKV, H2O, StreamingLLM, RandomScores, KeyNorm, TOVA,
-        ExpectedAttention, KeyDiff, LagKV, KVzip, CriticalKV, ChunkKV,
-    )  # fmt: skip
-}
+class _Wrappers(Set):
+    """The registered rules that take an ``inner`` rule (read from the registry each time)."""
+
+    def _names(self) -> list[str]:
+        return [name for name, cls in POLICIES.items() if "inner" in _names(cls)]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
 # Wrappers: their `inner` rule is named, and takes the options the wrapper does not.
-WRAPPERS = frozenset(name for name, cls in POLICIES.items() if "inner" in _names(cls))
+WRAPPERS = _Wrappers()
 
 
 def _default_inner(cls: type) -> Policy:
@@ -66,7 +137,7 @@ def resolve(name: str) -> tuple[type, str | None]:
 
 def _check_inner_name(wrapper: str, inner: str) -> None:
     if inner.lower() in WRAPPERS or inner.lower() == "full":
-        evicting = sorted(set(POLICIES) - WRAPPERS - {"full"})
+        evicting = sorted(set(POLICIES) - set(WRAPPERS) - {"full"})
         raise ValueError(
             f"{wrapper}'s inner rule must be one of {', '.join(evicting)}, got {inner!r}"
         )

@@ -43,10 +43,17 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE's rotation in the split-halves layout on the last axis: x * cos +
+    rotate_half(x) * sin, with cos, sin broadcast against x ([..., D]), in x's dtype.
+
+    Also what rotates query statistics to future positions (ExpectedAttention) and draft
+    queries back to pre-RoPE (``sin`` negated: R(p)^T)."""
+    half = x.shape[-1] // 2
+    return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates x: [B, T, H, D] by cos/sin [B, T, D]; math in f32, result in x's dtype."""
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    out = xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    out = rotate(x.astype(jnp.float32), cos[:, :, None, :], sin[:, :, None, :])
     return out.astype(x.dtype)

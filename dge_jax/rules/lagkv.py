@@ -1,9 +1,7 @@
-"""Query-free scoring rules: which entries matter, from the keys and values alone.
+"""LagKV (arXiv 2504.04704): lag-relative spread of keys and values.
 
-They read no queries and no attention, so the drafted answer tokens cannot inform them: DGE
-and DGE-W select exactly what prefill eviction selects (the draft entries are kept on top,
-as for every rule). Statistics are taken over each row's prompt entries only
-(``0 <= pos <= obs.prompt_end``), so the draft entries a DGE cache holds change nothing.
+Query-free (from the keys and values alone, over each row's prompt entries): DGE and DGE-W
+select exactly what prefill eviction selects, the draft entries kept on top.
 """
 
 from __future__ import annotations
@@ -15,41 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.eviction.observation import Observation
-from dge_jax.rules.scoring import ScoringRule, check_fields, finish, require_obs
+from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish
+from dge_jax.rules.ops import prompt_entries
+from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
 
 
-def prompt_entries(cache: KVCache, obs: Observation) -> jax.Array:
-    """[L, B, Hkv, S] bool: valid slots holding a prompt token (not a draft)."""
-    require_obs(obs, "prompt_end")
-    return (cache.pos >= 0) & (cache.pos <= obs.prompt_end[None, :, None, None])
-
-
-@dataclasses.dataclass(frozen=True)
-class KeyDiff(ScoringRule):
-    """KeyDiff (arXiv 2504.15364; kvpress ``KeyDiffPress``): keep the keys least like the rest.
-
-    score = -cos(k_s, anchor), anchor = the mean of the head's unit-normalised prompt keys
-    (post-RoPE, as the cache holds them). No entry is protected. kvpress's one-shot form; the
-    paper's block-wise iteration is kvpress's ``BlockPress`` wrapper, not ported.
-    """
-
-    name: ClassVar[str] = "keydiff"
-
-    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
-        """[L, B, Hkv, S] f32: minus each key's cosine similarity to the anchor."""
-        prompt = prompt_entries(cache, obs)
-        k = cache.k.astype(jnp.float32)  # [L, B, Hkv, S, D]
-        norm = jnp.linalg.norm(k, axis=-1, keepdims=True)
-        unit = k / jnp.maximum(norm, 1e-12)  # torch F.normalize's eps
-        count = jnp.maximum(jnp.sum(prompt, axis=-1, keepdims=True), 1)[..., None]
-        anchor = jnp.sum(jnp.where(prompt[..., None], unit, 0.0), axis=-2, keepdims=True) / count
-        # torch cosine_similarity: x.y / max(|x| |y|, eps), eps 1e-8.
-        anchor_norm = jnp.linalg.norm(anchor, axis=-1)
-        cos = jnp.sum(k * anchor, axis=-1) / jnp.maximum(norm[..., 0] * anchor_norm, 1e-8)
-        return finish(-cos, cache.valid())
-
-
+@register
 @dataclasses.dataclass(frozen=True)
 class LagKV(ScoringRule):
     """LagKV (arXiv 2504.04704; kvpress ``LagKVPress``): lag-relative spread of keys and values.
@@ -75,6 +45,11 @@ class LagKV(ScoringRule):
 
     def __post_init__(self) -> None:
         check_fields(self, ints={"sinks": 0, "lag_size": 2}, bools=("cross_scoring",))
+
+    @property
+    def needs(self) -> Needs:
+        """Nothing recorded; the sinks count as always kept (they score 1, the top)."""
+        return Needs(protected=self.sinks)
 
     def score(self, cache: KVCache, obs: Observation) -> jax.Array:
         """[L, B, Hkv, S] f32 in [0, 1]: partition ranks (or softmaxed spreads), sinks and

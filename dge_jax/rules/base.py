@@ -1,0 +1,208 @@
+"""The rule interface: `Needs` (what a rule asks the generator to record), the `Policy`
+protocol, the `ScoringRule` defaults, field checks and the score sentinels (`finish`).
+
+A rule is one file of `dge_jax.rules` named after it, holding a frozen dataclass derived
+from `ScoringRule` and decorated with `registry.register`. Shapes: cache
+``k: [L, B, Hkv, S, D]``, ``pos: [L, B, Hkv, S]``; ``obs.q: [L, B, Hq, W, D]``,
+``obs.q_pos: [B, W]``. GQA: query head h belongs to kv head ``h // (Hq // Hkv)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Hashable
+from typing import Any, ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dge_jax.eviction.budgets import PyramidSchedule
+from dge_jax.eviction.observation import Observation
+from dge_jax.runtime.cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a rule reads besides the cache, declared as one value (`ScoringRule.needs`).
+
+    window: trailing prompt queries per layer the forward records (`obs.q`; 0 = none).
+    attn_sum: whether every observed query's attention to each slot is summed
+    (`obs.attn_sum`, H2O's). query_stats_from: None, or the first prompt position whose
+    pre-RoPE query enters `obs.q_stats` (ExpectedAttention's). reconstruction: None, or the
+    reconstruct stage whose scores (`obs.recon`) the rule reads: a hashable value with a
+    ``scores(...)`` method (`kvzip.Reconstruction`). out_proj: whether the select stage
+    adds each layer's output projection (`obs.out_proj`, CriticalKV's). protected: entries
+    per head the rule always keeps (its window or sinks), which a budget must hold.
+    """
+
+    window: int = 0
+    attn_sum: bool = False
+    query_stats_from: int | None = None
+    reconstruction: Hashable | None = None
+    out_proj: bool = False
+    protected: int = 0
+
+    @property
+    def queries(self) -> bool:
+        """Whether recorded queries enter the scores (a window or query statistics): draft
+        steps then record theirs."""
+        return self.window > 0 or self.query_stats_from is not None
+
+    @property
+    def query_free(self) -> bool:
+        """Whether no query (prompt or draft) informs the scores: DGE then equals DGE-W."""
+        return not self.queries and not self.attn_sum
+
+    def __or__(self, other: Needs) -> Needs:
+        """What one recording must hold to serve both (a grid's cells, a wrapper and its
+        inner rule): the larger window and protection, any flag either sets. Query
+        statistics and the reconstruct stage are recorded once, so both must agree."""
+        starts = {self.query_stats_from, other.query_stats_from} - {None}
+        if len(starts) > 1:
+            raise ValueError(
+                f"one grid records one set of query statistics, but its cells start them at "
+                f"positions {sorted(starts)} (ExpectedAttention sinks): give them one value"
+            )
+        recs = {self.reconstruction, other.reconstruction} - {None}
+        if len(recs) > 1:
+            raise ValueError(
+                f"one grid runs one reconstruct stage, but its KVzip cells differ in it: "
+                f"{sorted(recs, key=repr)}; give them the same sinks, chunk_size and repeat_tail"
+            )
+        return Needs(
+            window=max(self.window, other.window),
+            attn_sum=self.attn_sum or other.attn_sum,
+            query_stats_from=next(iter(starts), None),
+            reconstruction=next(iter(recs), None),
+            out_proj=self.out_proj or other.out_proj,
+            protected=max(self.protected, other.protected),
+        )
+
+
+class Policy(Protocol):
+    """What every scoring rule offers the generator (`ScoringRule` gives the defaults)."""
+
+    name: ClassVar[str]
+
+    @property
+    def needs(self) -> Needs:
+        """What the forward and the select stage must record or add for this rule."""
+        ...
+
+    @property
+    def scorer(self) -> Policy:
+        """The policy whose `score` this one selects from (itself, or PyramidKV's SnapKV)."""
+        ...
+
+    @property
+    def layer_schedule(self) -> PyramidSchedule | None:
+        """Per-layer budgets from the nominal one (PyramidKV's), or None: every layer alike."""
+        ...
+
+    def score(self, cache: KVCache, obs: Observation) -> jax.Array:
+        """[L, B, Hkv, S] f32: higher = keep; empty slots -inf, always-kept slots +inf."""
+        ...
+
+    def refine(
+        self,
+        scores: jax.Array,
+        budgets: jax.Array,
+        cache: KVCache,
+        obs: Observation,
+        ties: str = "later",
+    ) -> jax.Array:
+        """The scores selection ranks, once each head's budget [L, B, Hkv] is known."""
+        ...
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """ValueError unless ``value`` is one of ``choices`` (the message names both)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_fields(
+    obj: Any,
+    ints: dict[str, int | tuple[int, int]] | None = None,
+    choices: dict[str, tuple[str, ...]] | None = None,
+    bools: tuple[str, ...] = (),
+) -> None:
+    """Checks a frozen dataclass's fields in its ``__post_init__``: one line naming the field,
+    the bad value and what is allowed (TypeError for a wrong type, ValueError for a range).
+
+    ints: field -> minimum, or (minimum, maximum) inclusive; Python and numpy integers pass
+    (stored back as ``int``), bools and floats do not. choices: field -> allowed strings.
+    bools: fields that must be True or False.
+    """
+    owner = type(obj).__name__
+    for name, bounds in (ints or {}).items():
+        value = getattr(obj, name)
+        low, high = bounds if isinstance(bounds, tuple) else (bounds, None)
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+            raise TypeError(
+                f"{owner}.{name} must be {allowed}, got {value!r} ({type(value).__name__})"
+            )
+        if value < low or (high is not None and value > high):
+            raise ValueError(f"{owner}.{name} must be {allowed}, got {value}")
+        object.__setattr__(obj, name, int(value))
+    for name, allowed in (choices or {}).items():
+        check_choice(f"{owner}.{name}", getattr(obj, name), allowed)
+    for name in bools:
+        value = getattr(obj, name)
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{owner}.{name} must be True or False, got {value!r}")
+        object.__setattr__(obj, name, bool(value))
+
+
+def finish(scores: jax.Array, valid: jax.Array, protected: jax.Array | None = None) -> jax.Array:
+    """Scores [L, B, Hkv, S] f32 with protected slots at +inf and empty slots at -inf.
+
+    The one place that writes the sentinels, so every rule agrees on them (empty wins).
+    """
+    scores = scores.astype(jnp.float32)
+    if protected is not None:
+        scores = jnp.where(protected, jnp.inf, scores)
+    return jnp.where(valid, scores, -jnp.inf)
+
+
+def require_obs(obs: Observation, *fields: str) -> None:
+    """A clear error when the forward did not record what a rule reads."""
+    for field in fields:
+        if getattr(obs, field) is None:
+            raise ValueError(f"this policy needs obs.{field}, which the forward did not record")
+
+
+class ScoringRule:
+    """The defaults every policy shares: it needs nothing recorded (`Needs()`), scores with
+    its own `score`, keeps the same budget in every layer, and ranks its scores as they are.
+    Derive a rule from it and override what differs (WORKSPACE.md, "Add a scoring rule")."""
+
+    @property
+    def needs(self) -> Needs:
+        """Nothing recorded, nothing protected."""
+        return Needs()
+
+    @property
+    def scorer(self) -> Policy:
+        """The policy whose `score` this one selects from: itself."""
+        return self
+
+    @property
+    def layer_schedule(self) -> PyramidSchedule | None:
+        """None: every layer keeps the nominal budget."""
+        return None
+
+    def refine(
+        self,
+        scores: jax.Array,
+        budgets: jax.Array,
+        cache: KVCache,
+        obs: Observation,
+        ties: str = "later",
+    ) -> jax.Array:
+        """The scores selection ranks, given each head's budget [L, B, Hkv] int32 and the tie
+        rule: the `scorer`'s scores as they are. A two-stage rule (CriticalKV) re-ranks here."""
+        return scores
