@@ -9,7 +9,7 @@ of the benchmarks: 2 layers, GQA 32/8 x 128, hidden 1024) and each answer length
 prompt of `--prompt_len` tokens, batch 1, greedy with EOS banned so every run generates
 exactly N tokens:
 
-- dge_jax FullKV: prefill into a cache of prompt + N slots, then `decoding.decode`;
+- dge_jax FullKV: prefill into a cache of prompt + N slots, then `decoding.decode_loop`;
 - dge_jax decode-time compression, timing "decode" (nothing evicted at prefill; every
   `--interval` new tokens back to `--budget` entries per kv head), StreamingLLM (4 sinks)
   and SnapKV (window 8, the block's queries observed);
@@ -114,7 +114,7 @@ def run_dge(model, prompt: list[int], n: int, policy, args, rss) -> dict:
     chunk = 512 if len(prompt) % 512 == 0 else len(prompt)
 
     def start():
-        pre = decoding.prefill(
+        pre = decoding.prefill_prompt(
             model.forward, cfg, params, tokens, lengths, capacity=len(prompt) + room,
             chunk=chunk, obs_window=8 if policy is not None and policy.needs.window else 0,
         )  # fmt: skip
@@ -124,7 +124,7 @@ def run_dge(model, prompt: list[int], n: int, policy, args, rss) -> dict:
     statics = dict(sampler=Greedy(), eos_ids=eos, min_new_tokens=n)
     budget = jnp.int32(args.budget)
     if policy is None:
-        fn = decoding.decode.lower(model.forward, cfg, params, start(), **statics).compile()
+        fn = decoding.decode_loop.lower(model.forward, cfg, params, start(), **statics).compile()
         call = lambda s: fn(params, s)  # noqa: E731
     else:
         spec = DecodeCompression(args.budget, args.interval)

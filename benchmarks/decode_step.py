@@ -5,7 +5,7 @@
 
 Why: XLA:CPU copies each layer's slice of a stacked [L, ...] array (weights and cache)
 before a dot reads it, so a `lax.scan` over one group of all layers moves the weights and the
-cache several times per step; `decoding.decode(layer_loop="unrolled")` regroups them into
+cache several times per step; `decoding.decode_loop(layer_loop="unrolled")` regroups them into
 one-layer groups once per call instead. And with a handful of query rows per kv head, the
 keys-major score layout of `cached_attention` runs its batched matmul faster. Both are speed
 choices only (tests/test_generation.py, tests/test_attention.py check they compute the same).
@@ -84,7 +84,9 @@ def step_ms(fwd, cfg, params, cache: KVCache, loop: str, args) -> tuple[float, f
         return jax.block_until_ready(jax.tree.map(jnp.copy, state))  # decode donates it
 
     def run(state):
-        out = gen.decode(fwd, cfg, params, state, sampler=Greedy(), eos_ids=(), layer_loop=loop)
+        out = gen.decode_loop(
+            fwd, cfg, params, state, sampler=Greedy(), eos_ids=(), layer_loop=loop
+        )
         return out.tokens.block_until_ready()
 
     t0 = time.perf_counter()

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Prefill (compiled ahead, timed once: it is by far the longest step).
     compile_start = time.perf_counter()
-    prefill = gen.prefill.lower(
+    prefill = gen.prefill_prompt.lower(
         fwd,
         cfg,
         params,
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Draft k-1 steps with the full cache (DGE), then evict once.
     start = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, n_new, EOS_IDS, key)
-    state, drafts = gen.draft(
+    state, drafts = gen.draft_tokens(
         fwd, cfg, params, start, sampler=GREEDY, eos_ids=EOS_IDS, num_steps=timing.draft_steps
     )
     budget, observe = jnp.asarray(args.budget, jnp.int32), jnp.asarray(timing.observes_drafts)
@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
     }
     rows = {}
     for name, st in variants.items():
-        decode = gen.decode.lower(fwd, cfg, params, st, sampler=GREEDY, eos_ids=EOS_IDS).compile()
+        lowered = gen.decode_loop.lower(fwd, cfg, params, st, sampler=GREEDY, eos_ids=EOS_IDS)
+        decode = lowered.compile()
         timed(decode, prepare=lambda st=st: (params, *fresh(st)))  # warm up
         seconds, out = timed(decode, runs=args.runs, prepare=lambda st=st: (params, *fresh(st)))
         assert (np.asarray(out.step) == n_new).all(), out.step

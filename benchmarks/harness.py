@@ -1,16 +1,16 @@
 """The timing harness: compile events, peak memory, per-stage timers, jit cache sizes.
 
 How dge_jax is timed. Scenario (a) calls the public API (`dge_jax.generate`, one call per
-method) with a stage hook that times its jitted steps (`decoding.prefill/draft/rewind/decode`,
-`eviction.keep_masks`, `eviction.apply_eviction`, ...) and blocks on each result
-(`StageTimer`), so one call gives both its wall time and where it went. Each call is
-the first at its shapes, so it compiles: JAX reports every trace, lowering and XLA compile
-(`jax.monitoring`), and every time is net of the compilation reported inside it, which is
-itself reported (compile seconds and XLA compilations per call). The headline ratios use warm
-repeats of the three calls at 4k tokens, timed whole; the grid runs cold, then warm. (b)
-compiles every step ahead of time, as `benchmarks.eviction_decode` does, and reuses its
-pieces. Best-of-N is used for the machine limits and (b)'s short steps, single runs for the
-long ones.
+method) with a stage hook that times its jitted steps (`decoding.prefill_prompt`,
+`draft_tokens`, `rewind_state`, `decode_loop`, `eviction.keep_masks`, `eviction.apply_eviction`,
+...) and blocks on each result (`StageTimer`), so one call gives both its wall time and where it
+went. Each call is the first at its shapes, so it compiles: JAX reports every trace, lowering
+and XLA compile (`jax.monitoring`), and every time is net of the compilation reported inside it,
+which is itself reported (compile seconds and XLA compilations per call). The headline ratios
+use warm repeats of the three calls at 4k tokens, timed whole; the grid runs cold, then warm.
+(b) compiles every step ahead of time, as `benchmarks.eviction_decode` does, and reuses its
+pieces. Best-of-N is used for the machine limits and (b)'s short steps, single runs for the long
+ones.
 
 The timers see the library's jitted steps through `dge_jax.generation`'s stage hook
 (`hook(stage, fn, *args, **kwargs)`): nothing in the library is patched.
@@ -175,9 +175,9 @@ def jit_cache_sizes() -> dict[str, int]:
     from dge_jax.eviction import evict as eviction
 
     fns = {
-        "prefill": gen.prefill,
-        "draft": gen.draft,
-        "decode": gen.decode,
+        "prefill": gen.prefill_prompt,
+        "draft": gen.draft_tokens,
+        "decode": gen.decode_loop,
         "select_for": select_for,
         "compact": eviction.compact,
     }

@@ -164,7 +164,7 @@ def time_kv_steps(
     n_new, runs = plan.b_new_tokens, plan.runs
     policy, timing = SnapKV(window=plan.b_window), DGE2
     prefill = cost.compile(
-        gen.prefill,
+        gen.prefill_prompt,
         fwd,
         cfg,
         params,
@@ -182,7 +182,7 @@ def time_kv_steps(
     )
     ttft = t_prefill + (time.perf_counter() - start_time)
     draft = cost.compile(
-        gen.draft,
+        gen.draft_tokens,
         fwd,
         cfg,
         params,
@@ -204,7 +204,7 @@ def time_kv_steps(
     decode_rows = {}
     for name, st in (("full", state), ("compacted", dataclasses.replace(state, cache=small_cache))):
         decode = cost.compile(
-            gen.decode, fwd, cfg, params, st, sampler=ed.GREEDY, eos_ids=ed.EOS_IDS
+            gen.decode_loop, fwd, cfg, params, st, sampler=ed.GREEDY, eos_ids=ed.EOS_IDS
         )
         ed.timed(decode, prepare=lambda st=st: (params, *ed.fresh(st)))  # warm up
         seconds, out = ed.timed(decode, runs=runs, prepare=lambda st=st: (params, *ed.fresh(st)))

@@ -7,9 +7,9 @@ Why: a grid evicts the same prompt dozens of times (one scoring per (scorer, tim
 selection per budget, one compaction per cell), so these parts add up. Each is timed beside
 what it replaced, on the same inputs, and the replacements are checked to give the same result:
 
-- select: `selection.select` (a bisection for each head's threshold score) against ranking every
-  slot with two stable argsorts (the rule it implements: highest score first, ties to the
-  later slot);
+- select: `selection.select_slots` (a bisection for each head's threshold score) against
+  ranking every slot with two stable argsorts (the rule it implements: highest score first,
+  ties to the later slot);
 - compact: `cache.compact` on a cache whose slots are in position order (every cache decoding
   builds: a stable partition) against the same entries with their slots shuffled (it falls
   back to sorting by position);
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     policy = SnapKV.kvpress()
     score = jax.jit(policy.score)
     scores = score(cache, obs)
-    select = jax.jit(selection.select)
+    select = jax.jit(selection.select_slots)
     by_sort = jax.jit(sort_ranked_keep, static_argnums=1)
     keep = select(scores, budget)
     if not np.array_equal(np.asarray(keep), np.asarray(by_sort(scores, budget))):

@@ -8,15 +8,16 @@ compare (a change of shape must not cost speed).
 On the embedded SmolLM2-135M-Instruct, batch 1, a 4k-token synthetic prompt (scenario (a)
 of `benchmarks.run` at 4k), 64 new tokens (EOS banned), warm calls, median of --runs:
 
-- prefill tok/s: `decoding.prefill` alone (chunk 512, SnapKV's window recorded);
+- prefill tok/s: `decoding.prefill_prompt` alone (chunk 512, SnapKV's window recorded);
 - decode tok/s: FullKV `generate` of 64 tokens minus one of 2, per extra token;
 - dge(2) e2e s: `generate` with SnapKV (kvpress preset) at budget 256 under dge(2);
 - the 27-cell grid (SnapKV, PyramidKV, StreamingLLM x prefill, dge(2), dge_w(2) x budgets
   128/256/512) in one `generate_grid` call: cold s (compilation included), warm s, and
   XLA compilations and compile seconds of the cold call (`jax.monitoring`).
 
-Only calls that exist at both commits are used (`dge_jax.generate`, `dge_jax.generate_grid`,
-`dge_jax.runtime.decoding.prefill`). `--memory` adds, through the grid's stage hook (this commit
+Each commit runs its own copy of this script (the steps it times moved into
+`dge_jax.runtime.decoding` and were renamed: `prefill_prompt` was `dge_jax.decoding.prefill`), so
+both time the same public calls. `--memory` adds, through the grid's stage hook (this commit
 only), the bytes of its 27 evicted caches against one capacity for all layers.
 """
 
@@ -86,7 +87,7 @@ def measure(runs: int) -> dict:
     lengths = jnp.asarray([len(ids)], jnp.int32)
 
     def prefill():
-        out = decoding.prefill(
+        out = decoding.prefill_prompt(
             model.forward, model.config, model.params, tokens, lengths,
             capacity=TOKENS + 512, chunk=512, obs_window=snap.window,
         )  # fmt: skip

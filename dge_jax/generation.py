@@ -267,7 +267,7 @@ def prefill(
     sums) any cell's policy reads; choose the first answer token. room: slots after the
     prompt (default: the token buffer, room for every new token; `cache_room`)."""
     pre = _call(
-        hook, "prefill", decoding.prefill,
+        hook, "prefill", decoding.prefill_prompt,
         model.forward, model.config, model.params,
         jnp.asarray(request.tokens), jnp.asarray(request.lengths),
         capacity=request.tokens.shape[1] + (request.buffer if room is None else room),
@@ -316,7 +316,7 @@ def draft(
     if not recording.draft_steps:
         return None
     state, record = _call(
-        hook, "draft", decoding.draft,
+        hook, "draft", decoding.draft_tokens,
         model.forward, model.config, model.params, prefilled.start,
         sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
         record_q=recording.needs.queries,
@@ -347,7 +347,7 @@ def rewind(request: Request, prefilled: Prefilled, drafted, cells, hook=None) ->
         key = tuple(int(s) for s in steps)
         if key not in rewound:
             rewound[key] = _call(
-                hook, "rewind", decoding.rewind,
+                hook, "rewind", decoding.rewind_state,
                 drafted.state, drafted.record, jnp.asarray(request.lengths), jnp.asarray(steps),
                 eos_ids=request.eos_ids,
             )  # fmt: skip
@@ -477,7 +477,7 @@ def decode(
             sizes = decoding.decode_groups(states[0].cache)  # stacked as decode runs them
             state = _call(hook, "stack_states", decoding.stack_states, states, sizes)
         state = _call(
-            hook, "decode", decoding.decode,
+            hook, "decode", decoding.decode_loop,
             model.forward, model.config, model.params, state,
             sampler=sampler, eos_ids=request.eos_ids, min_new_tokens=request.min_new_tokens,
         )  # fmt: skip

@@ -272,8 +272,9 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
     ev = Eviction(POLICY, budget=RAGGED_BUDGET, timing=prefill(), capacity=None)
     out: dict = {"tokens": {}}
     with sh.mesh_context(model.params):
-        pre = gen.prefill(model.forward, cfg, model.params, tokens, lengths, capacity=CAPACITY,
-                          chunk=16, obs_window=POLICY.needs.window)  # fmt: skip
+        pre = gen.prefill_prompt(model.forward, cfg, model.params, tokens, lengths,
+                                 capacity=CAPACITY, chunk=16,
+                                 obs_window=POLICY.needs.window)  # fmt: skip
         key = jax.random.PRNGKey(0)
         state = gen.start_state(pre.cache, Greedy()(pre.logits, key), lengths, MAX_NEW, (), key)
         keep = eviction.keep_mask(state.cache, pre.obs, None, ev)
@@ -281,7 +282,9 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
             cache = eviction.apply_eviction(state.cache, keep, ev, capacity, MAX_NEW)
             out.setdefault("capacities", {})[name] = list(cache.capacities)
             fresh = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=cache))
-            done = gen.decode(model.forward, cfg, model.params, fresh, sampler=Greedy(), eos_ids=())
+            done = gen.decode_loop(
+                model.forward, cfg, model.params, fresh, sampler=Greedy(), eos_ids=()
+            )
             out["tokens"][name] = np.asarray(done.tokens).tolist()
     slots = {*RAGGED_CAPACITIES, 16, CAPACITY}
     modules = compiled_modules(dump, seen)

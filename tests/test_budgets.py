@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dge_jax.eviction.budgets import PyramidSchedule, _floor_times, adakv_budgets, expand_budgets
-from dge_jax.eviction.selection import select
+from dge_jax.eviction.selection import select_slots
 from dge_jax.rules.pyramidkv import PyramidKV
 
 L, B, H = 3, 2, 4
@@ -92,7 +92,7 @@ def test_adakv_matches_kvpress(alpha, budget):
     finite_max = theirs[np.isfinite(theirs)].max()
     theirs[np.isinf(theirs)] = finite_max + 1
     counts = np.asarray(adakv_budgets(jnp.asarray(ours), budget, alpha))
-    keep = np.asarray(select(jnp.asarray(ours), counts))
+    keep = np.asarray(select_slots(jnp.asarray(ours), counts))
     for layer in range(L):
         expected = _kvpress_adakv_keep(theirs[layer], budget, alpha)
         np.testing.assert_array_equal(keep[layer], expected)

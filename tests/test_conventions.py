@@ -26,7 +26,7 @@ from numpy_reference import pool as ref_pool
 from dge_jax import cli
 from dge_jax.eviction.evict import Eviction, keep_masks, select_for, select_for_budgets
 from dge_jax.eviction.observation import Observation
-from dge_jax.eviction.selection import select, top_mask
+from dge_jax.eviction.selection import select_slots, top_mask
 from dge_jax.eviction.timing import Timing
 from dge_jax.generation import generate_grid
 from dge_jax.rules.h2o import H2O
@@ -149,7 +149,7 @@ def test_worked_example_pool_then_mean_vs_mean_then_pool():
     np.testing.assert_allclose(mean_then_pool, [0.3, 0.3, 0.3, 0.4, 0.4], rtol=1e-6)
 
     def kept(scores, budget, ties):
-        keep = select(scores[None, None, None], budget, ties=ties)
+        keep = select_slots(scores[None, None, None], budget, ties=ties)
         return np.flatnonzero(np.asarray(keep)).tolist()
 
     assert kept(pool_then_mean, 2, "later") == [1, 2]
@@ -161,9 +161,9 @@ def test_worked_example_pool_then_mean_vs_mean_then_pool():
 def test_worked_example_plateau():
     """evict's / Eviction's docstring: a plateau of 3 equal scores, budget 2."""
     scores = jnp.asarray([0.2, 0.5, 0.5, 0.5, 0.1], jnp.float32)[None, None, None]
-    later = np.asarray(select(scores, 2))[0, 0, 0]
+    later = np.asarray(select_slots(scores, 2))[0, 0, 0]
     assert np.flatnonzero(later).tolist() == [2, 3]
-    earlier = np.asarray(select(scores, 2, ties="earlier", positions=jnp.arange(5)))[0, 0, 0]
+    earlier = np.asarray(select_slots(scores, 2, ties="earlier", positions=jnp.arange(5)))[0, 0, 0]
     assert np.flatnonzero(earlier).tolist() == [1, 2]
     # The top_mask worked example: [1, 3, 3, 0], budget 1.
     s = jnp.asarray([1.0, 3.0, 3.0, 0.0])
@@ -184,7 +184,7 @@ def test_select_equals_ranking_by_sort(ties, order):
     order (a hand-made cache); "later" is the slot rule (positions are not read)."""
     rng = np.random.default_rng(11)
     values = np.array([0.0, -0.0, 1.0, 2.5, np.inf, -np.inf, 1e-30, 3e38], np.float32)
-    fn = jax.jit(select, static_argnames=("ties",))
+    fn = jax.jit(select_slots, static_argnames=("ties",))
     shape = (2, 3, 2, 40)  # one shape, one compilation; row lengths vary through `valid`
     for trial in range(30):
         scores = rng.choice(values, size=shape)
@@ -210,7 +210,7 @@ def test_earlier_ties_compile_once_over_budgets():
 
     def counted(scores, budget, positions):
         traces.append(1)  # runs only while tracing
-        return select(scores, budget, ties="earlier", positions=positions)
+        return select_slots(scores, budget, ties="earlier", positions=positions)
 
     fn = jax.jit(counted)
     scores = jnp.round(jax.random.uniform(jax.random.key(0), (L, B, HKV, 64)) * 4)  # ties
@@ -324,11 +324,11 @@ def test_select_earlier_on_out_of_order_slots_follows_positions():
     earlier position, not the earlier slot."""
     scores = jnp.asarray([0.5, 0.5, 0.5, 0.5, 0.1])[None, None, None]
     positions = jnp.asarray([3, 1, 4, 0, 2])[None, None, None]
-    keep = np.asarray(select(scores, 2, ties="earlier", positions=positions))[0, 0, 0]
+    keep = np.asarray(select_slots(scores, 2, ties="earlier", positions=positions))[0, 0, 0]
     assert np.flatnonzero(keep).tolist() == [1, 3]  # positions 1 and 0
-    keep = np.asarray(select(scores, 2, ties="earlier"))[0, 0, 0]  # no positions: slots
+    keep = np.asarray(select_slots(scores, 2, ties="earlier"))[0, 0, 0]  # no positions: slots
     assert np.flatnonzero(keep).tolist() == [0, 1]
-    keep = np.asarray(select(scores, 2, ties="later", positions=positions))[0, 0, 0]
+    keep = np.asarray(select_slots(scores, 2, ties="later", positions=positions))[0, 0, 0]
     assert np.flatnonzero(keep).tolist() == [2, 3]  # the slot rule, positions unread
 
 
@@ -355,13 +355,13 @@ def llama():
     # What generate_grid does up to eviction, to read the arrays the reference needs.
     t, buffer = bucket_length(max(PROMPT_LENGTHS)), bucket_length(N_NEW)
     tokens, lengths = pad_left(prompts, t)
-    pre = gen.prefill(model.forward, cfg, params, jnp.asarray(tokens), jnp.asarray(lengths),
+    pre = gen.prefill_prompt(model.forward, cfg, params, jnp.asarray(tokens), jnp.asarray(lengths),
                       capacity=t + buffer, chunk=512, obs_window=WINDOW)  # fmt: skip
     key = jax.random.PRNGKey(0)
     start = gen.start_state(pre.cache, Greedy()(pre.logits, key), jnp.asarray(lengths), N_NEW,
                             (), key, buffer=buffer)  # fmt: skip
-    drafted, drafts = gen.draft(model.forward, cfg, params, start, sampler=Greedy(), eos_ids=(),
-                                num_steps=1)  # fmt: skip
+    drafted, drafts = gen.draft_tokens(model.forward, cfg, params, start, sampler=Greedy(),
+                                       eos_ids=(), num_steps=1)  # fmt: skip
     return model, prompts, pre, drafted, drafts
 
 
@@ -447,7 +447,7 @@ def test_keep_masks_sweep_equals_select_for_with_earlier_ties(llama):
          "SnapKV.gqa_before_pool must be True or False, got 1"),
         (lambda: PyramidKV(gqa_before_pool="yes"), TypeError,
          "PyramidKV.gqa_before_pool must be True or False, got 'yes'"),
-        (lambda: select(jnp.zeros((1, 1, 1, 3)), 1, ties="first"), ValueError,
+        (lambda: select_slots(jnp.zeros((1, 1, 1, 3)), 1, ties="first"), ValueError,
          "ties must be one of ('later', 'earlier'), got 'first'"),
         (lambda: make_policy("h2o", gqa_before_pool=True), ValueError,
          "unknown option(s) ['gqa_before_pool'] for policy 'h2o'"),

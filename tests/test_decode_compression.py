@@ -160,7 +160,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
     request = prepare(model, prompts, max_new_tokens=NEW)
     tokens, lengths = jnp.asarray(request.tokens), jnp.asarray(request.lengths)
     t = request.tokens.shape[1]
-    pre = decoding.prefill(
+    pre = decoding.prefill_prompt(
         model.forward, cfg, params, tokens, lengths, capacity=t + request.buffer,
         chunk=request.chunk,
     )  # fmt: skip
@@ -216,7 +216,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
         ]
         assert [e["kept"] for e in got] == want[: len(got)]
         assert [e["step"] for e in got] == [int(s[row]) for s, _ in events][: len(got)]
-    ref_tokens = decoding.decode(  # finish nothing: the state is done, tokens are final
+    ref_tokens = decoding.decode_loop(  # finish nothing: the state is done, tokens are final
         model.forward, cfg, params, state, sampler=Greedy(), eos_ids=request.eos_ids
     ).tokens
     ids = cut_at_eos(np.asarray(ref_tokens)[:, :NEW], request.eos_ids)
@@ -247,7 +247,7 @@ def test_cache_bytes_flat_in_answer_length(model, prompts):
     request = prepare(model, prompts, max_new_tokens=64)
     sizes = {}
     for new in (16, 64):
-        pre = decoding.prefill(
+        pre = decoding.prefill_prompt(
             model.forward, model.config, model.params, jnp.asarray(request.tokens),
             jnp.asarray(request.lengths), capacity=request.tokens.shape[1] + new,
         )  # fmt: skip

@@ -142,9 +142,13 @@ def test_adaptive_k_in_generation_compiles_once_across_thresholds(model):
         return generate_grid(model, prompts(), [cell(timing)], max_new_tokens=N_NEW)[0]
 
     run(1.0)
-    before = (select_for_budgets._cache_size(), gen.rewind._cache_size(), gen.draft._cache_size())
+    def sizes():
+        jitted = (select_for_budgets, gen.rewind_state, gen.draft_tokens)
+        return tuple(f._cache_size() for f in jitted)
+
+    before = sizes()
     results = {th: run(th) for th in thresholds}
-    after = (select_for_budgets._cache_size(), gen.rewind._cache_size(), gen.draft._cache_size())
+    after = sizes()
     assert after == before
     assert results[0.0].k == [1, 1]  # fires on t1: the prefill baseline
     assert results[1e9].k == [4, 4]  # never fires: k_max

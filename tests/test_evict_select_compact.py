@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.eviction.selection import apply_keep, select, top_mask
+from dge_jax.eviction.selection import apply_keep, select_slots, top_mask
 from dge_jax.runtime.cache import KVCache, check_capacity, compact, regroup
 
 L, B, HKV, G, S, D = 2, 2, 2, 2, 12, 4
@@ -98,7 +98,7 @@ def test_top_mask_equals_ranking_by_sort(pool):
 def test_select_keeps_top_budget_valid_slots(budget):
     cache = _cache()
     scores = _scores(cache)
-    keep = np.asarray(select(scores, budget))
+    keep = np.asarray(select_slots(scores, budget))
     s, valid = np.asarray(scores), np.asarray(cache.valid())
     assert not (keep & ~valid).any()  # never an empty slot
     for idx in np.ndindex(L, B, HKV):
@@ -112,27 +112,27 @@ def test_select_per_head_budgets_and_valid_mask():
     cache = _cache()
     scores = _scores(cache)
     budgets = jnp.asarray(np.arange(L * B * HKV).reshape(L, B, HKV) + 2, jnp.int32)
-    keep = np.asarray(select(scores, budgets))
+    keep = np.asarray(select_slots(scores, budgets))
     counts = keep.sum(-1)
     np.testing.assert_array_equal(counts, np.minimum(budgets, cache.num_kept()))
     # An explicit valid mask wins over finite scores in empty slots.
     finite = jnp.where(cache.pos >= 0, scores, 100.0)
-    keep2 = np.asarray(select(finite, budgets, valid=cache.valid()))
+    keep2 = np.asarray(select_slots(finite, budgets, valid=cache.valid()))
     np.testing.assert_array_equal(keep2, keep)
 
 
 def test_select_tie_keeps_later_slots():
     scores = jnp.zeros((1, 1, 1, 6), jnp.float32).at[..., 0].set(5.0)
-    keep = np.asarray(select(scores, 3))[0, 0, 0]
+    keep = np.asarray(select_slots(scores, 3))[0, 0, 0]
     np.testing.assert_array_equal(keep, [True, False, False, False, True, True])
 
 
 def test_select_rejects_ambiguous_budget_shapes():
     scores = _scores(_cache())
     with pytest.raises(ValueError, match="expand_budgets"):
-        select(scores, jnp.ones((L,), jnp.int32))
+        select_slots(scores, jnp.ones((L,), jnp.int32))
     with pytest.raises(TypeError):
-        select(scores, 3.0)
+        select_slots(scores, 3.0)
 
 
 def test_select_compiles_once_over_budgets():
@@ -140,7 +140,7 @@ def test_select_compiles_once_over_budgets():
 
     def counted(scores, budget):
         traces.append(1)  # runs only while tracing
-        return select(scores, budget)
+        return select_slots(scores, budget)
 
     fn = jax.jit(counted)
     rng = np.random.default_rng(2)
@@ -153,7 +153,7 @@ def test_select_compiles_once_over_budgets():
 
 def test_apply_keep_masks_only_pos():
     cache = _cache()
-    keep = select(_scores(cache), 4)
+    keep = select_slots(_scores(cache), 4)
     out = apply_keep(cache, keep)
     np.testing.assert_array_equal(out.pos, np.where(keep, cache.pos, -1))
     np.testing.assert_array_equal(out.k, cache.k)
@@ -165,7 +165,7 @@ def test_apply_keep_masks_only_pos():
 def test_compact_keeps_position_order_and_sets_index():
     cache = _cache()
     budgets = jnp.asarray([[[5, 3], [2, 6]], [[4, 4], [1, 7]]], jnp.int32)
-    masked = apply_keep(cache, select(_scores(cache), budgets))
+    masked = apply_keep(cache, select_slots(_scores(cache), budgets))
     out = compact(masked, 8)
     assert out.capacity == 8
     pos = np.asarray(out.pos)
@@ -187,7 +187,7 @@ def test_compact_matches_masked_attention_and_decode_append():
     cache = _cache(spare=1)  # slot S stays free for one decode step in the masked cache
     rng = np.random.default_rng(3)
     budgets = jnp.asarray(rng.integers(1, 8, size=(L, B, HKV)), jnp.int32)
-    masked = apply_keep(cache, select(_scores(cache), budgets))
+    masked = apply_keep(cache, select_slots(_scores(cache), budgets))
     out = compact(masked, 9)  # 9 >= max budget (7) + 1 new token
     q = jnp.asarray(rng.normal(size=(L, B, HKV * G, D)), jnp.float32)
     last = jnp.asarray([11, 6], jnp.int32)
@@ -229,7 +229,7 @@ def test_compact_orders_by_position_with_k_v_following(shuffled):
     # The usual cache has its valid slots in position order (compact partitions it); a
     # shuffled one takes the sorting path. Either way slot j holds the j-th kept position,
     # with that entry's own key and value.
-    cache = apply_keep(_cache(), select(_scores(_cache()), 5))
+    cache = apply_keep(_cache(), select_slots(_scores(_cache()), 5))
     if shuffled:
         perm = np.random.default_rng(5).permutation(S)
         cache = KVCache.stacked(cache.k[..., perm, :], cache.v[..., perm, :],
@@ -253,7 +253,7 @@ def test_compact_to_per_layer_capacities_equals_one_capacity_cut():
     # one layer group per capacity.
     cache = _cache()
     budgets = jnp.asarray([[[5, 7], [2, 6]], [[3, 1], [2, 3]]], jnp.int32)
-    masked = apply_keep(cache, select(_scores(cache), budgets))
+    masked = apply_keep(cache, select_slots(_scores(cache), budgets))
     uniform = compact(masked, 8)
     ragged = jax.jit(compact, static_argnums=1)(masked, (8, 4))
     assert ragged.group_sizes == (1, 1) and ragged.capacities == (8, 4) and ragged.ragged

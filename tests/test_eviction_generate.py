@@ -264,14 +264,14 @@ def test_decode_body_logits_masked_vs_compacted(model, step, timing):
     n_new = N_NEW
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    pre = gen.prefill(
+    pre = gen.prefill_prompt(
         fwd, cfg, params, tokens, lengths, capacity=64 + n_new, chunk=512, obs_window=WINDOW
     )
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, n_new, (), key)
     drafts = None
     if timing.draft_steps:
-        state, drafts = gen.draft(
+        state, drafts = gen.draft_tokens(
             fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=timing.draft_steps
         )
     policy = SnapKV(window=WINDOW)
@@ -319,12 +319,12 @@ def test_one_scoring_for_many_budgets_equals_one_selection_each(model, policy, h
     fwd, cfg, params = model.forward, model.config, model.params
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    pre = gen.prefill(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
+    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
                       obs_window=WINDOW, record_attn=policy.needs.attn_sum)  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
-    state, drafts = gen.draft(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1,
-                              record_attn=policy.needs.attn_sum)  # fmt: skip
+    state, drafts = gen.draft_tokens(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(),
+                                     num_steps=1, record_attn=policy.needs.attn_sum)  # fmt: skip
     budgets = [12, 20, 30] if isinstance(policy, PyramidKV) else [12, np.array([20, 16]), 30]
     if type(policy) is SnapKV and head_budget == "uniform":
         budgets.append(np.array([[12, 14], [16, 18]]))  # per head
@@ -347,11 +347,13 @@ def test_snapkv_and_pyramidkv_share_one_scoring(model):
     fwd, cfg, params = model.forward, model.config, model.params
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    pre = gen.prefill(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
+    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
                       obs_window=WINDOW)  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
-    state, drafts = gen.draft(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1)
+    state, drafts = gen.draft_tokens(
+        fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1
+    )
     snap, pyramid = SnapKV(window=WINDOW), PyramidKV(window=WINDOW)
     assert pyramid.scorer == snap
     evs = [Eviction(p, b, DGE2) for p in (snap, pyramid) for b in (12, 20)]
@@ -406,9 +408,9 @@ def test_budget_and_timing_sweep_compiles_once():
     cells = [Eviction(policy, b, t, capacity=capacity) for b in (32, 64, 128, 256) for t in TIMINGS]
     fns = {
         "select_for_budgets": select_for_budgets,
-        "prefill": gen.prefill,
-        "draft": gen.draft,
-        "decode": gen.decode,
+        "prefill": gen.prefill_prompt,
+        "draft": gen.draft_tokens,
+        "decode": gen.decode_loop,
         "compact": eviction_mod.compact,
     }
     before = {name: fn._cache_size() for name, fn in fns.items()}
@@ -457,7 +459,7 @@ def test_pyramidkv_compacts_to_per_layer_capacities(model):
     fwd, cfg, params = model.forward, model.config, model.params
     tokens, lengths = pad_left(LONG_PROMPTS, 256)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    pre = gen.prefill(fwd, cfg, params, tokens, lengths, capacity=256 + 64, chunk=512,
+    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=256 + 64, chunk=512,
                       obs_window=WINDOW)  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
@@ -474,7 +476,7 @@ def test_pyramidkv_compacts_to_per_layer_capacities(model):
 
     def decode(cache, **loop):  # decode donates its state: each call gets its own copy
         fresh = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=cache))
-        return gen.decode(fwd, cfg, params, fresh, sampler=GREEDY, eos_ids=(), **loop)
+        return gen.decode_loop(fwd, cfg, params, fresh, sampler=GREEDY, eos_ids=(), **loop)
 
     assert ragged.group_sizes == (1, 1) and uniform.group_sizes == (L,)
     ref = decode(uniform, layer_loop="scan")

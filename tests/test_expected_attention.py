@@ -151,7 +151,7 @@ def _prefill_stats(model, rows, width, chunk, sinks):
     for i, r in enumerate(rows):
         tokens[i, width - len(r) :] = r
     lengths = np.array([len(r) for r in rows], np.int32)
-    pre = decoding.prefill(
+    pre = decoding.prefill_prompt(
         model.forward, model.config, model.params, jnp.asarray(tokens), jnp.asarray(lengths),
         capacity=width, chunk=chunk, q_stats_from=sinks,
     )  # fmt: skip

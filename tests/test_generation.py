@@ -86,7 +86,7 @@ def test_prompt_lengths_in_one_bucket_compile_once(model):
     )
 
     def cache_sizes():
-        return decoding.prefill._cache_size(), decoding.decode._cache_size()
+        return decoding.prefill_prompt._cache_size(), decoding.decode_loop._cache_size()
 
     lengths = (20, 25, 30)
     assert {bucket_length(n) for n in lengths} == {32}
@@ -253,7 +253,7 @@ def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
     to float summation order), each back in the grouping it was given."""
     cfg, params = model.config, model.params
     tokens, lengths = pad_left(prompts, 32)
-    pre = decoding.prefill(
+    pre = decoding.prefill_prompt(
         model.forward, cfg, params, jnp.asarray(tokens), jnp.asarray(lengths), capacity=48
     )
     first = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
@@ -263,7 +263,7 @@ def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
             pre.cache, first, jnp.asarray(lengths), N, (), jax.random.PRNGKey(0)
         )
         start = jax.tree.map(jnp.copy, start)  # decode donates its state: one copy per loop
-        finals[loop] = decoding.decode(
+        finals[loop] = decoding.decode_loop(
             model.forward, cfg, params, start, sampler=Greedy(), eos_ids=(), layer_loop=loop
         )
     scan, unrolled = finals["scan"], finals["unrolled"]
@@ -290,7 +290,7 @@ def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
     state = decoding.start_state(cache, jnp.ones((batch,), jnp.int32), jnp.full((batch,), 8), 4,
                                  (), jax.random.PRNGKey(0))  # fmt: skip
     for loop in ("scan", "unrolled"):
-        hlo = decoding.decode.lower(
+        hlo = decoding.decode_loop.lower(
             model.forward, cfg, model.params, state, sampler=Greedy(), eos_ids=(),
             layer_loop=loop,
         ).compile().as_text()  # fmt: skip
@@ -345,7 +345,7 @@ def test_unknown_layer_loop_is_a_clear_error(model, prompts):
         jnp.zeros((1,), jnp.int32), jnp.asarray([4]), 2, (), jax.random.PRNGKey(0),
     )  # fmt: skip
     with pytest.raises(ValueError, match="layer_loop must be 'scan' or 'unrolled'"):
-        decoding.decode(
+        decoding.decode_loop(
             model.forward, model.config, model.params, state, sampler=Greedy(), eos_ids=(),
             layer_loop="python",
         )  # fmt: skip

@@ -105,7 +105,7 @@ def scores_reference(model, ids: list[int], chunks: list[tuple[int, int, list]],
     score = np.zeros((cfg.num_layers, cfg.num_kv_heads, len(ids)), np.float32)
     for start, end, repeat in chunks:
         seq, r = ids + repeat, len(repeat)
-        pre = decoding.prefill(
+        pre = decoding.prefill_prompt(
             model.forward, cfg, model.params, jnp.asarray([seq], jnp.int32),
             jnp.asarray([len(seq)], jnp.int32), capacity=len(seq), chunk=len(seq),
             obs_window=r,
@@ -168,7 +168,7 @@ def test_reconstruction_scores_equal_reference_with_left_padding(model, chunk_si
     tokens, lengths = np.zeros((2, t), np.int32), np.array([len(r) for r in rows], np.int32)
     for b, ids in enumerate(rows):
         tokens[b, t - len(ids) :] = ids
-    pre = decoding.prefill(
+    pre = decoding.prefill_prompt(
         model.forward, model.config, model.params, jnp.asarray(tokens), jnp.asarray(lengths),
         capacity=t + 16, chunk=32,
     )  # fmt: skip

@@ -138,7 +138,7 @@ def _teacher_forced(name: str, folder) -> list[np.ndarray]:
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _decode_step(forward, cfg, params, state):
-    """One greedy decode step (the body of `decoding.decode`), returning its logits [B, V]."""
+    """One greedy decode step (the body of `decoding.decode_loop`), returning its logits [B, V]."""
     state, out = decoding.decode_body(forward, cfg, params, Greedy(), (), state)
     return state, out.logits
 
@@ -159,7 +159,7 @@ def _stepwise(name: str, folder) -> tuple[np.ndarray, np.ndarray]:
     tokens, lengths = pad_left(prompts, t)
     lengths = jnp.asarray(lengths)
     # The same call as generate(..., chunk=PREFILL_CHUNK) makes, so the compilation is shared.
-    pre = decoding.prefill(
+    pre = decoding.prefill_prompt(
         fwd,
         cfg,
         params,

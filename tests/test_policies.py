@@ -17,7 +17,7 @@ import pytest
 from numpy_reference import pool as _pool
 
 from dge_jax.eviction.observation import Observation
-from dge_jax.eviction.selection import select as _select_eager
+from dge_jax.eviction.selection import select_slots as _select_eager
 from dge_jax.rules.full import FullKV, is_full
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.knorm import KeyNorm

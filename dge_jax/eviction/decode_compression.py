@@ -244,9 +244,9 @@ def decode_compressed(
     history: int = 0,
     layer_loop: str | None = None,
 ) -> tuple[DecodeState, jax.Array | None, Compressions | None]:
-    """`decoding.decode` with compression every `interval` steps (module docstring).
+    """`decoding.decode_loop` with compression every `interval` steps (module docstring).
 
-    state: as `decoding.decode` takes it (donated); its cache must have room for `interval`
+    state: as `decoding.decode_loop` takes it (donated); its cache must have room for `interval`
     (or all remaining) tokens after its next write slot, and a uniform capacity. budget: []
     int32, traced. attn: [L, B, Hq, S] f32 attention sums aligned with the cache's slots,
     for rules that read them (H2O), else None. out_proj: CriticalKV's [L, Hq, D, E].

@@ -230,7 +230,7 @@ def select_for(
 
     budget: [] / [L] / [L, Hkv] int32, observe_drafts: [] bool and draft_weight: [] f32 are
     traced, so budgets, the three timings, every k up to the record's and any draft weight
-    share one compilation (given the same draft record, see `decoding.rewind`). Draft entries
+    share one compilation (given the same draft record, see `decoding.rewind_state`). Draft entries
     (valid slots past each row's last prompt position) are always kept and count against
     the budget; the pre-draft cache has none, so for "prefill" this is a no-op. ties: the
     tie rule (`Eviction.ties`), static.
@@ -298,7 +298,7 @@ def select_for_budgets(
         if head_cap is not None:
             per_head = jnp.minimum(per_head, head_cap)
         ranked = pol.refine(scores, per_head, cache, obs, ties)  # two-stage rules re-rank
-        keep = selection.select(ranked, per_head, ties=ties, positions=cache.pos)
+        keep = selection.select_slots(ranked, per_head, ties=ties, positions=cache.pos)
         masks.append(jnp.where(fits[None, :, None, None], cache.valid(), keep))
     return tuple(masks)
 

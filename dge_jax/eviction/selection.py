@@ -1,6 +1,6 @@
 """Selection: choose the slots each head keeps, then mask the rest out.
 
-Eviction is masking first, so budgets stay traced and a sweep compiles once. ``select`` turns
+Eviction is masking first, so budgets stay traced and a sweep compiles once. ``select_slots`` turns
 scores and per-head budgets into a keep mask, ``apply_keep`` writes ``pos = -1`` into the
 evicted slots (same shapes, so the attention code does not change);
 `dge_jax.runtime.cache.compact` then gathers the kept slots into a smaller cache of static
@@ -15,7 +15,8 @@ first, and equal scores by the tie rule ``ties`` (``Eviction.ties``):
   that order), so this is also the later position, the more recent entry; on a hand-made cache
   whose slots are out of position order it is still the slot index that decides.
 - ``"earlier"``: equal scores go to the earlier original position (``cache.pos``), whatever the
-  slot order (``select`` given ``positions``; `top_mask` alone knows only slots: earlier slot).
+  slot order (``select_slots`` given ``positions``; `top_mask` alone knows only slots: earlier
+  slot).
 
 Ties are common: max-pooling copies one value over up to ``kernel`` neighbours, so SnapKV's
 scores come in plateaus of exactly equal values. Worked example, one head, scores by slot
@@ -129,7 +130,7 @@ def _top_mask_earlier_position(
     return jax.lax.cond(_in_position_order(positions, candidate), by_slot, by_sorted_position)
 
 
-def select(
+def select_slots(
     scores: jax.Array,
     budgets: jax.Array | int,
     valid: jax.Array | None = None,

@@ -97,7 +97,7 @@ class CriticalKV(Wrapper):
         scores = self.inner.refine(scores, budgets, cache, obs, ties)
         # kvpress: int(n_kept * first_stage_ratio) by the inner score, topk then scatter max.
         first = jnp.floor(budgets * jnp.float32(self.first_stage_ratio)).astype(jnp.int32)
-        stage1 = selection.select(scores, first, ties=ties, positions=cache.pos)
+        stage1 = selection.select_slots(scores, first, ties=ties, positions=cache.pos)
         norms = projected_value_norms(cache.v, obs.out_proj)
         # +inf (protected, drafts) and -inf (empty) stay as they are: inf * 0 would be NaN.
         rescored = jnp.where(jnp.isfinite(scores), (scores + self.epsilon) * norms, scores)

@@ -61,7 +61,7 @@ class PrefillOutput(NamedTuple):
         "cache_dtype",
     ),
 )
-def prefill(
+def prefill_prompt(
     forward: ForwardFn,
     cfg: ModelConfig,
     params,
@@ -157,7 +157,7 @@ class DecodeState:
     tokens: [B, N] generated ids; row b holds step[b] of them, then padding with its last id
     (its EOS once finished). N is a length bucket >= `limit`, the traced number of tokens
     wanted, so requests of nearby lengths share one compiled loop. step: [B] int32 per row
-    (rows can differ after `rewind`). last/pos: [B] the newest token and its position (not
+    (rows can differ after `rewind_state`). last/pos: [B] the newest token and its position (not
     yet fed to the model). done: [B] bool, EOS emitted or limit reached. key: PRNG key.
     """
 
@@ -290,7 +290,7 @@ def decode_body(
         "min_new_tokens",
     ),
 )
-def draft(
+def draft_tokens(
     forward: ForwardFn,
     cfg: ModelConfig,
     params,
@@ -336,7 +336,7 @@ def draft(
 
 
 @functools.partial(jax.jit, static_argnames=("eos_ids",))
-def rewind(
+def rewind_state(
     state: DecodeState,
     drafts: DraftRecord,
     lengths: jax.Array,
@@ -406,7 +406,7 @@ def stack_states(
     becomes the largest `index` among them: a cache whose entries end earlier just has empty
     slots before it (pos -1, ignored by the mask), as after compaction. limit and key come
     from the first. group_sizes (static): the stack's layer groups (default: the caches'), so
-    that the one copy stacking makes is already in the grouping `decode` runs.
+    that the one copy stacking makes is already in the grouping `decode_loop` runs.
     """
     first = states[0]
     caches = [s.cache for s in states]
@@ -443,12 +443,12 @@ def stack_states(
 
 
 def default_layer_loop() -> str:
-    """ "unrolled" on CPU, "scan" elsewhere: see `decode`."""
+    """ "unrolled" on CPU, "scan" elsewhere: see `decode_loop`."""
     return "unrolled" if jax.default_backend() == "cpu" else "scan"
 
 
 def decode_groups(cache: KVCache, layer_loop: str | None = None) -> tuple[int, ...]:
-    """Layer group sizes `decode` runs `cache` in: "scan" = one group per run of layers of
+    """Layer group sizes `decode_loop` runs `cache` in: "scan" = one group per run of layers of
     one capacity (one group for a uniform cache); "unrolled" = one layer per group."""
     layer_loop = layer_loop or default_layer_loop()
     if layer_loop not in ("scan", "unrolled"):
@@ -463,7 +463,7 @@ def decode_groups(cache: KVCache, layer_loop: str | None = None) -> tuple[int, .
     static_argnames=("forward", "cfg", "sampler", "eos_ids", "min_new_tokens", "layer_loop"),
     donate_argnames=("state",),
 )
-def decode(
+def decode_loop(
     forward: ForwardFn,
     cfg: ModelConfig,
     params,
