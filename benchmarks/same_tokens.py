@@ -27,7 +27,8 @@ import dge_jax
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.policies import PyramidKV, SnapKV, StreamingLLM
-from experiments import protocol, synthetic
+from experiments import protocol
+from experiments.suites import synthetic
 
 PREFILL, DGE2, DGE_W2 = Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2)
 

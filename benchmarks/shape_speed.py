@@ -35,7 +35,8 @@ from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.policies import PyramidKV, SnapKV, StreamingLLM
 from dge_jax.runtime import decoding
-from experiments import protocol, synthetic
+from experiments import protocol
+from experiments.suites import synthetic
 
 TOKENS, NEW, BUDGET = 4096, 64, 256
 GRID_BUDGETS = (128, 256, 512)

@@ -12,8 +12,9 @@ import re
 
 import pytest
 
-from experiments import longbench_config as config
-from experiments import protocol, rows, synthetic
+from experiments import protocol, rows
+from experiments.suites import longbench_config as config
+from experiments.suites import synthetic
 
 FIX = "; fix the row or re-download the official file"
 

