@@ -1,5 +1,5 @@
-"""The RULER suite (`experiments.ruler`): RULER's templates and task table, seeded rows, token
-lengths with a real tokenizer, the shared niah_multikey_3 rows, RULER's metric, and the
+"""The RULER suite (`experiments.suites.ruler`): RULER's templates and task table, seeded rows,
+token lengths with a real tokenizer, the shared niah_multikey_3 rows, RULER's metric, and the
 runner's loader path and command line.
 
 Lengths are measured with the embedded SmolLM2 tokenizer (converted once into the dge_jax

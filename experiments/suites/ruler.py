@@ -96,7 +96,7 @@ WONDERWORDS_SHA256 = MappingProxyType({
     "adjectivelist.txt": "66814d46b7e292c83e839d12fe2fa083c8f66779b14b294e1be4e1342c5d4131",
     "verblist.txt": "9fbf5e4e69b8869aebd88e6d545312ff9f878a747327ede5f6dbbba5c27b08ad",
 })
-FIX = "a bug in experiments/ruler.py's generator: report it"
+FIX = "a bug in experiments/suites/ruler.py's generator: report it"
 FILE_FIX = "regenerate the file with RULER's scripts/data/prepare.py (model template base)"
 
 

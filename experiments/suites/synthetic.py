@@ -453,7 +453,7 @@ def check_rows(task: str, generated: Sequence[dict]) -> list[dict]:
     """Generated rows of `task` checked like official ones; a RowError names the row index."""
     return rows.check_rows(((f"row {i}", row) for i, row in enumerate(generated)),
                            row_schema(task), f"synthetic task {task!r}",
-                           "a bug in experiments/synthetic.py's generator: report it")
+                           "a bug in experiments/suites/synthetic.py's generator: report it")
 
 
 def max_new_tokens(task: str) -> int:
