@@ -25,7 +25,13 @@ The runner is `experiments.runner` (this module only calls its `main`, so that t
 command keeps working); the suites are `experiments.suites`.
 """
 
+from absl import flags
+
+from experiments import run_config
 from experiments.runner import main
+
+# --help lists the main module's key flags: the runner's are defined in run_config.
+flags.adopt_module_key_flags(run_config)
 
 if __name__ == "__main__":
     main()

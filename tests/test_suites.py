@@ -139,3 +139,15 @@ def test_add_a_suite_recipe_runs_and_is_scored(tmp_path):
     scores = json.loads((out / "scores.json").read_text())
     assert set(scores["datasets"]["echo_word"]) == {"full", "snapkv/prefill/b16"}
     assert all(0 <= s <= 100 for s in scores["datasets"]["echo_word"].values())
+
+
+def test_help_lists_the_runner_flags():
+    """The flags live in experiments.run_config; `python -m experiments.longbench --help`
+    lists them as before (they are key flags of the entry module)."""
+    proc = subprocess.run([sys.executable, "-m", "experiments.longbench", "--help"], cwd=REPO,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name in ("suite", "datasets", "budgets", "ruler_length", "synthetic_length", "mesh"):
+        assert f"  --{name}:" in proc.stdout, name
+    assert "<synthetic|longbench|ruler>" in proc.stdout
