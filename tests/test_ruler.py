@@ -24,7 +24,7 @@ from conftest import shared_data_dir
 from experiments import protocol, rows, suites
 from experiments.predictions import PREDICTIONS_FILE, config_hash
 from experiments.run_folder import sha256_file
-from experiments.suites import longbench_config, ruler, synthetic
+from experiments.suites import longbench_config, ruler, ruler_tasks, synthetic
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LENGTH = 4096
@@ -182,20 +182,21 @@ def test_word_lists_are_wonderwords_2_2_0():
     assert len(words) == 910 * 6786 == 6_175_260  # RULER's len(sorted(set(adj-noun)))
     assert words.distinct()
     assert words[0] == f"{words.adjectives[0]}-{words.nouns[0]}"
-    assert len(set(ruler._word_list("nounlist.txt") + ruler._word_list("adjectivelist.txt")
-                   + ruler._word_list("verblist.txt"))) == 8169  # cwe's vocabulary
+    vocabulary = [w for name in ("nounlist.txt", "adjectivelist.txt", "verblist.txt")
+                  for w in ruler_tasks.word_list(name)]
+    assert len(set(vocabulary)) == 8169  # cwe's vocabulary
 
 
 def test_other_wonderwords_is_refused(monkeypatch):
-    monkeypatch.setattr(ruler, "WONDERWORDS_SHA256", {**ruler.WONDERWORDS_SHA256,
-                                                      "nounlist.txt": "0" * 64})
+    monkeypatch.setattr(ruler_tasks, "WONDERWORDS_SHA256", {**ruler_tasks.WONDERWORDS_SHA256,
+                                                            "nounlist.txt": "0" * 64})
     with pytest.raises(FileNotFoundError, match=r"pip install wonderwords==2\.2\.0"):
-        ruler._word_list("nounlist.txt")
+        ruler_tasks.word_list("nounlist.txt")
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install wonderwords==2\.2\.0"):
-        ruler._wonderwords_dir()
+        ruler_tasks._wonderwords_dir()
 
 
 def test_essay_haystack_is_rulers_concatenation():
