@@ -21,8 +21,7 @@ from experiments.suites.base import RowSettings, Suite
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m-instruct", "checkpoint folder or embedded name")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter dtype")
-flags.DEFINE_enum("suite", suites.DEFAULT, [suites.DEFAULT, *(s for s in suites.SUITES
-                                                      if s != suites.DEFAULT)], "task suite")
+flags.DEFINE_enum("suite", suites.DEFAULT, list(suites.SUITES), "task suite")
 flags.DEFINE_string("data_dir", None, "folder of LongBench {dataset}.jsonl files "
                     f"(default: ${longbench.DATA_DIR_ENV}); for --suite ruler, of RULER "
                     "{task}_{length}.jsonl files to read instead of generating the rows "

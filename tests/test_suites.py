@@ -151,3 +151,25 @@ def test_help_lists_the_runner_flags():
     for name in ("suite", "datasets", "budgets", "ruler_length", "synthetic_length", "mesh"):
         assert f"  --{name}:" in proc.stdout, name
     assert "<synthetic|longbench|ruler>" in proc.stdout
+
+
+def test_messages_that_list_suites_read_as_before():
+    from absl import flags
+
+    from experiments.run_config import UsageError, check_scalar_flags
+
+    values = flags.FlagValues()
+    for name, default in (("batch_size", 4), ("chunk", 512), ("num_samples", None),
+                          ("max_length", None), ("synthetic_length", 512),
+                          ("ruler_length", 4096), ("window", 8), ("kernel", 7),
+                          ("k_max", 8)):
+        flags.DEFINE_integer(name, default, "", flag_values=values)
+    flags.DEFINE_float("draft_weight", 1.0, "", flag_values=values)
+    flags.DEFINE_string("adaptive_rule", None, "", flag_values=values)
+    flags.DEFINE_bool("answer_prefix", True, "", flag_values=values)
+    values(["runner", "--noanswer_prefix"])
+    with pytest.raises(UsageError) as e:
+        check_scalar_flags(values, suites.get("longbench"))
+    assert str(e.value) == ("--noanswer_prefix: LongBench prompts have no answer prefix; it "
+                            "applies to --suite synthetic and --suite ruler")
+    check_scalar_flags(values, suites.get("ruler"))  # it has answer prefixes

@@ -20,13 +20,15 @@ DEFAULT = SYNTHETIC.name  # the README's first command runs it (`python -m exper
 
 
 def _collect(namespace: Mapping[str, object]) -> Mapping[str, Suite]:
-    """Every `Suite` imported above, by name, checked: one suite per name and per dataset."""
+    """Every `Suite` imported above, by name (the default first, as --suite lists them),
+    checked: one suite per name."""
     found: dict[str, Suite] = {}
     for value in namespace.values():
         if isinstance(value, Suite):
             if found.setdefault(value.name, value) is not value:
                 raise ValueError(f"two suites are named {value.name!r}")
-    return MappingProxyType(found)
+    first = {DEFAULT: found.pop(DEFAULT)}
+    return MappingProxyType({**first, **found})
 
 
 SUITES: Mapping[str, Suite] = _collect(dict(globals()))
