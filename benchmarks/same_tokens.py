@@ -29,7 +29,8 @@ from dge_jax.eviction.timing import Timing
 from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
-from experiments import protocol, synthetic
+from experiments import protocol
+from experiments.suites import synthetic
 
 PREFILL, DGE2, DGE_W2 = Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2)
 

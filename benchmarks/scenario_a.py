@@ -26,9 +26,10 @@ PROMPT_TASKS = ("passkey", "niah_multikey", "vt_chain", "essay_qa")
 
 def make_prompts(tokenizer, length: int, count: int, seed: int = 0) -> list[list[int]]:
     """`count` chat prompts of exactly `length` token ids: synthetic long-context tasks on the
-    Paul Graham essays (`experiments.synthetic`), chat-templated, cut in the middle to size
+    Paul Graham essays (`experiments.suites.synthetic`), chat-templated, cut in the middle to size
     (LongBench's truncation), so every row of a batch has the same length (no padding)."""
-    from experiments import protocol, synthetic
+    from experiments import protocol
+    from experiments.suites import synthetic
 
     sentences = synthetic.load_haystack()
     counts = synthetic.sentence_token_counts(tokenizer, sentences)

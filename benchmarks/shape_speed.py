@@ -38,7 +38,8 @@ from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.runtime import decoding
-from experiments import protocol, synthetic
+from experiments import protocol
+from experiments.suites import synthetic
 
 TOKENS, NEW, BUDGET = 4096, 64, 256
 GRID_BUDGETS = (128, 256, 512)

@@ -31,7 +31,6 @@ def split_method(method: str) -> tuple[str, str, float]:
         if method.startswith(prefix):
             return method.removeprefix(prefix), head_budget, alpha
     return method, "uniform", 0.2
-POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
 
 
 @dataclasses.dataclass(frozen=True)

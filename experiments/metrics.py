@@ -1,5 +1,7 @@
-"""LongBench v1 metrics, reimplemented to give the official numbers, plus synthetic-task and
-RULER metrics (RULER's string_match_all / string_match_part: `experiments.ruler`).
+"""LongBench v1 metrics, reimplemented to give the official numbers, plus the synthetic tasks'
+row metrics (RULER's string_match_all / string_match_part are in `experiments.suites.ruler`).
+Which metric a dataset uses is its suite's answer (`experiments.suites`); this module knows no
+suite.
 
 The official scorer is THUDM/LongBench `LongBench/metrics.py` + `eval.py`. It relies on three
 packages; here is how each is matched without them:
@@ -22,22 +24,19 @@ packages; here is how each is matched without them:
   `rouge_zh` only; nothing English needs it.
 
 Metrics take `(prediction, ground_truth, all_classes)` and return a float in [0, 1];
-`score_dataset` applies the first-line rule, takes the max over a row's answers and returns
-100 * mean rounded to 2 decimals, as eval.py `scorer` does.
+LongBench's row rule (`suites.longbench.score_row`) applies the first-line rule and takes the max
+over a row's answers; `suites.score_dataset` returns 100 * mean rounded to 2 decimals, as eval.py
+`scorer` does.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import re
 import string
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-
-from experiments import longbench_config as config
-from experiments import ruler, synthetic
 
 Metric = Callable[[str, str, Sequence[str] | None], float]
 RowMetric = Callable[[str, Sequence[str]], float]
@@ -276,79 +275,14 @@ def match_fraction(prediction: str, answers: Sequence[str]) -> float:
 
 
 ROW_METRICS: Mapping[str, RowMetric] = MappingProxyType(
-    {"match_any": match_any, "match_fraction": match_fraction, **ruler.METRICS}
+    {"match_any": match_any, "match_fraction": match_fraction}
 )
 
 
 # ---------------------------------------------------------------------------------------------
-# Dataset scores and averages
+# Rules around a metric
 
 
 def first_line(prediction: str) -> str:
     """eval.py's rule for trec, triviaqa, samsum and lsht: the first line after leading newlines."""
     return prediction.lstrip("\n").split("\n")[0]
-
-
-def row_score(
-    dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None
-) -> float:
-    """One row's score in [0, 1]: the official max over answers, or a synthetic or RULER row
-    metric (RULER's sees all of a row's outputs at once, as its evaluate.py does)."""
-    if dataset in synthetic.TASKS:
-        return ROW_METRICS[synthetic.TASKS[dataset].metric](prediction, answers)
-    if dataset in ruler.TASKS:
-        return ROW_METRICS[ruler.TASKS[dataset].metric](prediction, answers)
-    if dataset not in config.DATASET2METRIC:
-        raise ValueError(f"no metric for dataset {dataset!r}")
-    metric = METRICS[config.DATASET2METRIC[dataset]]
-    if dataset in config.FIRST_LINE_TASKS:
-        prediction = first_line(prediction)
-    return max([0.0, *(metric(prediction, gt, all_classes) for gt in answers)])
-
-
-def score_dataset(
-    dataset: str,
-    predictions: Sequence[str],
-    answers: Sequence[Sequence[str]],
-    all_classes: Sequence[str] | None = None,
-) -> float:
-    """100 * mean row score, rounded to 2 decimals: eval.py `scorer` (and synthetic tasks; for
-    RULER tasks, RULER's `round(sum / n * 100, 2)`).
-
-    `all_classes` is the dataset's class list (trec, lsht), as eval.py passes it.
-    """
-    if len(predictions) != len(answers):
-        raise ValueError(f"{len(predictions)} predictions but {len(answers)} answer lists")
-    if not predictions:
-        raise ValueError(f"no predictions to score for {dataset!r}")
-    pairs = zip(predictions, answers, strict=True)
-    total = sum(row_score(dataset, p, a, all_classes) for p, a in pairs)
-    return round(100 * total / len(predictions), 2)
-
-
-def average_scores(scores: Mapping[str, float]) -> dict:
-    """The two LongBench English averages over the tasks present in `scores`.
-
-    Returns {"mean_en16": plain mean over the English tasks present, "category_mean": mean over
-    categories of the mean of their present tasks, "categories": {category: mean},
-    "missing_en16": English tasks absent}. Chinese, synthetic and RULER tasks are ignored; an
-    unknown name raises. Averages are NaN when no English task is present.
-    """
-    known = set(config.ALL_TASKS) | set(synthetic.TASKS) | set(ruler.TASKS)
-    unknown = sorted(set(scores) - known)
-    if unknown:
-        raise ValueError(f"unknown tasks in scores: {unknown}")
-    present = [t for t in config.ENGLISH_TASKS if t in scores]
-    categories = {
-        name: sum(scores[t] for t in tasks if t in scores) / n
-        for name, tasks in config.CATEGORIES_EN.items()
-        if (n := sum(t in scores for t in tasks))
-    }
-    return {
-        "mean_en16": sum(scores[t] for t in present) / len(present) if present else math.nan,
-        "category_mean": (
-            sum(categories.values()) / len(categories) if categories else math.nan
-        ),
-        "categories": categories,
-        "missing_en16": [t for t in config.ENGLISH_TASKS if t not in scores],
-    }

@@ -23,9 +23,8 @@ import pathlib
 import sys
 from collections import defaultdict
 
-from experiments import metrics, plots
+from experiments import plots, suites
 from experiments.cells import cell_order, parse_cell_id
-from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE, read_predictions
 from experiments.replication import (
     SIGNIFICANT,
@@ -57,7 +56,7 @@ def score_rows(rows: list[dict]) -> dict:
     counts: dict[str, dict[str, int]] = defaultdict(dict)
     for (dataset, cell), group in sorted(grouped.items()):
         all_classes = group[0].get("all_classes")
-        scores[dataset][cell] = metrics.score_dataset(
+        scores[dataset][cell] = suites.score_dataset(
             dataset, [r["pred"] for r in group], [r["answers"] for r in group], all_classes
         )
         counts[dataset][cell] = len(group)
@@ -67,10 +66,8 @@ def score_rows(rows: list[dict]) -> dict:
         per = {d: s[cell] for d, s in scores.items() if cell in s}
         entry = {"mean": round(sum(per.values()) / len(per), 2), "tasks": len(per),
                  "n": sum(counts[d][cell] for d in per)}
-        if set(ENGLISH_TASKS) <= set(per):  # the official averages mean all 16 tasks ran
-            official = metrics.average_scores({d: per[d] for d in ENGLISH_TASKS})
-            entry["mean_en16"] = _round(official["mean_en16"])
-            entry["category_mean"] = _round(official["category_mean"])
+        # the suites' own averages (LongBench's official two, once all 16 English tasks ran)
+        entry.update({name: _round(value) for name, value in suites.summary(per).items()})
         averages[cell] = entry
     return {"datasets": dict(scores), "averages": averages, "counts": dict(counts)}
 
@@ -116,7 +113,7 @@ def sample_scores(rows: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
     out: dict[str, dict[tuple[str, str], float]] = defaultdict(dict)
     for (dataset, cell), group in latest_rows(rows).items():
         for r in group:
-            out[cell][(dataset, r["sample_id"])] = metrics.row_score(
+            out[cell][(dataset, r["sample_id"])] = suites.row_score(
                 dataset, r["pred"], r["answers"], r.get("all_classes"))
     return out
 

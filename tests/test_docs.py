@@ -174,7 +174,7 @@ def python_commands(doc: str) -> list[tuple[str, list[str]]]:
 LONGBENCH_PARSE = """
 import json, sys
 from experiments.cells import build_cells
-from experiments.longbench import FLAGS
+from experiments.run_config import FLAGS
 for argv in json.loads(sys.argv[1]):
     FLAGS.unparse_flags()
     FLAGS(["longbench", *argv])

@@ -9,8 +9,9 @@ import math
 
 import pytest
 
-from experiments import longbench_config as config
-from experiments import metrics, synthetic
+from experiments import metrics, suites
+from experiments.suites import longbench_config as config
+from experiments.suites import synthetic
 
 TREC_CLASSES = [  # all_classes of the official trec rows (50 classes)
     "Food", "Date", "Order, rank", "Speed", "Disease and medicine",
@@ -213,43 +214,43 @@ def test_score_dataset_first_line_rule_trec():
     # row 1: leading newlines dropped, first line "Other location", the only class name in it
     # -> 1 (the whole text would also contain "City" -> 1/2). Row 2: "City" vs Country -> 0.
     preds = ["\n\nOther location\nQuestion: Where is it ?\nType: City", "City"]
-    got = metrics.score_dataset("trec", preds, [["Other location"], ["Country"]], TREC_CLASSES)
+    got = suites.score_dataset("trec", preds, [["Other location"], ["Country"]], TREC_CLASSES)
     assert got == 50.0
 
 
 def test_score_dataset_first_line_rule_triviaqa_and_max_over_answers():
     # first line "Paris" equals the first answer exactly -> 1 -> 100
     pred = "Paris\nQuestion: What is the capital of Italy?\nAnswer: Rome"
-    assert metrics.score_dataset("triviaqa", [pred], [["Paris", "Paris, France"]]) == 100.0
+    assert suites.score_dataset("triviaqa", [pred], [["Paris", "Paris, France"]]) == 100.0
 
 
 def test_score_dataset_no_first_line_rule_for_hotpotqa():
     # all 4 tokens count: bob dylan and more -> p = 2/4, r = 1 -> F1 = 2/3 -> 66.67
-    got = metrics.score_dataset("hotpotqa", ["Bob Dylan\nand more"], [["Bob Dylan"]])
+    got = suites.score_dataset("hotpotqa", ["Bob Dylan\nand more"], [["Bob Dylan"]])
     assert got == 66.67
-    assert metrics.score_dataset("hotpotqa", ["Paris"], [["London", "Paris"]]) == 100.0
+    assert suites.score_dataset("hotpotqa", ["Paris"], [["London", "Paris"]]) == 100.0
 
 
 def test_score_dataset_rounds_like_eval_py():
-    got = metrics.score_dataset("passage_count", ["3", "4", "5"], [["3"], ["3"], ["3"]])
+    got = suites.score_dataset("passage_count", ["3", "4", "5"], [["3"], ["3"], ["3"]])
     assert got == 33.33  # round(100 * 1/3, 2)
 
 
 def test_score_dataset_synthetic_tasks():
     answers = [["1234567", "7654321", "1111111", "2222222"]]
     # two of four values found -> 0.5 -> 50
-    assert metrics.score_dataset("niah_multivalue", ["1234567, 7654321."], answers) == 50.0
-    assert metrics.score_dataset("passkey", [" 12345."], [["12345"]]) == 100.0
-    assert metrics.score_dataset("passkey", [" 123456"], [["12345"]]) == 0.0
+    assert suites.score_dataset("niah_multivalue", ["1234567, 7654321."], answers) == 50.0
+    assert suites.score_dataset("passkey", [" 12345."], [["12345"]]) == 100.0
+    assert suites.score_dataset("passkey", [" 123456"], [["12345"]]) == 0.0
 
 
 def test_score_dataset_rejects_bad_input():
     with pytest.raises(ValueError):
-        metrics.score_dataset("hotpotqa", ["a", "b"], [["a"]])
+        suites.score_dataset("hotpotqa", ["a", "b"], [["a"]])
     with pytest.raises(ValueError):
-        metrics.score_dataset("hotpotqa", [], [])
+        suites.score_dataset("hotpotqa", [], [])
     with pytest.raises(ValueError, match="no metric"):
-        metrics.score_dataset("hotpot", ["a"], [["a"]])
+        suites.score_dataset("hotpot", ["a"], [["a"]])
 
 
 def test_match_metrics_whole_words_after_normalization():
@@ -281,7 +282,7 @@ def _full_scores():
 
 
 def test_average_scores_full():
-    got = metrics.average_scores(_full_scores())
+    got = suites.average_scores(_full_scores())
     assert got["mean_en16"] == 700 / 16  # = 43.75
     assert got["category_mean"] == pytest.approx(270 / 6)  # (20+50+20+70+50+60)/6 = 45
     assert got["categories"]["few_shot"] == 70
@@ -289,7 +290,7 @@ def test_average_scores_full():
 
 
 def test_average_scores_partial_ignores_chinese_and_synthetic():
-    got = metrics.average_scores({"hotpotqa": 40, "lcc": 50, "dureader": 99, "passkey": 100})
+    got = suites.average_scores({"hotpotqa": 40, "lcc": 50, "dureader": 99, "passkey": 100})
     assert got["mean_en16"] == 45.0
     assert got["categories"] == {"multi_doc_qa": 40.0, "code": 50.0}
     assert got["category_mean"] == 45.0
@@ -299,7 +300,7 @@ def test_average_scores_partial_ignores_chinese_and_synthetic():
 
 def test_average_scores_edge_cases():
     with pytest.raises(ValueError, match="unknown"):
-        metrics.average_scores({"hotpot": 1.0})
-    empty = metrics.average_scores({})
+        suites.average_scores({"hotpot": 1.0})
+    empty = suites.average_scores({})
     assert math.isnan(empty["mean_en16"]) and math.isnan(empty["category_mean"])
     assert empty["missing_en16"] == list(config.ENGLISH_TASKS)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from experiments import longbench_config as config
 from experiments import protocol
+from experiments.suites import longbench_config as config
 
 # The seven datasets of the shared data folder and their first rows' prompts, with the template
 # written out by hand from THUDM/LongBench config/dataset2prompt.json.

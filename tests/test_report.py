@@ -8,10 +8,10 @@ import json
 import pytest
 
 from experiments import plots, report
-from experiments.longbench_config import ENGLISH_TASKS
 from experiments.predictions import PREDICTIONS_FILE
 from experiments.run_folder import RunFolderError
 from experiments.stats import bootstrap_mean_ci, clopper_pearson, mcnemar_exact
+from experiments.suites.longbench_config import ENGLISH_TASKS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TREC_CLASSES = ["Food", "Date", "Individual", "Location"]

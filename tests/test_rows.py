@@ -12,8 +12,9 @@ import re
 
 import pytest
 
-from experiments import longbench_config as config
-from experiments import protocol, rows, synthetic
+from experiments import protocol, rows
+from experiments.suites import longbench_config as config
+from experiments.suites import synthetic
 
 FIX = "; fix the row or re-download the official file"
 
@@ -254,5 +255,5 @@ def test_a_synthetic_generator_bug_is_caught(monkeypatch):
     monkeypatch.setattr(synthetic, "make_row", buggy)
     with pytest.raises(rows.RowError, match=re.escape(
             "synthetic task 'passkey' row 0: field 'answers' must be a non-empty list of "
-            'strings, got str "12345"; a bug in experiments/synthetic.py')):
+            'strings, got str "12345"; a bug in experiments/suites/synthetic.py')):
         synthetic.make_suite(WordCounter(), ["passkey"], 2, 400, sentences=HAY)

@@ -1,5 +1,5 @@
-"""The RULER suite (`experiments.ruler`): RULER's templates and task table, seeded rows, token
-lengths with a real tokenizer, the shared niah_multikey_3 rows, RULER's metric, and the
+"""The RULER suite (`experiments.suites.ruler`): RULER's templates and task table, seeded rows,
+token lengths with a real tokenizer, the shared niah_multikey_3 rows, RULER's metric, and the
 runner's loader path and command line.
 
 Lengths are measured with the embedded SmolLM2 tokenizer (converted once into the dge_jax
@@ -21,9 +21,10 @@ import types
 import pytest
 from conftest import shared_data_dir
 
-from experiments import metrics, protocol, rows, ruler, synthetic
+from experiments import protocol, rows, suites
 from experiments.predictions import PREDICTIONS_FILE, config_hash
 from experiments.run_folder import sha256_file
+from experiments.suites import longbench_config, ruler, ruler_tasks, synthetic
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LENGTH = 4096
@@ -159,10 +160,10 @@ def test_names_and_the_synthetic_clash():
         ruler.dataset_name("qa_1")
     # RULER's niah_multivalue is also a synthetic task: ours is prefixed and scored by RULER.
     assert "niah_multivalue" in synthetic.TASKS and "niah_multivalue" not in ruler.TASKS
-    assert not set(ruler.TASKS) & (set(synthetic.TASKS) | set(protocol.config.ALL_TASKS))
+    assert not set(ruler.TASKS) & (set(synthetic.TASKS) | set(longbench_config.ALL_TASKS))
     # substring match (RULER) vs whole-word match (synthetic) on the same answer
-    assert metrics.row_score("ruler_niah_multivalue", "12345678", ["1234567"], None) == 1.0
-    assert metrics.row_score("niah_multivalue", "12345678", ["1234567"], None) == 0.0
+    assert suites.row_score("ruler_niah_multivalue", "12345678", ["1234567"], None) == 1.0
+    assert suites.row_score("niah_multivalue", "12345678", ["1234567"], None) == 0.0
 
 
 def test_protocol_of_ruler_tasks():
@@ -181,20 +182,21 @@ def test_word_lists_are_wonderwords_2_2_0():
     assert len(words) == 910 * 6786 == 6_175_260  # RULER's len(sorted(set(adj-noun)))
     assert words.distinct()
     assert words[0] == f"{words.adjectives[0]}-{words.nouns[0]}"
-    assert len(set(ruler._word_list("nounlist.txt") + ruler._word_list("adjectivelist.txt")
-                   + ruler._word_list("verblist.txt"))) == 8169  # cwe's vocabulary
+    vocabulary = [w for name in ("nounlist.txt", "adjectivelist.txt", "verblist.txt")
+                  for w in ruler_tasks.word_list(name)]
+    assert len(set(vocabulary)) == 8169  # cwe's vocabulary
 
 
 def test_other_wonderwords_is_refused(monkeypatch):
-    monkeypatch.setattr(ruler, "WONDERWORDS_SHA256", {**ruler.WONDERWORDS_SHA256,
-                                                      "nounlist.txt": "0" * 64})
+    monkeypatch.setattr(ruler_tasks, "WONDERWORDS_SHA256", {**ruler_tasks.WONDERWORDS_SHA256,
+                                                            "nounlist.txt": "0" * 64})
     with pytest.raises(FileNotFoundError, match=r"pip install wonderwords==2\.2\.0"):
-        ruler._word_list("nounlist.txt")
+        ruler_tasks.word_list("nounlist.txt")
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install wonderwords==2\.2\.0"):
-        ruler._wonderwords_dir()
+        ruler_tasks._wonderwords_dir()
 
 
 def test_essay_haystack_is_rulers_concatenation():
@@ -349,13 +351,13 @@ def test_metric_on_shared_rows(shared_rows):
     for view in views:
         (answer,) = view["answers"]
         other = next(u for u in re.findall(UUID, view["input"]) if u != answer)
-        assert metrics.row_score(dataset, f" {answer}.", view["answers"], None) == 1.0
-        assert metrics.row_score(dataset, answer.upper(), view["answers"], None) == 1.0
-        assert metrics.row_score(dataset, f" {other}.", view["answers"], None) == 0.0
-        assert metrics.row_score(dataset, "", view["answers"], None) == 0.0
+        assert suites.row_score(dataset, f" {answer}.", view["answers"], None) == 1.0
+        assert suites.row_score(dataset, answer.upper(), view["answers"], None) == 1.0
+        assert suites.row_score(dataset, f" {other}.", view["answers"], None) == 0.0
+        assert suites.row_score(dataset, "", view["answers"], None) == 0.0
     preds = [f"is {v['answers'][0]}" if i % 3 else "no idea" for i, v in enumerate(views)]
     refs = [v["answers"] for v in views]
-    assert metrics.score_dataset(dataset, preds, refs) == ruler_string_match_all(preds, refs)
+    assert suites.score_dataset(dataset, preds, refs) == ruler_string_match_all(preds, refs)
 
 
 def test_string_match_all_is_rulers():
@@ -367,7 +369,7 @@ def test_string_match_all_is_rulers():
     assert ruler.postprocess_pred(" a\x01b\tc \n") == "a\nb\nc"
     assert ruler.string_match_part("a b", ["b", "z"]) == 1.0
     assert ruler.string_match_part("a b", ["y", "z"]) == 0.0
-    assert metrics.row_score("ruler_cwe", "w1 w2", ["w1", "w2", "w3", "w4"], None) == 0.5
+    assert suites.row_score("ruler_cwe", "w1 w2", ["w1", "w2", "w3", "w4"], None) == 0.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,10 +377,10 @@ def test_string_match_all_is_rulers():
 
 
 def test_shared_rows_load_through_the_runner(tok, ruler_dir, shared_rows):
-    from experiments import longbench
+    from experiments import runner
 
     model = types.SimpleNamespace(tokenizer=tok)
-    loaded = longbench.load_suite(model, "ruler", ["ruler_niah_multikey_3"], 5, str(ruler_dir),
+    loaded = runner.load_suite(model, "ruler", ["ruler_niah_multikey_3"], 5, str(ruler_dir),
                                   LENGTH, 0)
     (got,) = loaded.values()
     assert [r["_id"] for r in got] == ["0", "1", "2", "3", "4"]
@@ -386,9 +388,9 @@ def test_shared_rows_load_through_the_runner(tok, ruler_dir, shared_rows):
         assert view["answers"] == real["outputs"] and view["all_classes"] is None
         assert view["input"] + view["answer_prefix"] == real["input"]
         assert view["input"].endswith("mentioned in the provided text?")
-    assert longbench.default_datasets("ruler", str(ruler_dir), LENGTH) == [
+    assert runner.default_datasets("ruler", str(ruler_dir), LENGTH) == [
         "ruler_niah_multikey_3"]
-    assert longbench.default_datasets("ruler", None) == list(ruler.TASKS)
+    assert runner.default_datasets("ruler", None) == list(ruler.TASKS)
 
 
 def test_row_sources(ruler_dir, tmp_path, monkeypatch):
@@ -404,20 +406,20 @@ def test_row_sources(ruler_dir, tmp_path, monkeypatch):
 
 def test_bad_shared_rows_are_refused(tok, ruler_dir, tmp_path):
     model = types.SimpleNamespace(tokenizer=tok)
-    from experiments import longbench
+    from experiments import runner
 
     lines = (ruler_dir / SHARED_FILE).read_text().splitlines(keepends=True)[:3]
     bad = json.loads(lines[1])
     bad["outputs"] = bad["outputs"][0]  # a string would be matched character by character
     (tmp_path / SHARED_FILE).write_text(lines[0] + json.dumps(bad) + "\n" + lines[2])
     with pytest.raises(rows.RowError, match=r"line 2: field 'outputs' must be a non-empty list"):
-        longbench.load_suite(model, "ruler", ["ruler_niah_multikey_3"], 1, str(tmp_path),
+        runner.load_suite(model, "ruler", ["ruler_niah_multikey_3"], 1, str(tmp_path),
                              LENGTH, 0)
     cut = json.loads(lines[0])
     cut["input"] = cut["input"].rsplit(" The special magic", 1)[0]
     (tmp_path / SHARED_FILE).write_text(json.dumps(cut) + "\n")
     with pytest.raises(rows.RowError, match="index 0: field 'input' holds no answer prefix"):
-        longbench.load_suite(model, "ruler", ["ruler_niah_multikey_3"], 1, str(tmp_path),
+        runner.load_suite(model, "ruler", ["ruler_niah_multikey_3"], 1, str(tmp_path),
                              LENGTH, 0)
 
 

@@ -27,8 +27,9 @@ from collections import Counter
 import pytest
 from tiny_model import build_tiny_llama
 
-from experiments import protocol, report, synthetic
+from experiments import protocol, report
 from experiments.predictions import PREDICTIONS_FILE, QUARANTINE_FILE
+from experiments.suites import synthetic
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -443,13 +444,13 @@ def test_decode_time_compression_cells_on_a_long_answer_task(model_dir, env, tmp
 
 
 def test_default_datasets(data_dir, monkeypatch):
-    from experiments import longbench
+    from experiments import runner
 
-    present = longbench.default_datasets("longbench", str(data_dir))
+    present = runner.default_datasets("longbench", str(data_dir))
     assert set(DATASETS) <= set(present)
     assert all((data_dir / f"{d}.jsonl").is_file() for d in present)
-    assert longbench.default_datasets("synthetic", None) == list(longbench.MAIN_JOB_TASKS)
-    assert set(longbench.MAIN_JOB_TASKS) <= set(synthetic.TASKS)
+    assert runner.default_datasets("synthetic", None) == list(synthetic.MAIN_JOB_TASKS)
+    assert set(synthetic.MAIN_JOB_TASKS) <= set(synthetic.TASKS)
     monkeypatch.delenv(protocol.DATA_DIR_ENV)
     with pytest.raises(FileNotFoundError, match=protocol.DATA_DIR_ENV):
-        longbench.default_datasets("longbench", None)
+        runner.default_datasets("longbench", None)

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from experiments import metrics, protocol, synthetic
+from experiments import metrics, protocol, suites
+from experiments.suites import synthetic
 
 TASKS = tuple(synthetic.TASKS)
 LENGTH = 3000
@@ -160,9 +161,9 @@ def test_metrics_score_gold_one_and_wrong_zero(suite, task):
     rows = suite[task]
     gold = [" " + ", ".join(r["answers"]) + "." for r in rows]
     answers = [r["answers"] for r in rows]
-    assert metrics.score_dataset(task, gold, answers) == 100.0
+    assert suites.score_dataset(task, gold, answers) == 100.0
     wrong = [_wrong(task, r) for r in rows]
-    assert metrics.score_dataset(task, wrong, answers) == 0.0
+    assert suites.score_dataset(task, wrong, answers) == 0.0
 
 
 def test_task_table():

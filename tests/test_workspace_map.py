@@ -4,7 +4,8 @@ library, the families, the runner and the benchmarks is named in it.
 The map is the ```text block under "## Layout". A line indented less than the description
 column is an entry (a folder `name/` or a file), nested by indentation; everything after the
 name, continuation lines included, is its description. A `*.py` name in a description refers
-to a file inside the entry's folder (a file entry: its parent folder), at any depth.
+to a file inside the entry's folder (a file entry: its parent folder) at any depth, or else in
+the nearest folder above it that has one.
 """
 
 from __future__ import annotations
@@ -48,12 +49,20 @@ def entries() -> list[tuple[pathlib.Path, str]]:
 
 
 def mentioned(path: pathlib.Path, text: str) -> list[pathlib.Path]:
-    """The files a description names, each resolved inside the entry's folder."""
+    """The files a description names, each resolved inside the entry's folder, else in the
+    nearest folder above it that has one (a suite's description may name `rows.py` beside
+    the suites' folder)."""
     folder = path if (ROOT / path).is_dir() else path.parent
     found = []
     for name in PY_NAME.findall(text):
-        hits = sorted((ROOT / folder).rglob(name)) if "/" not in name else [ROOT / folder / name]
-        found.append(hits[0].relative_to(ROOT) if hits and hits[0].exists() else folder / name)
+        place = folder / name
+        for above in [folder, *folder.parents][:-1]:  # never the repository root itself
+            hits = sorted((ROOT / above).rglob(name)) if "/" not in name else [ROOT / above / name]
+            hits = [h for h in hits if h.exists()]
+            if hits:
+                place = hits[0].relative_to(ROOT)
+                break
+        found.append(place)
     return found
 
 

@@ -39,8 +39,8 @@ SENTENCES = (
 
 def training_corpus() -> list[str]:
     """Prompt templates of both suites plus a few plain sentences: the BPE training text."""
-    from experiments import synthetic
-    from experiments.longbench_config import DATASET2PROMPT
+    from experiments.suites import synthetic
+    from experiments.suites.longbench_config import DATASET2PROMPT
 
     texts = list(SENTENCES) + list(DATASET2PROMPT.values())
     texts += [t.template + t.answer_prefix for t in synthetic.TASKS.values()]

@@ -9,7 +9,8 @@ blob ids. The prompts keep the official typos ("asconcisely") on purpose: scores
 comparable with the exact strings.
 
 Everything else here is the official protocol written down as data (LongBench/pred.py,
-LongBench/eval.py, README leaderboard); the functions that use it are in `protocol` and `metrics`.
+LongBench/eval.py, README leaderboard); the functions that use it are in `suites.longbench` and
+`metrics`.
 """
 
 from collections.abc import Mapping

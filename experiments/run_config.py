@@ -1,0 +1,216 @@
+"""The runner's command line as one value: absl flags are defined here, read once into a
+frozen `RunConfig` (`RunConfig.from_flags`), and every runner helper takes that value; none
+reads the global `FLAGS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from absl import flags
+
+from dge_jax.cli import POLICY_OPTIONS
+from dge_jax.eviction.timing import Adaptive
+from dge_jax.rules.registry import POLICIES
+from experiments import suites
+from experiments.cells import Cell, build_cells
+from experiments.suites import longbench, ruler, synthetic
+from experiments.suites.base import RowSettings, Suite
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "smollm2-135m-instruct", "checkpoint folder or embedded name")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter dtype")
+flags.DEFINE_enum("suite", suites.DEFAULT, list(suites.SUITES), "task suite")
+flags.DEFINE_string("data_dir", None, "folder of LongBench {dataset}.jsonl files "
+                    f"(default: ${longbench.DATA_DIR_ENV}); for --suite ruler, of RULER "
+                    "{task}_{length}.jsonl files to read instead of generating the rows "
+                    f"(default: ${ruler.DATA_DIR_ENV}'s file where it holds one, else generated)")
+flags.DEFINE_list("datasets", None, "datasets/tasks to run (default: synthetic "
+                  f"{','.join(synthetic.MAIN_JOB_TASKS)}; longbench: those present in "
+                  "--data_dir; ruler: all eleven, or those present in --data_dir)")
+flags.DEFINE_list("methods", ["full", "snapkv"], f"{', '.join(POLICIES)}, <wrapper>_<rule> "
+                  "(criticalkv_expectedattention), adakv_<policy> (AdaKV head budgets) and "
+                  "global_<policy> (one pool across layers and heads)")
+flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w; decode "
+                  "(compress only while decoding, at each --decode_budgets)")
+flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
+flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")
+flags.DEFINE_list("decode_budgets", [], "also compress while decoding: each cell gets variants "
+                  "that every --intervals new tokens go back to these entries per kv head "
+                  "(cells .../d<budget>/i<interval>)")
+flags.DEFINE_list("intervals", ["32"], "decode steps between compressions (with "
+                  "--decode_budgets)")
+flags.DEFINE_integer("num_samples", None, "samples per dataset (default: synthetic and ruler "
+                     f"{synthetic.SUITE.num_samples}, longbench all)")
+flags.DEFINE_integer("max_length", None, "prompt tokens kept by middle truncation (default: "
+                     "the model's context minus the longest generation, chat template and "
+                     "answer prefix)")
+flags.DEFINE_integer("synthetic_length", 512, "synthetic prompt length in model tokens "
+                     "(before the chat template)")
+flags.DEFINE_integer("ruler_length", 4096, "RULER's max_seq_length in model tokens: the prompt "
+                     "(chat template and answer prefix included) plus the task's generation "
+                     "budget; also the {length} of RULER row files")
+flags.DEFINE_bool("answer_prefix", True, "synthetic and RULER suites: end each prompt with the "
+                  "task's answer prefix (e.g. 'The pass key is'); --noanswer_prefix lets the "
+                  "model start its answer unprompted")
+flags.DEFINE_integer("batch_size", 4, "samples per batch (left-padded)")
+flags.DEFINE_string("out_dir", None, "output folder (default runs/<suite>/<model>-<run id>: "
+                    "one folder per configuration)")
+flags.DEFINE_bool("extend", False, "add cells, datasets or samples to an --out_dir that holds "
+                  "the same configuration (without it, asking for more than it holds is "
+                  "refused)")
+flags.DEFINE_bool("verbose", False, "show third-party INFO logging and tracebacks of errors")
+flags.DEFINE_integer("seed", 0, "synthetic and RULER suite seed (decoding is greedy)")
+flags.DEFINE_integer("window", 8, "observation window (SnapKV/PyramidKV) or recent window "
+                     "(H2O)")
+flags.DEFINE_integer("kernel", 7, "SnapKV/PyramidKV pooling kernel")
+flags.DEFINE_enum("pooling", "max", ["max", "avg"], "SnapKV/PyramidKV pooling")
+flags.DEFINE_enum("gqa", "mean", ["mean", "max"], "GQA aggregation of scores")
+flags.DEFINE_bool("gqa_before_pool", False, "SnapKV/PyramidKV: aggregate the kv group's "
+                  "attention before pooling (default: pool each query head first, kvpress's "
+                  "order)")
+flags.DEFINE_enum("ties", "later", ["later", "earlier"], "which of equal scores is kept: the "
+                  "later slot (default) or the earlier position")
+flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens)")
+flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
+                    "sharded, and each batch of --batch_size samples is spread over the data "
+                    "axis (--batch_size must then be a multiple of it)")
+flags.DEFINE_enum("adaptive_rule", None, ["entropy", "top1"], "also run adaptive-k DGE cells "
+                  "that stop drafting when the next-token entropy rises above / top-1 "
+                  "probability falls below --adaptive_threshold")
+flags.DEFINE_float("adaptive_threshold", 1.0, "threshold of --adaptive_rule")
+flags.DEFINE_integer("k_max", 8, "most answer tokens an adaptive cell drafts")
+flags.DEFINE_float("draft_weight", 1.0, "weight of draft queries relative to prompt-window "
+                   "queries in DGE scores (1 = the paper's DGE)")
+
+
+
+class UsageError(ValueError):
+    """A mistake in the command line: one `error: ...` line and exit status 2."""
+
+
+def list_flag(values: flags.FlagValues, name: str, integers: bool = False,
+              may_be_empty: bool = False) -> list | None:
+    """The items of list flag --name, each checked: no empty list (unless `may_be_empty`), no
+    empty item (a stray comma), no repeat, and with `integers` whole numbers >= 1 (as ints).
+    None when the flag has no default and was not given (--datasets)."""
+    items = getattr(values, name)
+    if items is None:
+        return None
+    default = values[name].default
+    example = f"--{name} {','.join(default)}" if default else f"--{name} a,b"
+    if not items and not may_be_empty:
+        raise UsageError(f"--{name} is empty; give one or more comma-separated items, e.g. "
+                         f"{example}" + ("" if default else f", or leave --{name} out"))
+    values: list = []
+    for item in items:
+        if item == "":
+            raise UsageError(f"--{name} {','.join(items)!r} has an empty item; remove the "
+                             "stray comma")
+        value: int | str = item
+        if integers:
+            if not re.fullmatch(r"[-+]?[0-9]+", item):
+                raise UsageError(f"--{name}: {item!r} is not an integer; give comma-separated "
+                                 f"whole numbers, e.g. {example}")
+            value = int(item)
+            if value < 1:
+                raise UsageError(f"--{name} must be >= 1, got {item!r}; give comma-separated "
+                                 f"whole numbers, e.g. {example}")
+        if value in values:
+            raise UsageError(f"--{name} gives {item!r} twice; give each item once")
+        values.append(value)
+    return values
+
+
+def check_scalar_flags(values: flags.FlagValues, suite: Suite) -> None:
+    """Refuses integer and number flags out of range (before anything is loaded or written)."""
+    least = {"batch_size": 1, "chunk": 1, "num_samples": 1, "max_length": 2,
+             "synthetic_length": 1, "ruler_length": 1, "window": 0, "kernel": 1}
+    if values.adaptive_rule:
+        least["k_max"] = 1
+    for name, low in least.items():
+        value = getattr(values, name)
+        if value is not None and value < low:
+            raise UsageError(f"--{name} must be >= {low}, got {value}; see --help")
+    if values.draft_weight < 0:
+        raise UsageError(f"--draft_weight must be >= 0, got {values.draft_weight}; see --help")
+    if not values.answer_prefix and not suite.has_answer_prefix:
+        others = " and ".join(f"--suite {s.name}" for s in suites.SUITES.values()
+                              if s.has_answer_prefix)
+        raise UsageError(f"--noanswer_prefix: {suite.title} prompts have no answer prefix; it "
+                         f"applies to {others}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every setting of one run, read from the flags once (checked: a mistake is a
+    `UsageError`). `datasets` is None when --datasets was not given (the suite's default
+    then needs the data folder or the model)."""
+
+    model: str
+    dtype: str
+    suite: Suite
+    rows: RowSettings
+    datasets: tuple[str, ...] | None
+    cells: tuple[Cell, ...]
+    num_samples: int | None
+    max_length: int | None
+    answer_prefix: bool
+    batch_size: int
+    chunk: int
+    mesh: str | None
+    out_dir: str | None
+    extend: bool
+    policy_options: dict
+    draft_weight: float
+    ties: str
+    adaptive_rule: str | None
+    adaptive_threshold: float
+    k_max: int
+
+    @classmethod
+    def from_flags(cls, values: flags.FlagValues) -> RunConfig:
+        """The flags' values, checked in the order the runner always refused them: the grid,
+        then the numbers, then the datasets."""
+        suite = suites.get(values.suite)
+        cells = build_cells(
+            list_flag(values, "methods"), list_flag(values, "timings"),
+            list_flag(values, "k", integers=True), list_flag(values, "budgets", integers=True),
+            adaptive_k_max=values.k_max if values.adaptive_rule else None,
+            decode_budgets=list_flag(values, "decode_budgets", integers=True,
+                                     may_be_empty=True),
+            intervals=list_flag(values, "intervals", integers=True))
+        check_scalar_flags(values, suite)
+        named = list_flag(values, "datasets")
+        try:
+            datasets = None if named is None else tuple(suite.resolve(named))
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        return cls(
+            model=str(values.model), dtype=values.dtype, suite=suite,
+            rows=RowSettings(values.data_dir, values.seed, values.synthetic_length,
+                             values.ruler_length),
+            datasets=datasets, cells=tuple(cells),
+            num_samples=values.num_samples or suite.num_samples,
+            max_length=values.max_length, answer_prefix=values.answer_prefix,
+            batch_size=values.batch_size, chunk=values.chunk, mesh=values.mesh,
+            out_dir=values.out_dir, extend=values.extend,
+            policy_options={k: getattr(values, k) for k in POLICY_OPTIONS},
+            draft_weight=values.draft_weight, ties=values.ties,
+            adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
+            k_max=values.k_max)
+
+    def adaptive(self) -> Adaptive | None:
+        """The adaptive-k rule of the grid's adaptive cells (None without --adaptive_rule)."""
+        if self.adaptive_rule is None:
+            return None
+        return Adaptive(self.adaptive_rule, self.adaptive_threshold)
+
+    @property
+    def adaptive_identity(self) -> dict | None:
+        """The adaptive rule as the run identity records it."""
+        if self.adaptive_rule is None:
+            return None
+        return {"rule": self.adaptive_rule, "threshold": self.adaptive_threshold,
+                "k_max": self.k_max}
