@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dge_jax
-from dge_jax.runtime import decoding
+from dge_jax.runtime import decoding, stacking
 from dge_jax.runtime.prompts import bucket_length, pad_left
 from dge_jax.runtime.sampling import Greedy, Sampling
 
@@ -362,8 +362,8 @@ def test_split_rows_undoes_stack_states(model):
         first = jnp.asarray([10 * c + 1, 10 * c + 2], jnp.int32)
         states.append(decoding.start_state(cache, first, jnp.full((2,), 4), 3, (),
                                            jax.random.PRNGKey(0)))  # fmt: skip
-    stacked = decoding.stack_states(states)
-    for got, state in zip(decoding.split_rows(np.asarray(stacked.tokens), 3), states, strict=True):
+    stacked = stacking.stack_states(states)
+    for got, state in zip(stacking.split_rows(np.asarray(stacked.tokens), 3), states, strict=True):
         np.testing.assert_array_equal(got, np.asarray(state.tokens))
     assert np.asarray(stacked.tokens)[:, 0].tolist() == [1, 11, 21, 2, 12, 22]
 

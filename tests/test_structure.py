@@ -36,3 +36,25 @@ def test_nothing_in_the_library_asks_which_form_a_cache_is_in():
                 assert not of_cache, (
                     f"{path.name}:{node.lineno}: isinstance({target}, ...)"
                 )
+
+
+MAX_MODULE_LINES = 500
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def test_no_module_in_the_library_is_longer_than_500_lines():
+    long = [
+        f"{path.relative_to(LIBRARY.parent)} ({n} lines)"
+        for path in sorted(LIBRARY.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, "split these by what they hold:\n  " + "\n  ".join(long)
+
+
+def test_the_library_shows_its_layers():
+    """Few modules at the top (the public API, the CLI, configs, families, the stages); the
+    rest live in folders named after their layer."""
+    top = sorted(p.name for p in LIBRARY.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    layers = {p.name for p in LIBRARY.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert {"checkpoints", "runtime", "eviction", "rules"} <= layers, layers

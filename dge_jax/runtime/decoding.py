@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats
 from dge_jax.families import ForwardFn, group_layers
-from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache, regroup, runs_of_equal
+from dge_jax.runtime.cache import KVCache, init_cache, regroup, runs_of_equal
 from dge_jax.runtime.rope import inverse_frequencies
 from dge_jax.runtime.sharding import constrain_cache, constrain_rows
 
@@ -378,68 +378,6 @@ def rewind_state(
     observed = jnp.arange(k)[None, :] < steps[:, None]
     drafts = drafts._replace(q_pos=jnp.where(observed, drafts.q_pos, -1))
     return state, drafts
-
-
-def _interleave(xs: list[jax.Array], axis: int) -> jax.Array:
-    """C arrays [.., B, ..] -> one [.., B·C, ..] whose row r·C + c is row r of array c."""
-    x = jnp.stack(xs, axis=axis + 1)
-    return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2 :])
-
-
-def split_rows(x, parts: int) -> list:
-    """The `parts` member arrays [B, ...] of rows interleaved by `stack_states` along the
-    first axis of x [B·C, ...]: member c holds rows c, c + C, c + 2C, ... (numpy or JAX)."""
-    return [x[c::parts] for c in range(parts)]
-
-
-@functools.partial(jax.jit, static_argnames=("group_sizes",))
-def stack_states(
-    states: list[DecodeState], group_sizes: tuple[int, ...] | None = None
-) -> DecodeState:
-    """One state holding the given states' rows, interleaved: row r of state c becomes row
-    r·C + c of C states (a copy of all of them; `split_rows` undoes it per array).
-
-    Interleaved, not concatenated, so that on a device mesh (dge_jax.runtime.sharding) every row
-    stays on the device that holds it: a device's block of rows of each state becomes one
-    block of the stack, and neither stacking nor splitting moves a cache entry.
-    Every cache must have the same capacities and layer groups; each layer's next write slot
-    becomes the largest `index` among them: a cache whose entries end earlier just has empty
-    slots before it (pos -1, ignored by the mask), as after compaction. limit and key come
-    from the first. group_sizes (static): the stack's layer groups (default: the caches'), so
-    that the one copy stacking makes is already in the grouping `decode_loop` runs.
-    """
-    first = states[0]
-    caches = [s.cache for s in states]
-    if group_sizes is not None:  # slices inside this jit: fused into the interleaving copy
-        caches = [regroup(c, group_sizes) for c in caches]
-    if len({(c.capacities, c.group_sizes) for c in caches}) != 1:
-        raise ValueError(
-            "stack_states: caches differ in capacities or layer groups: "
-            f"{sorted({(c.capacities, c.group_sizes) for c in caches})}"
-        )
-
-    def interleaved(groups: tuple[LayerGroup, ...]) -> LayerGroup:
-        def rows_of(name):  # rows are axis 1 of [Lg, B, ...]
-            return _interleave([getattr(g, name) for g in groups], axis=1)
-
-        index = jnp.max(jnp.stack([g.index for g in groups]), axis=0)
-        return LayerGroup(k=rows_of("k"), v=rows_of("v"), pos=rows_of("pos"), index=index)
-
-    cache = KVCache(tuple(interleaved(gs) for gs in zip(*(c.groups for c in caches), strict=True)))
-
-    def rows(name):
-        return _interleave([getattr(s, name) for s in states], axis=0)
-
-    return DecodeState(
-        cache=cache,
-        tokens=rows("tokens"),
-        step=rows("step"),
-        limit=first.limit,
-        last=rows("last"),
-        pos=rows("pos"),
-        done=rows("done"),
-        key=first.key,
-    )
 
 
 def default_layer_loop() -> str:

@@ -1,0 +1,461 @@
+"""The stages of `generate_grid`, one function each, over one `CellPlan` per cell.
+
+    prepare -> prefill -> reconstruct -> draft -> rewind -> select -> evict -> decode -> results
+
+The numeric work happens in the pure jitted functions the stages call
+(`dge_jax.runtime.decoding`, `dge_jax.eviction.evict`). A grid of cells (evictions, or None for
+FullKV) shares one prefill and one draft to the largest k; each cell then carries a `CellPlan`
+through the later stages.
+
+``hook``: every jitted step runs as ``hook(stage, fn, *args, **kwargs)`` (default: just
+``fn(*args, **kwargs)``), with stage one of `STAGES`: how a benchmark times the stages without
+touching the library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dge_jax.eviction import decode_compression, observation
+from dge_jax.eviction.decode_spec import CAP_MULTIPLE
+from dge_jax.eviction.evict import (
+    Eviction,
+    apply_eviction,
+    check_eviction,
+    keep_masks,
+    kept_positions,
+    layer_capacities,
+    round_up_slots,
+    scoring_key,
+    spreads_budget,
+)
+from dge_jax.eviction.observation import DraftRecord
+from dge_jax.model import Model
+from dge_jax.rules.base import Needs
+from dge_jax.rules.full import is_full
+from dge_jax.runtime import decoding, stacking
+from dge_jax.runtime.decoding import DecodeState, PrefillOutput
+from dge_jax.runtime.prompts import Request, cut_at_eos
+from dge_jax.runtime.sampling import Greedy
+
+GREEDY = Greedy()
+# The jitted steps a hook sees, in the order they first run.
+STAGES = (
+    "prefill", "reconstruct", "draft", "rewind", "keep_masks", "apply_eviction", "stack_states",
+    "decode", "decode_compressed",
+)  # fmt: skip
+Hook = Callable[..., Any]  # hook(stage, fn, *args, **kwargs) -> fn(*args, **kwargs)
+
+
+def _call(hook: Hook | None, stage: str, fn: Callable, *args, **kwargs):
+    return fn(*args, **kwargs) if hook is None else hook(stage, fn, *args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """prompt_tokens: ids fed per row; tokens: generated ids per row (up to and including the
+    first EOS); texts: decoded `tokens`; kept: per row, layer and kv head, the original
+    positions held right after eviction (None without eviction); k: per row, the answer
+    tokens generated with the full cache before eviction (None without eviction);
+    compressions: per row, what each decode-time compression kept
+    (`decode_compression.kept_over_time`; None unless asked for with
+    ``record_compressions``)."""
+
+    prompt_tokens: list[list[int]]
+    tokens: list[list[int]]
+    texts: list[str]
+    kept: list[list[list[list[int]]]] | None = None
+    k: list[int] | None = None
+    compressions: list[list[dict]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """The prefill stage's output: pre (logits, cache, observation) and the decode state with
+    the first answer token chosen (`start`)."""
+
+    pre: PrefillOutput
+    start: DecodeState
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafted:
+    """The draft stage's output: the state after K draft steps, what they recorded, and the
+    next-token statistics of t1 (from the prefill logits) .. t_{K+1}: entropy, top1 [B, K+1]."""
+
+    state: DecodeState
+    record: DraftRecord
+    entropy: np.ndarray
+    top1: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class CellPlan:
+    """One cell's way through the stages.
+
+    eviction: None for FullKV. steps: draft steps each row ran before eviction ([B] int, None
+    without a draft). state: the decode state at the eviction point; drafts: the draft
+    record rewound to `steps` (None without a draft). keep: the keep mask [L, B, Hkv, S]
+    (select stage); evicted: the state decoding starts from (evict stage); attn: the
+    attention sums aligned with its cache, for a decode-time rule that reads them (H2O).
+    """
+
+    eviction: Eviction | None
+    state: DecodeState
+    steps: np.ndarray | None = None
+    drafts: DraftRecord | None = None
+    keep: jax.Array | None = None
+    evicted: DecodeState | None = None
+    attn: jax.Array | None = None
+
+
+def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[Eviction | None]:
+    """The cells with FullKV as None, each eviction checked (clear errors before compiling)."""
+    if isinstance(cells, Eviction):
+        raise TypeError("cells must be a list of Eviction / None; for one eviction pass [ev]")
+    for i, ev in enumerate(cells):
+        if ev is not None and not isinstance(ev, Eviction):
+            raise TypeError(
+                f"eviction (cell {i}) must be a dge_jax.eviction.evict.Eviction or None (no "
+                f"eviction), got {ev!r}; e.g. Eviction(SnapKV(), budget=256, "
+                "timing=dge_jax.eviction.timing.dge(2))"
+            )
+    cells = [None if ev is None or is_full(ev.policy) else ev for ev in cells]
+    for ev in cells:
+        if ev is not None:
+            check_eviction(ev, max_new_tokens)
+    return cells
+
+
+@dataclasses.dataclass(frozen=True)
+class Recording:
+    """What the shared prefill and draft record, for every cell at once: the union of the
+    cells' declared needs (`Needs.__or__`: the largest query window, attention sums if any
+    reads them, the one start of query statistics, the one reconstruct stage) and the
+    largest draft k."""
+
+    needs: Needs
+    draft_steps: int
+
+    @classmethod
+    def of(cls, cells: Sequence[Eviction | None]) -> Recording:
+        """The recording the evicting cells of a grid need together (None: FullKV)."""
+        active = [ev for ev in cells if ev is not None]
+        needs = Needs()
+        for ev in active:
+            needs = needs | ev.policy.needs
+        steps = max((ev.timing.draft_steps for ev in active), default=0)
+        return cls(needs=needs, draft_steps=steps)
+
+
+def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
+    """Slots after the prompt the shared prefill cache needs: room for every new token when a
+    cell decodes in that cache (FullKV, a masked eviction); otherwise only for the drafts and
+    for the first block of a cell that evicts only while decoding (every other cell decodes
+    from a compacted copy), so that prefill's cache does not grow with the answer length."""
+    if any(ev is None or not ev.compact for ev in cells):
+        return request.buffer
+    need = [ev.timing.draft_steps for ev in cells]
+    need += [ev.decode.interval for ev in cells if not ev.timing.before_decoding]
+    return min(request.buffer, round_up_slots(max(need + [1])))
+
+
+def prefill(
+    model: Model,
+    request: Request,
+    recording: Recording,
+    sampler,
+    seed: int,
+    hook=None,
+    room: int | None = None,
+) -> Prefilled:
+    """Prefill once for every cell, recording the largest query window (and the attention
+    sums) any cell's policy reads; choose the first answer token. room: slots after the
+    prompt (default: the token buffer, room for every new token; `cache_room`)."""
+    pre = _call(
+        hook, "prefill", decoding.prefill_prompt,
+        model.forward, model.config, model.params,
+        jnp.asarray(request.tokens), jnp.asarray(request.lengths),
+        capacity=request.tokens.shape[1] + (request.buffer if room is None else room),
+        chunk=request.chunk,
+        obs_window=recording.needs.window,
+        record_attn=recording.needs.attn_sum,
+        q_stats_from=recording.needs.query_stats_from,
+    )  # fmt: skip
+    key, first_key = jax.random.split(jax.random.PRNGKey(seed))
+    eos_ids = request.eos_ids
+    first = sampler(
+        decoding.suppress_eos(pre.logits, eos_ids, request.min_new_tokens > 0), first_key
+    )
+    start = decoding.start_state(
+        pre.cache, first, jnp.asarray(request.lengths), request.max_new_tokens, eos_ids, key,
+        buffer=request.buffer,
+    )  # fmt: skip
+    return Prefilled(pre=pre, start=start)
+
+
+def reconstruct(
+    model: Model, request: Request, prefilled: Prefilled, recording: Recording, hook=None
+) -> Prefilled:
+    """KVzip's extra passes, when a cell reads them: the model repeats the prompt chunk by
+    chunk over prefill's cache; the attention each prompt entry got goes into `obs.recon`.
+    The cache itself is unchanged (the repeat entries are written into a scratch copy)."""
+    stage = recording.needs.reconstruction
+    if stage is None:
+        return prefilled
+    pre = prefilled.pre
+    scores, _ = stage.scores(
+        model.forward, model.config, model.params, model.tokenizer, pre.cache,
+        request.prompt_ids, bucket=request.chunk,
+        call=lambda fn, *a, **k: _call(hook, "reconstruct", fn, *a, **k),
+    )  # fmt: skip
+    obs = dataclasses.replace(pre.obs, recon=scores)
+    return dataclasses.replace(prefilled, pre=pre._replace(obs=obs))
+
+
+def draft(
+    model: Model, request: Request, prefilled: Prefilled, recording: Recording, sampler, hook=None
+) -> Drafted | None:
+    """One draft to the largest k any cell needs (None if none drafts): `rewind` replays any
+    shorter draft from it, per row for adaptive k, so every k shares one draft and one
+    compiled scorer."""
+    if not recording.draft_steps:
+        return None
+    state, record = _call(
+        hook, "draft", decoding.draft_tokens,
+        model.forward, model.config, model.params, prefilled.start,
+        sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
+        record_q=recording.needs.queries,
+        record_attn=recording.needs.attn_sum,
+        min_new_tokens=request.min_new_tokens,
+    )  # fmt: skip
+    e1, p1 = decoding.next_token_stats(prefilled.pre.logits)
+    entropy = np.concatenate([np.asarray(e1)[:, None], np.asarray(record.entropy)], 1)
+    top1 = np.concatenate([np.asarray(p1)[:, None], np.asarray(record.top1)], 1)
+    return Drafted(state=state, record=record, entropy=entropy, top1=top1)
+
+
+def rewind(request: Request, prefilled: Prefilled, drafted, cells, hook=None) -> list[CellPlan]:
+    """Each cell's state at its eviction point: the draft rewound to the cell's steps per row.
+
+    "prefill" cells rewind to 0 steps (the pre-draft cache, the draft record masked out), so
+    the three timings share one compiled scorer. One rewound state per distinct steps, shared
+    by the cells that need it: each rewind returns a fresh copy of the whole cache, which per
+    cell made a 45-cell grid hold 45 full caches at once.
+    """
+    rewound: dict[tuple[int, ...], tuple[DecodeState, DraftRecord]] = {}
+    plans = []
+    for ev in cells:
+        if ev is None or drafted is None:
+            plans.append(CellPlan(eviction=ev, state=prefilled.start))
+            continue
+        steps = ev.timing.steps_per_row(drafted.entropy, drafted.top1)
+        key = tuple(int(s) for s in steps)
+        if key not in rewound:
+            rewound[key] = _call(
+                hook, "rewind", decoding.rewind_state,
+                drafted.state, drafted.record, jnp.asarray(request.lengths), jnp.asarray(steps),
+                eos_ids=request.eos_ids,
+            )  # fmt: skip
+        state, record = rewound[key]
+        plans.append(CellPlan(eviction=ev, state=state, steps=steps, drafts=record))
+    return plans
+
+
+def out_projection(model: Model) -> jax.Array:
+    """[L, Hq, hd, D]: the model's W_o per query head, for rules that read `obs.out_proj`."""
+    if model.family.out_projection is None:
+        raise ValueError(
+            f"the {model.family.model_type!r} family gives no out_projection, which CriticalKV "
+            "needs; add one to its ModelFamily or pick another rule"
+        )
+    return model.family.out_projection(model.config, model.params)
+
+
+def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None) -> list[CellPlan]:
+    """Every cell's keep mask. Cells at the same eviction point with the same scoring
+    (`eviction.scoring_key`: they differ by budget, or are SnapKV and PyramidKV) are scored
+    once for all of them."""
+    sweeps: dict[tuple, list[int]] = {}
+    for i, plan in enumerate(plans):
+        if plan.eviction is not None and plan.eviction.timing.before_decoding:
+            point = None if plan.steps is None else tuple(int(s) for s in plan.steps)
+            sweeps.setdefault((point, scoring_key(plan.eviction)), []).append(i)
+    plans = list(plans)
+    for members in sweeps.values():
+        first = plans[members[0]]
+        obs, drafts = observation.for_policy(first.eviction.policy, prefilled.pre.obs, first.drafts)
+        if any(plans[i].eviction.policy.needs.out_proj for i in members):
+            obs = dataclasses.replace(obs, out_proj=out_projection(model))
+        masks = _call(
+            hook, "keep_masks", keep_masks,
+            first.state.cache, obs, drafts, [plans[i].eviction for i in members],
+        )  # fmt: skip
+        for i, keep in zip(members, masks, strict=True):
+            plans[i] = dataclasses.replace(plans[i], keep=keep)
+    return plans
+
+
+def evict(
+    request: Request, prefilled: Prefilled, plans: list[CellPlan], hook=None
+) -> list[CellPlan]:
+    """Each cell's evicted state: masked, or compacted. Compacted cells without a fixed
+    capacity share per-layer capacities (the most any of them keeps per layer, plus room for
+    every new token, rounded up), so they share one compiled decode loop.
+
+    Room for every new token is rounded like the kept entries (not the token buffer's chunk
+    bucket: every decode step reads every slot, and a 512-token bucket for 64 new tokens made
+    a budget-512 grid attend over 1,024 slots instead of 640). Capacities are per layer: a
+    grid with PyramidKV cells would otherwise give every layer the bottom layer's slots.
+
+    A cell that also compresses while decoding (`Eviction.decode`) is compacted to its decode
+    loop's capacity, or, if it kept more, to what it kept plus one interval, one capacity for
+    all layers (the loop compacts that to its own at the first compression).
+    """
+    counts = [None if p.keep is None else np.asarray(jnp.sum(p.keep, axis=-1)) for p in plans]
+    kept = [c for c, p in zip(counts, plans, strict=True) if c is not None and not _decodes(p)]
+    room = round_up_slots(request.max_new_tokens)
+    shared = layer_capacities(np.max(kept, axis=0), room) if kept else None
+    out = []
+    for plan, count in zip(plans, counts, strict=True):
+        state, ev, attn = plan.state, plan.eviction, None
+        remaining = request.max_new_tokens - int(np.min(np.asarray(state.step)))
+        capacity = shared if ev is None or ev.capacity is None else ev.capacity
+        if _decodes(plan):
+            spec = ev.decode
+            most = 0 if count is None else int(np.max(count, initial=0))
+            spread = spreads_budget(ev)
+            capacity = spec.capacity(spread)  # the loop's: it starts there
+            if most > spec.head_cap(spread):  # kept more: its first block runs bigger
+                capacity = round_up_slots(most, CAP_MULTIPLE) + spec.interval
+            remaining = min(remaining, spec.interval)  # the loop compresses after those
+            if ev.policy.needs.attn_sum:
+                attn = decode_compression.carried_attention(
+                    prefilled.pre.obs, plan.drafts, plan.keep, state.cache.pos, capacity
+                )
+        if plan.keep is not None:
+            cache = _call(
+                hook, "apply_eviction", apply_eviction,
+                state.cache, plan.keep, ev, capacity, remaining, count,
+            )  # fmt: skip
+            state = dataclasses.replace(state, cache=cache)
+        out.append(dataclasses.replace(plan, evicted=state, attn=attn))
+    return out
+
+
+def _decodes(plan: CellPlan) -> bool:
+    """Whether the cell compresses while decoding."""
+    return plan.eviction is not None and plan.eviction.decode is not None
+
+
+def decode(
+    model: Model,
+    request: Request,
+    plans: list[CellPlan],
+    sampler,
+    hook=None,
+    record_compressions: bool = False,
+):
+    """Each cell's generated tokens [B, N], and per cell what its decode-time compressions
+    kept (`decode_compression.Compressions` when recorded, else None).
+
+    Cells whose caches have the same shape decode as one batch (rows interleaved by
+    `stacking.stack_states`, a copy): decoding reads the weights once per step for all of
+    them, so a grid costs little more than one cell. A single cell decodes its own state, no
+    copy (decode donates it). A cell that compresses while decoding runs its own loop.
+    """
+    groups: dict[tuple, list[int]] = {}
+    tokens: list[np.ndarray | None] = [None] * len(plans)
+    logs: list = [None] * len(plans)
+    for i, plan in enumerate(plans):
+        if _decodes(plan):
+            tokens[i], logs[i] = _decode_compressed(
+                model, request, plan, sampler, hook, record_compressions, alone=len(plans) == 1
+            )
+            continue
+        cache = plan.evicted.cache
+        groups.setdefault((cache.capacities, cache.group_sizes, cache.dtype), []).append(i)
+    for members in groups.values():
+        states = [plans[i].evicted for i in members]
+        if len(plans) == 1:
+            state = states[0]
+        else:  # cells may share buffers, so the decode below may only donate a stack of them
+            sizes = decoding.decode_groups(states[0].cache)  # stacked as decode runs them
+            state = _call(hook, "stack_states", stacking.stack_states, states, sizes)
+        state = _call(
+            hook, "decode", decoding.decode_loop,
+            model.forward, model.config, model.params, state,
+            sampler=sampler, eos_ids=request.eos_ids, min_new_tokens=request.min_new_tokens,
+        )  # fmt: skip
+        # Only the tokens come back: splitting the whole state would copy every cell's final
+        # cache for nothing.
+        parts = stacking.split_rows(np.asarray(state.tokens), len(members))
+        for i, part in zip(members, parts, strict=True):
+            tokens[i] = part
+    return tokens, logs
+
+
+def _decode_compressed(
+    model: Model, request: Request, plan: CellPlan, sampler, hook, record: bool, alone: bool
+):
+    """One cell's decode loop with compression every interval (`decode_compression`)."""
+    ev = plan.eviction
+    spec, spread = ev.decode, spreads_budget(ev)
+    state = plan.evicted
+    if not alone:
+        # The loop donates its state, and other cells may hold the same arrays: the rewound
+        # tokens and counters, and (nothing evicted before decoding) prefill's cache.
+        cache = state.cache if plan.keep is not None else jax.tree.map(jnp.copy, state.cache)
+        state = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=None))
+        state = dataclasses.replace(state, cache=cache)
+    history = decode_compression.max_compressions(request.buffer, spec.interval) if record else 0
+    with warnings.catch_warnings():
+        # A cache that enters bigger than the loop's capacity is compacted at the first
+        # compression, so XLA cannot reuse its donated buffers for the (smaller) result.
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        state, _, log = _call(
+            hook, "decode_compressed", decode_compression.decode_compressed,
+            model.forward, model.config, model.params, state,
+            jnp.asarray(spec.budget, jnp.int32), plan.attn,
+            out_projection(model) if ev.policy.needs.out_proj else None,
+            policy=ev.policy, interval=spec.interval, capacity=spec.capacity(spread),
+            head_cap=spec.head_cap(spread), sampler=sampler, eos_ids=request.eos_ids,
+            min_new_tokens=request.min_new_tokens, head_budget=ev.head_budget, alpha=ev.alpha,
+            ties=ev.ties, history=history,
+        )  # fmt: skip
+    return np.asarray(state.tokens), log
+
+
+def results(
+    model: Model, request: Request, plans: list[CellPlan], tokens, logs=None
+) -> list[GenerationResult]:
+    """Each cell's ids cut at the first EOS, their text, and what its eviction kept (and,
+    when recorded, what each decode-time compression kept)."""
+    out = []
+    logs = logs or [None] * len(plans)
+    for plan, cell_tokens, log in zip(plans, tokens, logs, strict=True):
+        ids = cut_at_eos(cell_tokens[:, : request.max_new_tokens], request.eos_ids)
+        texts = [model.tokenizer.decode(row) if model.tokenizer else "" for row in ids]
+        kept = k = None
+        if plan.keep is not None:
+            kept = kept_positions(plan.state.cache, plan.keep)
+            steps = plan.steps if plan.steps is not None else [0] * len(ids)
+            k = [1 + int(n) for n in steps]
+        out.append(
+            GenerationResult(
+                prompt_tokens=[list(p) for p in request.prompt_ids],
+                tokens=ids,
+                texts=texts,
+                kept=kept,
+                k=k,
+                compressions=None if log is None else decode_compression.kept_over_time(log),
+            )
+        )
+    return out
