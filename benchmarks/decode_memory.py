@@ -103,7 +103,7 @@ def run_dge(model, prompt: list[int], n: int, policy, args, rss) -> dict:
     pipeline rounds it, `generation.cache_room`) for compression."""
     from dge_jax.eviction import decode_compression
     from dge_jax.eviction.decode_spec import DecodeCompression
-    from dge_jax.eviction.evict import round_up_slots
+    from dge_jax.eviction.evict import SelectionSpec, round_up_slots
     from dge_jax.runtime import decoding
     from dge_jax.runtime.sampling import Greedy
 
@@ -128,11 +128,11 @@ def run_dge(model, prompt: list[int], n: int, policy, args, rss) -> dict:
         call = lambda s: fn(params, s)  # noqa: E731
     else:
         spec = DecodeCompression(args.budget, args.interval)
-        statics |= dict(policy=policy, interval=spec.interval, capacity=spec.capacity(),
-                        head_cap=spec.head_cap())  # fmt: skip
-        fn = decode_compression.decode_compressed.lower(
-            model.forward, cfg, params, start(), budget, **statics
-        ).compile()
+        loop = decode_compression.CompressionLoop(
+            model.forward, cfg, selection=SelectionSpec(policy, head_cap=spec.head_cap()),
+            interval=spec.interval, capacity=spec.capacity(), **statics,
+        )  # fmt: skip
+        fn = decode_compression.decode_compressed.lower(loop, params, start(), budget).compile()
         call = lambda s: fn(params, s, budget)[0]  # noqa: E731
     base = rss.mark()  # peak from here: the prefill's cache, then the decode
     state = jax.block_until_ready(start())

@@ -27,6 +27,7 @@ from dge_jax.eviction import decode_compression, observation
 from dge_jax.eviction.decode_spec import CAP_MULTIPLE
 from dge_jax.eviction.evict import (
     Eviction,
+    SelectionSpec,
     apply_eviction,
     check_eviction,
     keep_masks,
@@ -416,19 +417,21 @@ def _decode_compressed(
         state = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=None))
         state = dataclasses.replace(state, cache=cache)
     history = decode_compression.max_compressions(request.buffer, spec.interval) if record else 0
+    selection = SelectionSpec(
+        ev.policy, ev.head_budget, ev.alpha, ev.ties, head_cap=spec.head_cap(spread)
+    )
+    loop = decode_compression.CompressionLoop(
+        model.forward, model.config, sampler, request.eos_ids, selection, spec.interval,
+        spec.capacity(spread), min_new_tokens=request.min_new_tokens,
+    )  # fmt: skip
     with warnings.catch_warnings():
         # A cache that enters bigger than the loop's capacity is compacted at the first
         # compression, so XLA cannot reuse its donated buffers for the (smaller) result.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         state, _, log = _call(
-            hook, "decode_compressed", decode_compression.decode_compressed,
-            model.forward, model.config, model.params, state,
-            jnp.asarray(spec.budget, jnp.int32), plan.attn,
-            out_projection(model) if ev.policy.needs.out_proj else None,
-            policy=ev.policy, interval=spec.interval, capacity=spec.capacity(spread),
-            head_cap=spec.head_cap(spread), sampler=sampler, eos_ids=request.eos_ids,
-            min_new_tokens=request.min_new_tokens, head_budget=ev.head_budget, alpha=ev.alpha,
-            ties=ev.ties, history=history,
+            hook, "decode_compressed", decode_compression.decode_compressed, loop, model.params,
+            state, jnp.asarray(spec.budget, jnp.int32), plan.attn,
+            out_projection(model) if ev.policy.needs.out_proj else None, history=history,
         )  # fmt: skip
     return np.asarray(state.tokens), log
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dge_jax.eviction.budgets import adakv_budgets
-from dge_jax.eviction.evict import select_for, select_for_budgets
+from dge_jax.eviction.evict import SelectionSpec, select_for, select_for_budgets
 from dge_jax.eviction.observation import Observation
 from dge_jax.rules.chunkkv import ChunkKV
 from dge_jax.rules.criticalkv import CriticalKV, projected_value_norms
@@ -141,7 +141,7 @@ def test_criticalkv_shares_its_inner_rules_scoring():
     assert critical.scorer == inner.scorer
     budgets = (jnp.int32(8), jnp.int32(8))
     both = select_for_budgets(
-        cache, obs, None, budgets, jnp.asarray(False), policy=(inner, critical)
+        cache, obs, None, budgets, jnp.asarray(False), spec=SelectionSpec((inner, critical))
     )
     for policy, keep in zip((inner, critical), both, strict=True):
         alone = keep_of(cache, obs, jnp.int32(8), policy=policy)

@@ -17,7 +17,7 @@ from tiny_model import jax_model
 import dge_jax
 from dge_jax.eviction import decode_compression
 from dge_jax.eviction.decode_spec import DecodeCompression
-from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.evict import Eviction, SelectionSpec
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.registry import make_policy
@@ -256,11 +256,13 @@ def test_cache_bytes_flat_in_answer_length(model, prompts):
             jnp.asarray(request.lengths), new, (), jax.random.PRNGKey(0),
         )  # fmt: skip
         full_bytes = state.cache.nbytes()
-        state, _, _ = decode_compression.decode_compressed(
-            model.forward, model.config, model.params, state, jnp.int32(16),
-            policy=StreamingLLM(), interval=8, capacity=spec.capacity(), head_cap=spec.head_cap(),
-            sampler=Greedy(), eos_ids=(),
+        loop = decode_compression.CompressionLoop(
+            model.forward, model.config, Greedy(), (),
+            SelectionSpec(StreamingLLM(), head_cap=spec.head_cap()), 8, spec.capacity(),
         )  # fmt: skip
+        state, _, _ = decode_compression.decode_compressed(
+            loop, model.params, state, jnp.int32(16)
+        )
         assert int(np.min(state.step)) == new
         sizes[new] = (full_bytes, state.cache.nbytes(), state.cache.capacity)
     assert sizes[16][1] == sizes[64][1] and sizes[64][2] == spec.capacity() == 16 + 8

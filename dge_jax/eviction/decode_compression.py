@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import ModelConfig
-from dge_jax.eviction.evict import select_for_budgets
+from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
 from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.rules.base import Policy
@@ -130,22 +130,30 @@ def _compact_attention(attn: jax.Array, pos: jax.Array, capacity: int) -> jax.Ar
 
 
 @dataclasses.dataclass(frozen=True)
-class _Loop:
-    """The static settings of one decode-compression loop, and its two stages."""
+class CompressionLoop:
+    """The static settings of one decode-compression loop (one compilation each), and its two
+    stages, `block` and `compress`.
+
+    forward / cfg: the model's; sampler, eos_ids, min_new_tokens: as `decoding.decode_loop`
+    takes them; selection: the rule, head budgets, ties and `head_cap` (the most entries a
+    head keeps, `DecodeCompression.head_cap`) each compression selects with; interval: decode
+    steps between compressions; capacity: the loop's slots per head
+    (`DecodeCompression.capacity`); layer_loop: `decoding.decode_groups`'s grouping.
+    """
 
     forward: ForwardFn
     cfg: ModelConfig
     sampler: object
     eos_ids: tuple[int, ...]
-    min_new_tokens: int
-    policy: Policy
+    selection: SelectionSpec
     interval: int
     capacity: int
-    head_cap: int
-    head_budget: str
-    alpha: float
-    ties: str
-    layer_loop: str | None
+    min_new_tokens: int = 0
+    layer_loop: str | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return self.selection.policy
 
     @property
     def reads_q(self) -> bool:
@@ -198,10 +206,8 @@ class _Loop:
         newest = jnp.where(newest >= 0, newest, state.pos - 1)
         obs = _observation(cfg, self.policy, ring_q, ring_pos, attn, newest, out_proj)
         keep = select_for_budgets(
-            flat, obs, None, (budget,), jnp.asarray(False), policy=self.policy,
-            head_budget=self.head_budget, alpha=self.alpha, ties=self.ties,
-            head_cap=self.head_cap,
-        )[0]  # fmt: skip
+            flat, obs, None, (budget,), jnp.asarray(False), spec=self.selection
+        )[0]
         group = flat.groups[0]
         pos = jnp.where(keep, group.pos, -1)
         k, v, kept_pos, count = compact_heads(group.k, group.v, pos, self.capacity)
@@ -214,58 +220,34 @@ class _Loop:
         return dataclasses.replace(state, cache=cache), attn
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "forward", "cfg", "sampler", "eos_ids", "min_new_tokens", "policy", "interval",
-        "capacity", "head_cap", "head_budget", "alpha", "ties", "history", "layer_loop",
-    ),
-    donate_argnames=("state",),
-)  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("loop", "history"), donate_argnames=("state",))
 def decode_compressed(
-    forward: ForwardFn,
-    cfg: ModelConfig,
+    loop: CompressionLoop,
     params,
     state: DecodeState,
     budget: jax.Array,
     attn: jax.Array | None = None,
     out_proj: jax.Array | None = None,
     *,
-    policy: Policy,
-    interval: int,
-    capacity: int,
-    head_cap: int,
-    sampler,
-    eos_ids: tuple[int, ...],
-    min_new_tokens: int = 0,
-    head_budget: str = "uniform",
-    alpha: float = 0.2,
-    ties: str = "later",
     history: int = 0,
-    layer_loop: str | None = None,
 ) -> tuple[DecodeState, jax.Array | None, Compressions | None]:
-    """`decoding.decode_loop` with compression every `interval` steps (module docstring).
+    """`decoding.decode_loop` with compression every `loop.interval` steps (module docstring).
 
-    state: as `decoding.decode_loop` takes it (donated); its cache must have room for `interval`
-    (or all remaining) tokens after its next write slot, and a uniform capacity. budget: []
-    int32, traced. attn: [L, B, Hq, S] f32 attention sums aligned with the cache's slots,
-    for rules that read them (H2O), else None. out_proj: CriticalKV's [L, Hq, D, E].
-    capacity / head_cap (static): the loop's slots per head and most entries a head keeps
-    (`DecodeCompression.capacity`, `head_cap`). history (static): record up to this many
-    compressions (`Compressions`; 0 = none). Returns (state, attn, compressions); the final
-    cache has `capacity` slots per head.
+    state: as `decoding.decode_loop` takes it (donated); its cache must have room for
+    `interval` (or all remaining) tokens after its next write slot, and a uniform capacity.
+    budget: [] int32, traced. attn: [L, B, Hq, S] f32 attention sums aligned with the cache's
+    slots, for rules that read them (H2O), else None. out_proj: CriticalKV's [L, Hq, D, E].
+    history (static): record up to this many compressions (`Compressions`; 0 = none).
+    Returns (state, attn, compressions); the final cache has `loop.capacity` slots per head.
     """
     if state.cache.ragged:
         raise ValueError(
             f"decode-time compression needs one capacity for all layers, got "
             f"{state.cache.capacities}; compact the cache to one capacity first"
         )
-    if policy.needs.attn_sum and attn is None:
-        raise ValueError(f"{type(policy).__name__} reads attention sums: pass attn")
-    loop = _Loop(
-        forward, cfg, sampler, eos_ids, min_new_tokens, policy, interval, capacity, head_cap,
-        head_budget, alpha, ties, layer_loop,
-    )  # fmt: skip
+    if loop.policy.needs.attn_sum and attn is None:
+        raise ValueError(f"{type(loop.policy).__name__} reads attention sums: pass attn")
+    cfg, capacity, layer_loop = loop.cfg, loop.capacity, loop.layer_loop
     state, attn = _grown(state, attn, capacity)
     nl = cfg.num_layers
     log = None

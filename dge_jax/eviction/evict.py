@@ -211,7 +211,35 @@ def _check_decode(ev: Eviction, budget: np.ndarray) -> None:
     check_decode_policy(ev.policy, spec, protected_size(ev.policy))
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha", "ties"))
+@dataclasses.dataclass(frozen=True)
+class SelectionSpec:
+    """How a scored cache becomes keep masks, as one static value under jit.
+
+    policy: the scoring rule, or one per budget of a sweep, all with the same `scorer`
+    (SnapKV and PyramidKV cells share a scoring); head_budget / alpha: uniform budgets or an
+    allocator and each head's floor (`Eviction.head_budget`, `alpha`); ties: the tie rule;
+    head_cap: no head keeps more than this many entries, whatever an allocator gives it
+    (decode-time compression's fixed-capacity cache); slide: DGE's sliding observation window
+    (`Timing.slide`).
+    """
+
+    policy: Policy | tuple[Policy, ...]
+    head_budget: str = "uniform"
+    alpha: float = 0.2
+    ties: str = "later"
+    head_cap: int | None = None
+    slide: bool = False
+
+    @classmethod
+    def of(cls, spec: SelectionSpec | None, fields: dict) -> SelectionSpec:
+        """`spec` with `fields` (by name) replacing its own, or a new spec of `fields`."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise TypeError(f"unknown selection field(s) {unknown}; known: {', '.join(known)}")
+        return cls(**fields) if spec is None else dataclasses.replace(spec, **fields)
+
+
 def select_for(
     cache: KVCache,
     prompt_obs: Observation,
@@ -220,30 +248,25 @@ def select_for(
     observe_drafts: jax.Array,
     draft_weight: jax.Array | float = 1.0,
     *,
-    policy: Policy,
-    slide: bool = False,
-    head_budget: str = "uniform",
-    alpha: float = 0.2,
-    ties: str = "later",
+    spec: SelectionSpec | None = None,
+    **fields,
 ) -> jax.Array:
     """Keep mask [L, B, Hkv, S] for `cache` (the cache at the timing's eviction point).
 
     budget: [] / [L] / [L, Hkv] int32, observe_drafts: [] bool and draft_weight: [] f32 are
     traced, so budgets, the three timings, every k up to the record's and any draft weight
-    share one compilation (given the same draft record, see `decoding.rewind_state`). Draft entries
-    (valid slots past each row's last prompt position) are always kept and count against
-    the budget; the pre-draft cache has none, so for "prefill" this is a no-op. ties: the
-    tie rule (`Eviction.ties`), static.
+    share one compilation (given the same draft record, see `decoding.rewind_state`). Draft
+    entries (valid slots past each row's last prompt position) are always kept and count
+    against the budget; the pre-draft cache has none, so for "prefill" this is a no-op.
+    spec: the `SelectionSpec`, or its fields by name (``policy=SnapKV()``, ``ties=...``).
     """
+    spec = SelectionSpec.of(spec, fields)
     return select_for_budgets(
-        cache, prompt_obs, drafts, (budget,), observe_drafts, draft_weight, policy=policy,
-        slide=slide, head_budget=head_budget, alpha=alpha, ties=ties,
-    )[0]  # fmt: skip
+        cache, prompt_obs, drafts, (budget,), observe_drafts, draft_weight, spec=spec
+    )[0]
 
 
-@functools.partial(
-    jax.jit, static_argnames=("policy", "slide", "head_budget", "alpha", "ties", "head_cap")
-)
+@functools.partial(jax.jit, static_argnames=("spec",))
 def select_for_budgets(
     cache: KVCache,
     prompt_obs: Observation,
@@ -252,12 +275,7 @@ def select_for_budgets(
     observe_drafts: jax.Array,
     draft_weight: jax.Array | float = 1.0,
     *,
-    policy: Policy | tuple[Policy, ...],
-    slide: bool = False,
-    head_budget: str = "uniform",
-    alpha: float = 0.2,
-    ties: str = "later",
-    head_cap: int | None = None,
+    spec: SelectionSpec,
 ) -> tuple[jax.Array, ...]:
     """`select_for` under several budgets at once: the cache is scored once, then each budget
     selects from those scores (what a budget sweep wants). One keep mask per budget, in
@@ -267,12 +285,15 @@ def select_for_budgets(
     gives it (decode-time compression's fixed-capacity cache,
     `dge_jax.eviction.decode_compression`)."""
     nl, b, hkv, _ = cache.pos.shape
+    policy, head_budget, alpha, ties, head_cap = (
+        spec.policy, spec.head_budget, spec.alpha, spec.ties, spec.head_cap
+    )
     policies = policy if isinstance(policy, tuple) else (policy,) * len(budgets)
     if len(policies) != len(budgets) or len({p.scorer for p in policies}) != 1:
         raise ValueError(
             "select_for_budgets: give one policy, or one per budget with the same scorer"
         )
-    obs = with_drafts(prompt_obs, drafts, observe_drafts, slide, draft_weight)
+    obs = with_drafts(prompt_obs, drafts, observe_drafts, spec.slide, draft_weight)
     scores = policies[0].scorer.score(cache, obs)
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
@@ -374,12 +395,14 @@ def keep_masks(
             tuple(jnp.asarray(e.budget, jnp.int32) for e in evs),
             jnp.asarray(ev.timing.observes_drafts),
             jnp.asarray(ev.timing.draft_weight, jnp.float32),
-            # one policy when all agree, so that a plain sweep shares select_for's compilation
-            policy=policies[0] if len(set(policies)) == 1 else policies,
-            slide=ev.timing.slide,
-            head_budget=ev.head_budget,
-            alpha=ev.alpha,
-            ties=ev.ties,
+            spec=SelectionSpec(
+                # one policy when all agree, so that a plain sweep shares select_for's compilation
+                policy=policies[0] if len(set(policies)) == 1 else policies,
+                head_budget=ev.head_budget,
+                alpha=ev.alpha,
+                ties=ev.ties,
+                slide=ev.timing.slide,
+            ),
         )
     )
 
