@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import ModelConfig, RopeConfig
-from dge_jax.eviction.evict import select_for
+from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
 from dge_jax.eviction.selection import apply_keep
 from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
         fwd, cfg, params, start, sampler=GREEDY, eos_ids=EOS_IDS, num_steps=timing.draft_steps
     )
     budget, observe = jnp.asarray(args.budget, jnp.int32), jnp.asarray(timing.observes_drafts)
-    select_args = (state.cache, pre.obs, drafts, budget, observe)
-    select = select_for.lower(*select_args, policy=policy).compile()
-    t_select, keep = timed(select, *select_args, runs=args.runs)
+    select_args = (state.cache, pre.obs, drafts, (budget,), observe)
+    select = select_for_budgets.lower(*select_args, spec=SelectionSpec(policy)).compile()
+    t_select, (keep,) = timed(select, *select_args, runs=args.runs)
 
     shrink = jax.jit(lambda cache, keep: compact(apply_keep(cache, keep), small))
     shrink = shrink.lower(state.cache, keep).compile()

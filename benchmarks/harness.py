@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from benchmarks.peers import RssSampler
-from dge_jax.eviction.evict import select_for
+from dge_jax.eviction.evict import select_for_budgets
 from dge_jax.runtime import decoding as gen
 
 COMPILE_EVENTS = (
@@ -178,7 +178,7 @@ def jit_cache_sizes() -> dict[str, int]:
         "prefill": gen.prefill_prompt,
         "draft": gen.draft_tokens,
         "decode": gen.decode_loop,
-        "select_for": select_for,
+        "select_for_budgets": select_for_budgets,
         "compact": eviction.compact,
     }
     return {name: fn._cache_size() for name, fn in fns.items()}

@@ -24,7 +24,7 @@ from benchmarks.harness import CompileCost, CompileLog, Memory
 from benchmarks.plans import DGE2, Plan
 from benchmarks.work import prefill_flops, tree_bytes
 from dge_jax.config import ModelConfig
-from dge_jax.eviction.evict import capacity_for, select_for
+from dge_jax.eviction.evict import SelectionSpec, capacity_for, select_for_budgets
 from dge_jax.eviction.selection import apply_keep
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
@@ -193,9 +193,9 @@ def time_kv_steps(
     )
     t_draft, (state, drafts) = ed.timed(draft, params, start)
     budget, observe = jnp.asarray(plan.b_budget, jnp.int32), jnp.asarray(timing.observes_drafts)
-    select_args = (state.cache, pre.obs, drafts, budget, observe)
-    select = cost.compile(select_for, *select_args, policy=policy)
-    t_select, keep = ed.timed(select, *select_args, runs=runs)
+    select_args = (state.cache, pre.obs, drafts, (budget,), observe)
+    select = cost.compile(select_for_budgets, *select_args, spec=SelectionSpec(policy))
+    t_select, (keep,) = ed.timed(select, *select_args, runs=runs)
     remaining = n_new - int(np.min(np.asarray(state.step)))
     counts = np.asarray(jnp.sum(keep, axis=-1))
     small = capacity_for(counts, remaining)  # the API's rule: kept, rounded up, + new tokens

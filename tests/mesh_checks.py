@@ -299,7 +299,7 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
     # this mesh's per-device block (rows over data = 2, kv heads over model = 4), in the
     # per-device decode module.
     b, hkv, hd = len(ids), cfg.num_kv_heads, cfg.head_dim
-    decode = " ".join(after.replace(" ", "") for name, _, after in modules if name == "decode")
+    decode = " ".join(after.replace(" ", "") for name, _, after in modules if name == "decode_loop")
 
     def holds(rows: int, heads: int) -> bool:
         return re.search(rf"f32\[(?:1,)?{rows},{heads},12,{hd}\]", decode) is not None

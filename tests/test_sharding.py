@@ -27,8 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ("8x1", "2x4", "1x8")
 CELLS = ("fullkv", "snapkv_dge2", "adakv_dge2", "snapkv_dge2_decode")
 # The grid's compiled steps (it reads the decoded tokens back on the host, no state split).
-STEPS = ("prefill", "draft", "select_for_budgets", "compact", "stack_states", "decode",
-         "decode_compressed")
+STEPS = ("prefill_prompt", "draft_tokens", "select_for_budgets", "compact", "stack_states",
+         "decode_loop", "decode_compressed")
 
 
 def config(heads=8, kv_heads=4, **overrides) -> ModelConfig:
@@ -221,7 +221,7 @@ def test_per_layer_capacities_on_a_mesh(facts):
     ragged = facts["ragged"]
     assert ragged["capacities"] == {"ragged": [16, 12], "one_capacity": [16, 16]}
     assert ragged["tokens"]["ragged"] == ragged["tokens"]["one_capacity"]
-    assert {"compact", "decode"} <= set(ragged["modules"]), ragged["modules"]
+    assert {"compact", "decode_loop"} <= set(ragged["modules"]), ragged["modules"]
     assert ragged["kv_moves"] == []
     assert ragged["decode_layer1_keys"] == {"whole": False, "block": True}
 
@@ -240,7 +240,7 @@ def test_no_step_gathers_the_cache(facts, mesh):
             if name in STEPS:
                 assert module["cache_slots"], f"{name}: no sharded cache in {module['caches']}"
     if mesh == "2x4":  # head-parallel attention: per layer, all-reduces of activations only
-        assert all(c.startswith("all-reduce") for c in steps["prefill"][0]["collectives"])
+        assert all(c.startswith("all-reduce") for c in steps["prefill_prompt"][0]["collectives"])
 
 
 def test_orbax_round_trip_restores_sharded_with_identical_logits(facts):
