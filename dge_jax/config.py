@@ -7,6 +7,7 @@ what they produce is this dataclass, which `jax.jit` takes as a static argument.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -61,3 +62,17 @@ class ModelConfig:
     def group_size(self) -> int:
         """Query heads per kv head (GQA group)."""
         return self.num_heads // self.num_kv_heads
+
+
+def with_fields(cls: type, base: Any, fields: dict[str, Any], what: str) -> Any:
+    """`base` (an instance of the frozen dataclass `cls`, or None: cls's defaults) with
+    `fields` by name replacing its own; a wrong `base` or an unknown name is a TypeError
+    naming `what` and the known fields (how settings values take options by name)."""
+    if base is not None and not isinstance(base, cls):
+        raise TypeError(f"{what} must be a {cls.__name__}, got {type(base).__name__}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise TypeError(f"unknown {what} field(s) {unknown}; known: {', '.join(known)}")
+    return cls(**fields) if base is None else dataclasses.replace(base, **fields)
+

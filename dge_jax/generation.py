@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from dge_jax.config import with_fields
 from dge_jax.eviction.evict import Eviction
 from dge_jax.model import Model
 from dge_jax.runtime.prompts import DEFAULT_CHUNK, prepare
@@ -59,13 +60,7 @@ class GenerationConfig:
     @classmethod
     def of(cls, config: GenerationConfig | None, options: dict[str, Any]) -> GenerationConfig:
         """`config` (default: the defaults) with `options` (fields by name) replacing fields."""
-        if config is not None and not isinstance(config, GenerationConfig):
-            raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise TypeError(f"unknown generation option(s) {unknown}; known: {', '.join(known)}")
-        return dataclasses.replace(config or cls(), **options)
+        return with_fields(cls, config, options, "config")
 
 
 def generate(

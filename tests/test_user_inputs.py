@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import dge_jax
-from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.evict import Eviction, SelectionSpec
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.snapkv import SnapKV
 
@@ -488,7 +488,9 @@ def test_generation_config_and_options_are_one_setting(chat_model):
     assert by_config.tokens == by_name.tokens and len(by_name.tokens[0]) == 3
     longer = dge_jax.generate(chat_model, ["Hello there"], config=base, max_new_tokens=5)
     assert len(longer.tokens[0]) == 5
-    with pytest.raises(TypeError, match=r"unknown generation option\(s\) \['max_tokens'\]"):
+    with pytest.raises(TypeError, match=r"unknown config field\(s\) \['max_tokens'\]; known: "):
         dge_jax.generate(chat_model, ["Hello there"], max_tokens=3)
     with pytest.raises(TypeError, match="config must be a GenerationConfig, got dict"):
         dge_jax.generate(chat_model, ["Hello there"], config={"max_new_tokens": 3})
+    with pytest.raises(TypeError, match=r"unknown spec field\(s\) \['polcy'\]; known: policy"):
+        SelectionSpec.of(None, {"polcy": SnapKV()})

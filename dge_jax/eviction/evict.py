@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dge_jax.config import with_fields
 from dge_jax.eviction import selection
 from dge_jax.eviction.budgets import adakv_budgets, expand_budgets, global_budgets
 from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_policy
@@ -233,11 +234,7 @@ class SelectionSpec:
     @classmethod
     def of(cls, spec: SelectionSpec | None, fields: dict) -> SelectionSpec:
         """`spec` with `fields` (by name) replacing its own, or a new spec of `fields`."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(fields) - set(known))
-        if unknown:
-            raise TypeError(f"unknown selection field(s) {unknown}; known: {', '.join(known)}")
-        return cls(**fields) if spec is None else dataclasses.replace(spec, **fields)
+        return with_fields(cls, spec, fields, "spec")
 
 
 def select_for(
