@@ -97,8 +97,8 @@ def eos_of(model) -> tuple[int, ...]:
     return tuple(model.tokenizer.eos_ids) if model.tokenizer is not None else ()
 
 
-def run_dge(model, prompt: list[int], n: int, policy, args, rss) -> dict:
-    """One dge_jax run: FullKV (policy None) or decode-time compression with `policy`. The
+def run_dge(model, prompt: list[int], n: int, rule, args, rss) -> dict:
+    """One dge_jax run: FullKV (rule None) or decode-time compression with `rule`. The
     prefill cache holds prompt + N slots for FullKV, prompt + one interval (rounded as the
     pipeline rounds it, `generation.cache_room`) for compression."""
     from dge_jax.eviction import decode_compression
@@ -110,26 +110,26 @@ def run_dge(model, prompt: list[int], n: int, policy, args, rss) -> dict:
     cfg, params, eos = model.config, model.params, eos_of(model)
     tokens = jnp.asarray([prompt], jnp.int32)
     lengths = jnp.asarray([len(prompt)], jnp.int32)
-    room = n if policy is None else round_up_slots(args.interval)
+    room = n if rule is None else round_up_slots(args.interval)
     chunk = 512 if len(prompt) % 512 == 0 else len(prompt)
 
     def start():
         pre = decoding.prefill_prompt(
             model.forward, cfg, params, tokens, lengths, capacity=len(prompt) + room,
-            chunk=chunk, obs_window=8 if policy is not None and policy.needs.window else 0,
+            chunk=chunk, obs_window=8 if rule is not None and rule.needs.window else 0,
         )  # fmt: skip
         first = jnp.argmax(decoding.suppress_eos(pre.logits, eos, True), -1).astype(jnp.int32)
         return decoding.start_state(pre.cache, first, lengths, n, eos, jax.random.PRNGKey(0))
 
     statics = dict(sampler=Greedy(), eos_ids=eos, min_new_tokens=n)
     budget = jnp.int32(args.budget)
-    if policy is None:
+    if rule is None:
         fn = decoding.decode_loop.lower(model.forward, cfg, params, start(), **statics).compile()
         call = lambda s: fn(params, s)  # noqa: E731
     else:
         spec = DecodeCompression(args.budget, args.interval)
         loop = decode_compression.CompressionLoop(
-            model.forward, cfg, selection=SelectionSpec(policy, head_cap=spec.head_cap()),
+            model.forward, cfg, selection=SelectionSpec(rule, head_cap=spec.head_cap()),
             interval=spec.interval, capacity=spec.capacity(), **statics,
         )  # fmt: skip
         fn = decode_compression.decode_compressed.lower(loop, params, start(), budget).compile()
@@ -179,13 +179,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         log(f"{args.peer_python} is missing (bash benchmarks/setup_peers.sh): dge_jax only")
     rss = RssSampler()
     rows = []
-    policies = {"FullKV": None, "StreamingLLM": StreamingLLM(), "SnapKV w8": SnapKV(window=8)}
+    rules = {"FullKV": None, "StreamingLLM": StreamingLLM(), "SnapKV w8": SnapKV(window=8)}
     for name, (model, folder) in load_models(args.models.split(","), peers is not None).items():
         prompt = prompt_ids(model, args.prompt_len)
         for n in args.lengths:
             mine = {}
-            for label, policy in policies.items():
-                mine[label] = run_dge(model, prompt, n, policy, args, rss)
+            for label, rule in rules.items():
+                mine[label] = run_dge(model, prompt, n, rule, args, rss)
                 log(f"{name} N={n} dge_jax {label}: {mine[label]['tok_s']:.1f} tok/s")
                 rows.append({"model": name, "new_tokens": n, "system": "dge_jax", "cell": label,
                              **{k: v for k, v in mine[label].items() if k != "tokens"}})

@@ -130,12 +130,12 @@ def main(argv: list[str] | None = None) -> dict:
     b, t, n_new = args.batch, args.prompt_len, args.new_tokens
     capacity = t + n_new
     chunk = args.chunk or prefill_chunk(cfg, b, t, capacity)
-    policy, timing = SnapKV(window=args.window), Timing("dge", args.k)
+    rule, timing = SnapKV(window=args.window), Timing("dge", args.k)
     small = args.budget + n_new  # compacted capacity: budget + every token still to come
     print(
         f"device {jax.devices()[0].device_kind}; batch {b}, prompt {t}, {n_new} new tokens, "
         f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
-        f"heads {cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim}; {policy}, "
+        f"heads {cfg.num_heads}/{cfg.num_kv_heads} x {cfg.head_dim}; {rule}, "
         f"timing {timing.kind} k={timing.k}, "
         f"budget {args.budget}; prefill chunk {chunk}"
     )
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         lengths,
         capacity=capacity,
         chunk=chunk,
-        obs_window=policy.needs.window,
+        obs_window=rule.needs.window,
     ).compile()
     compile_s = time.perf_counter() - compile_start
     t_prefill, pre = timed(prefill, params, tokens, lengths)
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     budget, observe = jnp.asarray(args.budget, jnp.int32), jnp.asarray(timing.observes_drafts)
     select_args = (state.cache, pre.obs, drafts, (budget,), observe)
-    select = select_for_budgets.lower(*select_args, spec=SelectionSpec(policy)).compile()
+    select = select_for_budgets.lower(*select_args, spec=SelectionSpec(rule)).compile()
     t_select, (keep,) = timed(select, *select_args, runs=args.runs)
 
     shrink = jax.jit(lambda cache, keep: compact(apply_keep(cache, keep), small))

@@ -17,8 +17,8 @@ from dge_jax.rules.streamingllm import StreamingLLM
 
 SNAPKV = SnapKV.kvpress()  # window 64, kernel 5, avg-pool: selects what SnapKVPress selects
 PREFILL, DGE2, DGE_W2 = Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2)
-# The grid's policies, each with its kvpress press (same window where there is one).
-GRID_POLICIES = (
+# The grid's rules, each with its kvpress press (same window where there is one).
+GRID_RULES = (
     ("snapkv", SNAPKV),
     ("pyramidkv", PyramidKV(window=64, kernel=5, pooling="avg")),
     ("streamingllm", StreamingLLM(sinks=4)),

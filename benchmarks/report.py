@@ -293,7 +293,7 @@ def _md_grid(result: dict) -> list[str]:
     )
     lines += [
         "",
-        f"3 policies (SnapKV and PyramidKV with kvpress's window 64 / kernel 5 / avg-pool, "
+        f"3 rules (SnapKV and PyramidKV with kvpress's window 64 / kernel 5 / avg-pool, "
         f"StreamingLLM with 4 sinks) x 3 timings (prefill, dge(2), dge_w(2)) x budgets "
         f"{', '.join(map(str, plan['grid_budgets']))}, {g['new_tokens']} new tokens each. "
         "dge_jax: one `generate_grid` call: one prefill, one draft, one scoring per "
@@ -302,7 +302,7 @@ def _md_grid(result: dict) -> list[str]:
         f"cells of one cache shape decoded as one batch ({g['decode_groups']} decode "
         "call(s)); compile s (#) from the cold call. kvpress (SnapKVPress, PyramidKVPress, "
         "StreamingLLMPress at the same budgets) has no draft timing, so the three timings of "
-        "a (policy, budget) cell are one and the same run: each distinct run is timed once "
+        "a (rule, budget) cell are one and the same run: each distinct run is timed once "
         "and counted three times."
         + (
             f" The evicted cells' caches hold {g['evicted_cache_bytes'] / 2**20:,.1f} MiB in "

@@ -23,7 +23,7 @@ import numpy as np
 import dge_jax
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.registry import make_policy
+from dge_jax.rules.registry import make_rule
 
 RULES = (
     ("snapkv", {"window": 8}),
@@ -64,7 +64,7 @@ class StageTimes:
 def measure(model, prompt: list[int], name: str, options: dict, budget: int, repeats: int):
     """Best warm prefill, reconstruct (0 without) and selection seconds of one rule, and
     its extra forward passes per generate call."""
-    ev = Eviction(make_policy(name, **options), budget, Timing("prefill", 1))
+    ev = Eviction(make_rule(name, **options), budget, Timing("prefill", 1))
     dge_jax.generate(model, [prompt], max_new_tokens=2, eviction=ev)  # compile
     timer = StageTimes()
     for _ in range(repeats):

@@ -8,7 +8,7 @@ What it records, on the embedded SmolLM2-135M-Instruct:
 
 - readme: the README's `generate` call and its five-cell `generate_grid`;
 - notebook: the notebook's three cells on its 980-token pass-key prompt;
-- grid: the benchmark's research grid (3 policies x 3 timings x 3 budgets, the quick suite's
+- grid: the benchmark's research grid (3 rules x 3 timings x 3 budgets, the quick suite's
   budgets) on a 1k-token synthetic prompt, batch 2, 16 new tokens (EOS banned);
 - masked: the same SnapKV, PyramidKV and AdaKV cells masked (compact=False) and compacted to
   per-layer capacities.
@@ -69,12 +69,12 @@ def record() -> dict:
     out["notebook"] = _cells(
         dge_jax.generate_grid(model, [nb_prompt], notebook_cells, max_new_tokens=8)
     )
-    policies = (
+    rules = (
         SnapKV.kvpress(),
         PyramidKV(window=64, kernel=5, pooling="avg"),
         StreamingLLM(sinks=4),
     )
-    grid = [Eviction(p, b, t) for p in policies for t in (PREFILL, DGE2, DGE_W2)
+    grid = [Eviction(p, b, t) for p in rules for t in (PREFILL, DGE2, DGE_W2)
             for b in (96, 128, 192)]  # fmt: skip
     prompts = [_prompt(tok, "passkey", 1000, index=i) for i in range(2)]
     out["grid"] = _cells(

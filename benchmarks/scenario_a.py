@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from benchmarks import eviction_decode as ed
 from benchmarks.harness import Call, StageTimer, jit_cache_sizes
-from benchmarks.plans import A_METHODS, GRID_POLICIES, GRID_TIMINGS, Plan, a_cells
+from benchmarks.plans import A_METHODS, GRID_RULES, GRID_TIMINGS, Plan, a_cells
 from benchmarks.work import linear_params, prefill_flops, tree_bytes
 from dge_jax import generation
 from dge_jax.config import ModelConfig
@@ -128,13 +128,13 @@ def run_embedded_config(model, prompts, tokens: int, batch: int, plan: Plan, tim
 
 
 def run_grid(model, prompt: list[int], plan: Plan, timer: StageTimer) -> dict:
-    """The research loop: 3 policies x 3 timings x 3 budgets on one prompt in one
+    """The research loop: 3 rules x 3 timings x 3 budgets on one prompt in one
     `generate_grid` call (one prefill, one draft, cells of one cache shape, its capacities
     per layer, decoded as one batch), cold then warm."""
     n = plan.new_tokens
     cells = [
-        Eviction(policy, budget, timing)
-        for _, policy in GRID_POLICIES
+        Eviction(rule, budget, timing)
+        for _, rule in GRID_RULES
         for _, timing in GRID_TIMINGS
         for budget in plan.grid_budgets
     ]

@@ -162,7 +162,7 @@ def time_kv_steps(
     ids, lengths, key = inputs
     fwd = get_family("llama").forward
     n_new, runs = plan.b_new_tokens, plan.runs
-    policy, timing = SnapKV(window=plan.b_window), DGE2
+    rule, timing = SnapKV(window=plan.b_window), DGE2
     prefill = cost.compile(
         gen.prefill_prompt,
         fwd,
@@ -172,7 +172,7 @@ def time_kv_steps(
         lengths,
         capacity=capacity,
         chunk=chunk,
-        obs_window=policy.needs.window,
+        obs_window=rule.needs.window,
     )
     t_prefill, pre = ed.timed(prefill, params, ids, lengths)
     start_time = time.perf_counter()
@@ -194,7 +194,7 @@ def time_kv_steps(
     t_draft, (state, drafts) = ed.timed(draft, params, start)
     budget, observe = jnp.asarray(plan.b_budget, jnp.int32), jnp.asarray(timing.observes_drafts)
     select_args = (state.cache, pre.obs, drafts, (budget,), observe)
-    select = cost.compile(select_for_budgets, *select_args, spec=SelectionSpec(policy))
+    select = cost.compile(select_for_budgets, *select_args, spec=SelectionSpec(rule))
     t_select, (keep,) = ed.timed(select, *select_args, runs=runs)
     remaining = n_new - int(np.min(np.asarray(state.step)))
     counts = np.asarray(jnp.sum(keep, axis=-1))

@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape = QUICK if args.quick else FULL
     nl, hkv, _, _, prompt, slots, budget = shape
     cache, obs = inputs(shape)
-    policy = SnapKV.kvpress()
-    score = jax.jit(policy.score)
+    rule = SnapKV.kvpress()
+    score = jax.jit(rule.score)
     scores = score(cache, obs)
     select = jax.jit(selection.select_slots)
     by_sort = jax.jit(sort_ranked_keep, static_argnums=1)

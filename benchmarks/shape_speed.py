@@ -69,13 +69,13 @@ def _grid_inputs(model) -> tuple[list[int], list[Eviction]]:
     row = synthetic.make_suite(tok, ["passkey"], 1, length, seed=0)["passkey"][0]
     text = protocol.prepare_sample(row, "passkey", tok, length, tok.apply_chat_template).text
     ids = tok.encode(text)[: TOKENS - NEW]
-    policies = (
+    rules = (
         SnapKV.kvpress(),
         PyramidKV(window=64, kernel=5, pooling="avg"),
         StreamingLLM(sinks=4),
     )
     timings = (Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2))
-    return ids, [Eviction(p, b, t) for p in policies for t in timings for b in GRID_BUDGETS]
+    return ids, [Eviction(p, b, t) for p in rules for t in timings for b in GRID_BUDGETS]
 
 
 def measure(runs: int) -> dict:

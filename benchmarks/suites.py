@@ -10,7 +10,7 @@ What runs (issue 9), in one process, peers in a subprocess afterwards (never con
   peak RSS, cache bytes, compile time and count; the same end-to-end figures for transformers'
   `generate` (FullKV) and kvpress's SnapKVPress at the same per-head budget, same weights,
   same token ids, exactly 64 new tokens each (EOS banned, as min_new_tokens = 64);
-- the research grid: one prompt under 3 policies x 3 timings x 3 budgets with one
+- the research grid: one prompt under 3 rules x 3 timings x 3 budgets with one
   `generate_grid` call, against kvpress running the same 27 cells one by one;
 - agreement: FullKV tokens vs transformers, SnapKV-preset kept positions and tokens vs kvpress;
 - (b) the KV-dominated random-weight model of `benchmarks.eviction_decode` (Llama-3-8B
@@ -36,7 +36,7 @@ import dge_jax
 from benchmarks.agreement import agreement
 from benchmarks.harness import CompileLog, Memory, StageTimer, log
 from benchmarks.peer_client import Peers, peer_row
-from benchmarks.plans import GRID_POLICIES, GRID_TIMINGS, Plan
+from benchmarks.plans import GRID_RULES, GRID_TIMINGS, Plan
 from benchmarks.scenario_a import make_prompts, prefill_profile, run_embedded_config, run_grid
 from benchmarks.scenario_b import kv_config, run_kv_config, write_hf_folder
 from benchmarks.targets import headline
@@ -133,14 +133,14 @@ def embedded_suite(plan: Plan, limits: dict, timer: StageTimer, peers: Peers | N
     head_tokens, _ = plan.headline
     log(f"[a] prefill profile at {head_tokens} tokens")
     out["prefill_profile"] = prefill_profile(model, head_tokens, plan.new_tokens)
-    log(f"[grid] {len(GRID_POLICIES) * len(GRID_TIMINGS) * len(plan.grid_budgets)} cells")
+    log(f"[grid] {len(GRID_RULES) * len(GRID_TIMINGS) * len(plan.grid_budgets)} cells")
     out["grid"] = run_grid(model, prompts[head_tokens][0], plan, timer)
     if peers:
-        # kvpress has no draft timing: the three "timings" of a (policy, budget) cell are one
+        # kvpress has no draft timing: the three "timings" of a (rule, budget) cell are one
         # and the same run, so each distinct run is timed once and counted for all three.
         jobs = [{"id": f"grid/{name}/prefill/{budget}", "system": "kvpress",
                  "prompts": [prompts[head_tokens][0]], "press": name, "budget": budget, **common}
-                for name, _ in GRID_POLICIES for budget in plan.grid_budgets]  # fmt: skip
+                for name, _ in GRID_RULES for budget in plan.grid_budgets]  # fmt: skip
         log(f"[grid] peers: {len(jobs)} kvpress runs")
         peers.run(jobs)
     return a_results

@@ -3,14 +3,14 @@
 `python -m dge_jax convert --model PATH_OR_NAME --out DIR` writes an orbax folder (params +
 config + tokenizer) that `dge_jax.load(DIR, mesh=...)` restores sharded.
 
-Eviction flags: `--policy snapkv --budget 128 --timing dge --k 2 [--head_budget adakv --alpha 0.2]
+Eviction flags: `--rule snapkv --budget 128 --timing dge --k 2 [--head_budget adakv --alpha 0.2]
 [--ties earlier] [--decode_budget 128 --interval 32]` (the last two also compress while
 decoding; `--json` then lists what each compression kept, `kept_over_time`); they are refused
-with the default `--policy full` (no eviction), where they would do nothing, as
-`--top_k/--top_p` are with the default `--temperature 0` (greedy). Policy options
+with the default `--rule full` (no eviction), where they would do nothing, as
+`--top_k/--top_p` are with the default `--temperature 0` (greedy). Rule options
 (`--window --kernel --pooling --gqa --gqa_before_pool`, and any field as
-`--policy_option NAME=VALUE`) are refused, naming them, by a policy that does not take them;
-a field set twice (a flag and a --policy_option, two --policy_option, one flag twice) is refused.
+`--rule_option NAME=VALUE`) are refused, naming them, by a rule that does not take them;
+a field set twice (a flag and a --rule_option, two --rule_option, one flag twice) is refused.
 
 Errors: one line on stderr, `error: <what is wrong>; <the fix>`, exit status 2 for a usage
 error and 1 for a fault of the environment (a model cache that cannot be written, unreadable
@@ -29,7 +29,7 @@ from dge_jax.eviction.evict import HEAD_BUDGETS, Eviction
 from dge_jax.eviction.selection import TIES
 from dge_jax.eviction.timing import KINDS, Timing
 from dge_jax.model import DEFAULT_MODEL
-from dge_jax.rules.registry import POLICIES, make_policy, resolve
+from dge_jax.rules.registry import RULES, make_rule, resolve
 from dge_jax.runtime.sampling import Greedy, Sampling
 
 # Eviction flags default to None so that a flag the user gave is told from one left out.
@@ -37,7 +37,7 @@ EVICTION_DEFAULTS = {
     "budget": 256, "timing": "dge", "k": 2, "head_budget": "uniform", "ties": "later",
     "alpha": 0.2,
 }  # fmt: skip
-POLICY_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
+RULE_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
 DECODE_FLAGS = ("decode_budget", "interval")
 
 
@@ -70,8 +70,33 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
-def policy_name(text: str) -> str:
-    """--policy's check: a registered rule or a wrapper around one (argparse reports it)."""
+class _Renamed(argparse.Action):
+    """A flag's deprecated name: one stderr line naming the new flag, then the new flag's own
+    action (`target`: store once, or append)."""
+
+    def __init__(self, option_strings, dest, target: argparse.Action, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.target = target
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warned = namespace.__dict__.setdefault("_warned", set())
+        if option_string not in warned:
+            warned.add(option_string)
+            new = self.target.option_strings[0]
+            print(f"warning: {option_string} is deprecated; use {new}", file=sys.stderr)
+        self.target(parser, namespace, values, option_string)
+
+
+def _add_renamed(group, old: str, target: argparse.Action) -> None:
+    """`old`, hidden from --help, as a deprecated name of the flag `target`."""
+    group.add_argument(
+        old, dest=target.dest, action=_Renamed, target=target, type=target.type,
+        metavar=target.metavar, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
+    )  # fmt: skip
+
+
+def rule_name(text: str) -> str:
+    """--rule's check: a registered rule or a wrapper around one (argparse reports it)."""
     try:
         resolve(text)
     except ValueError as err:
@@ -116,11 +141,11 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     ev = g.add_argument_group("eviction")
-    ev.add_argument(
-        "--policy",
+    rule = ev.add_argument(
+        "--rule",
         default="full",
-        type=policy_name,
-        help=f"scoring rule (full = no eviction): {', '.join(sorted(POLICIES))}; a wrapper "
+        type=rule_name,
+        help=f"scoring rule (full = no eviction): {', '.join(sorted(RULES))}; a wrapper "
         "around another rule as <wrapper>_<rule>, e.g. criticalkv_expectedattention",
     )
     ev.add_argument("--budget", type=int, default=None, help="entries kept per kv head (256)")
@@ -143,7 +168,7 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--gqa_before_pool",
         action="store_true",
-        default=None,  # None = not given, so --policy full / h2o ... can refuse it
+        default=None,  # None = not given, so --rule full / h2o ... can refuse it
         help="SnapKV/PyramidKV: aggregate the GQA group's attention, then pool",
     )
     ev.add_argument(
@@ -157,13 +182,16 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--interval", type=int, default=None, help="decode steps between compressions (32)"
     )
-    ev.add_argument(
-        "--policy_option",
+    rule_option = ev.add_argument(
+        "--rule_option",
         action="append",
         default=None,
         metavar="NAME=VALUE",
-        help="any other field of the policy (repeatable), e.g. lag_size=64, chunk_length=10",
+        help="any other field of the rule (repeatable), e.g. lag_size=64, chunk_length=10",
     )
+    # The flags' names before the scoring rules were called rules (scripts still use them).
+    _add_renamed(ev, "--policy", rule)
+    _add_renamed(ev, "--policy_option", rule_option)
 
 
 def _add_convert(c: argparse.ArgumentParser) -> None:
@@ -185,16 +213,16 @@ def run_convert(args: argparse.Namespace) -> dict:
 
 
 def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
-    """The `Eviction` the flags describe (None for --policy full); flags that would be ignored
+    """The `Eviction` the flags describe (None for --rule full); flags that would be ignored
     and values out of range raise, naming the flag."""
-    if args.policy == "full":
-        names = (*EVICTION_DEFAULTS, *POLICY_OPTIONS, *DECODE_FLAGS, "policy_option")
+    if args.rule == "full":
+        names = (*EVICTION_DEFAULTS, *RULE_OPTIONS, *DECODE_FLAGS, "rule_option")
         given = [f"--{name}" for name in names if getattr(args, name) is not None]
         if given:
-            evicting = ", ".join(sorted(set(POLICIES) - {"full"}))
+            evicting = ", ".join(sorted(set(RULES) - {"full"}))
             raise ValueError(
-                f"{', '.join(given)} only apply with an evicting --policy ({evicting}); "
-                "--policy full (the default) keeps the whole cache"
+                f"{', '.join(given)} only apply with an evicting --rule ({evicting}); "
+                "--rule full (the default) keeps the whole cache"
             )
         return None
     decode = decode_compression_from_args(args)
@@ -216,18 +244,18 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
             raise ValueError(f"--k applies to --timing dge/dge_w; {timing} {when}")
         k = 1
     options = {
-        name: getattr(args, name) for name in POLICY_OPTIONS if getattr(args, name) is not None
+        name: getattr(args, name) for name in RULE_OPTIONS if getattr(args, name) is not None
     }
-    extra = parse_policy_options(args.policy_option or ())
+    extra = parse_rule_options(args.rule_option or ())
     for name in sorted(extra.keys() & options.keys()):
         flag = f"--{name}" + ("" if options[name] is True else f" {options[name]}")
         raise ValueError(
-            f"{flag} and --policy_option {name}={extra[name][1]} both set the field {name}; "
+            f"{flag} and --rule_option {name}={extra[name][1]} both set the field {name}; "
             "give it once"
         )
     options |= {name: value for name, (value, _) in extra.items()}
     return Eviction(
-        policy=make_policy(args.policy, **options),
+        rule=make_rule(args.rule, **options),
         budget=budget,
         timing=Timing(timing, k),
         head_budget=head_budget,
@@ -255,23 +283,23 @@ def decode_compression_from_args(args: argparse.Namespace) -> DecodeCompression 
     return DecodeCompression(budget=args.decode_budget, interval=interval)
 
 
-def parse_policy_options(items: Sequence[str]) -> dict[str, tuple[object, str]]:
-    """``NAME=VALUE`` strings to policy options, name -> (value, the text given): integers,
+def parse_rule_options(items: Sequence[str]) -> dict[str, tuple[object, str]]:
+    """``NAME=VALUE`` strings to rule options, name -> (value, the text given): integers,
     then floats, then true/false, else the text (an inner rule's name). A name given twice,
-    or one that has its own flag outside the policy (--budget ...), is refused."""
+    or one that has its own flag outside the rule (--budget ...), is refused."""
     options: dict[str, tuple[object, str]] = {}
     for item in items:
         name, sep, text = item.partition("=")
         if not sep or not name:
-            raise ValueError(f"--policy_option takes NAME=VALUE, got {item!r}")
+            raise ValueError(f"--rule_option takes NAME=VALUE, got {item!r}")
         if name in options:
             raise ValueError(
-                f"--policy_option {name}={options[name][1]} and --policy_option {item} both set "
+                f"--rule_option {name}={options[name][1]} and --rule_option {item} both set "
                 f"the field {name}; give it once"
             )
         if name in (*EVICTION_DEFAULTS, *DECODE_FLAGS):
             raise ValueError(
-                f"--policy_option {item} sets {name}, which is not a field of the policy; "
+                f"--rule_option {item} sets {name}, which is not a field of the rule; "
                 f"use --{name} {text}"
             )
         value: object = text

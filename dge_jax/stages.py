@@ -128,7 +128,7 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
                 f"eviction), got {ev!r}; e.g. Eviction(SnapKV(), budget=256, "
                 "timing=dge_jax.eviction.timing.dge(2))"
             )
-    cells = [None if ev is None or is_full(ev.policy) else ev for ev in cells]
+    cells = [None if ev is None or is_full(ev.rule) else ev for ev in cells]
     for ev in cells:
         if ev is not None:
             check_eviction(ev, max_new_tokens)
@@ -151,7 +151,7 @@ class Recording:
         active = [ev for ev in cells if ev is not None]
         needs = Needs()
         for ev in active:
-            needs = needs | ev.policy.needs
+            needs = needs | ev.rule.needs
         steps = max((ev.timing.draft_steps for ev in active), default=0)
         return cls(needs=needs, draft_steps=steps)
 
@@ -178,7 +178,7 @@ def prefill(
     room: int | None = None,
 ) -> Prefilled:
     """Prefill once for every cell, recording the largest query window (and the attention
-    sums) any cell's policy reads; choose the first answer token. room: slots after the
+    sums) any cell's rule reads; choose the first answer token. room: slots after the
     prompt (default: the token buffer, room for every new token; `cache_room`)."""
     pre = _call(
         hook, "prefill", decoding.prefill_prompt,
@@ -292,8 +292,8 @@ def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None)
     plans = list(plans)
     for members in sweeps.values():
         first = plans[members[0]]
-        obs, drafts = observation.for_policy(first.eviction.policy, prefilled.pre.obs, first.drafts)
-        if any(plans[i].eviction.policy.needs.out_proj for i in members):
+        obs, drafts = observation.for_rule(first.eviction.rule, prefilled.pre.obs, first.drafts)
+        if any(plans[i].eviction.rule.needs.out_proj for i in members):
             obs = dataclasses.replace(obs, out_proj=out_projection(model))
         masks = _call(
             hook, "keep_masks", keep_masks,
@@ -337,7 +337,7 @@ def evict(
             if most > spec.head_cap(spread):  # kept more: its first block runs bigger
                 capacity = round_up_slots(most, CAP_MULTIPLE) + spec.interval
             remaining = min(remaining, spec.interval)  # the loop compresses after those
-            if ev.policy.needs.attn_sum:
+            if ev.rule.needs.attn_sum:
                 attn = decode_compression.carried_attention(
                     prefilled.pre.obs, plan.drafts, plan.keep, state.cache.pos, capacity
                 )
@@ -418,7 +418,7 @@ def _decode_compressed(
         state = dataclasses.replace(state, cache=cache)
     history = decode_compression.max_compressions(request.buffer, spec.interval) if record else 0
     selection = SelectionSpec(
-        ev.policy, ev.head_budget, ev.alpha, ev.ties, head_cap=spec.head_cap(spread)
+        ev.rule, ev.head_budget, ev.alpha, ev.ties, head_cap=spec.head_cap(spread)
     )
     loop = decode_compression.CompressionLoop(
         model.forward, model.config, sampler, request.eos_ids, selection, spec.interval,
@@ -431,7 +431,7 @@ def _decode_compressed(
         state, _, log = _call(
             hook, "decode_compressed", decode_compression.decode_compressed, loop, model.params,
             state, jnp.asarray(spec.budget, jnp.int32), plan.attn,
-            out_projection(model) if ev.policy.needs.out_proj else None, history=history,
+            out_projection(model) if ev.rule.needs.out_proj else None, history=history,
         )  # fmt: skip
     return np.asarray(state.tokens), log
 

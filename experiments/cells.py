@@ -1,7 +1,7 @@
 """The grid a run evaluates: methods x timings x k x budgets, each cell one `Eviction`.
 
-A method is a policy name (`snapkv`, `h2o`, ...), optionally prefixed `adakv_` for AdaKV
-head-level budgets over that policy's scores (alpha 0.2), or `global_` for one pool across
+A method is a rule name (`snapkv`, `h2o`, ...), optionally prefixed `adakv_` for AdaKV
+head-level budgets over that rule's scores (alpha 0.2), or `global_` for one pool across
 every layer and head (KVzip's allocation, alpha 0); `full` is the one cell without eviction.
 Cell ids are stable strings (`snapkv/dge/k2/b128`), the keys of predictions and tables. A
 cell that also compresses while decoding ends in its decode budget and interval
@@ -18,7 +18,7 @@ from typing import Any
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import KINDS, Adaptive, Timing
-from dge_jax.rules.registry import POLICIES, WRAPPERS, make_policy, policy_fields, resolve
+from dge_jax.rules.registry import RULES, WRAPPERS, make_rule, resolve, rule_fields
 
 ADAKV_PREFIX = "adakv_"
 # method prefix -> (Eviction.head_budget, Eviction.alpha)
@@ -26,7 +26,7 @@ HEAD_BUDGET_PREFIXES = {ADAKV_PREFIX: ("adakv", 0.2), "global_": ("global", 0.0)
 
 
 def split_method(method: str) -> tuple[str, str, float]:
-    """(policy name, head_budget, alpha) of a method: `global_kvzip` -> kvzip, global, 0."""
+    """(rule name, head_budget, alpha) of a method: `global_kvzip` -> kvzip, global, 0."""
     for prefix, (head_budget, alpha) in HEAD_BUDGET_PREFIXES.items():
         if method.startswith(prefix):
             return method.removeprefix(prefix), head_budget, alpha
@@ -60,30 +60,30 @@ class Cell:
         return dataclasses.replace(self, decode_budget=0, interval=0)
 
     @property
-    def policy_name(self) -> str:
+    def rule_name(self) -> str:
         return split_method(self.method)[0]
 
-    def policy_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """The subset of `options` this cell's policy takes (none for full)."""
+    def rule_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The subset of `options` this cell's rule takes (none for full)."""
         if self.method == "full":
             return {}
-        fields = policy_fields(self.policy_name)
+        fields = rule_fields(self.rule_name)
         return {k: v for k, v in options.items() if k in fields and v is not None}
 
     def eviction(
-        self, policy_options: dict[str, Any], adaptive: Adaptive | None = None,
+        self, rule_options: dict[str, Any], adaptive: Adaptive | None = None,
         draft_weight: float = 1.0, ties: str = "later",
     ) -> Eviction | None:
-        """The `Eviction` of this cell; options a policy does not take are left out. `ties`:
+        """The `Eviction` of this cell; options a rule does not take are left out. `ties`:
         which of equal scores is kept (`Eviction.ties`)."""
         if self.method == "full":
             return None
-        options = self.policy_options(policy_options)
+        options = self.rule_options(rule_options)
         _, head_budget, alpha = split_method(self.method)
         if self.adaptive and adaptive is None:
             raise ValueError(f"cell {self.id} is adaptive but no adaptive rule was given")
         return Eviction(
-            policy=make_policy(self.policy_name, **options),
+            rule=make_rule(self.rule_name, **options),
             budget=self.budget,
             timing=Timing(self.timing, self.k, adaptive=adaptive if self.adaptive else None,
                           draft_weight=draft_weight if self.timing in ("dge", "dge_w") else 1.0),
@@ -117,11 +117,11 @@ def cell_order(cell_id: str) -> tuple:
 
 
 def check_method(method: str) -> None:
-    """Raises for a method name that names no policy (with or without a head-budget prefix)."""
+    """Raises for a method name that names no rule (with or without a head-budget prefix)."""
     name = split_method(method)[0]
     if method == "full":
         return
-    known = sorted(n for n in POLICIES if n != "full")
+    known = sorted(n for n in RULES if n != "full")
     reason = ""
     try:
         cls, _ = resolve(name)
@@ -129,10 +129,10 @@ def check_method(method: str) -> None:
         reason = f"; {err}" if "inner rule" in str(err) else ""
         cls = None
     if cls is None or cls.name == "full":
-        wrapped = ", ".join(f"{w}_<policy>" for w in sorted(WRAPPERS))
+        wrapped = ", ".join(f"{w}_<rule>" for w in sorted(WRAPPERS))
         raise ValueError(
             f"unknown method {method!r}; known: full, {', '.join(known)}, {wrapped}, and "
-            f"adakv_<policy> or global_<policy>{reason}"
+            f"adakv_<rule> or global_<rule>{reason}"
         )
 
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from experiments.cells import cell_order
+from experiments.run_folder import RULE_OPTIONS_KEY
 from experiments.stats import format_p
 
 REPLICATE_SUITES = 2  # significant, same sign, on this many different suites
@@ -51,7 +52,7 @@ def verdict(entries: list[dict], alpha: float = SIGNIFICANT) -> str:
 
 # Identity keys that change what a cell *is* (its scoring or timing), as opposed to the suite
 # it runs on (lengths, seed, answer prefix, data): folders differing here hold other claims.
-SETTING_KEYS = ("policy_options", "ties", "draft_weight", "adaptive")
+SETTING_KEYS = (RULE_OPTIONS_KEY, "ties", "draft_weight", "adaptive")
 
 
 @dataclasses.dataclass(frozen=True)

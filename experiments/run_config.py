@@ -10,9 +10,9 @@ import re
 
 from absl import flags
 
-from dge_jax.cli import POLICY_OPTIONS
+from dge_jax.cli import RULE_OPTIONS
 from dge_jax.eviction.timing import Adaptive
-from dge_jax.rules.registry import POLICIES
+from dge_jax.rules.registry import RULES
 from experiments import suites
 from experiments.cells import Cell, build_cells
 from experiments.suites import longbench, ruler, synthetic
@@ -29,9 +29,9 @@ flags.DEFINE_string("data_dir", None, "folder of LongBench {dataset}.jsonl files
 flags.DEFINE_list("datasets", None, "datasets/tasks to run (default: synthetic "
                   f"{','.join(synthetic.MAIN_JOB_TASKS)}; longbench: those present in "
                   "--data_dir; ruler: all eleven, or those present in --data_dir)")
-flags.DEFINE_list("methods", ["full", "snapkv"], f"{', '.join(POLICIES)}, <wrapper>_<rule> "
-                  "(criticalkv_expectedattention), adakv_<policy> (AdaKV head budgets) and "
-                  "global_<policy> (one pool across layers and heads)")
+flags.DEFINE_list("methods", ["full", "snapkv"], f"{', '.join(RULES)}, <wrapper>_<rule> "
+                  "(criticalkv_expectedattention), adakv_<rule> (AdaKV head budgets) and "
+                  "global_<rule> (one pool across layers and heads)")
 flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w; decode "
                   "(compress only while decoding, at each --decode_budgets)")
 flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
@@ -162,7 +162,7 @@ class RunConfig:
     mesh: str | None
     out_dir: str | None
     extend: bool
-    policy_options: dict
+    rule_options: dict
     draft_weight: float
     ties: str
     adaptive_rule: str | None
@@ -196,7 +196,7 @@ class RunConfig:
             max_length=values.max_length, answer_prefix=values.answer_prefix,
             batch_size=values.batch_size, chunk=values.chunk, mesh=values.mesh,
             out_dir=values.out_dir, extend=values.extend,
-            policy_options={k: getattr(values, k) for k in POLICY_OPTIONS},
+            rule_options={k: getattr(values, k) for k in RULE_OPTIONS},
             draft_weight=values.draft_weight, ties=values.ties,
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
             k_max=values.k_max)

@@ -1,7 +1,7 @@
 """A run folder belongs to one configuration: its identity, its extent, and its history.
 
 The *identity* of a run is everything besides the grid and the samples that changes a
-prediction: model (and a fingerprint of its files), dtype, suite, policy options, timing
+prediction: model (and a fingerprint of its files), dtype, suite, rule options, timing
 settings, lengths, batch size, protocol, library version. The *data* are the checksums of the
 files (or generator inputs) each dataset's rows come from. The *extent* is what the run
 covers: datasets, cells and samples per dataset.
@@ -30,6 +30,11 @@ from experiments.predictions import PREDICTIONS_FILE, config_hash
 CONFIG_FILE = "config.json"
 LOCK_FILE = ".lock"  # flock'ed by the runner that writes the folder; holds its pid
 FORMAT = 2  # config.json layout; folders of the first runner (no run_id) are refused
+# The identity's key for the rules' options (--window, --kernel, ...) keeps the spelling every
+# folder stores, from before the scoring rules were called rules: it is hashed into the run id
+# and into each prediction line's key, so another spelling would make every earlier folder
+# another configuration and recompute its predictions.
+RULE_OPTIONS_KEY = "policy_options"
 _HASHED_IN_FULL = (".json", ".jinja", ".txt", ".model")  # small files whose bytes matter
 
 

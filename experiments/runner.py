@@ -29,6 +29,7 @@ from experiments.cells import Cell
 from experiments.predictions import PredictionStore, config_hash, prediction_key
 from experiments.run_config import FLAGS, RunConfig, UsageError
 from experiments.run_folder import (
+    RULE_OPTIONS_KEY,
     RunFolderBusy,
     default_out_dir,
     files_fingerprint,
@@ -80,7 +81,7 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         **config.suite.identity(config.rows),
         # only when off, so the folders of every earlier run keep their identity
         **({} if config.answer_prefix else {"answer_prefix": False}),
-        "policy_options": dict(config.policy_options),
+        RULE_OPTIONS_KEY: dict(config.rule_options),
         "draft_weight": config.draft_weight, "ties": config.ties,
         "adaptive": config.adaptive_identity,
     }
@@ -92,7 +93,7 @@ def cell_config(identity: dict, cell: Cell) -> dict:
     uses_drafts = cell.timing == "dge"
     return {
         **identity, "cell": cell.id,
-        "policy_options": cell.policy_options(identity["policy_options"]),
+        RULE_OPTIONS_KEY: cell.rule_options(identity[RULE_OPTIONS_KEY]),
         "draft_weight": identity["draft_weight"] if uses_drafts else None,
         "ties": identity["ties"] if cell.method != "full" else None,
         "adaptive": identity["adaptive"] if cell.adaptive else None,
@@ -199,7 +200,7 @@ def grid_evictions(config: RunConfig, identity: dict, datasets: list[str]) -> di
     for c in config.cells:
         where = ""
         try:
-            evictions[c] = ev = c.eviction(identity["policy_options"], adaptive,
+            evictions[c] = ev = c.eviction(identity[RULE_OPTIONS_KEY], adaptive,
                                            config.draft_weight, config.ties)
             for d in datasets if ev is not None else ():
                 where = f" on {d}"
@@ -270,7 +271,7 @@ def predict(config: RunConfig, state: dict, out_dir: pathlib.Path, model, rows: 
     pending = {d: missing_cells(r, d, cells, cell_hash, store) for d, r in rows.items()}
     total = sum(map(len, rows.values()))
     todo = sum(map(len, pending.values()))
-    options = config.policy_options
+    options = config.rule_options
     print(f"{len(cells)} cells x {total} samples -> {out_dir} ({total - todo} samples done; "
           f"SnapKV family: window {options['window']}, kernel {options['kernel']}, "
           f"{options['pooling']}-pool)")

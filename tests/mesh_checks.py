@@ -59,17 +59,17 @@ CONFIG = {
     "rope_theta": 10000.0,
 }
 MAX_NEW = 6
-POLICY = SnapKV(window=4, kernel=3)
+RULE = SnapKV(window=4, kernel=3)
 # Compacted caches get the FullKV cache's 32 slots (prompt bucket 16 + token buffer 16), so all
 # cells share one compiled decode: compile time is what this file spends. Only speed depends
 # on the 32; any capacity that fits gives the same tokens.
 CAPACITY = 32
 CELLS = (
     None,  # FullKV
-    Eviction(POLICY, budget=8, timing=dge(2), capacity=CAPACITY),
-    Eviction(POLICY, budget=8, timing=dge(2), head_budget="adakv", capacity=CAPACITY),
+    Eviction(RULE, budget=8, timing=dge(2), capacity=CAPACITY),
+    Eviction(RULE, budget=8, timing=dge(2), head_budget="adakv", capacity=CAPACITY),
     # compression while decoding too: 4 entries of the window + 2 of each interval, of 8
-    Eviction(POLICY, budget=8, timing=dge(2), decode=DecodeCompression(budget=8, interval=2)),
+    Eviction(RULE, budget=8, timing=dge(2), decode=DecodeCompression(budget=8, interval=2)),
 )
 CELL_NAMES = ("fullkv", "snapkv_dge2", "adakv_dge2", "snapkv_dge2_decode")
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
@@ -269,12 +269,12 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
     modules compiled for it that carries keys or values ([.., S, D] with S a capacity)."""
     cfg = model.config
     tokens, lengths = (jnp.asarray(a) for a in pad_left(ids, 16))
-    ev = Eviction(POLICY, budget=RAGGED_BUDGET, timing=prefill(), capacity=None)
+    ev = Eviction(RULE, budget=RAGGED_BUDGET, timing=prefill(), capacity=None)
     out: dict = {"tokens": {}}
     with sh.mesh_context(model.params):
         pre = gen.prefill_prompt(model.forward, cfg, model.params, tokens, lengths,
                                  capacity=CAPACITY, chunk=16,
-                                 obs_window=POLICY.needs.window)  # fmt: skip
+                                 obs_window=RULE.needs.window)  # fmt: skip
         key = jax.random.PRNGKey(0)
         state = gen.start_state(pre.cache, Greedy()(pre.logits, key), lengths, MAX_NEW, (), key)
         keep = eviction.keep_mask(state.cache, pre.obs, None, ev)

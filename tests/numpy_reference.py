@@ -1,4 +1,4 @@
-"""Plain-NumPy pieces shared by the policy tests' references (written from the definitions,
+"""Plain-NumPy pieces shared by the rule tests' references (written from the definitions,
 never calling the code under test)."""
 
 import numpy as np

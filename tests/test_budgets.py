@@ -154,9 +154,9 @@ def _exact_line(budget: int, window: int, num_layers: int, beta: int = 20):
 @pytest.mark.parametrize("num_layers", [2, 4, 7, 30])
 @pytest.mark.parametrize("window", [8, 32])
 def test_pyramid_schedule_against_kvcache_factory(num_layers, window):
-    policy = PyramidKV(window=window)
-    assert policy.layer_schedule == PyramidSchedule(window=window, beta=20)
-    fn = jax.jit(policy.layer_schedule.layer_budgets, static_argnums=1)
+    rule = PyramidKV(window=window)
+    assert rule.layer_schedule == PyramidSchedule(window=window, beta=20)
+    fn = jax.jit(rule.layer_schedule.layer_budgets, static_argnums=1)
     exact_cases = 0
     for budget in range(window + 1, window + 400, 7):
         ours = np.asarray(fn(jnp.int32(budget), num_layers))

@@ -84,7 +84,7 @@ def test_build_cells_errors(args, match):
 
 
 def test_check_method_lists_the_known_methods():
-    with pytest.raises(ValueError, match=r"known: full, .*snapkv.*adakv_<policy>"):
+    with pytest.raises(ValueError, match=r"known: full, .*snapkv.*adakv_<rule>"):
         check_method("bogus")
     for ok in ("full", "snapkv", "pyramidkv", "h2o", "streamingllm", "tova", "adakv_pyramidkv"):
         check_method(ok)
@@ -98,9 +98,9 @@ def test_adakv_prefix_sets_head_budget():
     ada = Cell("adakv_snapkv", "dge", 2, 64).eviction(OPTIONS)
     plain = Cell("snapkv", "dge", 2, 64).eviction(OPTIONS)
     assert ada.head_budget == "adakv" and plain.head_budget == "uniform"
-    assert ada.policy == plain.policy == SnapKV(window=4, kernel=5, pooling="avg", gqa="max")
+    assert ada.rule == plain.rule == SnapKV(window=4, kernel=5, pooling="avg", gqa="max")
     assert ada.budget == 64 and ada.timing == Timing("dge", 2)
-    assert Cell("adakv_snapkv", "dge", 2, 64).policy_name == "snapkv"
+    assert Cell("adakv_snapkv", "dge", 2, 64).rule_name == "snapkv"
     assert ada.alpha == 0.2
 
 
@@ -108,10 +108,10 @@ def test_global_prefix_pools_every_layer_with_kvzips_alpha():
     from dge_jax.rules.kvzip import KVzip
 
     ev = Cell("global_kvzip", "prefill", 1, 64).eviction(OPTIONS)
-    assert ev.head_budget == "global" and ev.alpha == 0.0 and ev.policy == KVzip()
+    assert ev.head_budget == "global" and ev.alpha == 0.0 and ev.rule == KVzip()
     assert Cell("global_kvzip", "dge", 2, 64).id == "global_kvzip/dge/k2/b64"
     check_method("global_chunkkv_kvzip")
-    with pytest.raises(ValueError, match="unknown method 'global_nope'.*global_<policy>"):
+    with pytest.raises(ValueError, match="unknown method 'global_nope'.*global_<rule>"):
         check_method("global_nope")
 
 
@@ -120,14 +120,14 @@ def test_prefill_cell_eviction_timing():
     assert ev.timing == Timing("prefill", 1) and ev.budget == 32
 
 
-def test_policy_options_are_filtered_per_policy():
+def test_rule_options_are_filtered_per_rule():
     """H2O takes window and gqa, not kernel or pooling; StreamingLLM takes none of them."""
-    h2o = Cell("h2o", "dge_w", 2, 16).eviction(OPTIONS).policy
+    h2o = Cell("h2o", "dge_w", 2, 16).eviction(OPTIONS).rule
     assert h2o == H2O(window=4, gqa="max")
-    stream = Cell("streamingllm", "prefill", 1, 16).eviction(OPTIONS).policy
+    stream = Cell("streamingllm", "prefill", 1, 16).eviction(OPTIONS).rule
     assert stream == StreamingLLM()
-    # None means "the policy's default".
-    snap = Cell("snapkv", "prefill", 1, 16).eviction({"window": None, "kernel": 3}).policy
+    # None means "the rule's default".
+    snap = Cell("snapkv", "prefill", 1, 16).eviction({"window": None, "kernel": 3}).rule
     assert snap == SnapKV(kernel=3)
 
 
@@ -155,9 +155,9 @@ def test_wrapped_rules_as_methods():
         ["criticalkv_expectedattention", "adakv_chunkkv_h2o"], ["dge"], [2], [32]
     )
     options = {"window": 8, "kernel": 7}
-    crit, chunk = (c.eviction(c.policy_options(options)) for c in cells)
-    assert crit.policy == CriticalKV(inner=ExpectedAttention())  # it takes no window
-    assert chunk.policy == ChunkKV(inner=H2O(window=8)) and chunk.head_budget == "adakv"
+    crit, chunk = (c.eviction(c.rule_options(options)) for c in cells)
+    assert crit.rule == CriticalKV(inner=ExpectedAttention())  # it takes no window
+    assert chunk.rule == ChunkKV(inner=H2O(window=8)) and chunk.head_budget == "adakv"
     assert cells[1].id == "adakv_chunkkv_h2o/dge/k2/b32"
     for method in ("chunkkv_criticalkv", "criticalkv_full", "chunkkv_nope"):
         with pytest.raises(ValueError, match=f"unknown method '{method}'|inner rule must be"):

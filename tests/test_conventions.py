@@ -32,7 +32,7 @@ from dge_jax.generation import generate_grid
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.ops import pool1d, reduce
 from dge_jax.rules.pyramidkv import PyramidKV
-from dge_jax.rules.registry import make_policy
+from dge_jax.rules.registry import make_rule
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import KVCache
@@ -54,7 +54,7 @@ def ref_rank(scores: np.ndarray, positions: np.ndarray, ties: str) -> np.ndarray
     return np.lexsort((tie_key, -scores.astype(np.float64)))  # the last key sorts first
 
 
-def ref_snapkv_scores(keys, key_pos, q, q_pos, policy) -> np.ndarray:
+def ref_snapkv_scores(keys, key_pos, q, q_pos, rule) -> np.ndarray:
     """One layer and row. keys [Hkv, n, D] at positions key_pos [n] (increasing), q [Hq, W, D]
     at q_pos [W] (-1 = no query) -> scores [Hkv, n], +inf for the protected entries (at or
     after the first observed query: the window, and drafts)."""
@@ -72,12 +72,12 @@ def ref_snapkv_scores(keys, key_pos, q, q_pos, policy) -> np.ndarray:
     a = attn[:, prefix].reshape(HKV, G, -1)
 
     def agg(x):
-        return x.mean(axis=1) if policy.gqa == "mean" else x.max(axis=1)
+        return x.mean(axis=1) if rule.gqa == "mean" else x.max(axis=1)
 
-    if policy.gqa_before_pool:
-        pooled = ref_pool(agg(a), policy.kernel, policy.pooling)
+    if rule.gqa_before_pool:
+        pooled = ref_pool(agg(a), rule.kernel, rule.pooling)
     else:
-        pooled = agg(ref_pool(a, policy.kernel, policy.pooling))
+        pooled = agg(ref_pool(a, rule.kernel, rule.pooling))
     scores = np.full((HKV, len(key_pos)), np.inf)
     scores[:, prefix] = pooled
     return scores
@@ -118,15 +118,15 @@ def ref_adakv_counts(scores, key_pos, budget: int, alpha: float, ties: str) -> l
 
 
 def ref_kept(scores, key_pos, n_prompt, budget, ties, head_budget="uniform", layer=0,
-             policy=None, alpha=0.2):  # fmt: skip
+             rule=None, alpha=0.2):  # fmt: skip
     """Kept positions of each kv head (one layer and row), scores [Hkv, n]: draft entries
     (past the prompt) always kept; a row whose prompt fits the budget keeps everything."""
     scores = np.where(key_pos[None] >= n_prompt, np.inf, scores)
     if n_prompt <= budget:
         return [set(key_pos.tolist())] * HKV
     layer_budget = budget
-    if isinstance(policy, PyramidKV):
-        layer_budget = ref_pyramid_budgets(budget, policy.window, L)[layer]
+    if isinstance(rule, PyramidKV):
+        layer_budget = ref_pyramid_budgets(budget, rule.window, L)[layer]
     if head_budget == "adakv":
         counts = ref_adakv_counts(scores, key_pos, layer_budget, alpha, ties)
     else:
@@ -256,7 +256,7 @@ def _kept(cache: KVCache, keep) -> dict:
     return {idx: set(pos[idx][keep[idx]].tolist()) for idx in np.ndindex(L, B, HKV)}
 
 
-def _reference(cache, obs, lengths, policy, budget, ties, head_budget, drafts=0) -> dict:
+def _reference(cache, obs, lengths, rule, budget, ties, head_budget, drafts=0) -> dict:
     out = {}
     for layer in range(L):
         for b, n in enumerate(lengths):
@@ -264,15 +264,15 @@ def _reference(cache, obs, lengths, policy, budget, ties, head_budget, drafts=0)
             slots = np.flatnonzero(pos >= 0)
             keys = np.asarray(cache.k)[layer, b][:, slots]
             q, q_pos = np.asarray(obs.q)[layer, b], np.asarray(obs.q_pos)[b]
-            scores = ref_snapkv_scores(keys, pos[slots], q, q_pos, policy)
-            heads = ref_kept(scores, pos[slots], n, budget, ties, head_budget, layer, policy)
+            scores = ref_snapkv_scores(keys, pos[slots], q, q_pos, rule)
+            heads = ref_kept(scores, pos[slots], n, budget, ties, head_budget, layer, rule)
             for h in range(HKV):
                 out[(layer, b, h)] = heads[h]
     return out
 
 
 HAND_CASES = [
-    # (policy, head budget, budget)
+    # (rule, head budget, budget)
     (SnapKV(window=5, kernel=7, gqa_before_pool=True), "uniform", 11),
     (SnapKV(window=5, kernel=7, gqa_before_pool=True, gqa="max"), "uniform", 11),
     (SnapKV(window=5, kernel=5, gqa_before_pool=True, pooling="avg"), "uniform", 12),
@@ -284,22 +284,22 @@ HAND_CASES = [
 
 
 @pytest.mark.parametrize("drafts, ties", [(0, "earlier"), (2, "earlier"), (2, "later")])
-@pytest.mark.parametrize("policy, head_budget, budget", HAND_CASES)
-def test_hand_made_kept_sets_match_reference(policy, head_budget, budget, drafts, ties):
+@pytest.mark.parametrize("rule, head_budget, budget", HAND_CASES)
+def test_hand_made_kept_sets_match_reference(rule, head_budget, budget, drafts, ties):
     lengths, S = (30, 22), 30
-    cache, obs = _cache(lengths, S, drafts), _obs(lengths, policy.window, drafts)
-    keep = select_for(cache, obs, None, jnp.int32(budget), jnp.asarray(False), policy=policy,
+    cache, obs = _cache(lengths, S, drafts), _obs(lengths, rule.window, drafts)
+    keep = select_for(cache, obs, None, jnp.int32(budget), jnp.asarray(False), rule=rule,
                       head_budget=head_budget, ties=ties)  # fmt: skip
-    want = _reference(cache, obs, lengths, policy, budget, ties, head_budget)
+    want = _reference(cache, obs, lengths, rule, budget, ties, head_budget)
     assert _kept(cache, keep) == want
-    if policy.pooling == "avg":
+    if rule.pooling == "avg":
         return  # avg-pool seldom makes exact ties, and commutes with the group mean
     # The conventions decide kept sets here (the test has power): the other tie rule, and for
     # max-pool with the group mean the other order, keep something else.
     other = "later" if ties == "earlier" else "earlier"
-    assert _reference(cache, obs, lengths, policy, budget, other, head_budget) != want
-    if policy.gqa == "mean" and type(policy) is SnapKV:
-        flipped = dataclasses.replace(policy, gqa_before_pool=not policy.gqa_before_pool)
+    assert _reference(cache, obs, lengths, rule, budget, other, head_budget) != want
+    if rule.gqa == "mean" and type(rule) is SnapKV:
+        flipped = dataclasses.replace(rule, gqa_before_pool=not rule.gqa_before_pool)
         assert _reference(cache, obs, lengths, flipped, budget, ties, head_budget) != want
 
 
@@ -366,7 +366,7 @@ def llama():
 
 
 GRID_TIMINGS = (Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2))
-GRID_CELLS = (  # (policy, head budget, budget)
+GRID_CELLS = (  # (rule, head budget, budget)
     (SnapKV(window=WINDOW, gqa_before_pool=True), "uniform", 16),
     (SnapKV(window=WINDOW, gqa_before_pool=True), "uniform", 22),
     (SnapKV(window=WINDOW, gqa_before_pool=True), "adakv", 16),
@@ -375,7 +375,7 @@ GRID_CELLS = (  # (policy, head budget, budget)
 )
 
 
-def _grid_reference(llama, timing, policy, head_budget, budget, ties) -> list:
+def _grid_reference(llama, timing, rule, head_budget, budget, ties) -> list:
     """result.kept's layout [row][layer][kv head] -> sorted positions, from the reference."""
     _, _, pre, drafted, drafts = llama
     if timing.kind == "prefill":
@@ -393,8 +393,8 @@ def _grid_reference(llama, timing, policy, head_budget, budget, ties) -> list:
             slots = np.flatnonzero(pos >= 0)
             keys = np.asarray(cache.k)[layer, b][:, slots]
             scores = ref_snapkv_scores(keys, pos[slots], np.asarray(q)[layer, b],
-                                       np.asarray(q_pos)[b], policy)  # fmt: skip
-            heads = ref_kept(scores, pos[slots], n, budget, ties, head_budget, layer, policy)
+                                       np.asarray(q_pos)[b], rule)  # fmt: skip
+            heads = ref_kept(scores, pos[slots], n, budget, ties, head_budget, layer, rule)
             rows.append([sorted(h) for h in heads])
         out.append(rows)
     return out
@@ -403,12 +403,12 @@ def _grid_reference(llama, timing, policy, head_budget, budget, ties) -> list:
 @pytest.mark.parametrize("ties", ["earlier", "later"])
 def test_generate_grid_kept_sets_match_reference(llama, ties):
     model, prompts, *_ = llama
-    cells = [Eviction(policy, budget, timing, head_budget=head_budget, ties=ties)
-             for timing in GRID_TIMINGS for policy, head_budget, budget in GRID_CELLS]  # fmt: skip
+    cells = [Eviction(rule, budget, timing, head_budget=head_budget, ties=ties)
+             for timing in GRID_TIMINGS for rule, head_budget, budget in GRID_CELLS]  # fmt: skip
     results = generate_grid(model, prompts, cells, max_new_tokens=N_NEW)
     differ = 0
     for ev, res in zip(cells, results, strict=True):
-        spec = (ev.timing, ev.policy, ev.head_budget, ev.budget)
+        spec = (ev.timing, ev.rule, ev.head_budget, ev.budget)
         want = _grid_reference(llama, *spec, ties)
         assert res.kept == want, spec
         other = _grid_reference(llama, *spec, "later" if ties == "earlier" else "earlier")
@@ -420,17 +420,17 @@ def test_keep_masks_sweep_equals_select_for_with_earlier_ties(llama):
     """One scoring, one selection per budget (the grid path) == one select_for each, and
     evictions with different tie rules are not mixed into one scoring."""
     _, _, pre, drafted, drafts = llama
-    policy = SnapKV(window=WINDOW, gqa_before_pool=True)
-    evs = [Eviction(policy, b, Timing("dge", 2), ties="earlier") for b in (12, 16, 22)]
+    rule = SnapKV(window=WINDOW, gqa_before_pool=True)
+    evs = [Eviction(rule, b, Timing("dge", 2), ties="earlier") for b in (12, 16, 22)]
     masks = keep_masks(drafted.cache, pre.obs, drafts, evs)
     before = select_for_budgets._cache_size()
     for ev, got in zip(evs, masks, strict=True):
         want = select_for(drafted.cache, pre.obs, drafts, jnp.int32(ev.budget),
-                          jnp.asarray(True), policy=policy, ties="earlier")  # fmt: skip
+                          jnp.asarray(True), rule=rule, ties="earlier")  # fmt: skip
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert select_for_budgets._cache_size() - before <= 1  # one compilation for the budgets
     with pytest.raises(ValueError, match="share one scoring"):
-        keep_masks(drafted.cache, pre.obs, drafts, [evs[0], Eviction(policy, 12, evs[0].timing)])
+        keep_masks(drafted.cache, pre.obs, drafts, [evs[0], Eviction(rule, 12, evs[0].timing)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,8 +449,8 @@ def test_keep_masks_sweep_equals_select_for_with_earlier_ties(llama):
          "PyramidKV.gqa_before_pool must be True or False, got 'yes'"),
         (lambda: select_slots(jnp.zeros((1, 1, 1, 3)), 1, ties="first"), ValueError,
          "ties must be one of ('later', 'earlier'), got 'first'"),
-        (lambda: make_policy("h2o", gqa_before_pool=True), ValueError,
-         "unknown option(s) ['gqa_before_pool'] for policy 'h2o'"),
+        (lambda: make_rule("h2o", gqa_before_pool=True), ValueError,
+         "unknown option(s) ['gqa_before_pool'] for rule 'h2o'"),
     ],
 )  # fmt: skip
 def test_bad_values_raise_one_line(build, error, message):
@@ -466,7 +466,7 @@ def test_fields_and_presets():
     assert SnapKV(gqa_before_pool=np.bool_(True)).gqa_before_pool is True
     pyramid = PyramidKV(window=4, gqa_before_pool=True)
     assert pyramid.scorer == SnapKV(window=4, gqa_before_pool=True)
-    assert make_policy("pyramidkv", gqa_before_pool=True) == PyramidKV(gqa_before_pool=True)
+    assert make_rule("pyramidkv", gqa_before_pool=True) == PyramidKV(gqa_before_pool=True)
     hash(Eviction(ties="earlier"))  # static under jit
 
 
@@ -481,25 +481,25 @@ def _cli_error(capsys, *flags: str) -> str:
 def test_cli_flags(capsys):
     parse = cli.build_parser().parse_args
     base = ["generate", "--prompt", "hi"]
-    ev = cli.eviction_from_args(parse(base + ["--policy", "pyramidkv", "--gqa_before_pool",
+    ev = cli.eviction_from_args(parse(base + ["--rule", "pyramidkv", "--gqa_before_pool",
                                               "--ties", "earlier"]))  # fmt: skip
-    assert ev.policy == PyramidKV(gqa_before_pool=True) and ev.ties == "earlier"
-    ev = cli.eviction_from_args(parse(base + ["--policy", "snapkv"]))
-    assert ev.policy == SnapKV() and ev.ties == "later"
-    # Refused where it would do nothing: no eviction, or a policy that does not pool.
+    assert ev.rule == PyramidKV(gqa_before_pool=True) and ev.ties == "earlier"
+    ev = cli.eviction_from_args(parse(base + ["--rule", "snapkv"]))
+    assert ev.rule == SnapKV() and ev.ties == "later"
+    # Refused where it would do nothing: no eviction, or a rule that does not pool.
     line = _cli_error(capsys, "--gqa_before_pool", "--ties", "earlier")
     assert line.startswith("error: --ties, --gqa_before_pool only apply with an evicting")
-    line = _cli_error(capsys, "--policy", "h2o", "--gqa_before_pool")
-    assert line.startswith("error: unknown option(s) ['gqa_before_pool'] for policy 'h2o'")
-    assert isinstance(cli.eviction_from_args(parse(base + ["--policy", "h2o"])).policy, H2O)
+    line = _cli_error(capsys, "--rule", "h2o", "--gqa_before_pool")
+    assert line.startswith("error: unknown option(s) ['gqa_before_pool'] for rule 'h2o'")
+    assert isinstance(cli.eviction_from_args(parse(base + ["--rule", "h2o"])).rule, H2O)
     with pytest.raises(SystemExit):
-        cli.main(base + ["--policy", "snapkv", "--ties", "first"])
+        cli.main(base + ["--rule", "snapkv", "--ties", "first"])
     assert "invalid choice: 'first'" in capsys.readouterr().err
 
 
-def test_cli_wrapped_rules_and_policy_options(capsys):
-    """--policy names a wrapper around a rule; --policy_option sets any field (typed), and is
-    refused, naming the field, by a policy without it (or with --policy full)."""
+def test_cli_wrapped_rules_and_rule_options(capsys):
+    """--rule names a wrapper around a rule; --rule_option sets any field (typed), and is
+    refused, naming the field, by a rule without it (or with --rule full)."""
     from dge_jax.rules.criticalkv import CriticalKV
     from dge_jax.rules.expected_attention import ExpectedAttention
     from dge_jax.rules.lagkv import LagKV
@@ -507,25 +507,25 @@ def test_cli_wrapped_rules_and_policy_options(capsys):
     parse = cli.build_parser().parse_args
     base = ["generate", "--prompt", "hi"]
     ev = cli.eviction_from_args(parse(base + [
-        "--policy", "criticalkv_expectedattention", "--policy_option", "first_stage_ratio=0.25",
-        "--policy_option", "use_vnorm=false", "--policy_option", "sinks=2",
+        "--rule", "criticalkv_expectedattention", "--rule_option", "first_stage_ratio=0.25",
+        "--rule_option", "use_vnorm=false", "--rule_option", "sinks=2",
     ]))  # fmt: skip
     inner = ExpectedAttention(use_vnorm=False, sinks=2)
-    assert ev.policy == CriticalKV(inner=inner, first_stage_ratio=0.25)
-    lag = ["--policy", "lagkv", "--policy_option", "lag_size=64"]
+    assert ev.rule == CriticalKV(inner=inner, first_stage_ratio=0.25)
+    lag = ["--rule", "lagkv", "--rule_option", "lag_size=64"]
     ev = cli.eviction_from_args(parse(base + lag))
-    assert ev.policy == LagKV(lag_size=64)
-    line = _cli_error(capsys, "--policy", "keydiff", "--policy_option", "lag_size=64")
-    assert line.startswith("error: unknown option(s) ['lag_size'] for policy 'keydiff'")
-    line = _cli_error(capsys, "--policy_option", "lag_size=64")
-    assert line.startswith("error: --policy_option only apply with an evicting")
-    line = _cli_error(capsys, "--policy", "lagkv", "--policy_option", "lag_size")
-    assert line.startswith("error: --policy_option takes NAME=VALUE")
+    assert ev.rule == LagKV(lag_size=64)
+    line = _cli_error(capsys, "--rule", "keydiff", "--rule_option", "lag_size=64")
+    assert line.startswith("error: unknown option(s) ['lag_size'] for rule 'keydiff'")
+    line = _cli_error(capsys, "--rule_option", "lag_size=64")
+    assert line.startswith("error: --rule_option only apply with an evicting")
+    line = _cli_error(capsys, "--rule", "lagkv", "--rule_option", "lag_size")
+    assert line.startswith("error: --rule_option takes NAME=VALUE")
     with pytest.raises(SystemExit) as exc:  # argparse's own usage error, exit status 2
-        cli.main(base + ["--policy", "chunkkv_full"])
+        cli.main(base + ["--rule", "chunkkv_full"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --policy: invalid choice: 'chunkkv_full'" in err
+    assert "argument --rule: invalid choice: 'chunkkv_full'" in err
     assert "inner rule must be one of" in err
 
 
@@ -535,9 +535,9 @@ def test_cli_kvzip_with_global_budgets_and_alpha(capsys):
     from dge_jax.rules.kvzip import KVzip
 
     parse = cli.build_parser().parse_args
-    base = ["generate", "--prompt", "hi", "--policy", "kvzip"]
+    base = ["generate", "--prompt", "hi", "--rule", "kvzip"]
     ev = cli.eviction_from_args(parse(base + ["--head_budget", "global", "--alpha", "0"]))
-    assert ev.policy == KVzip() and ev.head_budget == "global" and ev.alpha == 0.0
+    assert ev.rule == KVzip() and ev.head_budget == "global" and ev.alpha == 0.0
     assert cli.eviction_from_args(parse(base + ["--head_budget", "adakv"])).alpha == 0.2
-    line = _cli_error(capsys, "--policy", "kvzip", "--alpha", "0")
+    line = _cli_error(capsys, "--rule", "kvzip", "--alpha", "0")
     assert line.startswith("error: --alpha applies to --head_budget adakv / global")

@@ -21,7 +21,7 @@ from dge_jax.rules.h2o import H2O
 from dge_jax.rules.keydiff import KeyDiff
 from dge_jax.rules.knorm import KeyNorm
 from dge_jax.rules.pyramidkv import PyramidKV
-from dge_jax.rules.registry import POLICIES, make_policy
+from dge_jax.rules.registry import RULES, make_rule
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime.cache import KVCache
 
@@ -53,14 +53,14 @@ def handmade(lengths, S: int, seed: int = 0):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def scores_of(policy, cache, obs):
-    return policy.score(cache, obs)
+def scores_of(rule, cache, obs):
+    return rule.score(cache, obs)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "head_budget"))
-def keep_of(cache, obs, budget, *, policy, head_budget="uniform"):
+@functools.partial(jax.jit, static_argnames=("rule", "head_budget"))
+def keep_of(cache, obs, budget, *, rule, head_budget="uniform"):
     return select_for(
-        cache, obs, None, budget, jnp.asarray(False), policy=policy, head_budget=head_budget
+        cache, obs, None, budget, jnp.asarray(False), rule=rule, head_budget=head_budget
     )
 
 
@@ -102,9 +102,9 @@ def test_criticalkv_two_stages_match_kvpress(inner, budget):
     fills the budget by (score + 1e-4) · ‖v W_o‖₁; rows padded differently."""
     lengths, S = (20, 13), 24
     cache, obs, v, pos, wo = handmade(lengths, S, seed=3)
-    policy = CriticalKV(inner=inner)
+    rule = CriticalKV(inner=inner)
     inner_scores = np.asarray(scores_of(inner, cache, obs))
-    keep = np.asarray(keep_of(cache, obs, jnp.int32(budget), policy=policy))
+    keep = np.asarray(keep_of(cache, obs, jnp.int32(budget), rule=rule))
     for layer in range(L):
         for row in range(2):
             s, p = row_view(inner_scores, pos, layer, row)
@@ -126,7 +126,7 @@ def test_criticalkv_adakv_budgets_come_from_the_inner_scores():
     cache, obs, *_ = handmade(lengths, S, seed=5)
     inner = SnapKV(window=WINDOW, kernel=3)
     keep = np.asarray(
-        keep_of(cache, obs, jnp.int32(8), policy=CriticalKV(inner=inner), head_budget="adakv")
+        keep_of(cache, obs, jnp.int32(8), rule=CriticalKV(inner=inner), head_budget="adakv")
     )
     counts = adakv_budgets(scores_of(inner, cache, obs), jnp.int32(8), 0.2)
     np.testing.assert_array_equal(keep.sum(-1), np.asarray(counts))
@@ -143,8 +143,8 @@ def test_criticalkv_shares_its_inner_rules_scoring():
     both = select_for_budgets(
         cache, obs, None, budgets, jnp.asarray(False), spec=SelectionSpec((inner, critical))
     )
-    for policy, keep in zip((inner, critical), both, strict=True):
-        alone = keep_of(cache, obs, jnp.int32(8), policy=policy)
+    for rule, keep in zip((inner, critical), both, strict=True):
+        alone = keep_of(cache, obs, jnp.int32(8), rule=rule)
         np.testing.assert_array_equal(np.asarray(keep), np.asarray(alone))
     assert not np.array_equal(np.asarray(both[0]), np.asarray(both[1]))
 
@@ -153,7 +153,7 @@ def test_criticalkv_without_out_proj_says_what_is_missing():
     cache, obs, *_ = handmade((10, 7), 12)
     obs = Observation(obs.q, obs.q_pos, None, obs.is_draft, obs.prompt_end)
     with pytest.raises(ValueError, match="obs.out_proj"):
-        keep_of(cache, obs, jnp.int32(6), policy=CriticalKV(inner=KeyNorm()))
+        keep_of(cache, obs, jnp.int32(6), rule=CriticalKV(inner=KeyNorm()))
 
 
 # ------------------------------------------------------------------------------ ChunkKV
@@ -185,9 +185,9 @@ def test_chunkkv_keeps_kvpress_chunks(inner, lengths, budget):
     best chunk."""
     S, chunk = 40, 5
     cache, obs, _, pos, _ = handmade(lengths, S, seed=11)
-    policy = ChunkKV(inner=inner, chunk_length=chunk)
+    rule = ChunkKV(inner=inner, chunk_length=chunk)
     inner_scores = np.asarray(scores_of(inner, cache, obs))
-    keep = np.asarray(keep_of(cache, obs, jnp.int32(budget), policy=policy))
+    keep = np.asarray(keep_of(cache, obs, jnp.int32(budget), rule=rule))
     for layer in range(L):
         for row, n in enumerate(lengths):
             s, p = row_view(inner_scores, pos, layer, row)
@@ -208,10 +208,10 @@ def test_chunkkv_partial_chunk_follows_the_tie_rule():
     """B = 2 chunks + 2: the two best whole chunks, then the 2 latest entries of the third."""
     lengths, S, chunk = (40,), 40, 5
     cache, obs, _, pos, _ = handmade(lengths, S, seed=13)
-    policy = ChunkKV(inner=KeyDiff(), chunk_length=chunk)
-    s = np.asarray(scores_of(policy, cache, obs))[0, 0, 0]
+    rule = ChunkKV(inner=KeyDiff(), chunk_length=chunk)
+    s = np.asarray(scores_of(rule, cache, obs))[0, 0, 0]
     order = np.argsort(-s[::chunk], kind="stable")  # one score per chunk
-    keep = np.asarray(keep_of(cache, obs, jnp.int32(12), policy=policy))[0, 0, 0]
+    keep = np.asarray(keep_of(cache, obs, jnp.int32(12), rule=rule))[0, 0, 0]
     third = order[2] * chunk
     want = set(range(order[0] * chunk, order[0] * chunk + 5))
     want |= set(range(order[1] * chunk, order[1] * chunk + 5)) | {third + 3, third + 4}
@@ -229,18 +229,18 @@ def test_wrappers_read_what_their_inner_rule_reads():
 
 
 def test_registry_names_the_new_rules_and_builds_wrappers_by_name():
-    assert {"keydiff", "lagkv", "criticalkv", "chunkkv"} <= set(POLICIES)
-    assert make_policy("criticalkv", inner="h2o", window=16) == CriticalKV(inner=H2O(window=16))
-    assert make_policy("chunkkv", chunk_length=10, window=8) == ChunkKV(
+    assert {"keydiff", "lagkv", "criticalkv", "chunkkv"} <= set(RULES)
+    assert make_rule("criticalkv", inner="h2o", window=16) == CriticalKV(inner=H2O(window=16))
+    assert make_rule("chunkkv", chunk_length=10, window=8) == ChunkKV(
         inner=SnapKV(window=8), chunk_length=10
     )
-    assert make_policy("criticalkv", first_stage_ratio=0.25).inner == SnapKV()
+    assert make_rule("criticalkv", first_stage_ratio=0.25).inner == SnapKV()
     with pytest.raises(ValueError, match="inner rule must be one of"):
-        make_policy("chunkkv", inner="criticalkv")
+        make_rule("chunkkv", inner="criticalkv")
     with pytest.raises(ValueError, match="inner rule must be one of"):
-        make_policy("criticalkv", inner="full")
+        make_rule("criticalkv", inner="full")
     with pytest.raises(ValueError, match="unknown option.*'windw'"):
-        make_policy("chunkkv", windw=8)
+        make_rule("chunkkv", windw=8)
     with pytest.raises(TypeError, match="ChunkKV.inner must be an evicting scoring rule"):
         ChunkKV(inner="snapkv")
     with pytest.raises(ValueError, match="first_stage_ratio must be in"):

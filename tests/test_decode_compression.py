@@ -20,7 +20,7 @@ from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction, SelectionSpec
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.h2o import H2O
-from dge_jax.rules.registry import make_policy
+from dge_jax.rules.registry import make_rule
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.runtime import decoding
@@ -54,19 +54,19 @@ def full_tokens(model, prompts):
 
 
 @pytest.mark.parametrize(
-    "policy, timing",
+    "rule, timing",
     [
         (SnapKV(window=4), Timing("decode")),  # nothing evicted before decoding
         (H2O(window=4), Timing("dge", 2)),  # carried attention sums, after a draft
-        (make_policy("expectedattention"), Timing("prefill")),
+        (make_rule("expectedattention"), Timing("prefill")),
     ],
     ids=["snapkv-decode", "h2o-dge", "expectedattention-prefill"],
 )
-def test_budget_holding_everything_gives_fullkv_tokens(model, prompts, full_tokens, policy, timing):
+def test_budget_holding_everything_gives_fullkv_tokens(model, prompts, full_tokens, rule, timing):
     """decode budget >= prompt + max_new_tokens: every compression keeps everything, so the
     tokens are FullKV's (rows of different lengths, finishing together)."""
     big = 36 + NEW
-    ev = Eviction(policy, big, timing, decode=DecodeCompression(budget=big, interval=8))
+    ev = Eviction(rule, big, timing, decode=DecodeCompression(budget=big, interval=8))
     out = recorded(model, prompts, ev)
     assert out.tokens == full_tokens
     # 29 decode steps after the first token (28 under dge(2), one drafted): 4 blocks of 8
@@ -101,7 +101,7 @@ def test_batched_rows_finishing_apart_get_what_they_get_alone(model, prompts, ev
 # (float64) from the cache and the block's queries, kept sets compacted in NumPy.
 
 
-def ref_snapkv_keep(k, pos, q, q_pos, budget, policy, groups):
+def ref_snapkv_keep(k, pos, q, q_pos, budget, rule, groups):
     """One layer and row. k [Hkv, S, D], pos [Hkv, S] (-1 empty), q [Hq, W, D], q_pos [W]
     (-1: no query) -> keep [Hkv, S] bool: the protected entries (at or after the first
     observed query) plus the best of the rest by pooled mean attention, later wins ties."""
@@ -123,7 +123,7 @@ def ref_snapkv_keep(k, pos, q, q_pos, budget, policy, groups):
             p = np.exp(logits - logits.max(-1, keepdims=True))
             attn.append((p / p.sum(-1, keepdims=True)).mean(0))
         prefix = kp < q_pos.min()
-        pooled = pool(np.stack(attn)[:, prefix], policy.kernel, policy.pooling).mean(0)
+        pooled = pool(np.stack(attn)[:, prefix], rule.kernel, rule.pooling).mean(0)
         n_free = budget - int((~prefix).sum())
         ranked = np.lexsort((-kp[prefix], -pooled))[:n_free]  # later position wins ties
         keep[h, order[~prefix]] = True
@@ -151,9 +151,9 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
     the kept positions equal the NumPy reference's, and so do the tokens; at one
     compression the compacted cache and the full-size cache masked to the same entries
     give the same next logits."""
-    policy, budget, interval = SnapKV(window=4, kernel=3), 20, 6
+    rule, budget, interval = SnapKV(window=4, kernel=3), 20, 6
     spec = DecodeCompression(budget=budget, interval=interval)
-    ev = Eviction(policy, budget, Timing("decode"), decode=spec)
+    ev = Eviction(rule, budget, Timing("decode"), decode=spec)
     out = recorded(model, prompts, ev)
 
     cfg, params = model.config, model.params
@@ -191,7 +191,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
         cache = state.cache
         k, v, pos = (np.asarray(x) for x in (cache.k, cache.v, cache.pos))
         keep = np.stack([
-            np.stack([ref_snapkv_keep(k[i, r], pos[i, r], q[i, r], q_pos[r], budget, policy,
+            np.stack([ref_snapkv_keep(k[i, r], pos[i, r], q[i, r], q_pos[r], budget, rule,
                                       groups) for r in range(k.shape[1])])
             for i in range(k.shape[0])
         ])  # fmt: skip
@@ -302,7 +302,7 @@ def test_decode_budgets_of_one_bucket_share_one_compiled_loop(model, prompts):
 @pytest.mark.parametrize(
     "ev, match",
     [
-        (Eviction(make_policy("kvzip"), 64, Timing("prefill"), decode=DecodeCompression(64, 8)),
+        (Eviction(make_rule("kvzip"), 64, Timing("prefill"), decode=DecodeCompression(64, 8)),
          "no decode-time form"),
         (Eviction(SnapKV(window=8), 64, Timing("prefill"), decode=DecodeCompression(12, 8)),
          "decode budget 12 is smaller"),

@@ -141,13 +141,13 @@ def test_readme_figure_is_drawn_by_the_script(tmp_path):
     assert "docs/" + module.OUT.name in images
 
 
-def test_readme_tables_name_every_policy_and_timing():
+def test_readme_tables_name_every_rule_and_timing():
     from dge_jax.eviction.timing import KINDS
-    from dge_jax.rules.registry import POLICIES
+    from dge_jax.rules.registry import RULES
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    for name in POLICIES:
-        assert f"`{name}`" in text, f"policy {name} missing from the README's tables"
+    for name in RULES:
+        assert f"`{name}`" in text, f"rule {name} missing from the README's tables"
     for kind in KINDS:
         assert f"`{kind}" in text, f"timing {kind} missing from the README's tables"
 
@@ -195,7 +195,7 @@ def test_bash_commands_parse():
         if module == "dge_jax":
             args = cli.build_parser().parse_args(argv)
             if args.command == "generate":
-                cli.eviction_from_args(args)  # policy, options and timing are all valid
+                cli.eviction_from_args(args)  # rule, options and timing are all valid
         elif module == "experiments.longbench":
             longbench.append(argv)
         elif module == "experiments.report":
@@ -219,7 +219,7 @@ def test_bash_commands_parse():
 
 
 # ---------------------------------------------------------------------------------------------
-# WORKSPACE: the family and policy examples, registered for real
+# WORKSPACE: the family and rule examples, registered for real
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def workspace():
     from dge_jax.rules import registry
 
     families_before = dict(families._FAMILIES)
-    policies_before = dict(registry.POLICIES)
+    rules_before = dict(registry.RULES)
     module = types.ModuleType("workspace_examples")
     sys.modules[module.__name__] = module  # dataclasses look their module up
     try:
@@ -238,8 +238,8 @@ def workspace():
         sys.modules.pop(module.__name__, None)
         families._FAMILIES.clear()
         families._FAMILIES.update(families_before)
-        registry.POLICIES.clear()
-        registry.POLICIES.update(policies_before)
+        registry.RULES.clear()
+        registry.RULES.update(rules_before)
 
 
 def test_workspace_family_example_loads_a_checkpoint(workspace, checkpoint, tmp_path):
@@ -267,16 +267,16 @@ def test_workspace_family_example_loads_a_checkpoint(workspace, checkpoint, tmp_
             == dge_jax.generate(ref, prompt, max_new_tokens=6).tokens)
 
 
-def test_workspace_policy_example_runs_under_every_timing(workspace, checkpoint):
+def test_workspace_rule_example_runs_under_every_timing(workspace, checkpoint):
     import dge_jax
     from dge_jax.eviction.evict import Eviction
     from dge_jax.eviction.timing import Timing
     from dge_jax.generation import generate_grid
-    from dge_jax.rules.registry import make_policy
+    from dge_jax.rules.registry import make_rule
     from experiments.cells import build_cells
 
     recency = workspace["Recency"]
-    assert make_policy("recency") == recency()
+    assert make_rule("recency") == recency()
     assert build_cells(["full", "recency"], ["prefill", "dge"], [2], [16])[1].method == "recency"
     model = dge_jax.load(checkpoint("llama"))
     n, budget = 40, 16
@@ -321,12 +321,12 @@ def renamed_recipe(source: str, fresh: str) -> str:
 
 
 RECIPE_CHECK = """
-from dge_jax.rules.registry import make_policy
+from dge_jax.rules.registry import make_rule
 from experiments.cells import build_cells
 import sys
 name = sys.argv[1]
-policy = make_policy(name)
-assert type(policy).__module__ == "dge_jax.rules." + name, type(policy).__module__
+rule = make_rule(name)
+assert type(rule).__module__ == "dge_jax.rules." + name, type(rule).__module__
 assert build_cells(["full", name], ["prefill", "dge", "dge_w"], [2], [8])[1].method == name
 print("ok")
 """
@@ -352,7 +352,7 @@ def test_workspace_rule_recipe_is_the_only_edit(checkpoint, tmp_path):
                             timeout=300)  # fmt: skip
     prompt = " ".join(["the cat sat on the mat"] * 6)
     proc = run([sys.executable, "-m", "dge_jax", "generate", "--model",
-                str(checkpoint("llama_chat")), "--prompt", prompt, "--policy", fresh,
+                str(checkpoint("llama_chat")), "--prompt", prompt, "--rule", fresh,
                 "--budget", "8", "--timing", "dge", "--k", "2", "--max_new_tokens", "4",
                 "--json"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -47,8 +47,8 @@ def prompts() -> list[list[int]]:
     return [np.random.RandomState(i).randint(3, 128, n).tolist() for i, n in enumerate(LENGTHS)]
 
 
-def cell(timing: Timing, budget: int = BUDGET, policy=SNAP) -> Eviction:
-    return Eviction(policy, budget, timing, capacity=CAP)
+def cell(timing: Timing, budget: int = BUDGET, rule=SNAP) -> Eviction:
+    return Eviction(rule, budget, timing, capacity=CAP)
 
 
 def test_a_k_list_drafts_once(model):
@@ -94,12 +94,12 @@ def test_dge_w_at_k_is_baseline_at_smaller_budget_plus_drafts(model):
 def test_draft_weight_one_is_plain_dge_and_zero_is_dge_w(model):
     """weight 1 gives exactly the paper's DGE; weight 0 makes draft queries count for nothing,
     which is DGE-W's selection (draft entries are kept either way)."""
-    for policy in (SNAP, H2O(window=8)):
-        cells = [cell(Timing("dge", 3), policy=policy),
-                 cell(Timing("dge", 3, draft_weight=1.0), policy=policy),
-                 cell(Timing("dge", 3, draft_weight=0.0), policy=policy),
-                 cell(Timing("dge_w", 3), policy=policy),
-                 cell(Timing("dge", 3, draft_weight=4.0), policy=policy)]
+    for rule in (SNAP, H2O(window=8)):
+        cells = [cell(Timing("dge", 3), rule=rule),
+                 cell(Timing("dge", 3, draft_weight=1.0), rule=rule),
+                 cell(Timing("dge", 3, draft_weight=0.0), rule=rule),
+                 cell(Timing("dge_w", 3), rule=rule),
+                 cell(Timing("dge", 3, draft_weight=4.0), rule=rule)]
         plain, one, zero, control, heavy = generate_grid(model, prompts(), cells,
                                                          max_new_tokens=N_NEW)
         assert one.kept == plain.kept and one.tokens == plain.tokens

@@ -25,7 +25,7 @@ from dge_jax.generation import generate
 from dge_jax.model import Model
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.pyramidkv import PyramidKV
-from dge_jax.rules.registry import make_policy
+from dge_jax.rules.registry import make_rule
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.rules.tova import TOVA
@@ -75,7 +75,7 @@ def test_budget_not_an_integer():
 
 
 @pytest.mark.parametrize(
-    "policy, timing, budget, need",
+    "rule, timing, budget, need",
     [
         (SnapKV(window=8), Timing("prefill", 1), 7, 8),
         (SnapKV(window=8), Timing("dge", 2), 8, 9),  # the draft entry is kept too
@@ -87,17 +87,17 @@ def test_budget_not_an_integer():
     ],
     ids=["snapkv", "snapkv-dge2", "snapkv-dge_w4", "h2o-dge2", "sinks", "sinks-dge3", "pyramid"],
 )
-def test_budget_smaller_than_protected_entries(model, policy, timing, budget, need):
-    ev = Eviction(policy, budget=budget, timing=timing)
-    name = type(policy).__name__
+def test_budget_smaller_than_protected_entries(model, rule, timing, budget, need):
+    ev = Eviction(rule, budget=budget, timing=timing)
+    name = type(rule).__name__
     with pytest.raises(ValueError, match=rf"budget {budget} is smaller than what {name} always"):
         _generate(model, ev, n=40)
     with pytest.raises(ValueError, match=rf"= {need}\); raise the budget or shrink the window"):
         check_eviction(ev, max_new_tokens=8)
-    check_eviction(Eviction(policy, budget=need, timing=timing), max_new_tokens=8)  # enough
+    check_eviction(Eviction(rule, budget=need, timing=timing), max_new_tokens=8)  # enough
 
 
-def test_per_layer_budget_for_a_scheduling_policy():
+def test_per_layer_budget_for_a_scheduling_rule():
     ev = Eviction(PyramidKV(window=8), budget=np.array([64, 32]))
     with pytest.raises(ValueError, match="PyramidKV sets per-layer budgets itself"):
         check_eviction(ev, max_new_tokens=8)
@@ -155,16 +155,16 @@ def test_k_above_max_new_tokens(model, kind):
 
 
 # ---------------------------------------------------------------------------------------------
-# Policies
+# Rules
 
 
-def test_unknown_policy_name():
+def test_unknown_rule_name():
     known = r"known: chunkkv, .*full, h2o, .*tova, and chunkkv_<rule>"
-    with pytest.raises(ValueError, match=rf"unknown policy 'snapkv2'; {known}"):
-        make_policy("snapkv2")
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for policy 'snapkv'"):
-        make_policy("snapkv", windw=8)
-    assert make_policy("SnapKV", window=8) == SnapKV(window=8)  # names are case-insensitive
+    with pytest.raises(ValueError, match=rf"unknown rule 'snapkv2'; {known}"):
+        make_rule("snapkv2")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for rule 'snapkv'"):
+        make_rule("snapkv", windw=8)
+    assert make_rule("SnapKV", window=8) == SnapKV(window=8)  # names are case-insensitive
 
 
 def _cache_and_obs():
@@ -184,7 +184,7 @@ def _cache_and_obs():
 
 
 @pytest.mark.parametrize(
-    "policy, missing",
+    "rule, missing",
     [
         (SnapKV(window=4), "q"),
         (TOVA(), "q"),
@@ -193,7 +193,7 @@ def _cache_and_obs():
     ],
     ids=["snapkv", "tova", "pyramidkv", "h2o"],
 )
-def test_policy_needs_data_the_forward_did_not_record(policy, missing):
+def test_rule_needs_data_the_forward_did_not_record(rule, missing):
     cache, full = _cache_and_obs()
     lacking = Observation(
         q=None if missing == "q" else full.q,
@@ -202,12 +202,12 @@ def test_policy_needs_data_the_forward_did_not_record(policy, missing):
         is_draft=None,
         prompt_end=full.prompt_end,
     )
-    message = f"this policy needs obs.{missing}, which the forward did not record"
+    message = f"this rule needs obs.{missing}, which the forward did not record"
     with pytest.raises(ValueError, match=message):
-        policy.score(cache, lacking)
+        rule.score(cache, lacking)
     with pytest.raises(ValueError, match=message):
         select_for(
-            cache, lacking, None, jnp.int32(6), jnp.asarray(False), policy=policy
+            cache, lacking, None, jnp.int32(6), jnp.asarray(False), rule=rule
         ).block_until_ready()
     # A draft record does not stand in for the prompt's observation.
     none = jnp.zeros((B, 1), jnp.float32)
@@ -215,10 +215,10 @@ def test_policy_needs_data_the_forward_did_not_record(policy, missing):
         q=None, q_pos=jnp.full((B, 1), -1, jnp.int32), probs=None, entropy=none, top1=none
     )
     with pytest.raises(ValueError, match=message):
-        select_for(cache, lacking, drafts, jnp.int32(6), jnp.asarray(True), policy=policy)
+        select_for(cache, lacking, drafts, jnp.int32(6), jnp.asarray(True), rule=rule)
     # With everything recorded the same call works and keeps 6 entries per head on average
     # (PyramidKV moves some between layers).
-    keep = select_for(cache, full, None, jnp.int32(6), jnp.asarray(False), policy=policy)
+    keep = select_for(cache, full, None, jnp.int32(6), jnp.asarray(False), rule=rule)
     assert int(np.asarray(keep).sum()) == NL * B * HKV * 6
 
 
@@ -227,7 +227,7 @@ def test_policy_needs_data_the_forward_did_not_record(policy, missing):
 
 
 def test_cli_prefill_with_k_exits_2_with_one_line(capsys):
-    argv = ["generate", "--prompt", "hello", "--policy", "snapkv", "--timing", "prefill"]
+    argv = ["generate", "--prompt", "hello", "--rule", "snapkv", "--timing", "prefill"]
     assert cli.main(argv + ["--k", "3"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -251,16 +251,16 @@ def _cli_error(capsys, *flags: str) -> str:
         (["--timing", "prefill"], "--timing"),
         (["--head_budget", "adakv"], "--head_budget"),
         (["--window", "8", "--gqa", "max"], "--window, --gqa"),
-        (["--policy", "full", "--budget", "128"], "--budget"),
+        (["--rule", "full", "--budget", "128"], "--budget"),
         (["--decode_budget", "64", "--interval", "8"], "--decode_budget, --interval"),
     ],
 )
-def test_cli_eviction_flags_without_an_evicting_policy_are_refused(capsys, flags, named):
-    """With --policy full (the default) these flags would be silently ignored."""
+def test_cli_eviction_flags_without_an_evicting_rule_are_refused(capsys, flags, named):
+    """With --rule full (the default) these flags would be silently ignored."""
     line = _cli_error(capsys, *flags)
     evicting = "(chunkkv, criticalkv, expectedattention, h2o, keydiff, knorm, kvzip, lagkv"
-    assert line.startswith(f"error: {named} only apply with an evicting --policy {evicting}")
-    assert line.endswith("--policy full (the default) keeps the whole cache")
+    assert line.startswith(f"error: {named} only apply with an evicting --rule {evicting}")
+    assert line.endswith("--rule full (the default) keeps the whole cache")
 
 
 @pytest.mark.parametrize(
@@ -279,43 +279,43 @@ def test_cli_eviction_flags_without_an_evicting_policy_are_refused(capsys, flags
     ],
 )
 def test_cli_bad_budget_or_k_is_one_line(capsys, flags, message):
-    assert _cli_error(capsys, "--policy", "snapkv", *flags).startswith(f"error: {message}")
+    assert _cli_error(capsys, "--rule", "snapkv", *flags).startswith(f"error: {message}")
 
 
 def test_cli_prefill_accepts_k_1(capsys):
     """k = 1 is what prefill means: accepted, as is leaving --k out."""
-    line = _cli_error(capsys, "--policy", "snapkv", "--timing", "prefill", "--k", "1")
+    line = _cli_error(capsys, "--rule", "snapkv", "--timing", "prefill", "--k", "1")
     assert "/no/such/model" in line and "--k" not in line  # the flags passed; the model did not
     parse = cli.build_parser().parse_args
-    base = ["generate", "--prompt", "hi", "--policy", "snapkv", "--timing", "prefill"]
+    base = ["generate", "--prompt", "hi", "--rule", "snapkv", "--timing", "prefill"]
     for extra in (["--k", "1"], []):
         ev = cli.eviction_from_args(parse(base + extra))
         assert ev.timing == Timing("prefill", 1) and ev.budget == 256
-    ev = cli.eviction_from_args(parse(["generate", "--prompt", "hi", "--policy", "h2o"]))
+    ev = cli.eviction_from_args(parse(["generate", "--prompt", "hi", "--rule", "h2o"]))
     assert ev.timing == Timing("dge", 2) and ev.head_budget == "uniform"
     assert cli.eviction_from_args(parse(["generate", "--prompt", "hi"])) is None
 
 
-def test_cli_unknown_policy_exits_2(capsys):
+def test_cli_unknown_rule_exits_2(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["generate", "--prompt", "hello", "--policy", "snapkv2"])
+        cli.main(["generate", "--prompt", "hello", "--rule", "snapkv2"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --policy: invalid choice: 'snapkv2'" in err
+    assert "argument --rule: invalid choice: 'snapkv2'" in err
 
 
-def test_cli_unknown_policy_option_is_one_line(checkpoint, capsys):
-    """An option the policy does not take (--kernel for H2O) is one line, not a traceback."""
+def test_cli_unknown_rule_option_is_one_line(checkpoint, capsys):
+    """An option the rule does not take (--kernel for H2O) is one line, not a traceback."""
     argv = ["generate", "--model", str(checkpoint("llama_chat")), "--prompt", "hi"]
-    argv += ["--policy", "h2o"]
+    argv += ["--rule", "h2o"]
     assert cli.main(argv + ["--kernel", "5"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: unknown option(s) ['kernel'] for policy")
+    assert len(err) == 1 and err[0].startswith("error: unknown option(s) ['kernel'] for rule")
 
 
 def test_cli_budget_too_small_is_one_line(checkpoint, capsys):
     argv = ["generate", "--model", str(checkpoint("llama_chat")), "--prompt", "the cat sat"]
-    argv += ["--policy", "snapkv", "--window", "8", "--budget", "8", "--timing", "dge"]
+    argv += ["--rule", "snapkv", "--window", "8", "--budget", "8", "--timing", "dge"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: budget 8 is smaller than what SnapKV")

@@ -2,7 +2,7 @@
 compilation counts and the CLI, on a tiny random Llama whose attention is far from uniform.
 
 Weights are N(0, 0.3²) (not the usual 0.02) so attention is peaked, selections differ between
-policies and timings, and greedy argmaxes are far from ties. Where a test's point depends on two
+rules and timings, and greedy argmaxes are far from ties. Where a test's point depends on two
 selections differing, it asserts that they do.
 
 Most tests run `generate_grid` on the same two prompts (`PROMPTS`, 44 and 30 tokens, one bucket
@@ -54,7 +54,7 @@ DGE3, DGE_W3 = Timing("dge", 3), Timing("dge_w", 3)
 TIMINGS = (PREFILL, DGE2, DGE_W2)
 ALL_TIMINGS = (PREFILL, DGE2, DGE_W2, DGE3, DGE_W3)
 # Every scoring rule, with windows small enough for budgets of a dozen entries.
-POLICIES = (
+RULES = (
     SnapKV(window=WINDOW),
     PyramidKV(window=WINDOW),
     H2O(window=WINDOW),
@@ -87,9 +87,9 @@ LENGTHS = (44, 30)
 PROMPTS = [prompt(n, seed=n) for n in LENGTHS]
 
 
-def ev_(policy, budget, timing, **options) -> Eviction:
+def ev_(rule, budget, timing, **options) -> Eviction:
     """An `Eviction` compacted to the shared capacity `CAP`."""
-    return Eviction(policy, budget, timing, capacity=CAP, **options)
+    return Eviction(rule, budget, timing, capacity=CAP, **options)
 
 
 def drafts_of(n_prompt: int, timing: Timing) -> set[int]:
@@ -98,11 +98,11 @@ def drafts_of(n_prompt: int, timing: Timing) -> set[int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Budget >= prompt: nothing is evicted, whatever the policy or timing
+# Budget >= prompt: nothing is evicted, whatever the rule or timing
 
 
 def _no_eviction_cells(budget: int) -> list[Eviction]:
-    cells = [ev_(pol, budget, t) for pol in POLICIES for t in ALL_TIMINGS]
+    cells = [ev_(pol, budget, t) for pol in RULES for t in ALL_TIMINGS]
     cells += [ev_(SnapKV(window=WINDOW), budget, t, head_budget="adakv") for t in ALL_TIMINGS]
     return cells + [ev_(H2O(window=WINDOW), budget, t, compact=False) for t in ALL_TIMINGS]
 
@@ -120,7 +120,7 @@ def _assert_fullkv(model: Model, cells: list[Eviction]) -> None:
 
 
 def test_budget_above_prompt_is_fullkv(model):
-    """Budget 50 > P = 44, 30: every policy (and AdaKV, and masking) under every timing keeps
+    """Budget 50 > P = 44, 30: every rule (and AdaKV, and masking) under every timing keeps
     every entry and gives FullKV's tokens."""
     _assert_fullkv(model, _no_eviction_cells(50))
 
@@ -151,7 +151,7 @@ def test_dge_k1_is_prefill(model):
         assert dge1.kept == base.kept, cells[i]
         if cells[i].head_budget == "uniform":  # it did evict
             assert {len(h) for row in dge1.kept for layer in row for h in layer} == {12}
-        if not isinstance(cells[i].policy, H2O):  # the draft query changes the prompt selection
+        if not isinstance(cells[i].rule, H2O):  # the draft query changes the prompt selection
             prompt_part = [[[h[:-1] for h in layer] for layer in row] for row in dge2.kept]
             assert prompt_part != base.kept, cells[i]
     # Alone (no draft record to borrow), dge(1) is prefill too.
@@ -162,8 +162,8 @@ def test_dge_k1_is_prefill(model):
 def test_first_k_tokens_are_fullkvs(model):
     """DGE drafts with the full cache: its first k answer tokens are FullKV's."""
     full = generate(model, PROMPTS, max_new_tokens=N_NEW).tokens
-    policies = (SnapKV(window=WINDOW), H2O(window=WINDOW), StreamingLLM())
-    cells = [ev_(pol, 12, t) for pol in policies for t in ALL_TIMINGS[1:]]
+    rules = (SnapKV(window=WINDOW), H2O(window=WINDOW), StreamingLLM())
+    cells = [ev_(pol, 12, t) for pol in rules for t in ALL_TIMINGS[1:]]
     results = generate_grid(model, PROMPTS, cells, max_new_tokens=N_NEW)
     for ev, res in zip(cells, results, strict=True):
         k = ev.timing.k
@@ -176,12 +176,12 @@ def test_dge_w_is_baseline_at_smaller_budget_plus_drafts(model):
     """DGE-W(k) at budget B keeps exactly prefill's selection at B - (k-1), plus the k-1 draft
     entries (SnapKV, H2O, TOVA, StreamingLLM; k = 2 and 3)."""
     budget = 14
-    policies = (SnapKV(window=WINDOW), H2O(window=WINDOW), TOVA(), StreamingLLM())
+    rules = (SnapKV(window=WINDOW), H2O(window=WINDOW), TOVA(), StreamingLLM())
     plan = ((budget - 1, PREFILL), (budget - 2, PREFILL), (budget, DGE_W2), (budget, DGE_W3))
     plan += ((budget, DGE2),)
-    cells = [ev_(pol, b, t) for pol in policies for b, t in plan]
+    cells = [ev_(pol, b, t) for pol in rules for b, t in plan]
     results = generate_grid(model, PROMPTS, cells, max_new_tokens=N_NEW)
-    for i, policy in zip(range(0, len(cells), len(plan)), policies, strict=True):
+    for i, rule in zip(range(0, len(cells), len(plan)), rules, strict=True):
         base1, base2, dge_w2, dge_w3, dge2 = results[i : i + len(plan)]
         for base, dge_w, timing in ((base1, dge_w2, DGE_W2), (base2, dge_w3, DGE_W3)):
             for row, n in enumerate(LENGTHS):
@@ -191,20 +191,20 @@ def test_dge_w_is_baseline_at_smaller_budget_plus_drafts(model):
                             base.kept[row][layer][head] + sorted(drafts_of(n, timing))
                         )
                         got = dge_w.kept[row][layer][head]
-                        assert got == expected, (policy, timing, row, layer, head)
-        if isinstance(policy, SnapKV | TOVA):  # (H2O's sum over 44 queries barely moves)
-            assert dge2.kept != dge_w2.kept, policy  # DGE's draft query changes the selection
+                        assert got == expected, (rule, timing, row, layer, head)
+        if isinstance(rule, SnapKV | TOVA):  # (H2O's sum over 44 queries barely moves)
+            assert dge2.kept != dge_w2.kept, rule  # DGE's draft query changes the selection
 
 
 def test_kept_sets_hold_drafts_and_respect_budgets(model):
     """Every timing keeps every draft entry (P .. P+k-2) and at most `budget` per head."""
     budget = 16
     timings = (PREFILL, DGE3, DGE_W3)
-    cells = [ev_(pol, budget, t) for pol in POLICIES for t in timings]
+    cells = [ev_(pol, budget, t) for pol in RULES for t in timings]
     cells += [ev_(SnapKV(window=WINDOW), budget, t, head_budget="adakv") for t in timings]
     results = generate_grid(model, PROMPTS, cells, max_new_tokens=N_NEW)
     for ev, res in zip(cells, results, strict=True):
-        pyramid, adakv = isinstance(ev.policy, PyramidKV), ev.head_budget == "adakv"
+        pyramid, adakv = isinstance(ev.rule, PyramidKV), ev.head_budget == "adakv"
         for row, n in enumerate(LENGTHS):
             drafts = drafts_of(n, ev.timing)
             kept = res.kept[row]
@@ -221,11 +221,11 @@ def test_kept_sets_hold_drafts_and_respect_budgets(model):
                 assert sum(sizes) <= L * HKV * budget, (ev, row)
             if pyramid or adakv:  # budgets really differ between heads or layers
                 assert len(set(sizes)) > 1, (ev, row)
-    # Policies choose differently on this model, and the draft query changes SnapKV's choice.
+    # Rules choose differently on this model, and the draft query changes SnapKV's choice.
     pairs = list(zip(cells, results, strict=True))
     prefill_kept = [json.dumps(res.kept) for ev, res in pairs if ev.timing == PREFILL]
     assert len(set(prefill_kept)) == len(prefill_kept)
-    snap = [res.kept for ev, res in pairs if ev.policy == SnapKV(window=WINDOW)]
+    snap = [res.kept for ev, res in pairs if ev.rule == SnapKV(window=WINDOW)]
     assert snap[1] != snap[2]  # dge(3) vs dge_w(3)
 
 
@@ -274,14 +274,14 @@ def test_decode_body_logits_masked_vs_compacted(model, step, timing):
         state, drafts = gen.draft_tokens(
             fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=timing.draft_steps
         )
-    policy = SnapKV(window=WINDOW)
+    rule = SnapKV(window=WINDOW)
     keep = select_for(
         state.cache,
         pre.obs,
         drafts,
         jnp.int32(12),
         jnp.asarray(timing.observes_drafts),
-        policy=policy,
+        rule=rule,
     )
     masked = apply_keep(state.cache, keep)
     compacted = compact(masked, 12 + n_new)
@@ -308,37 +308,37 @@ def test_decode_body_logits_masked_vs_compacted(model, step, timing):
 
 
 @pytest.mark.parametrize(
-    "policy, head_budget",
+    "rule, head_budget",
     [(SnapKV(window=WINDOW), "uniform"), (SnapKV(window=WINDOW), "adakv"),
      (PyramidKV(window=WINDOW), "uniform"), (H2O(window=WINDOW), "uniform")],
     ids=["snapkv", "snapkv-adakv", "pyramidkv", "h2o"],
 )  # fmt: skip
-def test_one_scoring_for_many_budgets_equals_one_selection_each(model, policy, head_budget):
+def test_one_scoring_for_many_budgets_equals_one_selection_each(model, rule, head_budget):
     """keep_masks (score once, select per budget: the grid's budget sweeps) gives each
     budget exactly `select_for`'s mask, per-layer and per-head budgets included."""
     fwd, cfg, params = model.forward, model.config, model.params
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
-                      obs_window=WINDOW, record_attn=policy.needs.attn_sum)  # fmt: skip
+                      obs_window=WINDOW, record_attn=rule.needs.attn_sum)  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
     state, drafts = gen.draft_tokens(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(),
-                                     num_steps=1, record_attn=policy.needs.attn_sum)  # fmt: skip
-    budgets = [12, 20, 30] if isinstance(policy, PyramidKV) else [12, np.array([20, 16]), 30]
-    if type(policy) is SnapKV and head_budget == "uniform":
+                                     num_steps=1, record_attn=rule.needs.attn_sum)  # fmt: skip
+    budgets = [12, 20, 30] if isinstance(rule, PyramidKV) else [12, np.array([20, 16]), 30]
+    if type(rule) is SnapKV and head_budget == "uniform":
         budgets.append(np.array([[12, 14], [16, 18]]))  # per head
-    evs = [Eviction(policy, b, DGE2, head_budget=head_budget) for b in budgets]
+    evs = [Eviction(rule, b, DGE2, head_budget=head_budget) for b in budgets]
     masks = keep_masks(state.cache, pre.obs, drafts, evs)
     for ev, got in zip(evs, masks, strict=True):
         want = select_for(
             state.cache, pre.obs, drafts, jnp.asarray(ev.budget, jnp.int32),
-            jnp.asarray(True), policy=policy, head_budget=head_budget,
+            jnp.asarray(True), rule=rule, head_budget=head_budget,
         )  # fmt: skip
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert len({np.asarray(m).sum() for m in masks}) == len(masks)  # the budgets are live
     with pytest.raises(ValueError, match="share one scoring"):
-        keep_masks(state.cache, pre.obs, drafts, [evs[0], Eviction(policy, 12, DGE_W2)])
+        keep_masks(state.cache, pre.obs, drafts, [evs[0], Eviction(rule, 12, DGE_W2)])
 
 
 def test_snapkv_and_pyramidkv_share_one_scoring(model):
@@ -361,7 +361,7 @@ def test_snapkv_and_pyramidkv_share_one_scoring(model):
     for ev, got in zip(evs, masks, strict=True):
         want = select_for(
             state.cache, pre.obs, drafts, jnp.asarray(ev.budget, jnp.int32),
-            jnp.asarray(True), policy=ev.policy,
+            jnp.asarray(True), rule=ev.rule,
         )  # fmt: skip
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     # Same budget, different layer schedules: the pyramid moves entries between layers.
@@ -401,11 +401,11 @@ def test_budget_and_timing_sweep_compiles_once():
     """Budgets {32, 64, 128, 256} x {prefill, dge(2), dge_w(2)} at one capacity: one compile of
     the selection (each timing scores once for its four budgets), prefill, draft, decode and
     compaction each."""
-    # A config and policy no other test uses, so each jitted function compiles exactly once here.
+    # A config and rule no other test uses, so each jitted function compiles exactly once here.
     model = tiny_model(tiny_config(rms_norm_eps=1.25e-6), seed=4)
-    policy = SnapKV(window=WINDOW, kernel=5)
+    rule = SnapKV(window=WINDOW, kernel=5)
     p, n_new, capacity = prompt(300, seed=40), 4, 264
-    cells = [Eviction(policy, b, t, capacity=capacity) for b in (32, 64, 128, 256) for t in TIMINGS]
+    cells = [Eviction(rule, b, t, capacity=capacity) for b in (32, 64, 128, 256) for t in TIMINGS]
     fns = {
         "select_for_budgets": select_for_budgets,
         "prefill": gen.prefill_prompt,
@@ -517,7 +517,7 @@ def test_cli_json_prints_kept_positions(checkpoint, capsys):
         str(checkpoint("llama_chat")),
         "--prompt",
         text,
-        "--policy",
+        "--rule",
         "snapkv",
         "--budget",
         "16",

@@ -61,8 +61,8 @@ def handmade(lengths, S: int, sinks: int, seed: int = 0):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def scores_of(policy, cache, obs):
-    return policy.score(cache, obs)
+def scores_of(rule, cache, obs):
+    return rule.score(cache, obs)
 
 
 def kvpress_reference(keys, values, qpre, n_sink, n_future, use_cov=True, use_vnorm=True):
@@ -91,11 +91,11 @@ def kvpress_reference(keys, values, qpre, n_sink, n_future, use_cov=True, use_vn
 @pytest.mark.parametrize("use_cov, use_vnorm", [(True, True), (False, True), (True, False)])
 def test_scores_match_kvpress_on_padded_rows(use_cov, use_vnorm):
     lengths, S, sinks = (20, 13), 24, 3
-    policy = ExpectedAttention(
+    rule = ExpectedAttention(
         n_future_positions=16, sinks=sinks, use_covariance=use_cov, use_vnorm=use_vnorm
     )
     cache, obs, k, v, qpre, pos = handmade(lengths, S, sinks)
-    got = np.asarray(scores_of(policy, cache, obs))
+    got = np.asarray(scores_of(rule, cache, obs))
     for layer in range(L):
         for row in range(len(lengths)):
             slots = np.flatnonzero(pos[layer, row, 0] >= 0)

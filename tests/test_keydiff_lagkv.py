@@ -46,8 +46,8 @@ def handmade(lengths, S: int, drafts: int = 0, seed: int = 0):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def scores_of(policy, cache, obs):
-    return policy.score(cache, obs)
+def scores_of(rule, cache, obs):
+    return rule.score(cache, obs)
 
 
 def prompt_slots(pos: np.ndarray, layer: int, row: int, n: int) -> np.ndarray:
@@ -139,7 +139,7 @@ def test_keydiff_keeps_the_most_distinctive_keys():
     pos = np.arange(4, dtype=np.int32).reshape(1, 1, 1, 4)
     cache = KVCache.stacked(jnp.asarray(k), jnp.asarray(k), jnp.asarray(pos), 4)
     obs = Observation(None, None, None, None, prompt_end=jnp.asarray([3], jnp.int32))
-    keep = select_for(cache, obs, None, jnp.int32(1), jnp.asarray(False), policy=KeyDiff())
+    keep = select_for(cache, obs, None, jnp.int32(1), jnp.asarray(False), rule=KeyDiff())
     assert np.asarray(keep)[0, 0, 0].tolist() == [False, False, True, False]
 
 
@@ -152,14 +152,14 @@ def test_lagkv_matches_kvpress_on_padded_rows(lengths, cross_scoring):
     """sinks 3, lag 8: 43 = 3 + 5·8 (no remainder), 37 = 3 + 4·8 + 2; lag 16: 28 and 12 are
     shorter than sinks + 2·lag, scored by recency."""
     S = 48
-    policy = LagKV(sinks=3, lag_size=8 if lengths[0] > 30 else 16, cross_scoring=cross_scoring)
+    rule = LagKV(sinks=3, lag_size=8 if lengths[0] > 30 else 16, cross_scoring=cross_scoring)
     cache, obs, k, v, pos = handmade(lengths, S, seed=2)
-    got = np.asarray(scores_of(policy, cache, obs))
+    got = np.asarray(scores_of(rule, cache, obs))
     for layer in range(L):
         for row, n in enumerate(lengths):
             slots = prompt_slots(pos, layer, row, n)
             want = lagkv_reference(
-                k[layer, row][:, slots], v[layer, row][:, slots], policy.sinks, policy.lag_size,
+                k[layer, row][:, slots], v[layer, row][:, slots], rule.sinks, rule.lag_size,
                 cross_scoring,
             )  # fmt: skip
             np.testing.assert_allclose(got[layer, row][:, slots], want, rtol=1e-5, atol=1e-6)
@@ -173,7 +173,7 @@ def test_lagkv_keeps_each_partitions_share_sinks_and_tail():
     tail = lag + 5
     budget = sinks + tail + 3 * 2  # two per scored partition
     keep = select_for(
-        cache, obs, None, jnp.int32(budget), jnp.asarray(False), policy=LagKV(sinks, lag)
+        cache, obs, None, jnp.int32(budget), jnp.asarray(False), rule=LagKV(sinks, lag)
     )
     pos = np.asarray(cache.pos)
     for layer in range(L):
@@ -189,17 +189,17 @@ def test_lagkv_ignores_draft_entries():
     lengths, S = (43, 37), 48
     cache, obs, *_ = handmade(lengths, S, seed=2)
     drafted, dobs, *_ = handmade(lengths, S, drafts=3, seed=2)
-    policy = LagKV(sinks=3, lag_size=8)
-    a = np.asarray(scores_of(policy, cache, obs))
-    b = np.asarray(scores_of(policy, drafted, dobs))[..., :S]
+    rule = LagKV(sinks=3, lag_size=8)
+    a = np.asarray(scores_of(rule, cache, obs))
+    b = np.asarray(scores_of(rule, drafted, dobs))[..., :S]
     np.testing.assert_array_equal(a, b)
 
 
 def test_prompt_shorter_than_budget_keeps_everything():
     lengths, S = (20, 13), 24
     cache, obs, *_ = handmade(lengths, S)
-    for policy in (KeyDiff(), LagKV(sinks=2, lag_size=4)):
-        keep = select_for(cache, obs, None, jnp.int32(20), jnp.asarray(False), policy=policy)
+    for rule in (KeyDiff(), LagKV(sinks=2, lag_size=4)):
+        keep = select_for(cache, obs, None, jnp.int32(20), jnp.asarray(False), rule=rule)
         np.testing.assert_array_equal(np.asarray(keep), np.asarray(cache.pos) >= 0)
 
 
@@ -211,8 +211,8 @@ def test_query_free_rules_select_alike_under_every_timing(tiny_model_fixture):
     model = tiny_model_fixture
     prompts = [np.random.default_rng(n).integers(0, 128, n).tolist() for n in (44, 30)]
     timings = (Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2), Timing("dge", 3))
-    for policy in (KeyDiff(), LagKV(sinks=2, lag_size=8)):
-        cells = [Eviction(policy, 16, t, capacity=64) for t in timings]
+    for rule in (KeyDiff(), LagKV(sinks=2, lag_size=8)):
+        cells = [Eviction(rule, 16, t, capacity=64) for t in timings]
         results = generate_grid(model, prompts, cells, max_new_tokens=4)
         base = results[0].kept
         for ev, res in zip(cells[1:], results[1:], strict=True):
@@ -223,7 +223,7 @@ def test_query_free_rules_select_alike_under_every_timing(tiny_model_fixture):
                         drafts = ev.timing.draft_steps
                         assert head[len(prompt_part) :] == list(range(n, n + drafts))
                         # the budget counts drafts: DGE keeps prefill's top (16 - drafts)
-                        assert set(prompt_part) <= set(base_head), (policy, ev.timing)
+                        assert set(prompt_part) <= set(base_head), (rule, ev.timing)
                         assert len(prompt_part) == 16 - drafts
 
 

@@ -26,15 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.eviction.observation import Observation, QueryStats, for_policy
+from dge_jax.eviction.observation import Observation, QueryStats, for_rule
 from dge_jax.rules.base import Needs
 from dge_jax.rules.full import is_full
-from dge_jax.rules.registry import POLICIES, WRAPPERS, make_policy, policy_fields
+from dge_jax.rules.registry import RULES, WRAPPERS, make_rule, rule_fields
 from dge_jax.runtime.cache import KVCache
 
-NAMES = sorted(POLICIES)
-EVICTING = [n for n in NAMES if not is_full(make_policy(n))]
-QUERY_FREE = [n for n in EVICTING if make_policy(n).needs.query_free]
+NAMES = sorted(RULES)
+EVICTING = [n for n in NAMES if not is_full(make_rule(n))]
+QUERY_FREE = [n for n in EVICTING if make_rule(n).needs.query_free]
 L, B, HKV, G, D, S, E = 2, 2, 2, 2, 8, 16, 12
 HQ = HKV * G
 LENGTHS = (12, 7)
@@ -45,7 +45,7 @@ COMPOSITES = ("criticalkv_expectedattention", "chunkkv_h2o", "criticalkv_tova", 
 
 def small(name: str):
     """The rule with a window of 4 where it has one (the tiny prompts stay evictable)."""
-    return make_policy(name, **({"window": 4} if "window" in policy_fields(name) else {}))
+    return make_rule(name, **({"window": 4} if "window" in rule_fields(name) else {}))
 
 
 # ----------------------------------------------------------------------------- one file each
@@ -53,7 +53,7 @@ def small(name: str):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_rule_lives_in_the_file_named_after_it(name):
-    path = pathlib.Path(inspect.getsourcefile(POLICIES[name]))
+    path = pathlib.Path(inspect.getsourcefile(RULES[name]))
     assert path.parent.name == "rules" and path.parent.parent.name == "dge_jax", path
     assert path.stem.replace("_", "") == name, f"{name} is defined in {path.name}"
 
@@ -66,7 +66,7 @@ def test_wrappers_read_what_their_inner_rule_reads(wrapper):
     """A wrapper's needs are its inner rule's, plus its own (CriticalKV's output projection;
     ChunkKV protects nothing itself)."""
     for inner in sorted(set(EVICTING) - set(WRAPPERS)):
-        outer, rule = make_policy(wrapper, inner=inner), make_policy(inner)
+        outer, rule = make_rule(wrapper, inner=inner), make_rule(inner)
         assert dataclasses.replace(outer.needs, out_proj=False, protected=0) == (
             dataclasses.replace(rule.needs, out_proj=False, protected=0)
         ), (wrapper, inner)
@@ -98,7 +98,7 @@ def _cache() -> KVCache:
 
 def _observation() -> Observation:
     """Everything a rule may read: 4 window queries, attention sums, query statistics,
-    reconstruction scores and output projections (for_policy cuts it to a rule's needs)."""
+    reconstruction scores and output projections (for_rule cuts it to a rule's needs)."""
     rng = np.random.default_rng(1)
     w = 4
     q_pos = np.stack([np.arange(n - w, n) for n in LENGTHS]).astype(np.int32)
@@ -124,27 +124,27 @@ def _observation() -> Observation:
 TRACES: list[object] = []
 
 
-def _scores(cache: KVCache, obs: Observation, budgets: jax.Array, *, policy):
-    TRACES.append(policy)  # runs once per compilation
-    scores = policy.scorer.score(cache, obs)
-    return scores, policy.refine(scores, budgets, cache, obs)
+def _scores(cache: KVCache, obs: Observation, budgets: jax.Array, *, rule):
+    TRACES.append(rule)  # runs once per compilation
+    scores = rule.scorer.score(cache, obs)
+    return scores, rule.refine(scores, budgets, cache, obs)
 
 
-scores_jit = jax.jit(_scores, static_argnames="policy")
+scores_jit = jax.jit(_scores, static_argnames="rule")
 
 
 @pytest.mark.parametrize("name", EVICTING)
 def test_scores_shapes_and_sentinels(name):
-    policy, cache = small(name), _cache()
-    obs, _ = for_policy(policy, _observation(), None)
+    rule, cache = small(name), _cache()
+    obs, _ = for_rule(rule, _observation(), None)
     budgets = jnp.full((L, B, HKV), 5, jnp.int32)
-    scores, refined = (np.asarray(a) for a in scores_jit(cache, obs, budgets, policy=policy))
+    scores, refined = (np.asarray(a) for a in scores_jit(cache, obs, budgets, rule=rule))
     valid = np.asarray(cache.valid())
     for got in (scores, refined):
         assert got.shape == (L, B, HKV, S) and got.dtype == np.float32
         assert not np.isnan(got).any()
         assert np.isneginf(got[~valid]).all() and not np.isneginf(got[valid]).any()
-    needs = policy.needs
+    needs = rule.needs
     most = np.sum(np.isposinf(scores), axis=-1).max()
     assert most <= max(needs.protected, needs.window), (most, needs)
 
@@ -154,13 +154,13 @@ def test_rule_is_hashable_and_a_jit_static_argument(name):
     a, b = small(name), small(name)
     assert a == b and hash(a) == hash(b) and a is not b
     cache, obs_all = _cache(), _observation()
-    obs, _ = for_policy(a, obs_all, None)
+    obs, _ = for_rule(a, obs_all, None)
     budgets = jnp.full((L, B, HKV), 5, jnp.int32)
     TRACES.clear()
     # A new function: jax caches traces per function, across jit wrappers.
-    fresh = jax.jit(lambda *args, policy: _scores(*args, policy=policy), static_argnames="policy")
-    first = fresh(cache, obs, budgets, policy=a)
-    again = fresh(cache, obs, budgets, policy=b)
+    fresh = jax.jit(lambda *args, rule: _scores(*args, rule=rule), static_argnames="rule")
+    first = fresh(cache, obs, budgets, rule=a)
+    again = fresh(cache, obs, budgets, rule=b)
     assert len(TRACES) == 1, "an equal rule compiled again"
     np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(again[0]))
 

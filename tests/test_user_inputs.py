@@ -135,11 +135,29 @@ def test_timing_given_as_a_string_says_which_timing_to_use():
         Eviction(SnapKV(), timing="prefill")
 
 
-def test_policy_given_as_a_string_says_how_to_make_one():
-    with pytest.raises(TypeError, match=r"Eviction\.policy must be a policy object, not the "
+def test_rule_given_as_a_string_says_how_to_make_one():
+    with pytest.raises(TypeError, match=r"Eviction\.rule must be a rule object, not the "
                                         r"string 'snapkv': use "
-                                        r"dge_jax\.rules\.registry\.make_policy"):
+                                        r"dge_jax\.rules\.registry\.make_rule"):
         Eviction("snapkv")
+
+
+def test_the_rule_field_by_its_old_name_says_what_to_write():
+    """Eviction's scoring rule was the field `policy`: scripts that still pass or read it are
+    told its name now, not only that the keyword is unexpected."""
+    import dataclasses
+
+    from dge_jax.rules.snapkv import SnapKV
+
+    with pytest.raises(TypeError, match=r"rule=, not policy=: Eviction\(rule=SnapKV\(\), "):
+        Eviction(policy=SnapKV())
+    with pytest.raises(TypeError, match=r"rule=, not policy="):
+        dataclasses.replace(Eviction(), policy=SnapKV())
+    with pytest.raises(AttributeError, match=r"Eviction\.policy is now Eviction\.rule"):
+        _ = Eviction().policy
+    with pytest.raises(AttributeError, match="'Eviction' object has no attribute 'polcy'"):
+        _ = Eviction().polcy
+    assert Eviction(rule=SnapKV(window=4)).rule == SnapKV(window=4)
 
 
 @pytest.mark.parametrize(
@@ -192,21 +210,21 @@ def _cli(capsys, *argv: str) -> tuple[int, list[str], str]:
     return code, captured.err.strip().splitlines(), captured.out
 
 
-GEN = ("generate", "--model", "/no/such/model", "--prompt", "hi", "--policy", "snapkv")
+GEN = ("generate", "--model", "/no/such/model", "--prompt", "hi", "--rule", "snapkv")
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--window", "8", "--policy_option", "window=4"],
-         "error: --window 8 and --policy_option window=4 both set the field window; give it once"),
-        (["--policy_option", "window=8", "--policy_option", "window=4"],
-         "error: --policy_option window=8 and --policy_option window=4 both set the field "
+        (["--window", "8", "--rule_option", "window=4"],
+         "error: --window 8 and --rule_option window=4 both set the field window; give it once"),
+        (["--rule_option", "window=8", "--rule_option", "window=4"],
+         "error: --rule_option window=8 and --rule_option window=4 both set the field "
          "window; give it once"),
-        (["--gqa_before_pool", "--policy_option", "gqa_before_pool=false"],
-         "error: --gqa_before_pool and --policy_option gqa_before_pool=false both set"),
-        (["--policy_option", "budget=4"],
-         "error: --policy_option budget=4 sets budget, which is not a field of the policy; "
+        (["--gqa_before_pool", "--rule_option", "gqa_before_pool=false"],
+         "error: --gqa_before_pool and --rule_option gqa_before_pool=false both set"),
+        (["--rule_option", "budget=4"],
+         "error: --rule_option budget=4 sets budget, which is not a field of the rule; "
          "use --budget 4"),
         (["--window", "8", "--window", "4"],
          "error: --window 8 and --window 4 both set window; give it once; see python -m "
@@ -215,7 +233,7 @@ GEN = ("generate", "--model", "/no/such/model", "--prompt", "hi", "--policy", "s
     ids=["flag-and-option", "option-twice", "bool-flag-and-option", "eviction-field", "flag-twice"],
 )
 def test_cli_a_field_set_twice_is_refused_naming_both(capsys, flags, message):
-    """`--window 8 --policy_option window=4` used to run window 4, the last one, silently."""
+    """`--window 8 --rule_option window=4` used to run window 4, the last one, silently."""
     code, err, out = _cli(capsys, *GEN, *flags)
     assert code == 2 and out == "" and len(err) == 1 and err[0].startswith(message), err
 
@@ -227,7 +245,7 @@ def test_cli_usage_errors_are_one_line_and_help_exits_0(capsys):
         "error: the following arguments are required: --prompt; see python -m dge_jax "
         "generate --help"
     ]
-    code, err, _ = _cli(capsys, *GEN[:5], "--policy", "snapkv2")
+    code, err, _ = _cli(capsys, *GEN[:5], "--rule", "snapkv2")
     assert code == 2 and len(err) == 1 and "invalid choice: 'snapkv2'" in err[0], err
     code, err, out = _cli(capsys, "generate", "--help")
     assert code == 0 and err == [] and "--verbose" in out
@@ -492,5 +510,5 @@ def test_generation_config_and_options_are_one_setting(chat_model):
         dge_jax.generate(chat_model, ["Hello there"], max_tokens=3)
     with pytest.raises(TypeError, match="config must be a GenerationConfig, got dict"):
         dge_jax.generate(chat_model, ["Hello there"], config={"max_new_tokens": 3})
-    with pytest.raises(TypeError, match=r"unknown spec field\(s\) \['polcy'\]; known: policy"):
+    with pytest.raises(TypeError, match=r"unknown spec field\(s\) \['polcy'\]; known: rule"):
         SelectionSpec.of(None, {"polcy": SnapKV()})

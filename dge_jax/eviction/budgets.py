@@ -7,7 +7,7 @@ or a switch from uniform to per-layer or head-adaptive budgets, compiles once.
 - ``expand_budgets``: scalar, per-layer ``[L]``, per-head ``[L, Hkv]`` or ``[L, B, Hkv]`` specs.
 - ``adakv_budgets``: AdaKV's head-adaptive split of each layer's pool (any scoring rule).
 - ``global_budgets``: the same split of one pool across all layers and heads (KVzip's).
-- ``PyramidSchedule``: PyramidKV's per-layer budgets (a policy's ``layer_schedule``).
+- ``PyramidSchedule``: PyramidKV's per-layer budgets (a rule's ``layer_schedule``).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def global_budgets(
 class PyramidSchedule:
     """PyramidKV's per-layer budgets (arXiv 2406.02069; KVCache-Factory's PyramidKVCluster):
     falling linearly from the bottom layer to the top, each layer keeping at least the
-    policy's ``window``; ``beta`` sets how steep (the top layer keeps ~(B - w) / beta)."""
+    rule's ``window``; ``beta`` sets how steep (the top layer keeps ~(B - w) / beta)."""
 
     window: int
     beta: int = 20

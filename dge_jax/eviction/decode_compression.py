@@ -1,6 +1,6 @@
 """Decoding-time compression: long answers in a bounded cache.
 
-Every `interval` generated tokens the cell's policy scores the cache with the queries of
+Every `interval` generated tokens the cell's rule scores the cache with the queries of
 those steps as its observation, and each kv head is brought back to `budget` entries
 (kvpress's ``DecodingPress``, in static shapes). The loop is one `lax.while_loop` over
 *blocks*: a block runs up to `interval` decode steps, writing their entries into the free
@@ -18,7 +18,7 @@ with the queries of 6 and 7, keeps 6, 7 and the best two of the rest, say {0, 5}
 compaction writes {0, 5, 6, 7} into slots 0..3; the next block writes 8, 9 into 4, 5.
 
 The budget is traced (a sweep at one capacity bucket compiles once); interval, capacity and
-the policy are static. A cache that enters bigger than the capacity (the prompt was not
+the rule are static. A cache that enters bigger than the capacity (the prompt was not
 evicted, timing "decode", or evicted at a larger budget) runs its first block in place and
 is compacted to the capacity at the first compression: the loop then never grows.
 
@@ -43,7 +43,7 @@ from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
 from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
 from dge_jax.families import ForwardFn, group_layers
-from dge_jax.rules.base import Policy
+from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, compact_heads, regroup
 from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
 from dge_jax.runtime.rope import inverse_frequencies
@@ -66,7 +66,7 @@ def max_compressions(buffer: int, interval: int) -> int:
 
 def _observation(
     cfg: ModelConfig,
-    policy: Policy,
+    rule: Rule,
     ring_q: jax.Array | None,
     ring_pos: jax.Array,
     attn: jax.Array | None,
@@ -80,14 +80,14 @@ def _observation(
     nl, b = cfg.num_layers, ring_pos.shape[0]
     hq, hd = cfg.num_heads, cfg.head_dim
     stats = None
-    if policy.needs.query_stats_from is not None:
+    if rule.needs.query_stats_from is not None:
         stats = QueryStats(
             total=jnp.zeros((nl, b, hq, hd), jnp.float32),
             outer=jnp.zeros((nl, b, hq, hd, hd), jnp.float32),
             count=jnp.zeros((b,), jnp.float32),
             inv_freq=jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
         )
-    reads_q = policy.needs.window > 0
+    reads_q = rule.needs.window > 0
     base = Observation(
         q=jnp.zeros((nl, b, hq, 0, hd), ring_q.dtype) if reads_q else None,
         q_pos=jnp.zeros((b, 0), jnp.int32) if reads_q else None,
@@ -152,12 +152,12 @@ class CompressionLoop:
     layer_loop: str | None = None
 
     @property
-    def policy(self) -> Policy:
-        return self.selection.policy
+    def rule(self) -> Rule:
+        return self.selection.rule
 
     @property
     def reads_q(self) -> bool:
-        return self.policy.needs.queries
+        return self.rule.needs.queries
 
     def block(self, params, state: DecodeState, attn, layers):
         """Up to `interval` decode steps (fewer once every row is done). Returns the state,
@@ -204,7 +204,7 @@ class CompressionLoop:
         # pos still counts the batch's steps); a row idle all block keeps what it holds.
         newest = jnp.max(ring_pos, axis=1)
         newest = jnp.where(newest >= 0, newest, state.pos - 1)
-        obs = _observation(cfg, self.policy, ring_q, ring_pos, attn, newest, out_proj)
+        obs = _observation(cfg, self.rule, ring_q, ring_pos, attn, newest, out_proj)
         keep = select_for_budgets(
             flat, obs, None, (budget,), jnp.asarray(False), spec=self.selection
         )[0]
@@ -245,8 +245,8 @@ def decode_compressed(
             f"decode-time compression needs one capacity for all layers, got "
             f"{state.cache.capacities}; compact the cache to one capacity first"
         )
-    if loop.policy.needs.attn_sum and attn is None:
-        raise ValueError(f"{type(loop.policy).__name__} reads attention sums: pass attn")
+    if loop.rule.needs.attn_sum and attn is None:
+        raise ValueError(f"{type(loop.rule).__name__} reads attention sums: pass attn")
     cfg, capacity, layer_loop = loop.cfg, loop.capacity, loop.layer_loop
     state, attn = _grown(state, attn, capacity)
     nl = cfg.num_layers

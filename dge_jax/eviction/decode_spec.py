@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dge_jax.rules.base import Policy, check_fields
+from dge_jax.rules.base import Rule, check_fields
 
 # Head caps are rounded to this many slots: nearby budgets share a compiled loop, and a
 # decode step (which reads every slot) wastes at most 15 of them.
@@ -44,11 +44,11 @@ class DecodeCompression:
         return self.head_cap(spread) + self.interval
 
 
-def check_decode_policy(policy: Policy, spec: DecodeCompression, protected: int) -> None:
+def check_decode_rule(rule: Rule, spec: DecodeCompression, protected: int) -> None:
     """Clear errors for rules and budgets decode-time compression cannot serve."""
-    if policy.needs.reconstruction is not None:
+    if rule.needs.reconstruction is not None:
         raise ValueError(
-            f"{type(policy).__name__} scores from a reconstruction pass over the prompt, which "
+            f"{type(rule).__name__} scores from a reconstruction pass over the prompt, which "
             "has no decode-time form; use it at prefill (no Eviction.decode) or pick another rule"
         )
     # The block's own entries are protected by the attention rules (they are the observed

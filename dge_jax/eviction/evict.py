@@ -1,9 +1,9 @@
 """One eviction = a scoring rule + a budget (or head allocator) + a timing.
 
 `Eviction` bundles them for `dge_jax.generate`; `select_for` is the jitted step shared by
-every caller: assemble the timing's observation, score with the policy, keep draft entries,
+every caller: assemble the timing's observation, score with the rule, keep draft entries,
 turn the budget into per-head budgets, select. Budgets are traced arguments, so a sweep over
-budgets and over the three timings at one k compiles `select_for` once per policy.
+budgets and over the three timings at one k compiles `select_for` once per rule.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ import numpy as np
 from dge_jax.config import with_fields
 from dge_jax.eviction import selection
 from dge_jax.eviction.budgets import adakv_budgets, expand_budgets, global_budgets
-from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_policy
+from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_rule
 from dge_jax.eviction.observation import DraftRecord, Observation, with_drafts
 from dge_jax.eviction.timing import Timing
-from dge_jax.rules.base import Policy, check_fields
+from dge_jax.rules.base import Rule, check_fields
 from dge_jax.rules.full import is_full
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
 from dge_jax.runtime.cache import KVCache
 
 HEAD_BUDGETS = ("uniform", "adakv", "global")
+_OLD_RULE_FIELD = "policy"  # Eviction.rule's name before the scoring rules were called rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Eviction:
     ``decode.budget``); with the other timings the prompt is evicted at ``budget`` first.
     """
 
-    policy: Policy = SnapKV()
+    rule: Rule = SnapKV()
     budget: int | np.ndarray = 256
     timing: Timing = Timing("dge", 2)
     head_budget: str = "uniform"
@@ -69,8 +70,22 @@ class Eviction:
     ties: str = "later"
     decode: DecodeCompression | None = None
 
+    def __new__(cls, *args, **fields):
+        """The rule field's earlier name says what to write instead (the generated __init__
+        would only reject the name)."""
+        if _OLD_RULE_FIELD in fields:
+            raise TypeError(f"Eviction takes the scoring rule as rule=, not {_OLD_RULE_FIELD}=: "
+                            "Eviction(rule=SnapKV(), ...)")
+        return super().__new__(cls)
+
+    def __getattr__(self, name: str):
+        """Only reached for attributes that do not exist: the rule field's earlier name."""
+        if name == _OLD_RULE_FIELD:
+            raise AttributeError(f"Eviction.{name} is now Eviction.rule")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __post_init__(self):
-        _check_policy(self.policy)
+        _check_rule(self.rule)
         _check_timing(self.timing)
         _check_budget(self.budget)
         if isinstance(self.budget, numbers.Integral):
@@ -90,18 +105,18 @@ class Eviction:
             )
 
 
-def _check_policy(policy: object) -> None:
-    """Eviction.policy must be a policy object (a name is a common slip)."""
-    if isinstance(policy, str):
+def _check_rule(rule: object) -> None:
+    """Eviction.rule must be a rule object (a name is a common slip)."""
+    if isinstance(rule, str):
         raise TypeError(
-            f"Eviction.policy must be a policy object, not the string {policy!r}: use "
-            f"dge_jax.rules.registry.make_policy({policy!r}) or a rule class of dge_jax.rules, "
+            f"Eviction.rule must be a rule object, not the string {rule!r}: use "
+            f"dge_jax.rules.registry.make_rule({rule!r}) or a rule class of dge_jax.rules, "
             "e.g. dge_jax.rules.snapkv.SnapKV()"
         )
-    if isinstance(policy, type) or not hasattr(policy, "scorer"):
+    if isinstance(rule, type) or not hasattr(rule, "scorer"):
         raise TypeError(
-            f"Eviction.policy must be a policy instance (e.g. SnapKV(), or "
-            f"dge_jax.rules.registry.make_policy('snapkv')), got {policy!r}"
+            f"Eviction.rule must be a rule instance (e.g. SnapKV(), or "
+            f"dge_jax.rules.registry.make_rule('snapkv')), got {rule!r}"
         )
 
 
@@ -154,9 +169,9 @@ def _check_budget(budget: object) -> None:
         )
 
 
-def protected_size(policy: Policy) -> int:
-    """Entries per head a policy always keeps (its window or sinks), before drafts."""
-    return policy.needs.protected
+def protected_size(rule: Rule) -> int:
+    """Entries per head a rule always keeps (its window or sinks), before drafts."""
+    return rule.needs.protected
 
 
 def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
@@ -166,11 +181,11 @@ def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
         raise ValueError(f"budget must be an integer or integer array, got {ev.budget!r}")
     if budget.min() < 1:
         raise ValueError(f"budget must be >= 1 entry per head, got {int(budget.min())}")
-    need = protected_size(ev.policy) + ev.timing.draft_steps
-    if not is_full(ev.policy) and budget.min() < need:
+    need = protected_size(ev.rule) + ev.timing.draft_steps
+    if not is_full(ev.rule) and budget.min() < need:
         raise ValueError(
-            f"budget {int(budget.min())} is smaller than what {type(ev.policy).__name__} always "
-            f"keeps ({protected_size(ev.policy)} window/sink entries + "
+            f"budget {int(budget.min())} is smaller than what {type(ev.rule).__name__} always "
+            f"keeps ({protected_size(ev.rule)} window/sink entries + "
             f"{ev.timing.draft_steps} draft entries = {need}); raise the budget or shrink "
             "the window"
         )
@@ -181,15 +196,15 @@ def check_eviction(ev: Eviction, max_new_tokens: int) -> None:
         )
     if ev.decode is not None or ev.timing.kind == "decode":
         _check_decode(ev, budget)
-    if ev.policy.layer_schedule is not None and budget.ndim:
+    if ev.rule.layer_schedule is not None and budget.ndim:
         raise ValueError(
-            f"{type(ev.policy).__name__} sets per-layer budgets itself; give it a scalar budget"
+            f"{type(ev.rule).__name__} sets per-layer budgets itself; give it a scalar budget"
         )
 
 
 def spreads_budget(ev: Eviction) -> bool:
     """Whether `ev` gives heads or layers unequal budgets (AdaKV, global, PyramidKV)."""
-    return ev.head_budget != "uniform" or ev.policy.layer_schedule is not None
+    return ev.head_budget != "uniform" or ev.rule.layer_schedule is not None
 
 
 def _check_decode(ev: Eviction, budget: np.ndarray) -> None:
@@ -200,7 +215,7 @@ def _check_decode(ev: Eviction, budget: np.ndarray) -> None:
             "timing 'decode' evicts inside the decode loop and needs Eviction.decode "
             "(a DecodeCompression with the decode budget and interval)"
         )
-    if is_full(ev.policy):
+    if is_full(ev.rule):
         raise ValueError("decode-time compression needs a scoring rule, not FullKV")
     if not ev.compact:
         raise ValueError("decode-time compression compacts the cache; drop compact=False")
@@ -209,14 +224,14 @@ def _check_decode(ev: Eviction, budget: np.ndarray) -> None:
             f"timing 'decode' evicts only while decoding: give budget = decode budget "
             f"({spec.budget}), got {ev.budget!r}"
         )
-    check_decode_policy(ev.policy, spec, protected_size(ev.policy))
+    check_decode_rule(ev.rule, spec, protected_size(ev.rule))
 
 
 @dataclasses.dataclass(frozen=True)
 class SelectionSpec:
     """How a scored cache becomes keep masks, as one static value under jit.
 
-    policy: the scoring rule, or one per budget of a sweep, all with the same `scorer`
+    rule: the scoring rule, or one per budget of a sweep, all with the same `scorer`
     (SnapKV and PyramidKV cells share a scoring); head_budget / alpha: uniform budgets or an
     allocator and each head's floor (`Eviction.head_budget`, `alpha`); ties: the tie rule;
     head_cap: no head keeps more than this many entries, whatever an allocator gives it
@@ -224,7 +239,7 @@ class SelectionSpec:
     (`Timing.slide`).
     """
 
-    policy: Policy | tuple[Policy, ...]
+    rule: Rule | tuple[Rule, ...]
     head_budget: str = "uniform"
     alpha: float = 0.2
     ties: str = "later"
@@ -255,7 +270,7 @@ def select_for(
     share one compilation (given the same draft record, see `decoding.rewind_state`). Draft
     entries (valid slots past each row's last prompt position) are always kept and count
     against the budget; the pre-draft cache has none, so for "prefill" this is a no-op.
-    spec: the `SelectionSpec`, or its fields by name (``policy=SnapKV()``, ``ties=...``).
+    spec: the `SelectionSpec`, or its fields by name (``rule=SnapKV()``, ``ties=...``).
     """
     spec = SelectionSpec.of(spec, fields)
     return select_for_budgets(
@@ -276,30 +291,28 @@ def select_for_budgets(
 ) -> tuple[jax.Array, ...]:
     """`select_for` under several budgets at once: the cache is scored once, then each budget
     selects from those scores (what a budget sweep wants). One keep mask per budget, in
-    order; each equals `select_for` with that budget. policy: one for every budget, or one
+    order; each equals `select_for` with that budget. rule: one for every budget, or one
     per budget, all with the same `scorer` (SnapKV and PyramidKV cells share a scoring).
     head_cap (static): no head keeps more than this many entries, whatever an allocator
     gives it (decode-time compression's fixed-capacity cache,
     `dge_jax.eviction.decode_compression`)."""
     nl, b, hkv, _ = cache.pos.shape
-    policy, head_budget, alpha, ties, head_cap = (
-        spec.policy, spec.head_budget, spec.alpha, spec.ties, spec.head_cap
-    )
-    policies = policy if isinstance(policy, tuple) else (policy,) * len(budgets)
-    if len(policies) != len(budgets) or len({p.scorer for p in policies}) != 1:
+    head_budget, alpha, ties, head_cap = spec.head_budget, spec.alpha, spec.ties, spec.head_cap
+    rules = spec.rule if isinstance(spec.rule, tuple) else (spec.rule,) * len(budgets)
+    if len(rules) != len(budgets) or len({p.scorer for p in rules}) != 1:
         raise ValueError(
-            "select_for_budgets: give one policy, or one per budget with the same scorer"
+            "select_for_budgets: give one rule, or one per budget with the same scorer"
         )
     obs = with_drafts(prompt_obs, drafts, observe_drafts, spec.slide, draft_weight)
-    scores = policies[0].scorer.score(cache, obs)
+    scores = rules[0].scorer.score(cache, obs)
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
     # Only prompt entries count towards "fits" below: drafts are answer tokens, kept on top
     # of a whole prompt.
     prompt_entries = jnp.sum(cache.valid() & ~is_draft, axis=-1, dtype=jnp.int32)
     masks = []
-    for budget, pol in zip(budgets, policies, strict=True):
-        schedule = pol.layer_schedule
+    for budget, rule in zip(budgets, rules, strict=True):
+        schedule = rule.layer_schedule
         # A row whose every head holds no more than the nominal budget is not compressed at
         # all, whatever a schedule or allocator would move between layers/heads: a prompt no
         # longer than the budget is never compressed.
@@ -315,7 +328,7 @@ def select_for_budgets(
             per_head = expand_budgets(budget, nl, b, hkv)
         if head_cap is not None:
             per_head = jnp.minimum(per_head, head_cap)
-        ranked = pol.refine(scores, per_head, cache, obs, ties)  # two-stage rules re-rank
+        ranked = rule.refine(scores, per_head, cache, obs, ties)  # two-stage rules re-rank
         keep = selection.select_slots(ranked, per_head, ties=ties, positions=cache.pos)
         masks.append(jnp.where(fits[None, :, None, None], cache.valid(), keep))
     return tuple(masks)
@@ -366,9 +379,9 @@ def keep_mask(
 
 def scoring_key(ev: Eviction) -> tuple:
     """Evictions with equal keys score a cache identically (and break ties alike): they differ
-    at most by budget, or by a policy that selects from the same scores (SnapKV and PyramidKV)."""
+    at most by budget, or by a rule that selects from the same scores (SnapKV and PyramidKV)."""
     t = ev.timing
-    return (ev.policy.scorer, t.observes_drafts, t.draft_weight, t.slide, ev.head_budget,
+    return (ev.rule.scorer, t.observes_drafts, t.draft_weight, t.slide, ev.head_budget,
             ev.alpha, ev.ties)  # fmt: skip
 
 
@@ -380,10 +393,10 @@ def keep_masks(
     if len({scoring_key(ev) for ev in evs}) != 1:
         raise ValueError(
             "keep_masks: the evictions must share one scoring (differ by budget, or by "
-            "policies with the same scorer such as SnapKV and PyramidKV)"
+            "rules with the same scorer such as SnapKV and PyramidKV)"
         )
     ev = evs[0]
-    policies = tuple(e.policy for e in evs)
+    rules = tuple(e.rule for e in evs)
     return list(
         select_for_budgets(
             cache,
@@ -393,8 +406,8 @@ def keep_masks(
             jnp.asarray(ev.timing.observes_drafts),
             jnp.asarray(ev.timing.draft_weight, jnp.float32),
             spec=SelectionSpec(
-                # one policy when all agree, so that a plain sweep shares select_for's compilation
-                policy=policies[0] if len(set(policies)) == 1 else policies,
+                # one rule when all agree, so that a plain sweep shares select_for's compilation
+                rule=rules[0] if len(set(rules)) == 1 else rules,
                 head_budget=ev.head_budget,
                 alpha=ev.alpha,
                 ties=ev.ties,

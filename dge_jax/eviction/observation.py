@@ -1,9 +1,9 @@
 """What scoring rules may read besides the cache: the recorded queries and attention.
 
 Prefill records the last W prompt queries per layer (and, for H2O, per-slot attention
-sums) only when a policy asks; draft steps record theirs (`DraftRecord`). `with_drafts` joins
-them the way the timing says (`dge_jax.eviction.timing`), and `for_policy` cuts the shared record of
-a grid down to what one policy reads.
+sums) only when a rule asks; draft steps record theirs (`DraftRecord`). `with_drafts` joins
+them the way the timing says (`dge_jax.eviction.timing`), and `for_rule` cuts the shared record of
+a grid down to what one rule reads.
 """
 
 from __future__ import annotations
@@ -167,15 +167,15 @@ def _join_draft_queries(stats: QueryStats, drafts: DraftRecord, weight: jax.Arra
     )
 
 
-def for_policy(
-    policy, obs: Observation, drafts: DraftRecord | None
+def for_rule(
+    rule, obs: Observation, drafts: DraftRecord | None
 ) -> tuple[Observation, DraftRecord | None]:
-    """The shared prefill observation and draft record cut to what `policy` reads.
+    """The shared prefill observation and draft record cut to what `rule` reads.
 
-    Prefill recorded the largest window any cell needs; a policy with a smaller window sees
+    Prefill recorded the largest window any cell needs; a rule with a smaller window sees
     only its own last w queries, and one that reads no queries (or no attention) sees none.
     """
-    needs = policy.needs
+    needs = rule.needs
     w = needs.window
     q = q_pos = is_draft = None
     if w:

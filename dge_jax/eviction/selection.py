@@ -140,7 +140,7 @@ def select_slots(
 ) -> jax.Array:
     """Keep mask [L, B, Hkv, S]: each head's top-``budget`` candidate slots.
 
-    A slot is a candidate iff ``valid`` (default: score > -inf, which is how every policy marks
+    A slot is a candidate iff ``valid`` (default: score > -inf, which is how every rule marks
     an empty slot); a head with no more candidates than its budget keeps all of them.
     ties (static, see the module docstring): "later" gives equal scores to the later slot
     (today's rule; ``positions`` is not read); "earlier" to the earlier position in

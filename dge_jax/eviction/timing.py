@@ -1,7 +1,7 @@
 """When eviction happens, and which queries the scoring rule may then observe.
 
-A timing never knows which policy runs: it only decides how many answer tokens are drafted
-with the full cache before eviction, and which of their queries the policy observes
+A timing never knows which rule runs: it only decides how many answer tokens are drafted
+with the full cache before eviction, and which of their queries the rule observes
 (`dge_jax.eviction.observation.with_drafts` assembles them).
 
 | kind      | evicts after         | observation queries                        |
@@ -17,7 +17,7 @@ before decoding, and the prompt is first evicted with the rest of the cache once
 
 Under both DGE timings the draft entries are always kept, and count against the budget.
 `slide=True` makes DGE's window slide instead: the last w queries overall (the oldest k-1
-prompt queries drop out), so the policy sees as many queries as the baseline does.
+prompt queries drop out), so the rule sees as many queries as the baseline does.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 KINDS = ("prefill", "dge", "dge_w", "decode")
 
 
-RULES = ("entropy", "top1")
+ADAPTIVE_RULES = ("entropy", "top1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +45,8 @@ class Adaptive:
     threshold: float = 1.0
 
     def __post_init__(self):
-        if self.rule not in RULES:
-            raise ValueError(f"unknown adaptive rule {self.rule!r}; choose from {RULES}")
+        if self.rule not in ADAPTIVE_RULES:
+            raise ValueError(f"unknown adaptive rule {self.rule!r}; choose from {ADAPTIVE_RULES}")
 
     def steps(self, entropy: np.ndarray, top1: np.ndarray, max_steps: int) -> np.ndarray:
         """Draft steps per row [B] from per-token stats [B, >= max_steps + 1] (t1 first).

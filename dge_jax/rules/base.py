@@ -1,4 +1,4 @@
-"""The rule interface: `Needs` (what a rule asks the generator to record), the `Policy`
+"""The rule interface: `Needs` (what a rule asks the generator to record), the `Rule`
 protocol, the `ScoringRule` defaults, field checks and the score sentinels (`finish`).
 
 A rule is one file of `dge_jax.rules` named after it, holding a frozen dataclass derived
@@ -81,7 +81,7 @@ class Needs:
         )
 
 
-class Policy(Protocol):
+class Rule(Protocol):
     """What every scoring rule offers the generator (`ScoringRule` gives the defaults)."""
 
     name: ClassVar[str]
@@ -92,8 +92,8 @@ class Policy(Protocol):
         ...
 
     @property
-    def scorer(self) -> Policy:
-        """The policy whose `score` this one selects from (itself, or PyramidKV's SnapKV)."""
+    def scorer(self) -> Rule:
+        """The rule whose `score` this one selects from (itself, or PyramidKV's SnapKV)."""
         ...
 
     @property
@@ -172,11 +172,11 @@ def require_obs(obs: Observation, *fields: str) -> None:
     """A clear error when the forward did not record what a rule reads."""
     for field in fields:
         if getattr(obs, field) is None:
-            raise ValueError(f"this policy needs obs.{field}, which the forward did not record")
+            raise ValueError(f"this rule needs obs.{field}, which the forward did not record")
 
 
 class ScoringRule:
-    """The defaults every policy shares: it needs nothing recorded (`Needs()`), scores with
+    """The defaults every rule shares: it needs nothing recorded (`Needs()`), scores with
     its own `score`, keeps the same budget in every layer, and ranks its scores as they are.
     Derive a rule from it and override what differs (WORKSPACE.md, "Add a scoring rule")."""
 
@@ -186,8 +186,8 @@ class ScoringRule:
         return Needs()
 
     @property
-    def scorer(self) -> Policy:
-        """The policy whose `score` this one selects from: itself."""
+    def scorer(self) -> Rule:
+        """The rule whose `score` this one selects from: itself."""
         return self
 
     @property

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.eviction.observation import Observation
-from dge_jax.rules.base import Needs, Policy, finish, require_obs
+from dge_jax.rules.base import Needs, Rule, finish, require_obs
 from dge_jax.rules.registry import register
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.wrapper import Wrapper, check_inner
@@ -36,7 +36,7 @@ class ChunkKV(Wrapper):
     comes here from the next best chunk (kvpress keeps fewer than B).
     """
 
-    inner: Policy = SnapKV()
+    inner: Rule = SnapKV()
     chunk_length: int = 20
 
     name: ClassVar[str] = "chunkkv"

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from dge_jax.eviction import selection
 from dge_jax.eviction.observation import Observation
-from dge_jax.rules.base import Needs, Policy, require_obs
+from dge_jax.rules.base import Needs, Rule, require_obs
 from dge_jax.rules.ops import group_heads
 from dge_jax.rules.registry import register
 from dge_jax.rules.snapkv import SnapKV
@@ -53,7 +53,7 @@ class CriticalKV(Wrapper):
     with the inner rule's own cells (``scorer``), so a grid scores once for both.
     """
 
-    inner: Policy = SnapKV()
+    inner: Rule = SnapKV()
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
 
@@ -76,7 +76,7 @@ class CriticalKV(Wrapper):
         return self.inner.needs | Needs(out_proj=True)
 
     @property
-    def scorer(self) -> Policy:
+    def scorer(self) -> Rule:
         """The inner rule's scorer: stage 1 ranks its scores."""
         return self.inner.scorer
 

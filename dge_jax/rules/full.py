@@ -28,6 +28,6 @@ class FullKV(ScoringRule):
         return finish(jnp.zeros(valid.shape, jnp.float32), valid, protected=valid)
 
 
-def is_full(policy: object) -> bool:
-    """Whether ``policy`` is the no-eviction sentinel (the generator then selects nothing)."""
-    return isinstance(policy, FullKV)
+def is_full(rule: object) -> bool:
+    """Whether ``rule`` is the no-eviction sentinel (the generator then selects nothing)."""
+    return isinstance(rule, FullKV)

@@ -30,11 +30,11 @@ class PyramidKV(SnapKV):
 
     @property
     def scorer(self) -> SnapKV:
-        """The policy whose scores this one selects from: SnapKV with the same settings (a
+        """The rule whose scores this one selects from: SnapKV with the same settings (a
         grid scores SnapKV and PyramidKV cells of one timing once)."""
         return SnapKV(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SnapKV)})
 
     @property
     def layer_schedule(self) -> PyramidSchedule:
-        """KVCache-Factory's linear pyramid over this policy's window (`PyramidSchedule`)."""
+        """KVCache-Factory's linear pyramid over this rule's window (`PyramidSchedule`)."""
         return PyramidSchedule(window=self.window, beta=self.beta)

@@ -4,10 +4,10 @@ A rule registers itself with ``@register`` on its class. The first time the regi
 read, it imports every module of the `dge_jax.rules` package (`pkgutil.iter_modules`, names
 computed at run time), so a new file in dge_jax/rules/ is the only edit a new rule needs.
 
-``make_policy("snapkv", window=8)``; a wrapper takes its inner rule by name and passes the
-options it does not have itself on to it: ``make_policy("criticalkv", inner="h2o",
+``make_rule("snapkv", window=8)``; a wrapper takes its inner rule by name and passes the
+options it does not have itself on to it: ``make_rule("criticalkv", inner="h2o",
 window=16)`` is ``CriticalKV(inner=H2O(window=16))``, and so is the composite name
-``make_policy("criticalkv_h2o", window=16)`` (how runner methods name a wrapped rule).
+``make_rule("criticalkv_h2o", window=16)`` (how runner methods name a wrapped rule).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import pkgutil
 from collections.abc import Iterator, MutableMapping, Set
 from typing import Any
 
-from dge_jax.rules.base import Policy
+from dge_jax.rules.base import Rule
 
-_RULES: dict[str, type] = {}
+_CLASSES: dict[str, type] = {}
 _state = {"discovered": False, "discovering": False}
 
 
@@ -30,7 +30,7 @@ def register(cls: type) -> type:
     name = cls.name
     if not isinstance(name, str) or name != name.lower() or not name:
         raise ValueError(f"{cls.__qualname__}.name must be a lower-case string, got {name!r}")
-    known = _RULES.get(name)
+    known = _CLASSES.get(name)
     if known is not None and (known.__module__, known.__qualname__) != (
         cls.__module__,
         cls.__qualname__,
@@ -39,7 +39,7 @@ def register(cls: type) -> type:
             f"rule name {name!r} is taken by {known.__module__}.{known.__qualname__}; "
             f"give {cls.__module__}.{cls.__qualname__} another name"
         )
-    _RULES[name] = cls
+    _CLASSES[name] = cls
     return cls
 
 
@@ -63,31 +63,31 @@ class _Registry(MutableMapping):
 
     def __getitem__(self, name: str) -> type:
         discover()
-        return _RULES[name]
+        return _CLASSES[name]
 
     def __setitem__(self, name: str, cls: type) -> None:
-        _RULES[name] = cls
+        _CLASSES[name] = cls
 
     def __delitem__(self, name: str) -> None:
-        del _RULES[name]
+        del _CLASSES[name]
 
     def __iter__(self) -> Iterator[str]:
         discover()
-        return iter(sorted(_RULES))
+        return iter(sorted(_CLASSES))
 
     def __len__(self) -> int:
         discover()
-        return len(_RULES)
+        return len(_CLASSES)
 
     def __contains__(self, name: object) -> bool:
         discover()
-        return name in _RULES
+        return name in _CLASSES
 
     def __repr__(self) -> str:
-        return f"POLICIES({dict(self.items())!r})"
+        return f"RULES({dict(self.items())!r})"
 
 
-POLICIES = _Registry()
+RULES = _Registry()
 
 
 def _names(cls: type) -> list[str]:
@@ -98,7 +98,7 @@ class _Wrappers(Set):
     """The registered rules that take an ``inner`` rule (read from the registry each time)."""
 
     def _names(self) -> list[str]:
-        return [name for name, cls in POLICIES.items() if "inner" in _names(cls)]
+        return [name for name, cls in RULES.items() if "inner" in _names(cls)]
 
     def __contains__(self, name: object) -> bool:
         return name in self._names()
@@ -114,47 +114,47 @@ class _Wrappers(Set):
 WRAPPERS = _Wrappers()
 
 
-def _default_inner(cls: type) -> Policy:
+def _default_inner(cls: type) -> Rule:
     return next(f for f in dataclasses.fields(cls) if f.name == "inner").default
 
 
 def resolve(name: str) -> tuple[type, str | None]:
-    """The class a policy name builds, and the inner rule a composite name gives
+    """The class a rule name builds, and the inner rule a composite name gives
     ("criticalkv_expectedattention": CriticalKV around ExpectedAttention), else None."""
     key = name.lower()
-    if key in POLICIES:
-        return POLICIES[key], None
+    if key in RULES:
+        return RULES[key], None
     for wrapper in WRAPPERS:
         inner = key.removeprefix(wrapper + "_")
-        if inner != key and inner in POLICIES:
+        if inner != key and inner in RULES:
             _check_inner_name(wrapper, inner)
-            return POLICIES[wrapper], inner
+            return RULES[wrapper], inner
     composite = ", ".join(f"{w}_<rule>" for w in sorted(WRAPPERS))
     raise ValueError(
-        f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}, and {composite}"
+        f"unknown rule {name!r}; known: {', '.join(sorted(RULES))}, and {composite}"
     )
 
 
 def _check_inner_name(wrapper: str, inner: str) -> None:
     if inner.lower() in WRAPPERS or inner.lower() == "full":
-        evicting = sorted(set(POLICIES) - set(WRAPPERS) - {"full"})
+        evicting = sorted(set(RULES) - set(WRAPPERS) - {"full"})
         raise ValueError(
             f"{wrapper}'s inner rule must be one of {', '.join(evicting)}, got {inner!r}"
         )
 
 
-def policy_fields(name: str) -> set[str]:
-    """The options `make_policy(name, ...)` accepts (a wrapper's include its inner rule's)."""
+def rule_fields(name: str) -> set[str]:
+    """The options `make_rule(name, ...)` accepts (a wrapper's include its inner rule's)."""
     cls, inner = resolve(name)
     own = set(_names(cls))
     if "inner" in own:
-        inner_cls = POLICIES[inner] if inner else type(_default_inner(cls))
+        inner_cls = RULES[inner] if inner else type(_default_inner(cls))
         own |= set(_names(inner_cls))
     return own
 
 
-def make_policy(name: str, **options: Any) -> Policy:
-    """The policy registered as ``name`` built with ``options``; unknown names or options raise.
+def make_rule(name: str, **options: Any) -> Rule:
+    """The rule registered as ``name`` built with ``options``; unknown names or options raise.
 
     For a wrapper, ``inner`` names its inner rule (or a composite name does:
     "chunkkv_keydiff"; default: the dataclass's) and the options the wrapper lacks go to it.
@@ -165,7 +165,7 @@ def make_policy(name: str, **options: Any) -> Policy:
         unknown = sorted(set(options) - set(own))
         if unknown:
             raise ValueError(
-                f"unknown option(s) {unknown} for policy {cls.name!r}; known: {own or 'none'}"
+                f"unknown option(s) {unknown} for rule {cls.name!r}; known: {own or 'none'}"
             )
         return cls(**options)
     if composite_inner and "inner" in options:
@@ -173,9 +173,9 @@ def make_policy(name: str, **options: Any) -> Policy:
     inner = options.pop("inner", composite_inner or _default_inner(cls).name)
     passed = {k: v for k, v in options.items() if k not in own}
     options = {k: v for k, v in options.items() if k in own}
-    if not isinstance(inner, str):  # a policy object: used as it is
+    if not isinstance(inner, str):  # a rule object: used as it is
         if passed:
             raise ValueError(f"options {sorted(passed)} for {cls.name} need inner= by name")
         return cls(inner=inner, **options)
     _check_inner_name(cls.name, inner)
-    return cls(inner=make_policy(inner, **passed), **options)
+    return cls(inner=make_rule(inner, **passed), **options)

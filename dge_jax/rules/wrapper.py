@@ -9,7 +9,7 @@ follows them.
 from __future__ import annotations
 
 from dge_jax.eviction.budgets import PyramidSchedule
-from dge_jax.rules.base import Needs, Policy, ScoringRule
+from dge_jax.rules.base import Needs, Rule, ScoringRule
 from dge_jax.rules.full import is_full
 
 
@@ -26,7 +26,7 @@ class Wrapper(ScoringRule):
     """A rule around ``inner``: it needs what the inner rule needs (`needs`) and keeps its
     per-layer budgets (`layer_schedule`); a subclass adds its own needs with ``|``."""
 
-    inner: Policy
+    inner: Rule
 
     @property
     def needs(self) -> Needs:

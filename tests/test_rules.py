@@ -24,7 +24,7 @@ from dge_jax.rules.knorm import KeyNorm
 from dge_jax.rules.ops import gqa_aggregate, pool1d
 from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.random import RandomScores
-from dge_jax.rules.registry import POLICIES, make_policy
+from dge_jax.rules.registry import RULES, make_rule
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.rules.tova import TOVA
@@ -75,13 +75,13 @@ def _row(cache: KVCache, layer: int, b: int):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _jitted(policy, cache, obs):
-    return policy.score(cache, obs)
+def _jitted(rule, cache, obs):
+    return rule.score(cache, obs)
 
 
-def _score(policy, cache: KVCache, obs: Observation | None) -> np.ndarray:
-    """policy.score under jit (eager dispatch of every op is what makes tests slow)."""
-    return np.asarray(_jitted(policy, cache, obs))
+def _score(rule, cache: KVCache, obs: Observation | None) -> np.ndarray:
+    """rule.score under jit (eager dispatch of every op is what makes tests slow)."""
+    return np.asarray(_jitted(rule, cache, obs))
 
 
 def _kept_positions(keep: jax.Array, cache: KVCache) -> dict:
@@ -173,10 +173,10 @@ def test_pool1d_excluded_slots_are_padding():
 @pytest.mark.parametrize("budget", [70, 76, 80])
 def test_snapkv_kvpress_preset_reproduces_kvpress(budget):
     lengths, S = (96, 84), 96
-    policy = SnapKV.kvpress()
-    assert policy == SnapKV(window=64, kernel=5, pooling="avg", gqa="mean")
-    cache, obs = _cache(lengths, S), _obs(lengths, policy.window)
-    scores = _score(policy, cache, obs)
+    rule = SnapKV.kvpress()
+    assert rule == SnapKV(window=64, kernel=5, pooling="avg", gqa="mean")
+    cache, obs = _cache(lengths, S), _obs(lengths, rule.window)
+    scores = _score(rule, cache, obs)
     kept = _kept_positions(select(scores, budget), cache)
     for layer in range(L):
         for b, n in enumerate(lengths):
@@ -196,16 +196,16 @@ def test_snapkv_kvpress_preset_reproduces_kvpress(budget):
 @pytest.mark.parametrize("drafts", [0, 2])
 def test_snapkv_matches_reference(pooling, gqa, drafts):
     lengths, S, window, budget = (30, 21), 30, 6, 13
-    policy = SnapKV(window=window, kernel=7, pooling=pooling, gqa=gqa)
+    rule = SnapKV(window=window, kernel=7, pooling=pooling, gqa=gqa)
     cache, obs = _cache(lengths, S, drafts=drafts), _obs(lengths, window, drafts=drafts)
-    scores = _score(policy, cache, obs)
+    scores = _score(rule, cache, obs)
     kept = _kept_positions(select(scores, budget), cache)
     for layer in range(L):
         for b in range(B):
             keys, key_pos, slots = _row(cache, layer, b)
             ref, prefix_pos, protected = _snapkv_reference(
                 keys, key_pos, np.asarray(obs.q[layer, b]), np.asarray(obs.q_pos[b]),
-                policy.kernel, pooling, gqa,
+                rule.kernel, pooling, gqa,
             )  # fmt: skip
             assert len(protected) == window + drafts  # the window and every draft entry
             ours = np.asarray(scores[layer, b])[:, slots]
@@ -218,20 +218,20 @@ def test_snapkv_matches_reference(pooling, gqa, drafts):
 def test_snapkv_padding_does_not_leak():
     # Row 1 scored inside a left-padded batch equals the same row scored alone, unpadded.
     lengths, S, window = (24, 15), 24, 4
-    policy = SnapKV(window=window, kernel=7, pooling="avg")
+    rule = SnapKV(window=window, kernel=7, pooling="avg")
     cache, obs = _cache(lengths, S), _obs(lengths, window)
-    scores = _score(policy, cache, obs)
+    scores = _score(rule, cache, obs)
     alone = KVCache.stacked(
         cache.k[:, :, :, S - 15 :], cache.v[:, :, :, S - 15 :], cache.pos[:, :, :, S - 15 :], 15
     )
-    alone_scores = _score(policy, alone, obs)
+    alone_scores = _score(rule, alone, obs)
     np.testing.assert_allclose(scores[:, 1, :, S - 15 :], alone_scores[:, 1], rtol=1e-6)
     assert np.isneginf(scores[:, 1, :, : S - 15]).all()
 
 
 def test_snapkv_ignores_masked_queries():
     lengths, S, window = (20, 20), 20, 5
-    policy = SnapKV(window=window, kernel=3)
+    rule = SnapKV(window=window, kernel=3)
     cache, obs = _cache(lengths, S), _obs(lengths, window)
     # Row 0's oldest query slot holds garbage marked -1: same scores as dropping it, with
     # the protected range starting at the next query.
@@ -240,10 +240,10 @@ def test_snapkv_ignores_masked_queries():
     masked = Observation(q, q_pos, None, obs.is_draft, obs.prompt_end)
     dropped = Observation(obs.q[:, :, :, 1:], obs.q_pos[:, 1:], None, None, obs.prompt_end)
     np.testing.assert_allclose(
-        _score(policy, cache, masked)[:, 0], _score(policy, cache, dropped)[:, 0], rtol=1e-6
+        _score(rule, cache, masked)[:, 0], _score(rule, cache, dropped)[:, 0], rtol=1e-6
     )
-    assert np.isinf(_score(policy, cache, masked)[:, 0, :, 16:]).all()
-    assert np.isfinite(_score(policy, cache, masked)[:, 0, :, 15]).all()
+    assert np.isinf(_score(rule, cache, masked)[:, 0, :, 16:]).all()
+    assert np.isfinite(_score(rule, cache, masked)[:, 0, :, 15]).all()
 
 
 # ----------------------------------------------------------------------------- PyramidKV
@@ -271,9 +271,9 @@ def test_h2o_matches_reference(gqa, drafts):
     attn_sum = rng.random((L, B, HQ, S + drafts)).astype(np.float32)
     attn_sum = np.where(np.asarray(cache.pos)[:, :, :1] >= 0, attn_sum, 0.0)
     obs = _obs(lengths, 1, drafts=drafts, attn_sum=jnp.asarray(attn_sum))
-    policy = H2O(window=window, gqa=gqa)
-    assert policy.needs.attn_sum and policy.needs.window == 0
-    kept = _kept_positions(select(_score(policy, cache, obs), budget), cache)
+    rule = H2O(window=window, gqa=gqa)
+    assert rule.needs.attn_sum and rule.needs.window == 0
+    kept = _kept_positions(select(_score(rule, cache, obs), budget), cache)
     for layer in range(L):
         for b, n in enumerate(lengths):
             _, key_pos, slots = _row(cache, layer, b)
@@ -321,9 +321,9 @@ def test_streamingllm_keeps_sinks_and_recent(budget):
 def test_tova_matches_reference(across_heads, gqa):
     lengths, S, budget = (18, 12), 18, 7
     cache, obs = _cache(lengths, S), _obs(lengths, 3)  # only the last query counts
-    policy = TOVA(gqa=gqa, across_heads=across_heads)
-    assert policy.needs.window == 1
-    kept = _kept_positions(select(_score(policy, cache, obs), budget), cache)
+    rule = TOVA(gqa=gqa, across_heads=across_heads)
+    assert rule.needs.window == 1
+    kept = _kept_positions(select(_score(rule, cache, obs), budget), cache)
     for layer in range(L):
         for b, n in enumerate(lengths):
             keys, key_pos, _ = _row(cache, layer, b)
@@ -368,9 +368,9 @@ def test_random_is_seeded_and_deterministic():
 
 def test_full_keeps_everything():
     cache = _cache((10, 6), 10, drafts=1)
-    policy = FullKV()
-    assert is_full(policy) and not is_full(SnapKV())
-    scores = _score(policy, cache, None)
+    rule = FullKV()
+    assert is_full(rule) and not is_full(SnapKV())
+    scores = _score(rule, cache, None)
     keep = select(scores, 2)
     assert np.isposinf(np.asarray(scores)[np.asarray(cache.valid())]).all()
     # +inf everywhere: `select` would keep only the budget's most recent, hence the flag.
@@ -380,23 +380,23 @@ def test_full_keeps_everything():
 # ----------------------------------------------------------------------------- registry
 
 
-def test_registry_and_make_policy():
+def test_registry_and_make_rule():
     # Every rule file of dge_jax/rules/ registers its rule (the shared modules none), and
     # the registry holds nothing else: no list of names to keep in step.
     shared = {"__init__", "base", "ops", "registry", "wrapper"}
-    rules = pathlib.Path(inspect.getsourcefile(make_policy)).parent
-    stems = {p.stem for p in rules.glob("*.py")} - shared
-    assert set(POLICIES) == {stem.replace("_", "") for stem in stems}
-    assert {"full", "snapkv", "kvzip", "criticalkv"} <= set(POLICIES)
-    assert make_policy("snapkv", window=8) == SnapKV(window=8)
-    assert make_policy("PyramidKV", beta=10).beta == 10
-    assert isinstance(make_policy("full"), FullKV)
+    folder = pathlib.Path(inspect.getsourcefile(make_rule)).parent
+    stems = {p.stem for p in folder.glob("*.py")} - shared
+    assert set(RULES) == {stem.replace("_", "") for stem in stems}
+    assert {"full", "snapkv", "kvzip", "criticalkv"} <= set(RULES)
+    assert make_rule("snapkv", window=8) == SnapKV(window=8)
+    assert make_rule("PyramidKV", beta=10).beta == 10
+    assert isinstance(make_rule("full"), FullKV)
     with pytest.raises(ValueError, match="known: chunkkv, .*full, h2o"):
-        make_policy("snapkvv")
+        make_rule("snapkvv")
     with pytest.raises(ValueError, match="unknown option.*'windw'.*known"):
-        make_policy("snapkv", windw=8)
+        make_rule("snapkv", windw=8)
     with pytest.raises(ValueError, match="kernel"):
-        make_policy("snapkv", kernel=4)
+        make_rule("snapkv", kernel=4)
     with pytest.raises(ValueError, match="gqa"):
         SnapKV(gqa="sum")
 
@@ -426,7 +426,7 @@ def test_registry_and_make_policy():
         (lambda: TOVA(gqa="sum"), ValueError, r"TOVA\.gqa must be one of \('mean', 'max'\)"),
     ],
 )  # fmt: skip
-def test_bad_policy_fields_fail_at_construction(make, error, message):
+def test_bad_rule_fields_fail_at_construction(make, error, message):
     """One line naming the field, the value and what is allowed, not a JAX trace later on."""
     with pytest.raises(error, match=message) as exc:
         make()
@@ -434,22 +434,22 @@ def test_bad_policy_fields_fail_at_construction(make, error, message):
 
 
 def test_numpy_integer_fields_are_accepted_as_ints():
-    policy = SnapKV(window=np.int64(8), kernel=np.int32(5))
-    assert policy == SnapKV(window=8, kernel=5) and hash(policy) == hash(SnapKV(8, 5))
-    assert type(policy.window) is int and type(policy.kernel) is int
+    rule = SnapKV(window=np.int64(8), kernel=np.int32(5))
+    assert rule == SnapKV(window=8, kernel=5) and hash(rule) == hash(SnapKV(8, 5))
+    assert type(rule.window) is int and type(rule.kernel) is int
     assert PyramidKV(beta=np.int16(10)).beta == 10
     assert H2O(window=np.uint8(0)).window == 0 and StreamingLLM(np.int64(2)).sinks == 2
     assert RandomScores(seed=np.uint32(2**32 - 1)).seed == 2**32 - 1
     assert TOVA(across_heads=np.bool_(False)).across_heads is False
 
 
-def test_policies_are_static_jit_arguments():
+def test_rules_are_static_jit_arguments():
     cache, obs = _cache((12, 9), 12), _obs((12, 9), 4)
     fn = jax.jit(lambda p, c, o: p.score(c, o), static_argnums=0)
     for name, options in [("snapkv", {"window": 4}), ("tova", {}), ("knorm", {})]:
-        policy = make_policy(name, **options)
-        assert hash(policy) == hash(make_policy(name, **options))
-        out = fn(policy, cache, obs)
+        rule = make_rule(name, **options)
+        assert hash(rule) == hash(make_rule(name, **options))
+        out = fn(rule, cache, obs)
         assert out.shape == cache.pos.shape and out.dtype == jnp.float32
     fn(SnapKV(window=4), cache, obs)
     assert fn._cache_size() == 3
