@@ -1,8 +1,9 @@
-"""The grid a run evaluates: methods x timings x k x budgets, each cell one `Eviction`.
+"""The grid a run evaluates: rules x timings x k x budgets, each cell one `Eviction`.
 
-A method is a rule name (`snapkv`, `h2o`, ...), optionally prefixed `adakv_` for AdaKV
-head-level budgets over that rule's scores (alpha 0.2), or `global_` for one pool across
-every layer and head (KVzip's allocation, alpha 0); `full` is the one cell without eviction.
+A cell's rule (`--rules`) is a registered rule's name (`snapkv`, `h2o`, ...), optionally
+prefixed `adakv_` for AdaKV head-level budgets over that rule's scores (alpha 0.2), or
+`global_` for one pool across every layer and head (KVzip's allocation, alpha 0); `full` is
+the one cell without eviction.
 Cell ids are stable strings (`snapkv/dge/k2/b128`), the keys of predictions and tables. A
 cell that also compresses while decoding ends in its decode budget and interval
 (`snapkv/prefill/b128/d128/i32`); timing "decode" compresses only while decoding, at its
@@ -21,23 +22,24 @@ from dge_jax.eviction.timing import KINDS, Adaptive, Timing
 from dge_jax.rules.registry import RULES, WRAPPERS, make_rule, resolve, rule_fields
 
 ADAKV_PREFIX = "adakv_"
-# method prefix -> (Eviction.head_budget, Eviction.alpha)
+# a rule's head-budget prefix -> (Eviction.head_budget, Eviction.alpha)
 HEAD_BUDGET_PREFIXES = {ADAKV_PREFIX: ("adakv", 0.2), "global_": ("global", 0.0)}
 
 
-def split_method(method: str) -> tuple[str, str, float]:
-    """(rule name, head_budget, alpha) of a method: `global_kvzip` -> kvzip, global, 0."""
+def split_rule(rule: str) -> tuple[str, str, float]:
+    """(registered rule name, head_budget, alpha) of a cell's rule: `global_kvzip` -> kvzip,
+    global, 0."""
     for prefix, (head_budget, alpha) in HEAD_BUDGET_PREFIXES.items():
-        if method.startswith(prefix):
-            return method.removeprefix(prefix), head_budget, alpha
-    return method, "uniform", 0.2
+        if rule.startswith(prefix):
+            return rule.removeprefix(prefix), head_budget, alpha
+    return rule, "uniform", 0.2
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One evaluated configuration; `method == "full"` has no timing, k or budget."""
+    """One evaluated configuration; `rule == "full"` has no timing, k or budget."""
 
-    method: str
+    rule: str
     timing: str = "prefill"
     k: int = 1
     budget: int = 0
@@ -47,12 +49,12 @@ class Cell:
 
     @property
     def id(self) -> str:
-        if self.method == "full":
+        if self.rule == "full":
             return "full"
         drafts = self.timing in ("dge", "dge_w")
         k = f"/k{self.k}{'a' if self.adaptive else ''}" if drafts else ""
         decode = f"/d{self.decode_budget}/i{self.interval}" if self.decode_budget else ""
-        return f"{self.method}/{self.timing}{k}/b{self.budget}{decode}"
+        return f"{self.rule}/{self.timing}{k}/b{self.budget}{decode}"
 
     @property
     def without_decode(self) -> Cell:
@@ -61,11 +63,12 @@ class Cell:
 
     @property
     def rule_name(self) -> str:
-        return split_method(self.method)[0]
+        """The registered rule's name: `rule` without its head-budget prefix."""
+        return split_rule(self.rule)[0]
 
     def rule_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """The subset of `options` this cell's rule takes (none for full)."""
-        if self.method == "full":
+        if self.rule == "full":
             return {}
         fields = rule_fields(self.rule_name)
         return {k: v for k, v in options.items() if k in fields and v is not None}
@@ -76,10 +79,10 @@ class Cell:
     ) -> Eviction | None:
         """The `Eviction` of this cell; options a rule does not take are left out. `ties`:
         which of equal scores is kept (`Eviction.ties`)."""
-        if self.method == "full":
+        if self.rule == "full":
             return None
         options = self.rule_options(rule_options)
-        _, head_budget, alpha = split_method(self.method)
+        _, head_budget, alpha = split_rule(self.rule)
         if self.adaptive and adaptive is None:
             raise ValueError(f"cell {self.id} is adaptive but no adaptive rule was given")
         return Eviction(
@@ -99,27 +102,28 @@ def parse_cell_id(cell_id: str) -> Cell:
     """Inverse of `Cell.id` (reports read cells back from prediction files)."""
     if cell_id == "full":
         return Cell("full")
-    method, timing, *rest = cell_id.split("/")
+    rule, timing, *rest = cell_id.split("/")
     fields = {part[0]: part[1:] for part in rest}  # k2 / k8a, b128, d128, i32
     k_text = fields.get("k", "1")
     adaptive = k_text.endswith("a")
-    return Cell(method, timing, int(k_text.removesuffix("a")), int(fields["b"]), adaptive,
+    return Cell(rule, timing, int(k_text.removesuffix("a")), int(fields["b"]), adaptive,
                 int(fields.get("d", 0)), int(fields.get("i", 0)))
 
 
 def cell_order(cell_id: str) -> tuple:
-    """Sort key of tables: FullKV first, then by method and numeric budget (b64 before
+    """Sort key of tables: FullKV first, then by rule and numeric budget (b64 before
     b128), prefill before DGE before DGE-W, then k, adaptive, decode budget and interval."""
     c = parse_cell_id(cell_id)
     timing = {"prefill": 0, "dge": 1, "dge_w": 2}.get(c.timing, 3)
-    return (c.method != "full", c.method, c.budget, timing, c.k, c.adaptive, c.decode_budget,
+    return (c.rule != "full", c.rule, c.budget, timing, c.k, c.adaptive, c.decode_budget,
             c.interval)
 
 
-def check_method(method: str) -> None:
-    """Raises for a method name that names no rule (with or without a head-budget prefix)."""
-    name = split_method(method)[0]
-    if method == "full":
+def check_rule(rule: str) -> None:
+    """Raises for a cell's rule that names no registered rule (with or without a head-budget
+    prefix)."""
+    name = split_rule(rule)[0]
+    if rule == "full":
         return
     known = sorted(n for n in RULES if n != "full")
     reason = ""
@@ -131,13 +135,13 @@ def check_method(method: str) -> None:
     if cls is None or cls.name == "full":
         wrapped = ", ".join(f"{w}_<rule>" for w in sorted(WRAPPERS))
         raise ValueError(
-            f"unknown method {method!r}; known: full, {', '.join(known)}, {wrapped}, and "
+            f"unknown rule {rule!r}; known: full, {', '.join(known)}, {wrapped}, and "
             f"adakv_<rule> or global_<rule>{reason}"
         )
 
 
 def build_cells(
-    methods: Sequence[str], timings: Sequence[str], ks: Sequence[int], budgets: Sequence[int],
+    rules: Sequence[str], timings: Sequence[str], ks: Sequence[int], budgets: Sequence[int],
     adaptive_k_max: int | None = None, decode_budgets: Sequence[int] = (),
     intervals: Sequence[int] = (32,),
 ) -> list[Cell]:
@@ -153,8 +157,8 @@ def build_cells(
     for n in (*decode_budgets, *intervals):
         if n < 1:
             raise ValueError(f"decode budgets and intervals must be >= 1, got {n}")
-    for m in methods:
-        check_method(m)
+    for rule in rules:
+        check_rule(rule)
     for t in timings:
         if t not in KINDS:
             raise ValueError(f"unknown timing {t!r}; choose from {', '.join(KINDS)}")
@@ -164,18 +168,18 @@ def build_cells(
     for b in budgets:
         if b < 1:
             raise ValueError(f"budgets must be >= 1, got {b}")
-    cells = [Cell("full")] if "full" in methods else []
+    cells = [Cell("full")] if "full" in rules else []
     variants = [(d, i) for d in decode_budgets for i in intervals]
-    for method in (m for m in methods if m != "full"):
+    for rule in (r for r in rules if r != "full"):
         for timing in timings:
             if timing == "decode":
-                cells += [Cell(method, timing, 1, d, False, d, i) for d, i in variants]
+                cells += [Cell(rule, timing, 1, d, False, d, i) for d, i in variants]
                 continue
             for k in ([1] if timing == "prefill" else ks):
                 for budget in budgets:
-                    cells.append(Cell(method, timing, k, budget))
-                    cells += [Cell(method, timing, k, budget, False, d, i) for d, i in variants]
+                    cells.append(Cell(rule, timing, k, budget))
+                    cells += [Cell(rule, timing, k, budget, False, d, i) for d, i in variants]
             if adaptive_k_max and timing != "prefill":
                 for budget in budgets:
-                    cells.append(Cell(method, timing, adaptive_k_max, budget, adaptive=True))
+                    cells.append(Cell(rule, timing, adaptive_k_max, budget, adaptive=True))
     return list(dict.fromkeys(cells))

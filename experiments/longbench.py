@@ -2,7 +2,7 @@
 
     python -m experiments.longbench                       # embedded SmolLM2, synthetic suite
     python -m experiments.longbench --suite longbench --data_dir DIR \\
-        --methods full,snapkv,pyramidkv,h2o,streamingllm,adakv_snapkv \\
+        --rules full,snapkv,pyramidkv,h2o,streamingllm,adakv_snapkv \\
         --timings prefill,dge,dge_w --budgets 128,256,512
     python -m experiments.longbench --suite ruler --datasets niah_single_1,vt --ruler_length 4096
 

@@ -61,15 +61,15 @@ def cell_interval(per_sample: Samples, cell: str) -> tuple[float, float, float]:
 
 
 def _series(scores: dict) -> dict[tuple[str, str, int], dict[int, str]]:
-    """(method, timing, k) -> {budget: cell id}, adaptive cells left to the paired table."""
+    """(rule, timing, k) -> {budget: cell id}, adaptive cells left to the paired table."""
     out: dict[tuple[str, str, int], dict[int, str]] = defaultdict(dict)
     for cell_id in scores["averages"]:
         c = parse_cell_id(cell_id)
-        if c.method != "full" and not c.adaptive:
+        if c.rule != "full" and not c.adaptive:
             # a cell that also compresses while decoding is a series of its own
             timing = c.timing + (f" + decode {c.decode_budget}/{c.interval}"
                                  if c.decode_budget else "")  # fmt: skip
-            out[(c.method, timing, c.k)][c.budget] = cell_id
+            out[(c.rule, timing, c.k)][c.budget] = cell_id
     return out
 
 
@@ -80,19 +80,19 @@ def _label(cells: dict[int, str]) -> str:
 
 def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
                     out_dir: pathlib.Path) -> pathlib.Path | None:
-    """score_vs_budget.png: mean score per budget and timing, one panel per method, `full`
+    """score_vs_budget.png: mean score per budget and timing, one panel per rule, `full`
     as a band; series (named by their cell id without the budget) with equal scores at every
     budget are offset and named in a note."""
     series = _series(scores)
-    methods = sorted({m for m, _, _ in series})
-    if not methods:
+    rules = sorted({m for m, _, _ in series})
+    if not rules:
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(methods), figsize=(5.2 * len(methods), 4.9),
+    fig, axes = plt.subplots(1, len(rules), figsize=(5.2 * len(rules), 4.9),
                              squeeze=False)
     full = cell_interval(per_sample, "full") if "full" in per_sample else None
-    for ax, method in zip(axes[0], methods, strict=True):
-        mine = sorted((key, cells) for key, cells in series.items() if key[0] == method)
+    for ax, rule in zip(axes[0], rules, strict=True):
+        mine = sorted((key, cells) for key, cells in series.items() if key[0] == rule)
         offsets = _offsets(len(mine))
         for (key, cells), dx in zip(mine, offsets, strict=True):
             budgets = sorted(cells)
@@ -108,7 +108,7 @@ def score_vs_budget(scores: dict, per_sample: Samples, title_text: str,
         ax.set_xscale("log", base=2)
         budgets = sorted({b for _, cells in mine for b in cells})
         ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_title(method + (f"\n{note}" if note else ""), fontsize=9)
+        ax.set_title(rule + (f"\n{note}" if note else ""), fontsize=9)
         ax.set_xlabel("budget (entries kept per kv head)")
         ax.set_ylabel("mean score (95 % bootstrap interval)")
         ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
@@ -160,7 +160,7 @@ def win_rate_points(comparisons: list[dict], alpha: float = SIGNIFICANT) -> list
         interval = clopper_pearson(c["wins"], c["losses"], 1 - alpha / m)
         discordant = c["wins"] + c["losses"]
         points.append({
-            "name": comparison_name(c), "method": parse_cell_id(c["cell"]).method,
+            "name": comparison_name(c), "rule": parse_cell_id(c["cell"]).rule,
             "budget": parse_cell_id(c["cell"]).budget, "cell": c["cell"],
             "baseline": c["baseline"], "wins": c["wins"], "losses": c["losses"],
             "rate": c["wins"] / discordant if discordant else None,
@@ -174,24 +174,24 @@ def win_rate_points(comparisons: list[dict], alpha: float = SIGNIFICANT) -> list
 def dge_delta(comparisons: list[dict], title_text: str,
               out_dir: pathlib.Path) -> pathlib.Path | None:
     """dge_delta.png: per budget, the win rate of every paired comparison the report tests
-    (`win_rate_points`), one panel per method, with a 0.5 line (as many wins as losses),
+    (`win_rate_points`), one panel per rule, with a 0.5 line (as many wins as losses),
     filled markers where Holm p < 0.05 and hollow ones otherwise; ties are drawn at 0.5
     without an interval. None when the run has no paired comparison."""
     points = win_rate_points(comparisons)
     if not points:
         return None
     m = len(points)
-    methods = sorted({p["method"] for p in points})
+    rules = sorted({p["rule"] for p in points})
     names = list(dict.fromkeys(p["name"] for p in points))
     colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(methods), figsize=(5.6 * len(methods), 5.2),
+    fig, axes = plt.subplots(1, len(rules), figsize=(5.6 * len(rules), 5.2),
                              squeeze=False)
-    for ax, method in zip(axes[0], methods, strict=True):
-        mine = [n for n in names if any(p["name"] == n and p["method"] == method
+    for ax, rule in zip(axes[0], rules, strict=True):
+        mine = [n for n in names if any(p["name"] == n and p["rule"] == rule
                                         for p in points)]
         for name, dx in zip(mine, _offsets(len(mine)), strict=True):
-            drawn = [p for p in points if p["name"] == name and p["method"] == method]
+            drawn = [p for p in points if p["name"] == name and p["rule"] == rule]
             for i, p in enumerate(drawn):
                 x = p["budget"] * 2**dx
                 face = colors[name] if p["filled"] else "white"
@@ -207,11 +207,11 @@ def dge_delta(comparisons: list[dict], title_text: str,
                             marker="o", capsize=3, color=colors[name], markerfacecolor=face,
                             linestyle="none", label=label)
         ax.axhline(0.5, color="black", linewidth=0.8)
-        budgets = sorted({p["budget"] for p in points if p["method"] == method})
+        budgets = sorted({p["budget"] for p in points if p["rule"] == rule})
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_ylim(-0.03, 1.03)
-        ax.set_title(method, fontsize=9)
+        ax.set_title(rule, fontsize=9)
         ax.set_xlabel("budget (entries kept per kv head)")
         ax.set_ylabel(f"win rate wins / (wins + losses)\nexact interval at 1 - 0.05/{m}",
                       fontsize=8)
@@ -223,20 +223,20 @@ def dge_delta(comparisons: list[dict], title_text: str,
 
 
 def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathlib.Path | None:
-    """accuracy_vs_k.png: mean score against k per method and budget (dge solid, dge_w
+    """accuracy_vs_k.png: mean score against k per rule and budget (dge solid, dge_w
     dashed, the prefill cell at k = 1), each line named by its cells' id with k as `k*`
     (`snapkv/dge/k*/b128`); written only when a run has several k."""
     cells = [parse_cell_id(c) for c in scores["averages"]]
     if len({c.k for c in cells if c.timing != "prefill" and not c.adaptive}) < 2:
         return None
     plt = _pyplot()
-    methods = sorted({c.method for c in cells if c.method != "full"})
-    fig, axes = plt.subplots(1, len(methods), figsize=(4.8 * len(methods), 3.8),
+    rules = sorted({c.rule for c in cells if c.rule != "full"})
+    fig, axes = plt.subplots(1, len(rules), figsize=(4.8 * len(rules), 3.8),
                              squeeze=False)
-    for ax, method in zip(axes[0], methods, strict=True):
-        for budget in sorted({c.budget for c in cells if c.method == method}):
-            _k_lines(ax, scores, cells, method, budget)
-        ax.set_title(method)
+    for ax, rule in zip(axes[0], rules, strict=True):
+        for budget in sorted({c.budget for c in cells if c.rule == rule}):
+            _k_lines(ax, scores, cells, rule, budget)
+        ax.set_title(rule)
         ax.set_xlabel("k (answer tokens drafted with the full cache)")
         ax.set_ylabel("mean score")
         ax.legend(fontsize=7)
@@ -244,16 +244,16 @@ def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathl
     return _save(plt, fig, out_dir / "accuracy_vs_k.png")
 
 
-def _k_lines(ax, scores: dict, cells: list[Cell], method: str, budget: int) -> None:
-    base = scores["averages"].get(f"{method}/prefill/b{budget}", {}).get("mean")
+def _k_lines(ax, scores: dict, cells: list[Cell], rule: str, budget: int) -> None:
+    base = scores["averages"].get(f"{rule}/prefill/b{budget}", {}).get("mean")
     for timing, style in (("dge", "-"), ("dge_w", "--")):
         pts = sorted((c.k, scores["averages"][c.id]["mean"]) for c in cells
-                     if c.method == method and c.budget == budget
+                     if c.rule == rule and c.budget == budget
                      and c.timing == timing and not c.adaptive)
         if base is not None:
             pts = [(1, base)] + [p for p in pts if p[0] != 1]
         if pts:
-            name = f"{method}/{timing}/k*/b{budget}"
+            name = f"{rule}/{timing}/k*/b{budget}"
             if base is not None:
-                name += f" (k = 1: {method}/prefill/b{budget})"
+                name += f" (k = 1: {rule}/prefill/b{budget})"
             ax.plot(*zip(*pts, strict=True), style, marker="o", label=name)

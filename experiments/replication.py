@@ -11,7 +11,7 @@ synthetic, ruler, longbench); several folders of one suite (say, with and withou
 prefix) are variants, not independent evidence. Everything else is stated as what it is: a
 hypothesis (one suite), not significant, or contradicted (significant with opposite signs).
 
-Folders that differ in a method setting (SnapKV's window, ties, draft weight, the adaptive
+Folders that differ in a cell setting (SnapKV's window, ties, draft weight, the adaptive
 rule) hold different claims: `snapkv/dge/k3/b128 vs snapkv/prefill/b128 [window=32]` is
 not evidence for the same comparison at window 8. The label names only the settings that
 differ among the folders given, so a sweep at one setting keeps plain claim names.
@@ -67,7 +67,8 @@ class Evidence:
 
 
 def settings(identity: dict[str, Any]) -> dict[str, Any]:
-    """The identity's method settings, flattened: {"window": 8, "kernel": 7, ..., "ties": ...}."""
+    """The identity's cell settings (scoring and timing), flattened: {"window": 8, "kernel":
+    7, ..., "ties": ...}."""
     out: dict[str, Any] = {}
     for key in SETTING_KEYS:
         value = identity.get(key)

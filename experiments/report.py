@@ -86,15 +86,15 @@ def markdown_table(scores: dict) -> str:
     tasks = max(a["tasks"] for a in averages.values())
     mean = f"mean ({tasks} task{'s' if tasks > 1 else ''})"
     decoding = any(parse_cell_id(c).decode_budget for c in averages)
-    header = ["method", "timing", "k", "budget", *(["decode"] if decoding else []), "n",
+    header = ["rule", "timing", "k", "budget", *(["decode"] if decoding else []), "n",
               *datasets, mean, *extra]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(averages, key=cell_order):
         c = parse_cell_id(cell)
-        drafts = c.timing in ("dge", "dge_w") and c.method != "full"  # k means nothing else
-        row = [c.method, "-" if c.method == "full" else c.timing,
+        drafts = c.timing in ("dge", "dge_w") and c.rule != "full"  # k means nothing else
+        row = [c.rule, "-" if c.rule == "full" else c.timing,
                f"{c.k}{'a' if c.adaptive else ''}" if drafts else "-",
-               "-" if c.method == "full" else str(c.budget)]
+               "-" if c.rule == "full" else str(c.budget)]
         if decoding:  # decode budget / interval of cells that compress while decoding
             row.append(f"{c.decode_budget} / {c.interval}" if c.decode_budget else "-")
         row.append(str(averages[cell]["n"]))
@@ -120,7 +120,7 @@ def sample_scores(rows: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
 
 def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     """Each prefill cell against FullKV (what compression costs), each DGE / DGE-W cell
-    against its method's prefill cell at the same budget, then each DGE cell against the DGE-W
+    against its rule's prefill cell at the same budget, then each DGE cell against the DGE-W
     cell of the same k and budget (the drafted queries' own effect, timing held fixed). A cell
     that also compresses while decoding is compared with FullKV and with its prefill-only
     form (the same cell without it; for timing "decode", the prefill cell at its budget), and
@@ -161,13 +161,13 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     cells = [(cell, parse_cell_id(cell)) for cell in sorted(per_cell, key=cell_order)]
     decoding = [(cell, c) for cell, c in cells if c.decode_budget]
     cells = [(cell, c) for cell, c in cells if not c.decode_budget]
-    drafted = [(cell, c) for cell, c in cells if c.method != "full" and c.timing != "prefill"]
-    against_prefill = [pair(cell, f"{c.method}/prefill/b{c.budget}") for cell, c in drafted]
+    drafted = [(cell, c) for cell, c in cells if c.rule != "full" and c.timing != "prefill"]
+    against_prefill = [pair(cell, f"{c.rule}/prefill/b{c.budget}") for cell, c in drafted]
     against_dge_w = [pair(cell, dataclasses.replace(c, timing="dge_w").id)
                      for cell, c in drafted + decoding if c.timing == "dge"]  # fmt: skip
     against_full = [pair(cell, "full") for cell, c in cells + decoding
-                    if c.method != "full" and c.timing in ("prefill", "decode")]
-    prefill_only = [pair(cell, f"{c.method}/prefill/b{c.budget}" if c.timing == "decode"
+                    if c.rule != "full" and c.timing in ("prefill", "decode")]
+    prefill_only = [pair(cell, f"{c.rule}/prefill/b{c.budget}" if c.timing == "decode"
                          else c.without_decode.id) for cell, c in decoding]  # fmt: skip
     comparisons = [p for p in against_full + against_prefill + prefill_only + against_dge_w
                    if p is not None]  # fmt: skip
@@ -197,7 +197,7 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
     """A few plain sentences under the tables: what was compared, on what, what is significant."""
     averages = scores["averages"]
     cells = [parse_cell_id(c) for c in averages]
-    budgets = sorted({c.budget for c in cells if c.method != "full"})
+    budgets = sorted({c.budget for c in cells if c.rule != "full"})
     series = list(dict.fromkeys(plots.without_budget(c) for c in sorted(averages, key=cell_order)
                                 if c != "full"))
     n = sorted({a["n"] for a in averages.values()})
@@ -317,8 +317,8 @@ def _command_text(command: str) -> str:
 
 
 PAIRED_INTRO = (
-    "\nPaired comparisons on the same samples: each `<method>/prefill/b<budget>` cell against "
-    "`full`, each `dge` / `dge_w` cell against the prefill cell of its method and budget, then "
+    "\nPaired comparisons on the same samples: each `<rule>/prefill/b<budget>` cell against "
+    "`full`, each `dge` / `dge_w` cell against the prefill cell of its rule and budget, then "
     "each `dge` cell against the `dge_w` cell of the same k and budget, and each cell that "
     "compresses while decoding against `full` and its prefill-only cell (correct = row score "
     ">= 0.5; exact McNemar test; Holm's correction over all rows; and, by row score, higher / "

@@ -95,7 +95,7 @@ def cell_config(identity: dict, cell: Cell) -> dict:
         **identity, "cell": cell.id,
         RULE_OPTIONS_KEY: cell.rule_options(identity[RULE_OPTIONS_KEY]),
         "draft_weight": identity["draft_weight"] if uses_drafts else None,
-        "ties": identity["ties"] if cell.method != "full" else None,
+        "ties": identity["ties"] if cell.rule != "full" else None,
         "adaptive": identity["adaptive"] if cell.adaptive else None,
     }
 

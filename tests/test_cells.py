@@ -6,7 +6,7 @@ from dge_jax.eviction.timing import Adaptive, Timing
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
-from experiments.cells import Cell, build_cells, check_method, parse_cell_id
+from experiments.cells import Cell, build_cells, check_rule, parse_cell_id
 
 OPTIONS = {"window": 4, "kernel": 5, "pooling": "avg", "gqa": "max"}
 
@@ -38,7 +38,7 @@ def test_id_spelling():
 
 
 def test_build_cells_ordering():
-    """FullKV first wherever it is listed; then method, timing, k, budget in the order given;
+    """FullKV first wherever it is listed; then rule, timing, k, budget in the order given;
     prefill cells once (k=1) whatever the ks; duplicates dropped."""
     ids = [c.id for c in build_cells(["snapkv", "full", "h2o"], ["dge", "prefill"], [2, 4],
                                      [128, 64])]
@@ -69,9 +69,9 @@ def test_build_cells_adaptive_cells_follow_each_dge_timing():
 @pytest.mark.parametrize(
     "args, match",
     [
-        ((["snapkvv"], ["prefill"], [2], [16]), "unknown method 'snapkvv'"),
-        ((["adakv_nope"], ["prefill"], [2], [16]), "unknown method 'adakv_nope'"),
-        ((["adakv_full"], ["prefill"], [2], [16]), "unknown method 'adakv_full'"),
+        ((["snapkvv"], ["prefill"], [2], [16]), "unknown rule 'snapkvv'"),
+        ((["adakv_nope"], ["prefill"], [2], [16]), "unknown rule 'adakv_nope'"),
+        ((["adakv_full"], ["prefill"], [2], [16]), "unknown rule 'adakv_full'"),
         ((["snapkv"], ["later"], [2], [16]), "unknown timing 'later'"),
         ((["snapkv"], ["dge"], [0], [16]), "k must be >= 1"),
         ((["snapkv"], ["dge"], [2], [0]), "budgets must be >= 1"),
@@ -83,11 +83,11 @@ def test_build_cells_errors(args, match):
         build_cells(*args)
 
 
-def test_check_method_lists_the_known_methods():
+def test_check_rule_lists_the_known_rules():
     with pytest.raises(ValueError, match=r"known: full, .*snapkv.*adakv_<rule>"):
-        check_method("bogus")
+        check_rule("bogus")
     for ok in ("full", "snapkv", "pyramidkv", "h2o", "streamingllm", "tova", "adakv_pyramidkv"):
-        check_method(ok)
+        check_rule(ok)
 
 
 def test_full_cell_has_no_eviction():
@@ -110,9 +110,9 @@ def test_global_prefix_pools_every_layer_with_kvzips_alpha():
     ev = Cell("global_kvzip", "prefill", 1, 64).eviction(OPTIONS)
     assert ev.head_budget == "global" and ev.alpha == 0.0 and ev.rule == KVzip()
     assert Cell("global_kvzip", "dge", 2, 64).id == "global_kvzip/dge/k2/b64"
-    check_method("global_chunkkv_kvzip")
-    with pytest.raises(ValueError, match="unknown method 'global_nope'.*global_<rule>"):
-        check_method("global_nope")
+    check_rule("global_chunkkv_kvzip")
+    with pytest.raises(ValueError, match="unknown rule 'global_nope'.*global_<rule>"):
+        check_rule("global_nope")
 
 
 def test_prefill_cell_eviction_timing():
@@ -144,8 +144,8 @@ def test_adaptive_cell_eviction():
     assert prefill.timing == Timing("prefill", 1)
 
 
-def test_wrapped_rules_as_methods():
-    """A wrapper names its inner rule in the method ("criticalkv_h2o"); options go to the rule
+def test_wrapped_rules_as_cell_rules():
+    """A wrapper names its inner rule in the cell's rule ("criticalkv_h2o"); options go to the rule
     that takes them; a wrapper of a wrapper, or of FullKV, is refused by name."""
     from dge_jax.rules.chunkkv import ChunkKV
     from dge_jax.rules.criticalkv import CriticalKV
@@ -159,9 +159,9 @@ def test_wrapped_rules_as_methods():
     assert crit.rule == CriticalKV(inner=ExpectedAttention())  # it takes no window
     assert chunk.rule == ChunkKV(inner=H2O(window=8)) and chunk.head_budget == "adakv"
     assert cells[1].id == "adakv_chunkkv_h2o/dge/k2/b32"
-    for method in ("chunkkv_criticalkv", "criticalkv_full", "chunkkv_nope"):
-        with pytest.raises(ValueError, match=f"unknown method '{method}'|inner rule must be"):
-            build_cells([method], ["dge"], [2], [32])
+    for rule in ("chunkkv_criticalkv", "criticalkv_full", "chunkkv_nope"):
+        with pytest.raises(ValueError, match=f"unknown rule '{rule}'|inner rule must be"):
+            build_cells([rule], ["dge"], [2], [32])
 
 
 def test_decode_cells_ids_and_evictions():

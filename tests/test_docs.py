@@ -178,7 +178,7 @@ from experiments.run_config import FLAGS
 for argv in json.loads(sys.argv[1]):
     FLAGS.unparse_flags()
     FLAGS(["longbench", *argv])
-    build_cells(FLAGS.methods, FLAGS.timings, [int(k) for k in FLAGS.k],
+    build_cells(FLAGS.rules, FLAGS.timings, [int(k) for k in FLAGS.k],
                 [int(b) for b in FLAGS.budgets])
 print("ok")
 """
@@ -277,7 +277,7 @@ def test_workspace_rule_example_runs_under_every_timing(workspace, checkpoint):
 
     recency = workspace["Recency"]
     assert make_rule("recency") == recency()
-    assert build_cells(["full", "recency"], ["prefill", "dge"], [2], [16])[1].method == "recency"
+    assert build_cells(["full", "recency"], ["prefill", "dge"], [2], [16])[1].rule == "recency"
     model = dge_jax.load(checkpoint("llama"))
     n, budget = 40, 16
     prompt = [[(7 * i + 3) % model.config.vocab_size for i in range(n)]]
@@ -327,7 +327,7 @@ import sys
 name = sys.argv[1]
 rule = make_rule(name)
 assert type(rule).__module__ == "dge_jax.rules." + name, type(rule).__module__
-assert build_cells(["full", name], ["prefill", "dge", "dge_w"], [2], [8])[1].method == name
+assert build_cells(["full", name], ["prefill", "dge", "dge_w"], [2], [8])[1].rule == name
 print("ok")
 """
 

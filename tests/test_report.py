@@ -86,7 +86,7 @@ def test_score_rows_synthetic_has_only_the_mean():
     assert scores["averages"] == {"full": {"mean": 62.5, "tasks": 2, "n": 4}}
     table = report.markdown_table(scores)
     assert table.splitlines()[0] == (
-        "| method | timing | k | budget | n | niah_multivalue | passkey | mean (2 tasks) |")
+        "| rule | timing | k | budget | n | niah_multivalue | passkey | mean (2 tasks) |")
     assert "mean_en16" not in table
 
 
@@ -100,7 +100,7 @@ def test_latest_rows_last_line_wins_per_sample():
 def test_markdown_table_by_hand():
     table = report.markdown_table(report.score_rows(longbench_rows()))
     assert table == (
-        "| method | timing | k | budget | n | hotpotqa | passage_count | passage_retrieval_en | "
+        "| rule | timing | k | budget | n | hotpotqa | passage_count | passage_retrieval_en | "
         "passage_retrieval_zh | trec | mean (5 tasks) |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|\n"
         "| full | - | - | - | 7 | 100.00 | 75.00 | 100.00 | 100.00 | 50.00 | 85.00 |\n"
@@ -151,9 +151,9 @@ def test_write_report_and_cli(tmp_path, capsys):
     assert json.loads((tmp_path / "scores.json").read_text()) == scores
     assert scores["averages"]["snapkv/dge/k2/b16"] == {"mean": 0.0, "tasks": 1, "n": 2}
     results = (tmp_path / "results.md").read_text()
-    head, table = results.split("\n| method", 1)  # the header, then the tables
+    head, table = results.split("\n| rule", 1)  # the header, then the tables
     assert head.startswith("# Results") and "\n|" not in head
-    assert ("| method" + table).startswith(report.markdown_table(scores))
+    assert ("| rule" + table).startswith(report.markdown_table(scores))
     # Paired section: dge k2 b16 (0/2 right) vs prefill b16 (1/2): 0 wins, 1 loss, p = 1.
     assert scores["paired"] == report.paired_comparisons(rows)
     assert "McNemar" in results and report.paired_table(scores["paired"]) in results
@@ -178,7 +178,7 @@ def test_results_open_with_the_runs_header(tmp_path):
             for c in ("full", SNAP, "snapkv/dge/k2/b16") for s in "ab"]
     write_predictions(tmp_path, rows)
     old = "/somewhere/experiments/longbench.py --methods full,snapkv"  # argv of older runners
-    new = "python -m experiments.longbench --methods full,snapkv --extend"
+    new = "python -m experiments.longbench --rules full,snapkv --extend"
     (tmp_path / "config.json").write_text(json.dumps({
         "format": 2, "run_id": "abc123",
         "identity": {"model": "smollm2-135m-instruct", "suite": "synthetic", "dge_jax": "9.9"},
@@ -186,7 +186,7 @@ def test_results_open_with_the_runs_header(tmp_path):
                     {"command": new, "at": "2025-01-03T00:00:00+00:00"}]}))
     report.write_report(tmp_path)
     results = (tmp_path / "results.md").read_text()
-    head = results[:results.index("\n| method")]
+    head = results[:results.index("\n| rule")]
     assert head.splitlines()[0] == "# Results: smollm2-135m-instruct on the synthetic suite"
     for expected in (
             "- model: `smollm2-135m-instruct`",
@@ -426,7 +426,7 @@ def test_markdown_table_tells_adaptive_cells_apart():
     rows = [line("passkey", ADAPTIVE_PAIR[0], "a", "1", ["1"]),
             line("passkey", ADAPTIVE_PAIR[1], "a", "x", ["1"])]
     body = report.markdown_table(report.score_rows(rows)).splitlines()[2:]
-    labels = [row.split(" | ")[:4] for row in body]  # method, timing, k, budget
+    labels = [row.split(" | ")[:4] for row in body]  # rule, timing, k, budget
     assert len(labels) == 2 and labels[0] != labels[1], body
 
 

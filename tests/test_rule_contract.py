@@ -39,7 +39,7 @@ L, B, HKV, G, D, S, E = 2, 2, 2, 2, 8, 16, 12
 HQ = HKV * G
 LENGTHS = (12, 7)
 HEAD_BUDGETS = ("uniform", "adakv", "global")
-# Rules around other inner rules than their default, as runner methods name them.
+# Rules around other inner rules than their default, as the runner's --rules name them.
 COMPOSITES = ("criticalkv_expectedattention", "chunkkv_h2o", "criticalkv_tova", "chunkkv_kvzip")
 
 

@@ -441,7 +441,7 @@ def test_runner_on_generated_and_shared_rows(ruler_dir, tmp_path):
                **{ruler.DATA_DIR_ENV: str(ruler_dir)})
     args = [sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--suite", "ruler", "--num_samples", "2", "--ruler_length", str(LENGTH),
-            "--methods", "full,snapkv", "--timings", "prefill", "--budgets", "16",
+            "--rules", "full,snapkv", "--timings", "prefill", "--budgets", "16",
             "--window", "4", "--batch_size", "2"]
 
     def run(out, *extra):

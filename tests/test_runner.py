@@ -49,7 +49,7 @@ def runner_args(model_dir, out_dir, data_dir, *extra: str) -> list[str]:
     return [sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--suite", "longbench", "--data_dir", str(data_dir),
             "--datasets", ",".join(DATASETS), "--num_samples", str(NUM_SAMPLES),
-            "--methods", "full,snapkv", "--timings", "prefill,dge", "--budgets", "16",
+            "--rules", "full,snapkv", "--timings", "prefill,dge", "--budgets", "16",
             "--window", "4", "--max_length", "512", "--batch_size", "1", "--out_dir", str(out_dir),
             *extra]
 
@@ -101,7 +101,7 @@ def read_rows(out_dir: pathlib.Path) -> list[dict]:
 def from_first_table(results: str) -> str:
     """results.md from its first table line on (before it: the run's header)."""
     start = results.index("\n| ") + 1
-    assert results[start:].startswith("| method |"), results[:start + 200]
+    assert results[start:].startswith("| rule |"), results[:start + 200]
     return results[start:]
 
 
@@ -241,7 +241,7 @@ def test_uninterrupted_run_outputs(d1, data_dir):
     # Two of the 16 English tasks ran: the official 16-task averages are not stated.
     assert set(scores["averages"]["full"]) == {"mean", "tasks", "n"}
     config = json.loads((d1 / "config.json").read_text())
-    head = (d1 / "results.md").read_text().split("\n| method")[0].splitlines()
+    head = (d1 / "results.md").read_text().split("\n| rule")[0].splitlines()
     (command,) = [h["command"] for h in config["history"]]
     assert command.startswith("python -m experiments.longbench --model ")
     import dge_jax
@@ -319,7 +319,7 @@ def test_without_out_dir_each_configuration_gets_its_own_folder(model_dir, env, 
     """Two runs without --out_dir used to share runs/<suite>."""
     args = [sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--datasets", "passkey", "--num_samples", "1", "--synthetic_length", "256",
-            "--methods", "full,snapkv", "--timings", "prefill", "--budgets", "16"]
+            "--rules", "full,snapkv", "--timings", "prefill", "--budgets", "16"]
     run_ok(args, env, cwd=tmp_path)
     run_ok([*args, "--window", "4"], env, cwd=tmp_path)
     run_ok(args, env, cwd=tmp_path)  # resumes the first folder
@@ -337,7 +337,7 @@ def test_user_mistakes_are_one_line_errors(model_dir, data_dir, env, tmp_path):
     base = [sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--out_dir", str(tmp_path / "x")]
     run_refused([*base, "--budgets", "0"], env, "budgets must be >= 1")
-    run_refused([*base, "--methods", "snapkv,bogus"], env, "unknown method 'bogus'")
+    run_refused([*base, "--rules", "snapkv,bogus"], env, "unknown rule 'bogus'")
     run_refused([*base, "--datasets", "nope"], env, "unknown synthetic tasks ['nope']")
     run_refused([*base, "--suite", "longbench", "--data_dir", str(data_dir),
                  "--noanswer_prefix"], env, "LongBench prompts have no answer prefix")
@@ -373,7 +373,7 @@ def test_synthetic_suite_on_the_tiny_model(model_dir, env, tmp_path):
     out = tmp_path / "synthetic"
     run_ok([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--suite", "synthetic", "--datasets", "passkey", "--num_samples", "1",
-            "--synthetic_length", "256", "--methods", "full,snapkv", "--timings", "dge",
+            "--synthetic_length", "256", "--rules", "full,snapkv", "--timings", "dge",
             "--budgets", "16", "--window", "4", "--out_dir", str(out)], env)
     rows = read_rows(out)
     assert sorted(r["cell"] for r in rows) == ["full", "snapkv/dge/k2/b16"]
@@ -403,7 +403,7 @@ def test_without_answer_prefix_the_prompt_ends_at_the_chat_template(model_dir, e
     keep their identity)."""
     args = [sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--datasets", "passkey", "--num_samples", "2", "--synthetic_length", "256",
-            "--methods", "full", "--batch_size", "1"]
+            "--rules", "full", "--batch_size", "1"]
     with_prefix, without = tmp_path / "with", tmp_path / "without"
     run_ok([*args, "--out_dir", str(with_prefix)], env)
     run_ok([*args, "--noanswer_prefix", "--out_dir", str(without)], env)
@@ -428,7 +428,7 @@ def test_decode_time_compression_cells_on_a_long_answer_task(model_dir, env, tmp
     out = tmp_path / "decode"
     run_ok([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--suite", "synthetic", "--datasets", "list_values", "--num_samples", "1",
-            "--synthetic_length", "1024", "--methods", "full,snapkv", "--timings",
+            "--synthetic_length", "1024", "--rules", "full,snapkv", "--timings",
             "prefill,decode", "--budgets", "32", "--decode_budgets", "32", "--intervals", "8",
             "--window", "4", "--out_dir", str(out)], env)
     rows = read_rows(out)
@@ -440,7 +440,7 @@ def test_decode_time_compression_cells_on_a_long_answer_task(model_dir, env, tmp
                  "snapkv/decode/b32/d32/i8 | full |"):
         assert pair in results, pair
     assert "| decode |" in results.splitlines()[results.splitlines().index(next(
-        line for line in results.splitlines() if line.startswith("| method")))]
+        line for line in results.splitlines() if line.startswith("| rule")))]
 
 
 def test_default_datasets(data_dir, monkeypatch):

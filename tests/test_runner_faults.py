@@ -38,7 +38,7 @@ def cheap_args(model_dir, out_dir, *extra: str) -> list[str]:
     """A run of a few seconds: one synthetic passkey sample of 256 tokens, FullKV and SnapKV
     at budget 16 (window 4) before decoding."""
     return ["--model", str(model_dir), "--datasets", "passkey", "--num_samples", "1",
-            "--synthetic_length", "256", "--methods", "full,snapkv", "--timings", "prefill",
+            "--synthetic_length", "256", "--rules", "full,snapkv", "--timings", "prefill",
             "--budgets", "16", "--window", "4", "--out_dir", str(out_dir), *extra]
 
 
@@ -140,12 +140,12 @@ def test_swapped_weights_do_not_resume_into_the_old_folder(model_dir, run_inproc
     model = tmp_path / "model"
     shutil.copytree(model_dir, model)
     out = tmp_path / "out"
-    code, _, err = run_inprocess(*cheap_args(model, out, "--methods", "full"))
+    code, _, err = run_inprocess(*cheap_args(model, out, "--rules", "full"))
     assert code == 0, err
     before = read_lines(out)
     other = build_tiny_llama(tmp_path / "other", seed=1)
     shutil.copy(other / "model.safetensors", model / "model.safetensors")
-    code, _, err = run_inprocess(*cheap_args(model, out, "--methods", "full"))
+    code, _, err = run_inprocess(*cheap_args(model, out, "--rules", "full"))
     one_error_line(code, err, 2, "another configuration", "model_files")
     assert read_lines(out) == before
 
@@ -170,8 +170,8 @@ def test_a_folder_fingerprinted_by_size_is_not_resumed(tmp_path):
     ("--budgets", "64,64", ("--budgets", "'64'", "twice")),
     ("--k", "2.5", ("--k", "'2.5'")),
     ("--k", "", ("--k", "empty")),
-    ("--methods", "", ("--methods", "empty")),
-    ("--methods", "full,,snapkv", ("--methods", "empty item")),
+    ("--rules", "", ("--rules", "empty")),
+    ("--rules", "full,,snapkv", ("--rules", "empty item")),
     ("--timings", "", ("--timings", "empty")),
     ("--datasets", "", ("--datasets", "empty")),
     ("--datasets", "passkey,", ("--datasets", "empty item")),
@@ -236,7 +236,7 @@ def test_a_second_runner_in_a_busy_folder_is_refused(model_dir, run_inprocess, t
     twice. The runner holds an flock on OUT_DIR/.lock (with its pid) for the whole run; a
     second one is refused naming the holder, and the report reads the folder regardless."""
     out = tmp_path / "out"
-    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", "full"))
+    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--rules", "full"))
     assert code == 0, err
     before = (out / PREDICTIONS_FILE).read_bytes()
     config = (out / "config.json").read_bytes()
@@ -244,8 +244,8 @@ def test_a_second_runner_in_a_busy_folder_is_refused(model_dir, run_inprocess, t
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
-        for methods in ("full", "full,snapkv"):  # nothing to do / something to do
-            code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", methods,
+        for rules in ("full", "full,snapkv"):  # nothing to do / something to do
+            code, _, err = run_inprocess(*cheap_args(model_dir, out, "--rules", rules,
                                                      "--extend"))
             one_error_line(code, err, 1, str(out), f"pid {holder.pid}")
         assert (out / PREDICTIONS_FILE).read_bytes() == before
@@ -255,7 +255,7 @@ def test_a_second_runner_in_a_busy_folder_is_refused(model_dir, run_inprocess, t
         assert report.main([str(out)]) == 0  # reading needs no lock
     finally:
         holder.communicate("", timeout=60)
-    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", "full,snapkv",
+    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--rules", "full,snapkv",
                                              "--extend"))
     assert code == 0, err
     keys = [r["key"] for r in read_lines(out)]
@@ -295,7 +295,7 @@ def test_an_unwritable_out_dir_is_one_line(model_dir, run_inprocess):
     out = pathlib.Path("/sys/dge_jax_test/run")
     if not pathlib.Path("/sys/kernel").is_dir():
         pytest.skip("no sysfs to stand for an unwritable folder")
-    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", "full"))
+    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--rules", "full"))
     one_error_line(code, err, 1, "/sys/dge_jax_test", "--out_dir")
 
 
@@ -309,7 +309,7 @@ def test_a_full_disk_is_one_line(model_dir, run_inprocess, tmp_path, monkeypatch
 
     monkeypatch.setattr(predictions, "_write_all", no_space)
     out = tmp_path / "out"
-    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--methods", "full"))
+    code, _, err = run_inprocess(*cheap_args(model_dir, out, "--rules", "full"))
     one_error_line(code, err, 1, "No space left on device", "rerun")
 
 
@@ -321,7 +321,7 @@ def test_ctrl_c_is_one_line_saying_what_is_saved(model_dir, tmp_path):
 
     out = tmp_path / "out"
     args = [sys.executable, "-m", "experiments.longbench",
-            *cheap_args(model_dir, out, "--methods", "full", "--num_samples", "20",
+            *cheap_args(model_dir, out, "--rules", "full", "--num_samples", "20",
                         "--batch_size", "1")]
     proc = subprocess.Popen(args, cwd=REPO, env=subprocess_env(tmp_path), text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -354,7 +354,7 @@ def test_an_empty_data_file_is_refused_before_the_folder_is_claimed(model_dir, r
     out = tmp_path / "out"
     code, _, err = run_inprocess("--model", str(model_dir), "--suite", "longbench",
                                  "--data_dir", str(data), "--datasets", "trec",
-                                 "--methods", "full", "--out_dir", str(out))
+                                 "--rules", "full", "--out_dir", str(out))
     one_error_line(code, err, 2, str(data / "trec.jsonl"), "no rows")
     assert not out.exists()
 

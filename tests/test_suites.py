@@ -120,7 +120,7 @@ def test_add_a_suite_recipe_runs_and_is_scored(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(copy), JAX_PLATFORMS="cpu", TQDM_DISABLE="1",
                MPLCONFIGDIR=str(tmp_path / "mpl"))
     args = [sys.executable, "-m", "experiments.longbench", "--model", str(model),
-            "--suite", "echo", "--methods", "full,snapkv", "--timings", "prefill",
+            "--suite", "echo", "--rules", "full,snapkv", "--timings", "prefill",
             "--budgets", "16", "--window", "4", "--batch_size", "2", "--out_dir", str(out)]
     proc = subprocess.run(args, cwd=copy, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT)

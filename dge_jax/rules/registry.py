@@ -1,4 +1,4 @@
-"""Every scoring rule by name, for command lines, runner methods and sweeps.
+"""Every scoring rule by name, for command lines, the runner's grids and sweeps.
 
 A rule registers itself with ``@register`` on its class. The first time the registry is
 read, it imports every module of the `dge_jax.rules` package (`pkgutil.iter_modules`, names
@@ -7,7 +7,7 @@ computed at run time), so a new file in dge_jax/rules/ is the only edit a new ru
 ``make_rule("snapkv", window=8)``; a wrapper takes its inner rule by name and passes the
 options it does not have itself on to it: ``make_rule("criticalkv", inner="h2o",
 window=16)`` is ``CriticalKV(inner=H2O(window=16))``, and so is the composite name
-``make_rule("criticalkv_h2o", window=16)`` (how runner methods name a wrapped rule).
+``make_rule("criticalkv_h2o", window=16)`` (how the runner's --rules name a wrapped rule).
 """
 
 from __future__ import annotations
