@@ -2,7 +2,8 @@
 
 Swapped weights of the same shapes, empty or malformed list flags, two runners in one folder,
 flags that fail only after the folder is claimed, tracebacks where one line is promised
-(unwritable folder, full disk, Ctrl-C, --help), and an empty data file. Most runs call the
+(unwritable folder, full disk, Ctrl-C, --help), an empty data file, and the names scripts and
+folders gave the rules before they were called rules. Most runs call the
 runner in-process (`run_inprocess`: the same `main`, without the interpreter start-up and
 with the compiled code kept), on the tiny random Llama of tests/tiny_model.py, one synthetic
 sample of 256 tokens; the few that need what a shell sees (a real SIGINT, --help's exit
@@ -370,3 +371,78 @@ def test_changed_data_gives_a_fix_that_works(tmp_path):
     message = str(refused.value)
     assert "trec" in message and "leave it out" not in message
     assert "another --out_dir" in message and "restore" in message
+
+
+# 7. What the runner and its folders called the rules before they were called rules.
+
+
+def test_methods_is_a_deprecated_name_of_rules(model_dir, run_inprocess, tmp_path):
+    """--methods, the flag's name in earlier scripts, still names the rules, with one warning
+    line; given with --rules it is refused, naming both, before the folder is claimed."""
+    out = tmp_path / "out"
+    args = cheap_args(model_dir, out, "--rules", "full")
+    code, _, err = run_inprocess(*args, "--methods", "full")
+    one_error_line(code, err, 2, "--methods and --rules", "give only --rules")
+    assert not out.exists(), "a refused command claimed the folder"
+    old = [("--methods" if a == "--rules" else a) for a in args]
+    code, _, err = run_inprocess(*old)
+    assert code == 0, err
+    assert err.strip().splitlines()[0] == "warning: --methods is deprecated; use --rules"
+    assert [r["cell"] for r in read_lines(out)] == ["full"]
+
+
+def test_a_folder_of_the_runner_before_the_rename_resumes_without_recomputing(
+        model_dir, run_inprocess, tmp_path, monkeypatch):
+    """Until the scoring rules were called rules, the runner stored their options under the
+    identity key "policy_options", which config.json, the run id and every line's key (the
+    hash of its cell's configuration) all hold. Such a folder, written here by hand as that
+    runner wrote it (the same keys and hashes, checked against one it wrote), resumes under
+    either flag name and no prediction is computed again."""
+    import hashlib
+
+    import dge_jax
+    import dge_jax.generation
+    from experiments.predictions import config_hash, prediction_key
+
+    identity = {
+        "model": str(model_dir), "model_files": run_folder.files_fingerprint(model_dir),
+        "dtype": "float32", "suite": "synthetic", "protocol": "longbench-v1-pred.py",
+        "dge_jax": dge_jax.__version__, "max_length": 1024, "chunk": 512, "batch_size": 4,
+        "synthetic_length": 256, "seed": 0,
+        "policy_options": {"window": 4, "kernel": 7, "pooling": "max", "gqa": "mean",
+                           "gqa_before_pool": False},
+        "draft_weight": 1.0, "ties": "later", "adaptive": None}
+    run_id = config_hash(identity)
+    sample = hashlib.sha1(b"passkey|256|0|0").hexdigest()  # the synthetic passkey row's _id
+    lines = []
+    for cell, options, ties in (("full", {}, None),
+                                ("snapkv/prefill/b16", identity["policy_options"], "later")):
+        cell_hash = config_hash({**identity, "cell": cell, "policy_options": options,
+                                 "draft_weight": None, "ties": ties, "adaptive": None})
+        lines.append({"key": prediction_key(cell_hash, "passkey", sample),
+                      "config_hash": cell_hash, "run_id": run_id, "dataset": "passkey",
+                      "sample_id": sample, "cell": cell, "pred": "0", "answers": ["1"],
+                      "all_classes": None})
+    out = tmp_path / "out"
+    out.mkdir()
+    extent = {"datasets": ["passkey"], "cells": ["full", "snapkv/prefill/b16"],
+              "num_samples": 1}
+    (out / "config.json").write_text(json.dumps({
+        "format": 2, "run_id": run_id, "identity": identity, "data": {}, "extent": extent,
+        "history": [{"command": "python -m experiments.longbench --methods full,snapkv",
+                     "at": "2025-01-01T00:00:00+00:00", "extent": extent}]}, indent=2))
+    written = "".join(json.dumps(line) + "\n" for line in lines)
+    (out / PREDICTIONS_FILE).write_text(written)
+
+    def generate_grid(*args, **kwargs):
+        raise AssertionError("a prediction of the old folder was computed again")
+
+    monkeypatch.setattr(dge_jax.generation, "generate_grid", generate_grid)
+    for flag in ("--rules", "--methods"):
+        args = [(flag if a == "--rules" else a) for a in cheap_args(model_dir, out)]
+        code, stdout, err = run_inprocess(*args, "--max_length", "1024")
+        assert code == 0, err
+        assert "(1 samples done" in stdout, stdout
+        assert (out / PREDICTIONS_FILE).read_text() == written
+        config = json.loads((out / "config.json").read_text())
+        assert config["run_id"] == run_id and config["identity"] == identity
