@@ -31,8 +31,8 @@ class Needs:
     attn_sum: whether every observed query's attention to each slot is summed
     (`obs.attn_sum`, H2O's). query_stats_from: None, or the first prompt position whose
     pre-RoPE query enters `obs.q_stats` (ExpectedAttention's). reconstruction: None, or the
-    reconstruct stage whose scores (`obs.recon`) the rule reads: a hashable value with a
-    ``scores(...)`` method (`kvzip.Reconstruction`). out_proj: whether the select stage
+    reconstruct stage whose scores (`obs.recon`) the rule reads: a hashable value whose
+    ``scores(...)`` the stage calls (`kvzip.Reconstruction`). out_proj: whether the select stage
     adds each layer's output projection (`obs.out_proj`, CriticalKV's). protected: entries
     per head the rule always keeps (its window or sinks), which a budget must hold.
     """

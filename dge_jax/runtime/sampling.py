@@ -1,4 +1,5 @@
-"""Next-token strategies: small frozen dataclasses with one method, passed to jit as static."""
+"""Next-token strategies: small frozen dataclasses called as `strategy(logits, key)`, passed
+to jit as static."""
 
 from __future__ import annotations
 
