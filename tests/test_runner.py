@@ -56,10 +56,13 @@ def runner_args(model_dir, out_dir, data_dir, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    """Subprocess environment: CPU, no progress bar, and a persistent XLA compilation cache
-    shared by this module's runs (a rerun then takes ~10 s instead of ~45 s on 2 cores)."""
+    """Subprocess environment: CPU, no progress bar, a persistent XLA compilation cache
+    shared by this module's runs (a rerun then takes ~10 s instead of ~45 s on 2 cores), and
+    this checkout first on PYTHONPATH (a run from another folder would otherwise import the
+    installed package, which may be another checkout)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     return dict(
-        os.environ, JAX_PLATFORMS="cpu", TQDM_DISABLE="1",
+        os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", TQDM_DISABLE="1",
         JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
