@@ -233,10 +233,11 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
         # Zero, not exp(0) = 1, where masked: a row that saw nothing keeps l = 0 and acc = 0.
         p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m_prev - m_new)
+        # Rows past S (the last tile's, undefined: maybe NaN) or num_slots (unwritten) become
+        # zeros: p is 0 there, but 0 * NaN would still be NaN in the product.
+        rows = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (dims.bk, 1), 0)
         v = v_ref[...]
-        if dims.s_len % dims.bk:  # the last tile's rows past S are undefined (maybe NaN)
-            rows = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (dims.bk, 1), 0)
-            v = jnp.where(rows < dims.s_len, v, jnp.zeros_like(v))
+        v = jnp.where(rows < jnp.minimum(tab.num_slots[0], dims.s_len), v, jnp.zeros_like(v))
         pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
         acc_ref[...] = alpha * acc_ref[...] + pv
