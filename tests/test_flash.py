@@ -9,9 +9,10 @@ a mean of values in the XLA path, so outputs are compared on real rows only; the
 are compared everywhere.
 
 Tolerances: f32 2e-5 absolute on outputs (values ~N(0, 1)) and 2e-6 on probs sums; bf16 runs
-compare against the XLA path in bf16 at 2e-2 on outputs (a couple of bf16 ulps at |out| ~ 1:
-the two paths round p to bf16 against different running maxima) and 2e-3 on the f32 probs
-sums.
+compare against the XLA paths in bf16 at 1e-2 absolute + 1e-2 relative on outputs (one or
+two bf16 ulps, 2^-7 relative: the paths round p to bf16 against different running maxima,
+and cached_attention scales scores in f32 where the others scale q in bf16) and 2e-3 absolute
++ 2e-3 relative on the f32 probs sums (sums of up to ~8 here; 7e-4 relative seen).
 
 The last test compiles the kernels for a TPU v5e without a TPU (deviceless AOT through
 libtpu) and finds the Mosaic custom calls in the compiled HLO.
@@ -36,12 +37,12 @@ WRITTEN = jax.jit(written_slot_attention, static_argnames=("block", "return_prob
 DENSE = jax.jit(cached_attention, static_argnames=("return_probs_sum",))
 
 
-def make_inputs(b, t, hq, hkv, s, dtype=np.float32, seed=0):
+def make_inputs(b, t, hq, hkv, s, dtype=np.float32, seed=0, d=D):
     """Random q, k, v and, per row, a plain prompt: query t at position t, slot t holding
     position t for t < T, the rest of the capacity unwritten (-1)."""
     rng = np.random.default_rng(seed)
     q, k, v = (jnp.asarray(rng.normal(size=shape), dtype)
-               for shape in ((b, t, hq, D), (b, hkv, s, D), (b, hkv, s, D)))  # fmt: skip
+               for shape in ((b, t, hq, d), (b, hkv, s, d), (b, hkv, s, d)))  # fmt: skip
     pos = np.full((b, hkv, s), -1, np.int32)
     pos[:, :, :t] = np.arange(t)
     return q, k, v, pos, np.tile(np.arange(t, dtype=np.int32), (b, 1))
@@ -54,7 +55,12 @@ def left_pad(pos, query_pos, row, n):
     pos[row, :, : query_pos.shape[1]] = query_pos[row]
 
 
-def check(q, k, v, pos, query_pos, num_slots, *, atol=2e-5, sum_atol=2e-6, **blocks):
+# (atol, rtol) of the outputs and of the probs sums; see the module docstring.
+F32 = {"out": (2e-5, 0), "sums": (2e-6, 0)}
+BF16 = {"out": (1e-2, 1e-2), "sums": (2e-3, 2e-3)}
+
+
+def check(q, k, v, pos, query_pos, num_slots, *, tol=F32, **blocks):
     """flash_attention equals written_slot_attention (block 64) and cached_attention; returns
     its (out, sums) as numpy."""
     pos, query_pos, num_slots = jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(num_slots)
@@ -65,10 +71,11 @@ def check(q, k, v, pos, query_pos, num_slots, *, atol=2e-5, sum_atol=2e-6, **blo
     out, ref, dense, sums = (np.asarray(x, np.float32) for x in (out, ref, dense, sums))
     assert np.isfinite(out).all() and np.isfinite(sums).all()
     real = np.asarray(query_pos >= 0)[:, :, None, None]
-    np.testing.assert_allclose(out * real, ref * real, atol=atol)
-    np.testing.assert_allclose(out * real, dense * real, atol=atol)
-    np.testing.assert_allclose(sums, np.asarray(ref_sums), atol=sum_atol)
-    np.testing.assert_allclose(sums, np.asarray(dense_sums), atol=sum_atol)
+    (atol, rtol), (sum_atol, sum_rtol) = tol["out"], tol["sums"]
+    np.testing.assert_allclose(out * real, ref * real, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(out * real, dense * real, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(sums, np.asarray(ref_sums), atol=sum_atol, rtol=sum_rtol)
+    np.testing.assert_allclose(sums, np.asarray(dense_sums), atol=sum_atol, rtol=sum_rtol)
     # Each real query's attention sums to one; padding queries add nothing.
     per_head = np.asarray(query_pos >= 0).sum(-1)[:, None]
     np.testing.assert_allclose(sums.sum(-1), np.broadcast_to(per_head, sums.shape[:2]), rtol=1e-3)
@@ -118,12 +125,14 @@ def test_several_tiles():
     np.testing.assert_array_equal(np.asarray(sums), clean[1])
 
 
-def test_bf16():
-    """bf16 inputs (as the model runs) against the XLA path in bf16, several tiles, G = 3."""
-    q, k, v, pos, query_pos = make_inputs(2, 150, 6, 2, 300, jnp.bfloat16, seed=1)
+def test_bf16_in_the_models_own_layout():
+    """bf16 inputs with D = 128 (as an 8B model runs): q and the output stay [B, T, Hq * D],
+    read in D-wide column blocks, the last query tile partial (NaN past T in the
+    interpreter); several tiles, G = 3, against the XLA path in bf16."""
+    q, k, v, pos, query_pos = make_inputs(2, 150, 6, 2, 300, jnp.bfloat16, seed=1, d=128)
     left_pad(pos, query_pos, 1, 20)
     pos[0, 0, 10:30] = -1
-    check(q, k, v, pos, query_pos, 150, atol=2e-2, sum_atol=2e-3, block_q=128, block_k=128)
+    check(q, k, v, pos, query_pos, 150, tol=BF16, block_q=128, block_k=128)
 
 
 def test_without_probs_sum():
@@ -173,15 +182,15 @@ def test_compiles_for_tpu_without_one():
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
 
-    b, t, hq, hkv, d, s = 1, 300, 8, 2, 128, 700
-    args = (spec((b, t, hq, d), jnp.bfloat16), spec((b, hkv, s, d), jnp.bfloat16),
-            spec((b, hkv, s, d), jnp.bfloat16), spec((b, hkv, s), jnp.int32),
-            spec((b, t), jnp.int32), spec((), jnp.int32))  # fmt: skip
-    compiled = (
-        jax.jit(lambda *a: flash_attention(*a, return_probs_sum=True, block_q=128, block_k=256))
-        .lower(*args)
-        .compile()
-    )
-    hlo = compiled.as_text()
-    assert hlo.count('custom_call_target="tpu_custom_call"') == 2, "forward + probs-sum kernels"
-    assert compiled.memory_analysis().argument_size_in_bytes > 0
+    def compiled_hlo(d):
+        b, t, hq, hkv, s = 1, 300, 8, 2, 700
+        cache = (b, hkv, s, d)
+        args = (spec((b, t, hq, d), jnp.bfloat16), spec(cache, jnp.bfloat16),
+                spec(cache, jnp.bfloat16), spec(cache[:3], jnp.int32), spec((b, t), jnp.int32),
+                spec((), jnp.int32))  # fmt: skip
+        fn = jax.jit(lambda *a: flash_attention(*a, return_probs_sum=True, block_k=256))
+        return fn.lower(*args).compile().as_text()
+
+    for d in (128, 64):  # q in its own layout, and regrouped (D-wide blocks are not legal tiles)
+        hlo = compiled_hlo(d)
+        assert hlo.count('custom_call_target="tpu_custom_call"') == 2, (d, "forward + sums")

@@ -5,12 +5,15 @@
 either. On TPU it runs two Mosaic kernels; elsewhere (CPU tests) the same kernels run in
 Pallas interpret mode.
 
-Layout. Queries are grouped as `written_slot_attention` groups them: the G query heads of a kv
-head become rows g * T' + t of one [G * T', D] block (T' = T padded to the query tile), so
-every key tile a kernel step loads serves a tile of rows of one kv head. The grid is
-(batch, kv head, row tile, key tile) for the forward kernel. Keys and values are read in
-place (never padded or copied); the slot positions (small) are padded with -1 to the key
-tile, and the last key tile's rows past S are masked, so any S works.
+Layout. Row tile i of a kv head holds query tile i % nq of its query head i // nq (the G
+query heads of a kv head, as `written_slot_attention` groups them), so every key tile a step
+loads serves bq rows of one kv head; the forward grid is (batch, kv head, row tile, key
+tile). When D is a multiple of 128 the kernels read q and write the output in their own
+[B, T, Hq * D] layout (a D-wide column block per query head: no copy); otherwise (D = 64
+models, tiny test models) q is regrouped into [B, Hkv, G * T', D] by one transposing copy,
+as D-wide blocks would not be legal TPU tiles. Keys and values are always read in place;
+the slot and query positions (small) are padded with -1 to whole tiles, and rows of a tile
+past the end of q, k or v (undefined, maybe NaN) are masked, so any T and S work.
 
 Masking is by position only: slot s is visible to row r iff 0 <= slot_pos[s] <= the row's
 query position and s < num_slots. Left padding (query or slot position -1), evicted slots
@@ -94,29 +97,24 @@ def flash_attention(
     """
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
-    g = hq // hkv
     bq, t_pad = _tile(t, block_q, "block_q")
     bk, s_pad = _tile(s_len, block_k, "block_k")
+    dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len,
+                 native=d % _LANES == 0)  # fmt: skip
     qpos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
     spos = jnp.pad(
         slot_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1
     )
-    # Scaled in q's dtype before the product, as written_slot_attention does (same rounding).
-    # [B, T, Hq, D] -> [B, Hkv, G, T', D] -> rows g * T' + t: one copy with the pad.
-    qg = (q * jnp.asarray(d**-0.5, q.dtype)).reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, t_pad - t), (0, 0)))
-    qg = qg.reshape(b, hkv, g * t_pad, d)
     tables = _skip_tables(spos, qpos, jnp.asarray(num_slots, jnp.int32), bq, bk)
-    dims = _Dims(g=g, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len)
+    rows = _rows_in(q, hkv, dims)
     # [B, 1, L] layouts: a tile's positions are a legal (1, tile) block, lanes along L.
-    args = (tables, qpos[:, None, :], qg, k, v, spos[:, :, None, :])
+    qpos, spos = qpos[:, None, :], spos[:, :, None, :]
 
     def run(interpret_now: bool) -> tuple[jax.Array, ...]:
-        out, lse = _forward_call(dims, interpret_now)(*args)
+        out, lse = _forward_call(dims, interpret_now)(tables, qpos, rows, k, v, spos)
         if not return_probs_sum:
             return (out,)
-        sums = _sums_call(dims, interpret_now)(tables, qpos[:, None, :], qg, lse, k, args[-1])
-        return out, sums
+        return out, _sums_call(dims, interpret_now)(tables, qpos, rows, lse, k, spos)
 
     if interpret is None:
         # Both branches are traced; only the one for the platform being compiled is lowered.
@@ -125,8 +123,7 @@ def flash_attention(
         )
     else:
         results = run(interpret)
-    out = results[0].reshape(b, hkv, g, t_pad, d)[:, :, :, :t]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    out = _rows_out(results[0], q.shape, dims)
     if not return_probs_sum:
         return out, None
     return out, results[1].reshape(b, hq, s_pad)[:, :, :s_len]
@@ -141,7 +138,8 @@ def _tile(n: int, block: int, name: str) -> tuple[int, int]:
 
 
 class _Dims(NamedTuple):
-    """Static sizes: G query heads per kv head, nq / nk query / key tiles of bq / bk, S."""
+    """Static sizes: G query heads per kv head, nq / nk query / key tiles of bq / bk, S, and
+    whether q and the output stay in their own layout (`native`, D a multiple of 128)."""
 
     g: int
     nq: int
@@ -149,6 +147,44 @@ class _Dims(NamedTuple):
     bq: int
     bk: int
     s_len: int
+    native: bool
+
+
+def _rows_in(q: jax.Array, hkv: int, dims: _Dims) -> jax.Array:
+    """q [B, T, Hq, D] as the kernels read it: [B, T, Hq * D] (a free reshape) when native,
+    else [B, Hkv, G * T', D] with row g * T' + t = query head g's query t (T' = nq * bq)."""
+    b, t, hq, d = q.shape
+    if dims.native:
+        return q.reshape(b, t, hq * d)
+    qg = q.reshape(b, t, hkv, dims.g, d).transpose(0, 2, 3, 1, 4)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, dims.nq * dims.bq - t), (0, 0)))
+    return qg.reshape(b, hkv, dims.g * dims.nq * dims.bq, d)
+
+
+def _rows_out(out: jax.Array, shape: tuple[int, ...], dims: _Dims) -> jax.Array:
+    """The kernel's output in `_rows_in`'s layout back to [B, T, Hq, D]."""
+    b, t, hq, d = shape
+    if dims.native:
+        return out.reshape(shape)
+    out = out.reshape(b, hq // dims.g, dims.g, dims.nq * dims.bq, d)[:, :, :, :t]
+    return out.transpose(0, 3, 1, 2, 4).reshape(shape)
+
+
+def _rows_spec(dims: _Dims, d: int, tile_of) -> pl.BlockSpec:
+    """The BlockSpec of a row tile of q or the output in `_rows_in`'s layout;
+    tile_of(*grid indices, *tables) -> (b, h, query head g of kv head h, query tile)."""
+
+    def native(*idx):  # query head h * G + g's D columns, queries [qi * bq, (qi + 1) * bq)
+        b, h, g, qi = tile_of(*idx)
+        return b, qi, h * dims.g + g
+
+    def grouped(*idx):  # rows [(g * nq + qi) * bq, ...) of kv head h
+        b, h, g, qi = tile_of(*idx)
+        return b, h, g * dims.nq + qi, 0
+
+    if dims.native:
+        return pl.BlockSpec((None, dims.bq, d), native)
+    return pl.BlockSpec((None, None, dims.bq, d), grouped)
 
 
 def _skip_tables(
@@ -197,6 +233,11 @@ def _head_and_tile(i: jax.Array, nq: int) -> tuple[jax.Array, jax.Array]:
     return jax.lax.div(i, nq), jax.lax.rem(i, nq)
 
 
+def _scaled(q_ref) -> jax.Array:
+    """The query tile times D^-1/2 in q's dtype, rounded as written_slot_attention rounds it."""
+    return q_ref[...] * jnp.asarray(q_ref.shape[-1] ** -0.5, q_ref.dtype)
+
+
 def _clamp(i: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:
     """Block index i moved into [first, last]: a skipped tile reuses a needed one's DMA."""
     return jnp.minimum(jnp.maximum(i, first), last)
@@ -223,11 +264,11 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
 
     @pl.when(tab.kmin[b * dims.nk + j] <= tab.qmax[b * dims.nq + qi])
     def _step():
-        s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
+        s = jax.lax.dot_general(_scaled(q_ref), k_ref[...], _NT, preferred_element_type=jnp.float32)
         slot = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (1, dims.bk), 1)
         sp = spos_ref[...]  # [1, bk] against the rows' positions [bq, 1]
         visible = (sp >= 0) & (sp <= rowpos_ref[...]) & (slot < tab.num_slots[0])
-        s = jnp.where(visible, s, _MASKED)  # also drops NaN read past S in the last tile
+        s = jnp.where(visible, s, _MASKED)  # also drops NaN read past the end of q or k
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         # Zero, not exp(0) = 1, where masked: a row that saw nothing keeps l = 0 and acc = 0.
@@ -253,9 +294,12 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
 
 
 def _forward_call(dims: _Dims, interpret: bool):
-    """The forward pallas_call: (tables, qpos [B,1,T'], q [B,Hkv,G*T',D], k, v [B,Hkv,S,D],
-    spos [B,Hkv,1,S']) -> (out [B,Hkv,G*T',D], lse [B,Hkv,1,G*T'] f32)."""
+    """The forward pallas_call: (tables, qpos [B,1,T'], q rows (`_rows_in`), k, v [B,Hkv,S,D],
+    spos [B,Hkv,1,S']) -> (out in q's row layout, lse [B,Hkv,1,G*T'] f32, row tile order)."""
     nq, bq, bk = dims.nq, dims.bq, dims.bk
+
+    def row_tile(b, h, i, j, *refs):
+        return b, h, *_head_and_tile(i, nq)
 
     def key_tile(b, h, i, j, *refs):
         tab = _Tables(*refs)
@@ -271,20 +315,21 @@ def _forward_call(dims: _Dims, interpret: bool):
     def qpos_map(b, h, i, j, *refs):
         return b, 0, _head_and_tile(i, nq)[1]
 
-    def call(tables, qpos, qg, k, v, spos):
-        b, hkv, rows, d = qg.shape
+    def call(tables, qpos, q_rows, k, v, spos):
+        b, hkv, _, d = k.shape
+        rows = dims.g * nq * bq
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(tables),
             grid=(b, hkv, rows // bq, dims.nk),
             in_specs=[
                 pl.BlockSpec((None, 1, bq), qpos_map),
-                pl.BlockSpec((None, None, bq, d), lambda b, h, i, j, *_: (b, h, i, 0)),
+                _rows_spec(dims, d, row_tile),
                 pl.BlockSpec((None, None, bk, d), kv_map),
                 pl.BlockSpec((None, None, bk, d), kv_map),
                 pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=[
-                pl.BlockSpec((None, None, bq, d), lambda b, h, i, j, *_: (b, h, i, 0)),
+                _rows_spec(dims, d, row_tile),
                 pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i)),
             ],
             scratch_shapes=[
@@ -300,7 +345,7 @@ def _forward_call(dims: _Dims, interpret: bool):
             functools.partial(_forward_kernel, dims=dims),
             grid_spec=grid_spec,
             out_shape=[
-                jax.ShapeDtypeStruct(qg.shape, v.dtype),
+                jax.ShapeDtypeStruct(q_rows.shape, v.dtype),
                 jax.ShapeDtypeStruct((b, hkv, 1, rows), jnp.float32),
             ],
             compiler_params=pltpu.CompilerParams(
@@ -308,10 +353,10 @@ def _forward_call(dims: _Dims, interpret: bool):
             ),
             cost_estimate=pl.CostEstimate(
                 flops=flops, transcendentals=flops // (2 * d),
-                bytes_accessed=2 * qg.size * qg.dtype.itemsize + tile_bytes,
+                bytes_accessed=2 * q_rows.size * q_rows.dtype.itemsize + tile_bytes,
             ),
             interpret=interpret,
-        )(*tables, qpos, qg, k, v, spos)
+        )(*tables, qpos, q_rows, k, v, spos)
 
     return call
 
@@ -338,7 +383,9 @@ def _sums_kernel(*refs, dims: _Dims) -> None:
 
     @pl.when(tab.kmin[b * dims.nk + j] <= tab.qmax[b * dims.nq + qi])
     def _step():
-        st = jax.lax.dot_general(k_ref[...], q_ref[...], _NT, preferred_element_type=jnp.float32)
+        st = jax.lax.dot_general(
+            k_ref[...], _scaled(q_ref), _NT, preferred_element_type=jnp.float32
+        )
         cp = colpos_ref[...]  # [bk, 1] against the rows' positions [1, bq]
         visible = (cp >= 0) & (cp <= qpos_ref[...])
         # A row that sees nothing has lse = -1e30 and no visible entry: the where keeps it 0.
@@ -366,22 +413,22 @@ def _sums_call(dims: _Dims, interpret: bool):
     def qpos_map(b, h, j, i, *refs):
         return b, 0, query_tile(b, j, i, refs)[1]
 
-    def rows_map(b, h, j, i, *refs):
-        head, qi = query_tile(b, j, i, refs)
-        return b, h, head * nq + qi, 0
+    def row_tile(b, h, j, i, *refs):
+        return b, h, *query_tile(b, j, i, refs)
 
     def lse_map(b, h, j, i, *refs):
         head, qi = query_tile(b, j, i, refs)
         return b, h, 0, head * nq + qi
 
-    def call(tables, qpos, qg, lse, k, spos):
-        b, hkv, rows, d = qg.shape
+    def call(tables, qpos, q_rows, lse, k, spos):
+        b, hkv, _, d = k.shape
+        rows = g * nq * bq
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(tables),
             grid=(b, hkv, nk, rows // bq),
             in_specs=[
                 pl.BlockSpec((None, 1, bq), qpos_map),
-                pl.BlockSpec((None, None, bq, d), rows_map),
+                _rows_spec(dims, d, row_tile),
                 pl.BlockSpec((None, None, 1, bq), lse_map),
                 pl.BlockSpec((None, None, bk, d), lambda b, h, j, i, *_: (b, h, j, 0)),
                 pl.BlockSpec((None, None, 1, bk), lambda b, h, j, i, *_: (b, h, 0, j)),
@@ -399,9 +446,9 @@ def _sums_call(dims: _Dims, interpret: bool):
             ),
             cost_estimate=pl.CostEstimate(
                 flops=flops, transcendentals=flops // (2 * d),
-                bytes_accessed=qg.size * qg.dtype.itemsize * nk + k.size * k.dtype.itemsize,
+                bytes_accessed=q_rows.size * q_rows.dtype.itemsize * nk + k.size * k.dtype.itemsize,
             ),
             interpret=interpret,
-        )(*tables, qpos, qg, lse, k, spos)
+        )(*tables, qpos, q_rows, lse, k, spos)
 
     return call
