@@ -5,15 +5,17 @@
 either. On TPU it runs two Mosaic kernels; elsewhere (CPU tests) the same kernels run in
 Pallas interpret mode.
 
-Layout. Row tile i of a kv head holds query tile i % nq of its query head i // nq (the G
-query heads of a kv head, as `written_slot_attention` groups them), so every key tile a step
-loads serves bq rows of one kv head; the forward grid is (batch, kv head, row tile, key
-tile). When D is a multiple of 128 the kernels read q and write the output in their own
-[B, T, Hq * D] layout (a D-wide column block per query head: no copy); otherwise (D = 64
-models, tiny test models) q is regrouped into [B, Hkv, G * T', D] by one transposing copy,
-as D-wide blocks would not be legal TPU tiles. Keys and values are always read in place;
-the slot and query positions (small) are padded with -1 to whole tiles, and rows of a tile
-past the end of q, k or v (undefined, maybe NaN) are masked, so any T and S work.
+Layout. q is regrouped as `written_slot_attention` groups it: the G query heads of a kv head
+become rows g * T' + t of one [G * T', D] array (T' = T padded to whole query tiles), so row
+tile i is query tile i % nq of query head i // nq and every key tile a step loads serves bq
+rows of one kv head; the forward grid is (batch, kv head, row tile, key tile). Keys and
+values are read in place (never padded or copied); the slot and query positions (small) are
+padded with -1 to whole tiles, and the last key tile's rows past S (undefined, maybe NaN)
+are masked, so any T and S work. The regrouping is one transposing copy of q (and one of
+the output back); in a layer, XLA folds both into the q projection and o_proj (a Llama-8B
+layer at 8k compiled for v5e holds 65 MiB of temporaries this way). Reading q in its own
+[B, T, Hq * D] layout in D-wide column blocks was tried: 257 MiB there, as the TPU's tiled
+layouts make the [B, T, Hq, D] <-> [B, T, Hq * D] reshapes copies.
 
 Masking is by position only: slot s is visible to row r iff 0 <= slot_pos[s] <= the row's
 query position and s < num_slots. Left padding (query or slot position -1), evicted slots
@@ -99,8 +101,7 @@ def flash_attention(
     hkv, s_len = k.shape[1], k.shape[2]
     bq, t_pad = _tile(t, block_q, "block_q")
     bk, s_pad = _tile(s_len, block_k, "block_k")
-    dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len,
-                 native=d % _LANES == 0)  # fmt: skip
+    dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len)
     qpos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
     spos = jnp.pad(
         slot_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1
@@ -138,8 +139,7 @@ def _tile(n: int, block: int, name: str) -> tuple[int, int]:
 
 
 class _Dims(NamedTuple):
-    """Static sizes: G query heads per kv head, nq / nk query / key tiles of bq / bk, S, and
-    whether q and the output stay in their own layout (`native`, D a multiple of 128)."""
+    """Static sizes: G query heads per kv head, nq / nk query / key tiles of bq / bk, S."""
 
     g: int
     nq: int
@@ -147,15 +147,13 @@ class _Dims(NamedTuple):
     bq: int
     bk: int
     s_len: int
-    native: bool
 
 
 def _rows_in(q: jax.Array, hkv: int, dims: _Dims) -> jax.Array:
-    """q [B, T, Hq, D] as the kernels read it: [B, T, Hq * D] (a free reshape) when native,
-    else [B, Hkv, G * T', D] with row g * T' + t = query head g's query t (T' = nq * bq)."""
+    """q [B, T, Hq, D] -> [B, Hkv, G * T', D], row g * T' + t = query head g's query t, scaled
+    by D^-1/2 in q's dtype before the product as written_slot_attention does (same rounding)."""
     b, t, hq, d = q.shape
-    if dims.native:
-        return q.reshape(b, t, hq * d)
+    q = q * jnp.asarray(d**-0.5, q.dtype)
     qg = q.reshape(b, t, hkv, dims.g, d).transpose(0, 2, 3, 1, 4)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, dims.nq * dims.bq - t), (0, 0)))
     return qg.reshape(b, hkv, dims.g * dims.nq * dims.bq, d)
@@ -164,27 +162,20 @@ def _rows_in(q: jax.Array, hkv: int, dims: _Dims) -> jax.Array:
 def _rows_out(out: jax.Array, shape: tuple[int, ...], dims: _Dims) -> jax.Array:
     """The kernel's output in `_rows_in`'s layout back to [B, T, Hq, D]."""
     b, t, hq, d = shape
-    if dims.native:
-        return out.reshape(shape)
     out = out.reshape(b, hq // dims.g, dims.g, dims.nq * dims.bq, d)[:, :, :, :t]
     return out.transpose(0, 3, 1, 2, 4).reshape(shape)
 
 
 def _rows_spec(dims: _Dims, d: int, tile_of) -> pl.BlockSpec:
     """The BlockSpec of a row tile of q or the output in `_rows_in`'s layout;
-    tile_of(*grid indices, *tables) -> (b, h, query head g of kv head h, query tile)."""
+    tile_of(*grid indices, *tables) -> (b, h, query head g of kv head h, query tile qi),
+    read as rows [(g * nq + qi) * bq, (g * nq + qi + 1) * bq) of kv head h."""
 
-    def native(*idx):  # query head h * G + g's D columns, queries [qi * bq, (qi + 1) * bq)
-        b, h, g, qi = tile_of(*idx)
-        return b, qi, h * dims.g + g
-
-    def grouped(*idx):  # rows [(g * nq + qi) * bq, ...) of kv head h
+    def index(*idx):
         b, h, g, qi = tile_of(*idx)
         return b, h, g * dims.nq + qi, 0
 
-    if dims.native:
-        return pl.BlockSpec((None, dims.bq, d), native)
-    return pl.BlockSpec((None, None, dims.bq, d), grouped)
+    return pl.BlockSpec((None, None, dims.bq, d), index)
 
 
 def _skip_tables(
@@ -233,11 +224,6 @@ def _head_and_tile(i: jax.Array, nq: int) -> tuple[jax.Array, jax.Array]:
     return jax.lax.div(i, nq), jax.lax.rem(i, nq)
 
 
-def _scaled(q_ref) -> jax.Array:
-    """The query tile times D^-1/2 in q's dtype, rounded as written_slot_attention rounds it."""
-    return q_ref[...] * jnp.asarray(q_ref.shape[-1] ** -0.5, q_ref.dtype)
-
-
 def _clamp(i: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:
     """Block index i moved into [first, last]: a skipped tile reuses a needed one's DMA."""
     return jnp.minimum(jnp.maximum(i, first), last)
@@ -264,11 +250,11 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
 
     @pl.when(tab.kmin[b * dims.nk + j] <= tab.qmax[b * dims.nq + qi])
     def _step():
-        s = jax.lax.dot_general(_scaled(q_ref), k_ref[...], _NT, preferred_element_type=jnp.float32)
+        s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
         slot = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (1, dims.bk), 1)
         sp = spos_ref[...]  # [1, bk] against the rows' positions [bq, 1]
         visible = (sp >= 0) & (sp <= rowpos_ref[...]) & (slot < tab.num_slots[0])
-        s = jnp.where(visible, s, _MASKED)  # also drops NaN read past the end of q or k
+        s = jnp.where(visible, s, _MASKED)  # also drops NaN read past S in the last tile
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         # Zero, not exp(0) = 1, where masked: a row that saw nothing keeps l = 0 and acc = 0.
@@ -384,7 +370,7 @@ def _sums_kernel(*refs, dims: _Dims) -> None:
     @pl.when(tab.kmin[b * dims.nk + j] <= tab.qmax[b * dims.nq + qi])
     def _step():
         st = jax.lax.dot_general(
-            k_ref[...], _scaled(q_ref), _NT, preferred_element_type=jnp.float32
+            k_ref[...], q_ref[...], _NT, preferred_element_type=jnp.float32
         )
         cp = colpos_ref[...]  # [bk, 1] against the rows' positions [1, bq]
         visible = (cp >= 0) & (cp <= qpos_ref[...])
