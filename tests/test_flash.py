@@ -153,9 +153,11 @@ def test_skip_tables_of_a_causal_prompt():
     np.testing.assert_array_equal(tab.klast, [0, 1, 2, 3])
     np.testing.assert_array_equal(tab.qfirst, [0, 1, 2, 3])
     np.testing.assert_array_equal(tab.qlast, [3, 3, 3, 3])
+    np.testing.assert_array_equal(tab.kend, [3])
     tab = _skip_tables(pos, qpos, jnp.int32(300), 128, 128)
     np.testing.assert_array_equal(tab.kmin, [0, 128, 256, np.iinfo(np.int32).max])
     np.testing.assert_array_equal(tab.klast, [0, 1, 2, 2])
+    np.testing.assert_array_equal(tab.kend, [2])  # the sums kernel loads no tile past it
 
 
 def test_tiles_must_be_lane_multiples():

@@ -62,7 +62,8 @@ class _Tables(NamedTuple):
     num_slots [1]; per batch row b: kmin [B * nk] (key tile j's smallest visible position),
     qmax [B * nq] (query tile i's largest position), kfirst / klast [B * nq] (query tile i's
     first / last needed key tile), qfirst / qlast [B * nk] (key tile j's first / last needed
-    query tile). Key tile j is needed by query tile i iff kmin[j] <= qmax[i].
+    query tile), kend [B] (the last key tile any query tile needs). Key tile j is needed by
+    query tile i iff kmin[j] <= qmax[i].
     """
 
     num_slots: jax.Array
@@ -72,6 +73,10 @@ class _Tables(NamedTuple):
     klast: jax.Array
     qfirst: jax.Array
     qlast: jax.Array
+    kend: jax.Array
+
+
+_NUM_TABLES = len(_Tables._fields)
 
 
 def flash_attention(
@@ -194,13 +199,13 @@ def _skip_tables(
     qmax = qpos.reshape(b, nq, bq).max(axis=2)  # [B, nq]
     needed = kmin[:, None, :] <= qmax[:, :, None]  # [B, nq, nk]
     kj, qi = jnp.arange(nk), jnp.arange(nq)[:, None]
-    tables = (
-        jnp.min(jnp.where(needed, kj, nk - 1), axis=2),
-        jnp.max(jnp.where(needed, kj, 0), axis=2),
-        jnp.min(jnp.where(needed, qi, nq - 1), axis=1),
-        jnp.max(jnp.where(needed, qi, 0), axis=1),
-    )
-    flat = [x.reshape(-1).astype(jnp.int32) for x in (kmin, qmax, *tables)]
+    kfirst = jnp.min(jnp.where(needed, kj, nk - 1), axis=2)
+    klast = jnp.max(jnp.where(needed, kj, 0), axis=2)
+    qfirst = jnp.min(jnp.where(needed, qi, nq - 1), axis=1)
+    qlast = jnp.max(jnp.where(needed, qi, 0), axis=1)
+    kend = klast.max(axis=1)  # every key tile past it is unwritten or seen by no query
+    tables = (kmin, qmax, kfirst, klast, qfirst, qlast, kend)
+    flat = [x.reshape(-1).astype(jnp.int32) for x in tables]
     return _Tables(jnp.reshape(num_slots, (1,)), *flat)
 
 
@@ -235,9 +240,9 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
     Scratch: running max m [bq, 1], normaliser l [bq, 1], unnormalised output acc [bq, D]
     (f32), and the row tile's query positions as a column [bq, 1] (made once, at key tile 0).
     """
-    tab = _Tables(*refs[:7])
-    qpos_ref, q_ref, k_ref, v_ref, spos_ref, out_ref, lse_ref = refs[7:14]
-    m_ref, l_ref, acc_ref, rowpos_ref = refs[14:]
+    tab = _Tables(*refs[:_NUM_TABLES])
+    qpos_ref, q_ref, k_ref, v_ref, spos_ref, out_ref, lse_ref, *scratch = refs[_NUM_TABLES:]
+    m_ref, l_ref, acc_ref, rowpos_ref = scratch
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     _, qi = _head_and_tile(i, dims.nq)
 
@@ -354,10 +359,11 @@ def _sums_kernel(*refs, dims: _Dims) -> None:
     rows as loaded, and summing over the rows leaves a [bk, 1] column per key tile: added
     into acc[g] (G columns, one per query head of the kv head) until the last row tile, then
     written as the G rows of the output tile. The slot positions become a column once per
-    key tile (slots at or past num_slots as -1).
+    key tile (slots at or past num_slots as -1). Key tiles past kend are neither computed nor
+    loaded (their index clamped to kend's): their sums stay zero.
     """
-    tab = _Tables(*refs[:7])
-    qpos_ref, q_ref, lse_ref, k_ref, spos_ref, out_ref, colpos_ref, acc_ref = refs[7:]
+    tab = _Tables(*refs[:_NUM_TABLES])
+    qpos_ref, q_ref, lse_ref, k_ref, spos_ref, out_ref, colpos_ref, acc_ref = refs[_NUM_TABLES:]
     b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     head, qi = _head_and_tile(i, dims.nq)
 
@@ -406,6 +412,12 @@ def _sums_call(dims: _Dims, interpret: bool):
         head, qi = query_tile(b, j, i, refs)
         return b, h, 0, head * nq + qi
 
+    def k_map(b, h, j, i, *refs):
+        return b, h, jnp.minimum(j, _Tables(*refs).kend[b]), 0
+
+    def spos_map(b, h, j, i, *refs):
+        return b, h, 0, jnp.minimum(j, _Tables(*refs).kend[b])
+
     def call(tables, qpos, q_rows, lse, k, spos):
         b, hkv, _, d = k.shape
         rows = g * nq * bq
@@ -416,8 +428,8 @@ def _sums_call(dims: _Dims, interpret: bool):
                 pl.BlockSpec((None, 1, bq), qpos_map),
                 _rows_spec(dims, d, row_tile),
                 pl.BlockSpec((None, None, 1, bq), lse_map),
-                pl.BlockSpec((None, None, bk, d), lambda b, h, j, i, *_: (b, h, j, 0)),
-                pl.BlockSpec((None, None, 1, bk), lambda b, h, j, i, *_: (b, h, 0, j)),
+                pl.BlockSpec((None, None, bk, d), k_map),
+                pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=pl.BlockSpec((None, None, g, bk), lambda b, h, j, i, *_: (b, h, 0, j)),
             scratch_shapes=[pltpu.VMEM((bk, 1), jnp.int32), pltpu.VMEM((g, bk, 1), jnp.float32)],
