@@ -1,0 +1,452 @@
+"""Prefill attention as a Pallas TPU flash kernel, with `written_slot_attention`'s contract.
+
+`flash_attention` takes the same arguments and gives the same results as
+`attention.written_slot_attention` (up to float summation order), so a forward pass can call
+either. On TPU it runs two Mosaic kernels; elsewhere (CPU tests) the same kernels run in
+Pallas interpret mode.
+
+Layout. q is regrouped as `written_slot_attention` groups it: the G query heads of a kv head
+become rows g * T' + t of one [G * T', D] array (T' = T padded to whole query tiles), so row
+tile i is query tile i % nq of query head i // nq and every key tile a step loads serves bq
+rows of one kv head; the forward grid is (batch, kv head, row tile, key tile). Keys and
+values are read in place (never padded or copied); the slot and query positions (small) are
+padded with -1 to whole tiles, and the last key tile's rows past S (undefined, maybe NaN)
+are masked, so any T and S work. The regrouping is one transposing copy of q (and one of
+the output back); in a layer, XLA folds both into the q projection and o_proj (a Llama-8B
+layer at 8k compiled for v5e holds 65 MiB of temporaries this way). Reading q in its own
+[B, T, Hq * D] layout in D-wide column blocks was tried: 257 MiB there, as the TPU's tiled
+layouts make the [B, T, Hq, D] <-> [B, T, Hq * D] reshapes copies.
+
+Masking is by position only: slot s is visible to row r iff 0 <= slot_pos[s] <= the row's
+query position and s < num_slots. Left padding (query or slot position -1), evicted slots
+(-1 anywhere) and causality all follow from that one rule, with no index arithmetic.
+
+Skipping. A key tile whose smallest visible position exceeds a row tile's largest query
+position can be seen by no row of it (the upper causal triangle, left padding, unwritten
+slots past num_slots): the kernel skips its compute with `pl.when`, and the index maps clamp
+its block index to the nearest needed tile so its DMA is not issued either (Pallas skips the
+copy when a block index repeats). The tables behind this are scalar-prefetched (SMEM), per
+batch row (min over kv heads: conservative, so exact whatever the heads hold).
+
+Rows that see no slot at all (padding queries) get a zero output and a log-sum-exp of
+-1e30; `written_slot_attention` gives them a finite mean of values instead. Both are finite
+and such rows never reach a real token (their own keys are at position -1).
+
+The probs sum (H2O) is a second, keys-major kernel over the same tiles, normalised by the
+first kernel's per-row log-sum-exp: exp(s - lse) is each row's softmax without a second
+online pass, and keys-major tiles let each step reduce over the rows into its key tile's
+sums while that tile stays resident. Plain XLA in blocks would materialise [rows, block]
+f32 score tiles in HBM per step and could not skip causal tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from dge_jax.runtime.attention import _MASKED
+
+_LANES = 128  # TPU vector lane count: tile sizes are multiples of it
+_NEVER = jnp.iinfo(jnp.int32).max  # a key tile's smallest visible position when it has none
+_NT = (((1,), (1,)), ((), ()))  # dot_general numbers of A @ B^T (contract both last dims)
+
+
+class _Tables(NamedTuple):
+    """The scalar-prefetched skip tables (jax arrays in the wrapper, SMEM refs in kernels).
+
+    num_slots [1]; per batch row b: kmin [B * nk] (key tile j's smallest visible position),
+    qmax [B * nq] (query tile i's largest position), kfirst / klast [B * nq] (query tile i's
+    first / last needed key tile), qfirst / qlast [B * nk] (key tile j's first / last needed
+    query tile), kend [B] (the last key tile any query tile needs). Key tile j is needed by
+    query tile i iff kmin[j] <= qmax[i].
+    """
+
+    num_slots: jax.Array
+    kmin: jax.Array
+    qmax: jax.Array
+    kfirst: jax.Array
+    klast: jax.Array
+    qfirst: jax.Array
+    qlast: jax.Array
+    kend: jax.Array
+
+
+_NUM_TABLES = len(_Tables._fields)
+
+
+def flash_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_pos: jax.Array,
+    query_pos: jax.Array,
+    num_slots: jax.Array | int,
+    *,
+    return_probs_sum: bool = False,
+    block_q: int = 512,
+    block_k: int = 512,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`written_slot_attention` as Pallas kernels; returns (out, per-slot prob sums or None).
+
+    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [B, Hkv, S]; query_pos: [B, T];
+    num_slots: slots at or past it are never read. out: [B, T, Hq, D] in v's dtype; probs
+    sum: [B, Hq, S] f32 summed over the T queries, padding queries contributing 0. block_q /
+    block_k: row and key tile sizes (multiples of 128; shrunk to the padded T / S when
+    larger). interpret: None runs Mosaic when compiled for TPU and interpret mode on any
+    other platform (decided at lowering, from where the computation is compiled); True /
+    False force it.
+    """
+    b, t, hq, d = q.shape
+    hkv, s_len = k.shape[1], k.shape[2]
+    bq, t_pad = _tile(t, block_q, "block_q")
+    bk, s_pad = _tile(s_len, block_k, "block_k")
+    dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len)
+    qpos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
+    spos = jnp.pad(
+        slot_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1
+    )
+    tables = _skip_tables(spos, qpos, jnp.asarray(num_slots, jnp.int32), bq, bk)
+    rows = _rows_in(q, hkv, dims)
+    # [B, 1, L] layouts: a tile's positions are a legal (1, tile) block, lanes along L.
+    qpos, spos = qpos[:, None, :], spos[:, :, None, :]
+
+    def run(interpret_now: bool) -> tuple[jax.Array, ...]:
+        out, lse = _forward_call(dims, interpret_now)(tables, qpos, rows, k, v, spos)
+        if not return_probs_sum:
+            return (out,)
+        return out, _sums_call(dims, interpret_now)(tables, qpos, rows, lse, k, spos)
+
+    if interpret is None:
+        # Both branches are traced; only the one for the platform being compiled is lowered.
+        results = jax.lax.platform_dependent(
+            tpu=functools.partial(run, False), default=functools.partial(run, True)
+        )
+    else:
+        results = run(interpret)
+    out = _rows_out(results[0], q.shape, dims)
+    if not return_probs_sum:
+        return out, None
+    return out, results[1].reshape(b, hq, s_pad)[:, :, :s_len]
+
+
+def _tile(n: int, block: int, name: str) -> tuple[int, int]:
+    """(tile, padded length): `block` shrunk to n rounded up to 128 when n is smaller."""
+    if block <= 0 or block % _LANES:
+        raise ValueError(f"{name} must be a positive multiple of {_LANES}, got {block}")
+    tile = min(block, -(-n // _LANES) * _LANES)
+    return tile, -(-n // tile) * tile
+
+
+class _Dims(NamedTuple):
+    """Static sizes: G query heads per kv head, nq / nk query / key tiles of bq / bk, S."""
+
+    g: int
+    nq: int
+    nk: int
+    bq: int
+    bk: int
+    s_len: int
+
+
+def _rows_in(q: jax.Array, hkv: int, dims: _Dims) -> jax.Array:
+    """q [B, T, Hq, D] -> [B, Hkv, G * T', D], row g * T' + t = query head g's query t, scaled
+    by D^-1/2 in q's dtype before the product as written_slot_attention does (same rounding)."""
+    b, t, hq, d = q.shape
+    q = q * jnp.asarray(d**-0.5, q.dtype)
+    qg = q.reshape(b, t, hkv, dims.g, d).transpose(0, 2, 3, 1, 4)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, dims.nq * dims.bq - t), (0, 0)))
+    return qg.reshape(b, hkv, dims.g * dims.nq * dims.bq, d)
+
+
+def _rows_out(out: jax.Array, shape: tuple[int, ...], dims: _Dims) -> jax.Array:
+    """The kernel's output in `_rows_in`'s layout back to [B, T, Hq, D]."""
+    b, t, hq, d = shape
+    out = out.reshape(b, hq // dims.g, dims.g, dims.nq * dims.bq, d)[:, :, :, :t]
+    return out.transpose(0, 3, 1, 2, 4).reshape(shape)
+
+
+def _rows_spec(dims: _Dims, d: int, tile_of) -> pl.BlockSpec:
+    """The BlockSpec of a row tile of q or the output in `_rows_in`'s layout;
+    tile_of(*grid indices, *tables) -> (b, h, query head g of kv head h, query tile qi),
+    read as rows [(g * nq + qi) * bq, (g * nq + qi + 1) * bq) of kv head h."""
+
+    def index(*idx):
+        b, h, g, qi = tile_of(*idx)
+        return b, h, g * dims.nq + qi, 0
+
+    return pl.BlockSpec((None, None, dims.bq, d), index)
+
+
+def _skip_tables(
+    spos: jax.Array, qpos: jax.Array, num_slots: jax.Array, bq: int, bk: int
+) -> _Tables:
+    """The skip tables (see `_Tables`) from padded slot [B, Hkv, S'] and query [B, T'] positions.
+
+    A tile pair nothing in common is skipped; a query tile needing no key tile (all padding)
+    gets kfirst = nk - 1, klast = 0, so its clamped index min(max(j, kfirst), klast) is 0 for
+    every j: one DMA, no compute (and likewise for key tiles no query tile needs).
+    """
+    b, _, s_pad = spos.shape
+    nk, nq = s_pad // bk, qpos.shape[1] // bq
+    readable = (spos >= 0) & (jnp.arange(s_pad) < num_slots)
+    kmin = jnp.where(readable, spos, _NEVER).reshape(b, -1, nk, bk).min(axis=(1, 3))  # [B, nk]
+    qmax = qpos.reshape(b, nq, bq).max(axis=2)  # [B, nq]
+    needed = kmin[:, None, :] <= qmax[:, :, None]  # [B, nq, nk]
+    kj, qi = jnp.arange(nk), jnp.arange(nq)[:, None]
+    kfirst = jnp.min(jnp.where(needed, kj, nk - 1), axis=2)
+    klast = jnp.max(jnp.where(needed, kj, 0), axis=2)
+    qfirst = jnp.min(jnp.where(needed, qi, nq - 1), axis=1)
+    qlast = jnp.max(jnp.where(needed, qi, 0), axis=1)
+    kend = klast.max(axis=1)  # every key tile past it is unwritten or seen by no query
+    tables = (kmin, qmax, kfirst, klast, qfirst, qlast, kend)
+    flat = [x.reshape(-1).astype(jnp.int32) for x in tables]
+    return _Tables(jnp.reshape(num_slots, (1,)), *flat)
+
+
+def _column(row: jax.Array) -> jax.Array:
+    """[1, n] -> [n, 1] (through a lane-wide transpose, the form Mosaic lowers)."""
+    return jnp.broadcast_to(row, (_LANES, row.shape[1])).T[:, :1]
+
+
+def _row(col: jax.Array) -> jax.Array:
+    """[n, 1] -> [1, n] (the inverse of `_column`)."""
+    return jnp.broadcast_to(col, (col.shape[0], _LANES)).T[:1, :]
+
+
+def _head_and_tile(i: jax.Array, nq: int) -> tuple[jax.Array, jax.Array]:
+    """Row tile i -> (query head i // nq, query tile i % nq) of its kv head's group.
+
+    Truncating lax.div / lax.rem (grid indices are >= 0): jnp's floor division lowers
+    through `sign`, whose Mosaic rule asks the local device for its TPU generation and so
+    fails when compiling for a TPU from a machine without one.
+    """
+    return jax.lax.div(i, nq), jax.lax.rem(i, nq)
+
+
+def _clamp(i: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:
+    """Block index i moved into [first, last]: a skipped tile reuses a needed one's DMA."""
+    return jnp.minimum(jnp.maximum(i, first), last)
+
+
+def _forward_kernel(*refs, dims: _Dims) -> None:
+    """One (batch, kv head, row tile, key tile) step of the online softmax.
+
+    Scratch: running max m [bq, 1], normaliser l [bq, 1], unnormalised output acc [bq, D]
+    (f32), and the row tile's query positions as a column [bq, 1] (made once, at key tile 0).
+    """
+    tab = _Tables(*refs[:_NUM_TABLES])
+    qpos_ref, q_ref, k_ref, v_ref, spos_ref, out_ref, lse_ref, *scratch = refs[_NUM_TABLES:]
+    m_ref, l_ref, acc_ref, rowpos_ref = scratch
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    _, qi = _head_and_tile(i, dims.nq)
+
+    @pl.when(j == 0)
+    def _start():
+        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        rowpos_ref[...] = _column(qpos_ref[...])
+
+    @pl.when(tab.kmin[b * dims.nk + j] <= tab.qmax[b * dims.nq + qi])
+    def _step():
+        s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
+        slot = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (1, dims.bk), 1)
+        sp = spos_ref[...]  # [1, bk] against the rows' positions [bq, 1]
+        visible = (sp >= 0) & (sp <= rowpos_ref[...]) & (slot < tab.num_slots[0])
+        s = jnp.where(visible, s, _MASKED)  # also drops NaN read past S in the last tile
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        # Zero, not exp(0) = 1, where masked: a row that saw nothing keeps l = 0 and acc = 0.
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        # Rows past S (the last tile's, undefined: maybe NaN) or num_slots (unwritten) become
+        # zeros: p is 0 there, but 0 * NaN would still be NaN in the product.
+        rows = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (dims.bk, 1), 0)
+        v = v_ref[...]
+        v = jnp.where(rows < jnp.minimum(tab.num_slots[0], dims.s_len), v, jnp.zeros_like(v))
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + pv
+        m_ref[...] = m_new
+
+    @pl.when(j == dims.nk - 1)
+    def _finish():
+        norm = l_ref[...]
+        seen = norm > 0
+        safe = jnp.where(seen, norm, 1.0)
+        out_ref[...] = jnp.where(seen, acc_ref[...] / safe, 0.0).astype(out_ref.dtype)
+        lse_ref[...] = _row(jnp.where(seen, m_ref[...] + jnp.log(safe), _MASKED))
+
+
+def _forward_call(dims: _Dims, interpret: bool):
+    """The forward pallas_call: (tables, qpos [B,1,T'], q rows (`_rows_in`), k, v [B,Hkv,S,D],
+    spos [B,Hkv,1,S']) -> (out in q's row layout, lse [B,Hkv,1,G*T'] f32, row tile order)."""
+    nq, bq, bk = dims.nq, dims.bq, dims.bk
+
+    def row_tile(b, h, i, j, *refs):
+        return b, h, *_head_and_tile(i, nq)
+
+    def key_tile(b, h, i, j, *refs):
+        tab = _Tables(*refs)
+        at = b * nq + _head_and_tile(i, nq)[1]
+        return _clamp(j, tab.kfirst[at], tab.klast[at])
+
+    def kv_map(b, h, i, j, *refs):
+        return b, h, key_tile(b, h, i, j, *refs), 0
+
+    def spos_map(b, h, i, j, *refs):
+        return b, h, 0, key_tile(b, h, i, j, *refs)
+
+    def qpos_map(b, h, i, j, *refs):
+        return b, 0, _head_and_tile(i, nq)[1]
+
+    def call(tables, qpos, q_rows, k, v, spos):
+        b, hkv, _, d = k.shape
+        rows = dims.g * nq * bq
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(tables),
+            grid=(b, hkv, rows // bq, dims.nk),
+            in_specs=[
+                pl.BlockSpec((None, 1, bq), qpos_map),
+                _rows_spec(dims, d, row_tile),
+                pl.BlockSpec((None, None, bk, d), kv_map),
+                pl.BlockSpec((None, None, bk, d), kv_map),
+                pl.BlockSpec((None, None, 1, bk), spos_map),
+            ],
+            out_specs=[
+                _rows_spec(dims, d, row_tile),
+                pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i)),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((bq, 1), jnp.float32),
+                pltpu.VMEM((bq, 1), jnp.float32),
+                pltpu.VMEM((bq, d), jnp.float32),
+                pltpu.VMEM((bq, 1), jnp.int32),
+            ],
+        )
+        flops = 4 * b * hkv * rows * k.shape[2] * d  # dense bound: skipped tiles not counted off
+        tile_bytes = 2 * k.size * k.dtype.itemsize * (rows // bq)  # k and v once per row tile
+        return pl.pallas_call(
+            functools.partial(_forward_kernel, dims=dims),
+            grid_spec=grid_spec,
+            out_shape=[
+                jax.ShapeDtypeStruct(q_rows.shape, v.dtype),
+                jax.ShapeDtypeStruct((b, hkv, 1, rows), jnp.float32),
+            ],
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            ),
+            cost_estimate=pl.CostEstimate(
+                flops=flops, transcendentals=flops // (2 * d),
+                bytes_accessed=2 * q_rows.size * q_rows.dtype.itemsize + tile_bytes,
+            ),
+            interpret=interpret,
+        )(*tables, qpos, q_rows, k, v, spos)
+
+    return call
+
+
+def _sums_kernel(*refs, dims: _Dims) -> None:
+    """One (batch, kv head, key tile, row tile) step of the probs sum, keys-major.
+
+    Scores come as [bk, bq] (keys on sublanes), so the rows' positions and lse are [1, bq]
+    rows as loaded, and summing over the rows leaves a [bk, 1] column per key tile: added
+    into acc[g] (G columns, one per query head of the kv head) until the last row tile, then
+    written as the G rows of the output tile. The slot positions become a column once per
+    key tile (slots at or past num_slots as -1). Key tiles past kend are neither computed nor
+    loaded (their index clamped to kend's): their sums stay zero.
+    """
+    tab = _Tables(*refs[:_NUM_TABLES])
+    qpos_ref, q_ref, lse_ref, k_ref, spos_ref, out_ref, colpos_ref, acc_ref = refs[_NUM_TABLES:]
+    b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    head, qi = _head_and_tile(i, dims.nq)
+
+    @pl.when(i == 0)
+    def _start():
+        slot = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (1, dims.bk), 1)
+        colpos_ref[...] = _column(jnp.where(slot < tab.num_slots[0], spos_ref[...], -1))
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(tab.kmin[b * dims.nk + j] <= tab.qmax[b * dims.nq + qi])
+    def _step():
+        st = jax.lax.dot_general(
+            k_ref[...], q_ref[...], _NT, preferred_element_type=jnp.float32
+        )
+        cp = colpos_ref[...]  # [bk, 1] against the rows' positions [1, bq]
+        visible = (cp >= 0) & (cp <= qpos_ref[...])
+        # A row that sees nothing has lse = -1e30 and no visible entry: the where keeps it 0.
+        p = jnp.where(visible, jnp.exp(st - lse_ref[...]), 0.0)
+        acc_ref[head] += p.sum(axis=1, keepdims=True)
+
+    @pl.when(i == dims.g * dims.nq - 1)
+    def _finish():
+        for g in range(dims.g):
+            out_ref[g : g + 1, :] = _row(acc_ref[g])
+
+
+def _sums_call(dims: _Dims, interpret: bool):
+    """The probs-sum pallas_call: (tables, qpos, q, lse, k, spos) in `_forward_call`'s
+    layouts -> sums [B, Hkv, G, S'] f32 (query head h * G + g's sums in row g)."""
+    nq, nk, bq, bk, g = dims.nq, dims.nk, dims.bq, dims.bk, dims.g
+
+    def query_tile(b, j, i, refs):
+        """Row tile i's (query head, query tile), the tile clamped to key tile j's needed
+        range; the row tile read is then head * nq + tile."""
+        tab = _Tables(*refs)
+        head, qi = _head_and_tile(i, nq)
+        return head, _clamp(qi, tab.qfirst[b * nk + j], tab.qlast[b * nk + j])
+
+    def qpos_map(b, h, j, i, *refs):
+        return b, 0, query_tile(b, j, i, refs)[1]
+
+    def row_tile(b, h, j, i, *refs):
+        return b, h, *query_tile(b, j, i, refs)
+
+    def lse_map(b, h, j, i, *refs):
+        head, qi = query_tile(b, j, i, refs)
+        return b, h, 0, head * nq + qi
+
+    def k_map(b, h, j, i, *refs):
+        return b, h, jnp.minimum(j, _Tables(*refs).kend[b]), 0
+
+    def spos_map(b, h, j, i, *refs):
+        return b, h, 0, jnp.minimum(j, _Tables(*refs).kend[b])
+
+    def call(tables, qpos, q_rows, lse, k, spos):
+        b, hkv, _, d = k.shape
+        rows = g * nq * bq
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(tables),
+            grid=(b, hkv, nk, rows // bq),
+            in_specs=[
+                pl.BlockSpec((None, 1, bq), qpos_map),
+                _rows_spec(dims, d, row_tile),
+                pl.BlockSpec((None, None, 1, bq), lse_map),
+                pl.BlockSpec((None, None, bk, d), k_map),
+                pl.BlockSpec((None, None, 1, bk), spos_map),
+            ],
+            out_specs=pl.BlockSpec((None, None, g, bk), lambda b, h, j, i, *_: (b, h, 0, j)),
+            scratch_shapes=[pltpu.VMEM((bk, 1), jnp.int32), pltpu.VMEM((g, bk, 1), jnp.float32)],
+        )
+        flops = 2 * b * hkv * rows * k.shape[2] * d
+        return pl.pallas_call(
+            functools.partial(_sums_kernel, dims=dims),
+            grid_spec=grid_spec,
+            out_shape=jax.ShapeDtypeStruct((b, hkv, g, nk * bk), jnp.float32),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+            ),
+            cost_estimate=pl.CostEstimate(
+                flops=flops, transcendentals=flops // (2 * d),
+                bytes_accessed=q_rows.size * q_rows.dtype.itemsize * nk + k.size * k.dtype.itemsize,
+            ),
+            interpret=interpret,
+        )(*tables, qpos, q_rows, lse, k, spos)
+
+    return call

@@ -1,0 +1,197 @@
+"""The Pallas flash kernel (`runtime/flash.py`) gives `written_slot_attention`'s results.
+
+On CPU the kernels run in Pallas interpret mode (which fills reads past an array's end with
+NaN, so the masking of the last partial key tile is exercised). Compared against
+`written_slot_attention` and `cached_attention` on hand-made caches: left padding, evicted
+slots, slots past num_slots, GQA groups 1/3/4/8, several query and key tiles with T and S
+multiples of neither, f32 and bf16. Rows that see no slot are finite (zero) in the kernel and
+a mean of values in the XLA path, so outputs are compared on real rows only; the probs sums
+are compared everywhere.
+
+Tolerances: f32 2e-5 absolute on outputs (values ~N(0, 1)) and 2e-6 on probs sums; bf16 runs
+compare against the XLA paths in bf16 at 1e-2 absolute + 1e-2 relative on outputs (one or
+two bf16 ulps, 2^-7 relative: the paths round p to bf16 against different running maxima,
+and cached_attention scales scores in f32 where the others scale q in bf16) and 2e-3 absolute
++ 2e-3 relative on the f32 probs sums (sums of up to ~8 here; 7e-4 relative seen).
+
+The last test compiles the kernels for a TPU v5e without a TPU (deviceless AOT through
+libtpu) and finds the Mosaic custom calls in the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dge_jax.runtime.attention import cached_attention, written_slot_attention
+from dge_jax.runtime.flash import _skip_tables, flash_attention
+
+D = 16
+# Jitted, so each shape compiles once (eager calls re-trace the interpreter every time).
+FLASH = jax.jit(flash_attention, static_argnames=("return_probs_sum", "block_q", "block_k"))
+WRITTEN = jax.jit(written_slot_attention, static_argnames=("block", "return_probs_sum"))
+DENSE = jax.jit(cached_attention, static_argnames=("return_probs_sum",))
+
+
+def make_inputs(b, t, hq, hkv, s, dtype=np.float32, seed=0, d=D):
+    """Random q, k, v and, per row, a plain prompt: query t at position t, slot t holding
+    position t for t < T, the rest of the capacity unwritten (-1)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), dtype)
+               for shape in ((b, t, hq, d), (b, hkv, s, d), (b, hkv, s, d)))  # fmt: skip
+    pos = np.full((b, hkv, s), -1, np.int32)
+    pos[:, :, :t] = np.arange(t)
+    return q, k, v, pos, np.tile(np.arange(t, dtype=np.int32), (b, 1))
+
+
+def left_pad(pos, query_pos, row, n):
+    """Row `row`'s first n tokens become padding: positions -1, the rest renumbered from 0."""
+    query_pos[row] = np.arange(query_pos.shape[1]) - n
+    query_pos[row, :n] = -1
+    pos[row, :, : query_pos.shape[1]] = query_pos[row]
+
+
+# (atol, rtol) of the outputs and of the probs sums; see the module docstring.
+F32 = {"out": (2e-5, 0), "sums": (2e-6, 0)}
+BF16 = {"out": (1e-2, 1e-2), "sums": (2e-3, 2e-3)}
+
+
+def check(q, k, v, pos, query_pos, num_slots, *, tol=F32, **blocks):
+    """flash_attention equals written_slot_attention (block 64) and cached_attention; returns
+    its (out, sums) as numpy."""
+    pos, query_pos, num_slots = jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(num_slots)
+    out, sums = FLASH(q, k, v, pos, query_pos, num_slots, return_probs_sum=True, **blocks)
+    ref, ref_sums = WRITTEN(q, k, v, pos, query_pos, num_slots, block=64, return_probs_sum=True)
+    dense, dense_sums = DENSE(q, k, v, pos, query_pos, return_probs_sum=True)
+    assert out.shape == ref.shape and out.dtype == ref.dtype and sums.shape == ref_sums.shape
+    out, ref, dense, sums = (np.asarray(x, np.float32) for x in (out, ref, dense, sums))
+    assert np.isfinite(out).all() and np.isfinite(sums).all()
+    real = np.asarray(query_pos >= 0)[:, :, None, None]
+    (atol, rtol), (sum_atol, sum_rtol) = tol["out"], tol["sums"]
+    np.testing.assert_allclose(out * real, ref * real, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(out * real, dense * real, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(sums, np.asarray(ref_sums), atol=sum_atol, rtol=sum_rtol)
+    np.testing.assert_allclose(sums, np.asarray(dense_sums), atol=sum_atol, rtol=sum_rtol)
+    # Each real query's attention sums to one; padding queries add nothing.
+    per_head = np.asarray(query_pos >= 0).sum(-1)[:, None]
+    np.testing.assert_allclose(sums.sum(-1), np.broadcast_to(per_head, sums.shape[:2]), rtol=1e-3)
+    return out, sums
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (8, 2), (8, 1)])  # G = 1, 3, 4, 8
+def test_gqa_groups_with_padding_and_evictions(hq, hkv):
+    """One tile each way: left padding (row 0), evicted slots inside the written ones (row 1,
+    one kv head only), unwritten capacity, T and S not multiples of anything."""
+    q, k, v, pos, query_pos = make_inputs(2, 11, hq, hkv, 37)
+    left_pad(pos, query_pos, 0, 4)
+    pos[1, hkv - 1, 3:6] = -1
+    out, _ = check(q, k, v, pos, query_pos, 11)
+    # A padding query sees nothing: its output is zero (finite), not the XLA path's mean.
+    assert not np.abs(out[0, :4]).any()
+
+
+def test_several_tiles():
+    """128-wide tiles over T = 300 queries and S = 700 slots (3 query x 6 key tiles, the last
+    key tile partial: NaN-filled by the interpreter past S), G = 4, one compile for three
+    caches:
+
+    - a padded prompt: row 0 left-padded by 140 (its first key tile all padding), row 1 with
+      a whole evicted key tile on one kv head; num_slots = 300, so the causal upper triangle
+      and the tiles past num_slots are skipped;
+    - a later prefill chunk: queries at positions 400..699 over the 700 written slots;
+    - slots at or past num_slots holding NaN keys and values and positions that would be
+      visible: the same result as empty slots (they are never read).
+    """
+    q, k, v, pos, query_pos = make_inputs(2, 300, 8, 2, 700)
+    blocks = dict(block_q=128, block_k=128)
+    padded_pos, padded_query_pos = pos.copy(), query_pos.copy()
+    left_pad(padded_pos, padded_query_pos, 0, 140)
+    padded_pos[1, 1, 120:270] = -1
+    check(q, k, v, padded_pos, padded_query_pos, 300, **blocks)
+
+    chunk_pos = np.tile(np.arange(700, dtype=np.int32), (2, 2, 1))
+    check(q, k, v, chunk_pos, query_pos + 400, 700, **blocks)
+
+    clean = check(q, k, v, pos, query_pos, 300, **blocks)
+    pos[:, :, 300:] = 0  # visible to every query, were it read
+    poisoned = [x.at[:, :, 300:].set(jnp.nan) for x in (k, v)]
+    out, sums = FLASH(q, *poisoned, jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(300),
+                      return_probs_sum=True, **blocks)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out), clean[0])
+    np.testing.assert_array_equal(np.asarray(sums), clean[1])
+
+
+def test_bf16():
+    """bf16 inputs with D = 128 (as an 8B model runs), several tiles, G = 3, against the XLA
+    paths in bf16."""
+    q, k, v, pos, query_pos = make_inputs(2, 150, 6, 2, 300, jnp.bfloat16, seed=1, d=128)
+    left_pad(pos, query_pos, 1, 20)
+    pos[0, 0, 10:30] = -1
+    check(q, k, v, pos, query_pos, 150, tol=BF16, block_q=128, block_k=128)
+
+
+def test_without_probs_sum():
+    q, k, v, pos, query_pos = make_inputs(1, 20, 4, 2, 64)
+    args = (q, k, v, jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(20))
+    out, sums = FLASH(*args)
+    ref, _ = WRITTEN(*args, block=16)
+    assert sums is None
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+def test_skip_tables_of_a_causal_prompt():
+    """T = S = 512 in 128-wide tiles, no padding: query tile i needs key tiles 0..i and key
+    tile j query tiles j..3 (the upper triangle is skipped); past num_slots = 300 nothing."""
+    pos = jnp.tile(jnp.arange(512, dtype=jnp.int32), (1, 2, 1))
+    qpos = jnp.arange(512, dtype=jnp.int32)[None]
+    tab = _skip_tables(pos, qpos, jnp.int32(512), 128, 128)
+    np.testing.assert_array_equal(tab.kfirst, [0, 0, 0, 0])
+    np.testing.assert_array_equal(tab.klast, [0, 1, 2, 3])
+    np.testing.assert_array_equal(tab.qfirst, [0, 1, 2, 3])
+    np.testing.assert_array_equal(tab.qlast, [3, 3, 3, 3])
+    np.testing.assert_array_equal(tab.kend, [3])
+    tab = _skip_tables(pos, qpos, jnp.int32(300), 128, 128)
+    np.testing.assert_array_equal(tab.kmin, [0, 128, 256, np.iinfo(np.int32).max])
+    np.testing.assert_array_equal(tab.klast, [0, 1, 2, 2])
+    np.testing.assert_array_equal(tab.kend, [2])  # the sums kernel loads no tile past it
+
+
+def test_tiles_must_be_lane_multiples():
+    q, k, v, pos, query_pos = make_inputs(1, 8, 2, 2, 16)
+    with pytest.raises(ValueError, match="block_k must be a positive multiple of 128"):
+        flash_attention(q, k, v, jnp.asarray(pos), jnp.asarray(query_pos), 8, block_k=100)
+
+
+def test_compiles_for_tpu_without_one():
+    """Deviceless AOT: the kernels lower through Mosaic for a v5e chip (interpret=None picks
+    the compiled kernel because the computation is compiled for a TPU)."""
+    # libtpu takes a machine-wide lock file by default, so a second process using it (another
+    # test run, a benchmark) would make this one fail; deviceless compiling shares no chip.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        from jax.experimental import topologies
+
+        device = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x4").devices[0]
+    except Exception as error:  # no libtpu, or a jax without deviceless TPU topologies
+        pytest.skip(f"no deviceless TPU compilation here (pip install 'jax[tpu]'): {error}")
+    where = jax.sharding.SingleDeviceSharding(device)
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+    def compiled_hlo(d):
+        b, t, hq, hkv, s = 1, 300, 8, 2, 700
+        cache = (b, hkv, s, d)
+        args = (spec((b, t, hq, d), jnp.bfloat16), spec(cache, jnp.bfloat16),
+                spec(cache, jnp.bfloat16), spec(cache[:3], jnp.int32), spec((b, t), jnp.int32),
+                spec((), jnp.int32))  # fmt: skip
+        fn = jax.jit(lambda *a: flash_attention(*a, return_probs_sum=True, block_k=256))
+        return fn.lower(*args).compile().as_text()
+
+    for d in (128, 64):  # an 8B model's head, and a small model's (not a lane multiple)
+        hlo = compiled_hlo(d)
+        assert hlo.count('custom_call_target="tpu_custom_call"') == 2, (d, "forward + sums")
