@@ -58,6 +58,9 @@ def executed(tmp_path_factory):
     """(executed notebook, seconds it took, its path): run once for the module's tests."""
     nb = nbformat.read(NOTEBOOK, as_version=4)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the kernel inherits it (as conftest sets)
+    # ... and this checkout first on its path: the installed package may be another checkout
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     client = nbclient.NotebookClient(
         nb,
         timeout=CELL_TIMEOUT_S,
