@@ -290,3 +290,30 @@ def shared_data_dir(variable: str) -> pathlib.Path:
 def data_dir() -> pathlib.Path:
     """The shared LongBench rows folder (`shared_data_dir`)."""
     return shared_data_dir("DGE_LONGBENCH_DIR")
+
+
+# ---------------------------------------------------------------------------------------------
+# Slow tests: the real model, the docs' and notebook's examples, long runner and benchmark runs.
+# A plain `python -m pytest` (the README's command) reports them as skipped, naming how to run
+# them; `--slow` runs them too, and naming a test file or test on the command line runs its
+# slow tests. CI (.ci/run) runs the README's command, then `python -m pytest --slow -m slow`.
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow", action="store_true", help="also run the tests marked slow (CI runs them)"
+    )
+
+
+def _named_on_command_line(config) -> bool:
+    """True when the command line names a test file or a test (not only folders)."""
+    return any(".py" in str(arg) for arg in config.args)
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow") or _named_on_command_line(config):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow (CI runs it; see README)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

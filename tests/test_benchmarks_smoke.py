@@ -49,6 +49,7 @@ def cpu_run(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow
 def test_cpu_suite_json_schema(cpu_run):
     result, out = cpu_run
     saved = json.loads((out / "cpu-tiny.json").read_text())
@@ -126,6 +127,7 @@ def test_cpu_suite_json_schema(cpu_run):
     assert "peers: not run (--no-peers)" in md
 
 
+@pytest.mark.slow
 def test_gpu_suite_code_path_on_cpu(tmp_path):
     result = run.main(["--suite", "gpu", "--tiny", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpu-tiny.json").read_text())
@@ -295,6 +297,7 @@ def test_hf_folder_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(loaded))
 
 
+@pytest.mark.slow
 def test_decode_memory_benchmark_quick(capsys):
     """`python -m benchmarks.decode_memory --quick`: decode-time compression's cache stays at
     its capacity for both answer lengths, FullKV's grows, and the table prints."""

@@ -73,6 +73,7 @@ def test_budget_holding_everything_gives_fullkv_tokens(model, prompts, full_toke
     assert len(out.compressions[0]) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ev",
     [

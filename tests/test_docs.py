@@ -98,6 +98,52 @@ def test_ci_runs_the_readme_test_command_verbatim():
         ".ci/run must run the README's test command verbatim")
 
 
+def test_ci_also_runs_the_slow_tests_the_readme_command_skips():
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    assert "python -m pytest -q --slow -m slow" in ci
+    assert ci.index("python -m pytest -q --slow -m slow") > ci.index(QUICK_START[1])
+
+
+class _Config:
+    """What conftest's collection hook reads of pytest's config."""
+
+    def __init__(self, args, slow=False):
+        self.args, self._slow = args, slow
+
+    def getoption(self, name):
+        assert name == "--slow"
+        return self._slow
+
+
+class _Item:
+    def __init__(self, slow):
+        self.keywords = {"slow": True} if slow else {}
+        self.markers = []
+
+    def add_marker(self, marker):
+        self.markers.append(marker)
+
+
+@pytest.mark.parametrize(
+    "args, slow, skipped",
+    [
+        (["tests"], False, True),  # the README's command: slow tests skip, saying how to run them
+        (["tests"], True, False),  # --slow
+        (["tests/test_docs.py"], False, False),  # a named file runs its slow tests
+        (["tests/test_docs.py::test_usage_python_blocks_run"], False, False),
+    ],
+)
+def test_slow_tests_skip_with_a_reason_unless_asked_for(args, slow, skipped):
+    import conftest
+
+    fast, long = _Item(slow=False), _Item(slow=True)
+    conftest.pytest_collection_modifyitems(_Config(args, slow), [fast, long])
+    assert fast.markers == []
+    assert bool(long.markers) == skipped
+    if skipped:
+        assert "--slow" in long.markers[0].kwargs["reason"]
+
+
 # ---------------------------------------------------------------------------------------------
 # README
 

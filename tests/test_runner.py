@@ -121,6 +121,7 @@ def d1(model_dir, data_dir, env, tmp_path_factory) -> pathlib.Path:
     return out
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_results(d1, model_dir, data_dir, env, tmp_path):
     d2 = tmp_path / "d2"
     path = d2 / PREDICTIONS_FILE
@@ -291,6 +292,7 @@ def test_another_configuration_is_refused_in_the_same_folder(d1, model_dir, data
     assert {p.name: p.read_bytes() for p in d3.iterdir()} == before, "the folder was changed"
 
 
+@pytest.mark.slow
 def test_more_cells_or_samples_need_extend(d1, model_dir, data_dir, env, tmp_path):
     d4 = tmp_path / "d4"
     shutil.copytree(d1, d4)
@@ -425,6 +427,7 @@ def test_without_answer_prefix_the_prompt_ends_at_the_chat_template(model_dir, e
         assert 0 < n - tokens[without][sample] <= prefix_tokens + 1  # +1: a merge at the seam
 
 
+@pytest.mark.slow
 def test_decode_time_compression_cells_on_a_long_answer_task(model_dir, env, tmp_path):
     """The synthetic long-answer task with cells that compress while decoding: predictions
     for every cell, and the paired comparisons against FullKV and the prefill-only cell."""

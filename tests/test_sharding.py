@@ -172,10 +172,12 @@ def facts(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_subprocess_has_eight_devices(facts):
     assert facts["devices"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("cell", CELLS)
 def test_meshes_give_the_same_tokens_and_kept_positions(facts, mesh, cell):
@@ -194,6 +196,7 @@ def test_meshes_give_the_same_tokens_and_kept_positions(facts, mesh, cell):
 CACHE_BLOCKS = {"8x1": [2, 1, 4, 32, 16], "2x4": [2, 4, 1, 32, 16], "1x8": [2, 1, 4, 32, 16]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_params_and_cache_are_sharded(facts, mesh):
     data, model = map(int, mesh.split("x"))
@@ -215,6 +218,7 @@ def test_params_and_cache_are_sharded(facts, mesh):
     assert entry["cache"]["k"]["devices"] == 8
 
 
+@pytest.mark.slow
 def test_per_layer_capacities_on_a_mesh(facts):
     """On the 2x4 mesh, a cache compacted to per-layer capacities (16, 12) decodes to the
     tokens one capacity gives, and no step compiled for it moves keys or values."""
@@ -226,6 +230,7 @@ def test_per_layer_capacities_on_a_mesh(facts):
     assert ragged["decode_layer1_keys"] == {"whole": False, "block": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_no_step_gathers_the_cache(facts, mesh):
     """Every compiled step takes and returns caches as per-device blocks, and no module that
@@ -243,6 +248,7 @@ def test_no_step_gathers_the_cache(facts, mesh):
         assert all(c.startswith("all-reduce") for c in steps["prefill_prompt"][0]["collectives"])
 
 
+@pytest.mark.slow
 def test_orbax_round_trip_restores_sharded_with_identical_logits(facts):
     orbax = facts["orbax"]
     assert {"config.json", "tokenizer.json", "dge_jax.json", "params"} <= set(orbax["files"])
@@ -256,6 +262,7 @@ def test_orbax_round_trip_restores_sharded_with_identical_logits(facts):
     assert "already exists" in orbax["exists_error"]
 
 
+@pytest.mark.slow
 def test_bad_meshes_get_clear_errors(facts):
     errors = facts["errors"]
     assert "does not divide the 8 available devices" in errors["not_dividing"]
