@@ -120,12 +120,7 @@ def instr_flops(comp: Computation, ins: Instr) -> tuple[float, float]:
         size = math.prod(lhs[0].dims[d] for d in contract) if lhs else 1
         return 2.0 * out * size, 0.0
     if op == "convolution":
-        rhs = _operand_arrays(comp, ins.operands[1])
-        labels = re.search(r"dim_labels=\w*_(\w+)->", ins.attrs)
-        if not rhs or not labels or "o" not in labels.group(1):
-            return 2.0 * out, 0.0
-        kernel = rhs[0].dims
-        return 2.0 * out * math.prod(kernel) / max(kernel[labels.group(1).index("o")], 1), 0.0
+        return convolution_flops(comp, ins), 0.0
     if op in TRANSCENDENTAL:
         return 0.0, float(out)
     if op in ELEMENTWISE:
@@ -134,6 +129,49 @@ def instr_flops(comp: Computation, ins: Instr) -> tuple[float, float]:
         inputs = ins.operands[: max(len(ins.operands) // 2, 1)]
         return float(sum(a.elements for o in inputs for a in _operand_arrays(comp, o))), 0.0
     return 0.0, 0.0
+
+
+def _window(attrs: str) -> dict[str, list[str]]:
+    """`window={size=9 stride=8 lhs_dilate=9}` -> {"size": ["9"], "stride": ["8"], ...}."""
+    found = re.search(r"window=\{([^}]*)\}", attrs)
+    pairs = (item.split("=", 1) for item in (found.group(1).split() if found else []))
+    return {key: value.split("x") for key, value in pairs}
+
+
+def _taps(n_in: int, n_out: int, dim: int, window: dict[str, list[str]]) -> int:
+    """Kernel taps along one spatial dimension that land on real input elements, summed over
+    the output positions (padding and the holes of a dilated input contribute nothing)."""
+    get = lambda key, default: window.get(key, [default] * (dim + 1))[dim]  # noqa: E731
+    size, stride = int(get("size", "1")), int(get("stride", "1"))
+    lhs_dilate, rhs_dilate = int(get("lhs_dilate", "1")), int(get("rhs_dilate", "1"))
+    low = int(get("pad", "0_0").split("_")[0])
+    if n_out * size > 10**6:  # a real image convolution: every tap counted
+        return n_out * size
+    span = (n_in - 1) * lhs_dilate + 1
+    return sum(
+        1
+        for o in range(n_out)
+        for t in range(size)
+        if 0 <= (p := o * stride + t * rhs_dilate - low) < span and p % lhs_dilate == 0
+    )
+
+
+def convolution_flops(comp: Computation, ins: Instr) -> float:
+    """2 x output batch x output features x input features per group x the kernel taps that
+    touch real input elements. TPU XLA writes batched matmuls as convolutions whose batch is a
+    spatial dimension under a dilated window (``window={size=9 stride=8 lhs_dilate=9}``: one
+    real tap per output position), so taps are counted exactly, as XLA's cost analysis does."""
+    lhs, rhs = (_operand_arrays(comp, o) for o in ins.operands[:2])
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not lhs or not rhs or not ins.arrays or not labels:
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    out, kernel, window = ins.arrays[0].dims, rhs[0].dims, _window(ins.attrs)
+    flops = 2.0 * out[out_l.index("b")] * out[out_l.index("f")] * kernel[rhs_l.index("i")]
+    for dim, label in enumerate(c for c in out_l if c.isdigit()):
+        n_in, n_out = lhs[0].dims[lhs_l.index(label)], out[out_l.index(label)]
+        flops *= _taps(n_in, n_out, dim, window)
+    return flops
 
 
 def computation_flops(comps: dict[str, Computation], comp: Computation) -> tuple[float, float]:
@@ -152,6 +190,8 @@ def _param_read(comps: dict[str, Computation], comp: Computation, name: str) -> 
     """Bytes a fused computation reads of its value `name` (a parameter, or a bitcast of one):
     only the slices when every use slices it, nothing where it is updated in place."""
     full = comp.instrs[name].nbytes
+    if name == comp.root:  # a nested computation's result: its consumer reads all of it
+        return full
     total = 0.0
     for ins in comp.instrs.values():
         for j, operand in enumerate(ins.operands):

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -103,6 +104,9 @@ def topology_devices(topology: str):
     """The abstract devices of a named TPU topology (needs libtpu, not a TPU)."""
     from jax.experimental import topologies
 
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it loads; compiling opens
+    # no chip, so a second process (a test beside a benchmark) may load it too.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
 
 
