@@ -14,17 +14,21 @@ HLO of ONE device after SPMD partitioning and TPU layout assignment) and counts 
   Nested loops multiply. Every loop is reported with its count and where the count came from
   (``static`` or ``assumed``).
 - **FLOPs.** ``dot``: 2 x output elements x contracted size; ``convolution`` (how TPU XLA
-  writes most matmuls): 2 x output elements x the kernel's elements per output feature;
-  elementwise ops 1 per output element, reductions 1 per input element (XLA's own
-  convention); transcendental ops are counted apart (``transcendentals``), as XLA does.
-  Fusion bodies are walked for their FLOPs.
+  writes most matmuls): 2 x output batch x output features x input features x the kernel
+  taps that land on real input elements, counted per output position (TPU XLA writes a
+  batched matmul as a convolution whose batch is a spatial dimension under a dilated window:
+  one real tap per position, though the window has B); elementwise ops 1 per output element,
+  reductions 1 per input element (XLA's own convention); transcendental ops are counted apart
+  (``transcendentals``), as XLA does. Fusion bodies are walked for their FLOPs. On a loop-free
+  program the count matches ``cost_analysis()``'s ``flops`` to 1% (tests/test_tpu_aot.py).
 - **HBM bytes.** Counted at the boundary of every op that runs as one kernel (a fusion, or an
   op left unfused): the bytes of its operands and results that live in HBM. TPU layouts name a
   memory space: ``S(1)`` is on-chip VMEM, other ``S(n)`` are scalar/semaphore memories; an
   array with no ``S(n)`` (or ``S(0)``) is in HBM. A fusion parameter used only through
   ``dynamic-slice`` / ``slice`` / ``gather`` reads only those slices (a layer's weights out of
   the [L, ...] stack); a fusion whose root is a ``dynamic-update-slice`` of a parameter
-  updates it in place and moves only the update. Asynchronous copies count their source when
+  updates it in place and moves only the update; a nested fusion's result is read whole by
+  the op that uses it. Asynchronous copies count their source when
   they start and their destination when they finish. Parameters, constants, tuples,
   ``get-tuple-element`` and ``bitcast`` move nothing.
 

@@ -10,6 +10,9 @@ DGE(2), as `generate_grid` runs it: `benchmarks.tpu_stages`) is lowered and comp
 for that chip. Per stage it prints:
 
 - **compiles**, or the compiler's error (out of HBM is a compile error on TPU);
+  ``hbm_bytes_per_device`` is the HBM XLA:TPU lets one program use on one device (its own
+  figure, read from its refusal of a 1 TiB program: 15.75 GiB of a v5e's 16, 31.25 of a
+  v6e's 32), and what "fits" below is measured against;
 - **peak bytes per device**: ``memory_analysis()``'s arguments + outputs - aliased (donated)
   + temporaries, and each of those;
 - **FLOPs and HBM bytes**, with every loop body counted once per trip
@@ -20,8 +23,9 @@ for that chip. Per stage it prints:
   rewind its positions rewritten; select the keys and positions read, the mask written;
   compact the positions and kept entries read, the compacted cache written. The embedding
   table is not counted as read (a lookup reads B rows of it) unless it is also the LM head;
-- **roofline time** on the chip, max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth), for the
-  counted figures and for the ideal ones (`CHIPS`: Google's published per-chip figures);
+- **roofline time** on one device, max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth), for
+  the counted figures and for the ideal ones (`CHIPS`: Google's published per-chip figures,
+  shared by the devices of a chip: v4 topologies give two devices a chip);
 - **Pallas kernel**: whether the program holds a ``tpu_custom_call`` (a Pallas/Mosaic kernel);
 - **kv collectives**: every all-gather / all-to-all / collective-permute / all-reduce /
   reduce-scatter whose operand or result has a cache's slots next to the head dimension
@@ -41,7 +45,7 @@ reads without consuming it; ``full_caches_alive_during_decode`` counts the full-
 held while the compacted cache decodes.
 
 **--max_batch**: the largest batch (a multiple of the mesh's row multiple,
-`sharding.row_multiple`) at which (a) every stage compiles and its own peak fits the chip's HBM
+`sharding.row_multiple`) at which (a) every stage compiles and its own peak fits the HBM
 (``every_stage``), and (b) the DGE cell's live bytes, counted as above, fit (``dge_cell``).
 Found by doubling, then bisection, each probe a full compile of every stage; memory grows with
 the batch, so the search is exact for the compiled programs. The report printed is the one at
@@ -57,8 +61,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import math
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -70,7 +77,8 @@ GIB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One TPU chip (one JAX device): peak bf16 FLOP/s, HBM bandwidth (bytes/s), HBM bytes."""
+    """A TPU chip (or one device's share of it): peak bf16 FLOP/s, HBM bandwidth (bytes/s),
+    HBM bytes."""
 
     peak_flops: float
     hbm_bandwidth: float
@@ -82,8 +90,8 @@ class Chip:
 # v6e: https://cloud.google.com/tpu/docs/v6e  (918 TFLOPs bf16; HBM 32 GB, 1600 GBps)
 # v5p: https://cloud.google.com/tpu/docs/v5p  (459 TFLOPs bf16; HBM2e 95 GB, 2765 GBps)
 # v4:  https://cloud.google.com/tpu/docs/v4   (275 TFLOPs bf16; HBM2 32 GiB, 1200 GBps)
-# v4 and v5p chips hold two TensorCores that JAX drives as one device (megacore), so one chip
-# is one device for all four. HBM sizes are taken as GiB, as the runtime reports them.
+# v5p's two TensorCores are one device (megacore); v4's topology descriptions give one device
+# per TensorCore, two a chip (`device_of` shares the chip). HBM sizes are taken as GiB.
 CHIPS = {
     "v5e": Chip(197e12, 819e9, 16 * GIB),
     "v6e": Chip(918e12, 1600e9, 32 * GIB),
@@ -94,10 +102,42 @@ CELL = ("prefill", "draft", "rewind", "select", "compact", "decode")  # one DGE 
 
 
 def chip_of(topology: str) -> Chip:
-    kind = topology.split(":")[0].lower()
-    if kind not in CHIPS:
-        raise SystemExit(f"error: unknown chip {kind!r} in --topology; known: {sorted(CHIPS)}")
-    return CHIPS[kind]
+    kind, _, dims = topology.partition(":")
+    if kind.lower() not in CHIPS or not re.fullmatch(r"\d+(x\d+)*", dims):
+        raise SystemExit(f"error: --topology {topology!r}: write CHIP:AxB[xC] with CHIP one of "
+                         f"{sorted(CHIPS)}, e.g. v5e:2x4")  # fmt: skip
+    return CHIPS[kind.lower()]
+
+
+@functools.cache
+def device_of(topology: str) -> Chip:
+    """One device's share of its chip (v4's topologies give a device per TensorCore, two a
+    chip), with the HBM the compiler lets one program use (`usable_hbm`)."""
+    chip, devices = chip_of(topology), topology_devices(topology)
+    chips = math.prod(int(d) for d in topology.partition(":")[2].split("x"))
+    share = chips / len(devices)
+    usable = usable_hbm(devices[0])
+    return Chip(chip.peak_flops * share, chip.hbm_bandwidth * share,
+                usable or int(chip.hbm_bytes * share))  # fmt: skip
+
+
+def usable_hbm(device) -> int | None:
+    """The HBM a program may use on `device`, as XLA:TPU's compiler counts it (below the chip's:
+    the runtime keeps some), read from its refusal of a 1 TiB program; None if not said."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    one = NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)), P())
+    try:
+        jax.jit(lambda: jnp.zeros((2**40,), jnp.int8), out_shardings=one).lower().compile()
+    except Exception as e:
+        found = re.search(r"available HBM \(([\d.]+)([KMGT])\)", str(e))
+        if found:
+            return int(float(found.group(1)) * 2 ** (10 * "KMGT".index(found.group(2)) + 10))
+    return None
 
 
 def topology_devices(topology: str):
@@ -210,13 +250,14 @@ def cell_report(cell: tpu_stages.Cell, stages: list[dict]) -> dict:
 
 def report(setup: tpu_stages.Setup, topology: str, log=None) -> dict:
     """Compiles the cell's stages for `setup` and returns the whole report (one JSON object)."""
-    chip = chip_of(topology)
+    device = device_of(topology)
     cell = tpu_stages.compile_cell(setup, log)
-    stages = [stage_report(r, chip, setup.cfg.head_dim) for r in cell.runs.values()]
+    stages = [stage_report(r, device, setup.cfg.head_dim) for r in cell.runs.values()]
     return {
         "topology": topology, "seq": setup.seq, "batch": setup.batch,
-        "hbm_bytes_per_device": chip.hbm_bytes,
-        "chip": dataclasses.asdict(chip),
+        "hbm_bytes_per_device": device.hbm_bytes,
+        "chip": dataclasses.asdict(chip_of(topology)),
+        "device": dataclasses.asdict(device),
         "mesh": dict(setup.mesh.shape),
         "params_bytes_per_device": tpu_stages.per_device_bytes(cell.params),
         "layer_loop": setup.layer_loop,
@@ -226,13 +267,13 @@ def report(setup: tpu_stages.Setup, topology: str, log=None) -> dict:
 
 
 def every_stage_fits(rep: dict) -> bool:
-    """Every stage compiles and its own peak fits the chip's HBM."""
+    """Every stage compiles and its own peak fits the device's usable HBM."""
     limit = rep["hbm_bytes_per_device"]
     return all(s["compiles"] and s["peak_bytes_per_device"] <= limit for s in rep["stages"])
 
 
 def dge_cell_fits(rep: dict) -> bool:
-    """Every stage of the DGE cell compiles and the cell's live bytes fit the chip's HBM."""
+    """Every stage of the DGE cell compiles and the cell's live bytes fit the usable HBM."""
     cell = rep["cell"]
     return cell["complete"] and cell["peak_bytes_per_device"] <= rep["hbm_bytes_per_device"]
 
@@ -288,7 +329,7 @@ def _gib(x) -> str:
 def print_table(rep: dict) -> None:
     """The report as a table (per device)."""
     print(f"{rep['topology']}, mesh {rep['mesh']}, seq {rep['seq']}, batch {rep['batch']}; "
-          f"HBM {_gib(rep['hbm_bytes_per_device'])} GiB per device, parameters "
+          f"usable HBM {_gib(rep['hbm_bytes_per_device'])} GiB per device, parameters "
           f"{_gib(rep['params_bytes_per_device'])} GiB per device")  # fmt: skip
     head = ("stage", "ok", "peak GiB", "arg/out/tmp/alias GiB", "TFLOP", "HBM GB", "ideal GB",
             "x ideal", "roofline ms", "ideal ms", "pallas", "kv collectives")  # fmt: skip

@@ -146,7 +146,8 @@ def test_tiny_model_stages_compile_for_v5e(devices, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)  # stdout is one JSON object, nothing else
     assert {"topology", "seq", "batch", "hbm_bytes_per_device", "stages"} <= set(out)
     assert (out["topology"], out["seq"], out["batch"]) == (TOPOLOGY, 1024, 2)
-    assert out["hbm_bytes_per_device"] == 16 * 2**30
+    # what XLA:TPU lets a program use on a v5e device: its 16 GiB less the runtime's share
+    assert 15 * 2**30 < out["hbm_bytes_per_device"] <= 16 * 2**30
     names = [s["name"] for s in out["stages"]]
     assert names == ["prefill", "draft", "rewind", "select", "compact", "decode", "decode_full"]
     for stage in out["stages"]:
