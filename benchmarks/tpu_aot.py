@@ -1,0 +1,412 @@
+"""Compile every generation stage for a TPU topology without a TPU, and account for it.
+
+    python -m benchmarks.tpu_aot --topology v5e:2x4 --config benchmarks/configs/llama3_1_8b.json \\
+        --seq 32768 --batch 1 [--json] [--max_batch] [--mesh data=1,model=8]
+
+Needs ``jax[tpu]`` (libtpu) installed; no TPU. ``jax.experimental.topologies`` gives the
+abstract devices of the named topology, the library's own sharding rules lay a (data, model)
+mesh and the bf16 parameters over them, and each stage of one DGE-SnapKV cell (budget 1024,
+DGE(2), as `generate_grid` runs it: `benchmarks.tpu_stages`) is lowered and compiled by XLA:TPU
+for that chip. Per stage it prints:
+
+- **compiles**, or the compiler's error (out of HBM is a compile error on TPU);
+  ``hbm_bytes_per_device`` is the HBM XLA:TPU lets one program use on one device (its own
+  figure, read from its refusal of a 1 TiB program: 15.75 GiB of a v5e's 16, 31.25 of a
+  v6e's 32), and what "fits" below is measured against;
+- **peak bytes per device**: ``memory_analysis()``'s arguments + outputs - aliased (donated)
+  + temporaries, and each of those;
+- **FLOPs and HBM bytes**, with every loop body counted once per trip
+  (`benchmarks.hlo_cost`: its docstring says how and where the count stops being exact);
+  XLA's own ``cost_analysis()`` figures (each loop body once) are in the JSON beside them;
+- **ideal HBM bytes**: prefill one read of the weights + the prompt's keys and values
+  written; draft and decode the weights + the valid keys and values read once per step;
+  rewind its positions rewritten; select the keys and positions read, the mask written;
+  compact the positions and kept entries read, the compacted cache written. The embedding
+  table is not counted as read (a lookup reads B rows of it) unless it is also the LM head;
+- **roofline time** on one device, max(FLOPs / peak FLOP/s, HBM bytes / HBM bandwidth), for
+  the counted figures and for the ideal ones (`CHIPS`: Google's published per-chip figures,
+  shared by the devices of a chip: v4 topologies give two devices a chip);
+- **Pallas kernel**: whether the program holds a ``tpu_custom_call`` (a Pallas/Mosaic kernel);
+- **kv collectives**: every all-gather / all-to-all / collective-permute / all-reduce /
+  reduce-scatter whose operand or result has a cache's slots next to the head dimension
+  ([..., S, D], or S·D flattened, S any cache capacity of the stage or the prefill key block)
+  in the cache's dtype: keys or values moving between devices. Empty is what we want.
+
+**The memory of the whole DGE cell** (today's program). `generate_grid` keeps what each stage
+returns until the cell is done: prefill's output (its cache), the draft's state (a second full
+cache: ``draft_tokens`` does not donate), the rewound state (a third: ``rewind_state`` returns a
+fresh copy of k and v though it rewrites only positions), the keep mask, and the compacted cache
+that decode donates and updates in place. So the bytes alive on a device while stage s runs are
+counted as: the parameters + the outputs of every earlier stage of the cell + stage s's outputs
+- its aliased (donated) bytes + its temporaries. Small eager glue between steps (the first
+token, ``apply_keep``'s new positions) is left out. The FullKV decode (``decode_full``) is
+another cell and not in this sum. ``kept_argument_bytes`` (arguments - aliased) is what a stage
+reads without consuming it; ``full_caches_alive_during_decode`` counts the full-size caches
+held while the compacted cache decodes.
+
+**--max_batch**: the largest batch (a multiple of the mesh's row multiple,
+`sharding.row_multiple`) at which (a) every stage compiles and its own peak fits the HBM
+(``every_stage``), and (b) the DGE cell's live bytes, counted as above, fit (``dge_cell``).
+Found by doubling, then bisection, each probe a full compile of every stage; memory grows with
+the batch, so the search is exact for the compiled programs. The report printed is the one at
+the ``dge_cell`` batch (or the ``every_stage`` one when none fits).
+
+What is measured: what XLA:TPU compiled (memory per device, the program's ops); what is
+counted: FLOPs and bytes from the compiled program, projected to a time with the chip's peak
+figures. What is not measured: time on a chip. Run times, overlap of compute and memory, the
+interconnect and the decode loop's early exit are out of reach without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+
+from benchmarks import hlo_cost, tpu_stages
+from dge_jax.runtime import sharding
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """A TPU chip (or one device's share of it): peak bf16 FLOP/s, HBM bandwidth (bytes/s),
+    HBM bytes."""
+
+    peak_flops: float
+    hbm_bandwidth: float
+    hbm_bytes: int
+
+
+# Per-chip figures from Google's Cloud TPU documentation, "System architecture" tables:
+# v5e: https://cloud.google.com/tpu/docs/v5e  (197 TFLOPs bf16; HBM2 16 GB, 819 GBps)
+# v6e: https://cloud.google.com/tpu/docs/v6e  (918 TFLOPs bf16; HBM 32 GB, 1600 GBps)
+# v5p: https://cloud.google.com/tpu/docs/v5p  (459 TFLOPs bf16; HBM2e 95 GB, 2765 GBps)
+# v4:  https://cloud.google.com/tpu/docs/v4   (275 TFLOPs bf16; HBM2 32 GiB, 1200 GBps)
+# v5p's two TensorCores are one device (megacore); v4's topology descriptions give one device
+# per TensorCore, two a chip (`device_of` shares the chip). HBM sizes are taken as GiB.
+CHIPS = {
+    "v5e": Chip(197e12, 819e9, 16 * GIB),
+    "v6e": Chip(918e12, 1600e9, 32 * GIB),
+    "v5p": Chip(459e12, 2765e9, 95 * GIB),
+    "v4": Chip(275e12, 1200e9, 32 * GIB),
+}
+CELL = ("prefill", "draft", "rewind", "select", "compact", "decode")  # one DGE cell's stages
+
+
+def chip_of(topology: str) -> Chip:
+    kind, _, dims = topology.partition(":")
+    if kind.lower() not in CHIPS or not re.fullmatch(r"\d+(x\d+)*", dims):
+        raise SystemExit(f"error: --topology {topology!r}: write CHIP:AxB[xC] with CHIP one of "
+                         f"{sorted(CHIPS)}, e.g. v5e:2x4")  # fmt: skip
+    return CHIPS[kind.lower()]
+
+
+@functools.cache
+def device_of(topology: str) -> Chip:
+    """One device's share of its chip (v4's topologies give a device per TensorCore, two a
+    chip), with the HBM the compiler lets one program use (`usable_hbm`)."""
+    chip, devices = chip_of(topology), topology_devices(topology)
+    chips = math.prod(int(d) for d in topology.partition(":")[2].split("x"))
+    share = chips / len(devices)
+    usable = usable_hbm(devices[0])
+    return Chip(chip.peak_flops * share, chip.hbm_bandwidth * share,
+                usable or int(chip.hbm_bytes * share))  # fmt: skip
+
+
+def usable_hbm(device) -> int | None:
+    """The HBM a program may use on `device`, as XLA:TPU's compiler counts it (below the chip's:
+    the runtime keeps some), read from its refusal of a 1 TiB program; None if not said."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    one = NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)), P())
+    try:
+        jax.jit(lambda: jnp.zeros((2**40,), jnp.int8), out_shardings=one).lower().compile()
+    except Exception as e:
+        found = re.search(r"available HBM \(([\d.]+)([KMGT])\)", str(e))
+        if found:
+            return int(float(found.group(1)) * 2 ** (10 * "KMGT".index(found.group(2)) + 10))
+    return None
+
+
+def topology_devices(topology: str):
+    """The abstract devices of a named TPU topology (needs libtpu, not a TPU)."""
+    from jax.experimental import topologies
+
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it loads; compiling opens
+    # no chip, so a second process (a test beside a benchmark) may load it too.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+
+
+def moves_kv(coll: hlo_cost.Collective, slots: tuple[int, ...], head_dim: int, dtype: str) -> bool:
+    """Whether a collective's operand or result looks like keys or values: a cache's slots
+    next to the head dimension ([..., S, D], size-1 dims dropped), or S·D flattened."""
+    for array in coll.operands + coll.results:
+        if array.dtype != dtype:
+            continue
+        dims = [d for d in array.dims if d != 1]
+        pairs = zip(dims, dims[1:], strict=False)
+        if any(s in slots and d == head_dim for s, d in pairs):
+            return True
+        if any(d == s * head_dim for d in dims for s in slots):
+            return True
+    return False
+
+
+def _seconds(flops: float, nbytes: float, chip: Chip) -> float:
+    return max(flops / chip.peak_flops, nbytes / chip.hbm_bandwidth)
+
+
+def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
+    """One stage's figures (module docstring); numbers are per device, None when not compiled."""
+    out = {"name": run.name, "compiles": run.compiled is not None, "error": run.error,
+           "compile_s": round(run.compile_s, 1)}  # fmt: skip
+    if run.note:
+        out["note"] = run.note
+    if run.compiled is None:
+        keys = ("peak_bytes_per_device", "flops", "hbm_bytes", "ideal_hbm_bytes",
+                "pallas_kernel", "kv_collectives")  # fmt: skip
+        return out | dict.fromkeys(keys)
+    mem = run.compiled.memory_analysis()
+    arg, res = mem.argument_size_in_bytes, mem.output_size_in_bytes
+    alias, temp = mem.alias_size_in_bytes, mem.temp_size_in_bytes
+    counted = hlo_cost.analyze(run.compiled.as_text(), run.unknown_trips)
+    cost = counted.cost
+    xla = run.compiled.cost_analysis() or {}
+    kv = [
+        f"{c.opcode} {a.dtype}{list(a.dims)} ({c.op_name})"
+        for c in counted.collectives
+        if moves_kv(c, run.slots, head_dim, "bf16")
+        for a in c.results[:1]
+    ]
+    return out | {
+        "peak_bytes_per_device": arg + res - alias + temp,
+        "argument_bytes": arg, "output_bytes": res, "temp_bytes": temp, "alias_bytes": alias,
+        "kept_argument_bytes": arg - alias,
+        "flops": cost.flops, "transcendentals": cost.transcendentals,
+        "hbm_bytes": cost.hbm_bytes, "ideal_hbm_bytes": run.ideal_hbm_bytes,
+        "ideal_flops": run.ideal_flops,
+        "hbm_over_ideal": cost.hbm_bytes / run.ideal_hbm_bytes if run.ideal_hbm_bytes else None,
+        "roofline_s": _seconds(cost.flops, cost.hbm_bytes, chip),
+        "ideal_s": _seconds(run.ideal_flops, run.ideal_hbm_bytes, chip),
+        "pallas_kernel": counted.pallas,
+        "kv_collectives": kv,
+        "collectives": len(counted.collectives),
+        "loops": [dataclasses.asdict(loop) for loop in counted.loops],
+        "xla_cost_analysis": {"flops": xla.get("flops"),
+                              "bytes_accessed": xla.get("bytes accessed")},
+    }  # fmt: skip
+
+
+def _full_caches(run: tpu_stages.StageRun, capacity: int, head_dim: int) -> int:
+    """Full-capacity caches among a stage's outputs (a k and a v array make one)."""
+    import jax
+
+    leaves = jax.tree.leaves(run.outputs) if run.outputs is not None else []
+    kv = [x for x in leaves if len(x.shape) == 5 and x.shape[-2:] == (capacity, head_dim)]
+    return len(kv) // 2
+
+
+def cell_report(cell: tpu_stages.Cell, stages: list[dict]) -> dict:
+    """The DGE cell's live bytes per stage, counted as the module docstring says."""
+    by_name = {s["name"]: s for s in stages}
+    held = tpu_stages.per_device_bytes(cell.params)
+    live, caches = {}, 0
+    for name in CELL:
+        s = by_name[name]
+        if not s["compiles"]:
+            break
+        live[name] = held + s["output_bytes"] - s["alias_bytes"] + s["temp_bytes"]
+        s["cell_live_bytes_per_device"] = live[name]
+        held += s["output_bytes"]
+        if name != "decode":
+            caches += _full_caches(cell.runs[name], cell.capacity, cell.setup.cfg.head_dim)
+    complete = len(live) == len(CELL)
+    peak_stage = max(live, key=live.get) if live else None
+    return {
+        "stages": list(CELL),
+        "complete": complete,
+        "peak_bytes_per_device": live[peak_stage] if complete else None,
+        "peak_stage": peak_stage,
+        "full_caches_alive_during_decode": caches if complete else None,
+        "full_cache_bytes_per_device": cell.sizes.kv_slot * cell.capacity,
+        "capacity": cell.capacity, "compacted_capacity": cell.compact_capacity,
+        "budget": cell.setup.budget, "k": cell.setup.k,
+        "max_new_tokens": cell.setup.max_new_tokens,
+    }  # fmt: skip
+
+
+def report(setup: tpu_stages.Setup, topology: str, log=None) -> dict:
+    """Compiles the cell's stages for `setup` and returns the whole report (one JSON object)."""
+    device = device_of(topology)
+    cell = tpu_stages.compile_cell(setup, log)
+    stages = [stage_report(r, device, setup.cfg.head_dim) for r in cell.runs.values()]
+    return {
+        "topology": topology, "seq": setup.seq, "batch": setup.batch,
+        "hbm_bytes_per_device": device.hbm_bytes,
+        "chip": dataclasses.asdict(chip_of(topology)),
+        "device": dataclasses.asdict(device),
+        "mesh": dict(setup.mesh.shape),
+        "params_bytes_per_device": tpu_stages.per_device_bytes(cell.params),
+        "layer_loop": setup.layer_loop,
+        "cell": cell_report(cell, stages),
+        "stages": stages,
+    }  # fmt: skip
+
+
+def every_stage_fits(rep: dict) -> bool:
+    """Every stage compiles and its own peak fits the device's usable HBM."""
+    limit = rep["hbm_bytes_per_device"]
+    return all(s["compiles"] and s["peak_bytes_per_device"] <= limit for s in rep["stages"])
+
+
+def dge_cell_fits(rep: dict) -> bool:
+    """Every stage of the DGE cell compiles and the cell's live bytes fit the usable HBM."""
+    cell = rep["cell"]
+    return cell["complete"] and cell["peak_bytes_per_device"] <= rep["hbm_bytes_per_device"]
+
+
+def largest(fits: Callable[[int], bool], step: int, start: int = 1, limit: int = 4096) -> int:
+    """The largest multiple of `step` (>= start·step, <= limit) for which `fits` holds, 0 if
+    none: doubling, then bisection (`fits` must be monotone: true up to some batch)."""
+    lo, hi, m = 0, None, max(start, 1)
+    if m > 1 and not fits(m * step):  # the start is already too big: search below it
+        return largest(fits, step, 1, (m - 1) * step)
+    while m * step <= limit:
+        if not fits(m * step):
+            hi = m
+            break
+        lo, m = m, m * 2
+    if hi is None:  # everything up to the limit fit so far: bisect below the limit
+        hi = limit // step + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
+
+
+def max_batch(setup: tpu_stages.Setup, topology: str, log, limit: int) -> dict:
+    """The report at the largest batch that fits (module docstring), with the search's probes."""
+    probes: dict[int, dict] = {}
+
+    def probe(batch: int) -> dict:
+        if batch not in probes:
+            log(f"-- batch {batch}")
+            probes[batch] = report(dataclasses.replace(setup, batch=batch), topology, log)
+        return probes[batch]
+
+    step = sharding.row_multiple(setup.cfg, setup.mesh.shape)
+    cell = largest(lambda b: dge_cell_fits(probe(b)), step, limit=limit)
+    stages = largest(lambda b: every_stage_fits(probe(b)), step, start=max(cell // step, 1),
+                     limit=limit)  # fmt: skip
+    best = probe(cell or stages or step)
+    summary = [
+        {"batch": b, "every_stage": every_stage_fits(r), "dge_cell": dge_cell_fits(r),
+         "dge_cell_peak_bytes": r["cell"]["peak_bytes_per_device"],
+         "largest_stage_peak_bytes": max((s["peak_bytes_per_device"] or 0) for s in r["stages"]),
+         "failed": [s["name"] for s in r["stages"] if not s["compiles"]]}
+        for b, r in sorted(probes.items())
+    ]  # fmt: skip
+    return best | {"max_batch": {"dge_cell": cell, "every_stage": stages, "probes": summary}}
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / GIB:.2f}"
+
+
+def print_table(rep: dict) -> None:
+    """The report as a table (per device)."""
+    print(f"{rep['topology']}, mesh {rep['mesh']}, seq {rep['seq']}, batch {rep['batch']}; "
+          f"usable HBM {_gib(rep['hbm_bytes_per_device'])} GiB per device, parameters "
+          f"{_gib(rep['params_bytes_per_device'])} GiB per device")  # fmt: skip
+    head = ("stage", "ok", "peak GiB", "arg/out/tmp/alias GiB", "TFLOP", "HBM GB", "ideal GB",
+            "x ideal", "roofline ms", "ideal ms", "pallas", "kv collectives")  # fmt: skip
+    print(" | ".join(head))
+    for s in rep["stages"]:
+        if not s["compiles"]:
+            print(f"{s['name']} | no | {s['error']}")
+            continue
+        parts = "/".join(_gib(s[k]) for k in ("argument_bytes", "output_bytes", "temp_bytes",
+                                               "alias_bytes"))  # fmt: skip
+        ratio = "-" if s["hbm_over_ideal"] is None else f"{s['hbm_over_ideal']:.1f}"
+        print(" | ".join([
+            s["name"], "yes", _gib(s["peak_bytes_per_device"]), parts, f"{s['flops'] / 1e12:.3f}",
+            f"{s['hbm_bytes'] / 1e9:.2f}", f"{s['ideal_hbm_bytes'] / 1e9:.2f}", ratio,
+            f"{s['roofline_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
+            "yes" if s["pallas_kernel"] else "no", "; ".join(s["kv_collectives"]) or "none",
+        ]))  # fmt: skip
+    cell = rep["cell"]
+    print(f"DGE cell (budget {cell['budget']}, k {cell['k']}): live peak "
+          f"{_gib(cell['peak_bytes_per_device'])} GiB per device at {cell['peak_stage']}; "
+          f"{cell['full_caches_alive_during_decode']} full caches of "
+          f"{_gib(cell['full_cache_bytes_per_device'])} GiB alive during decode")  # fmt: skip
+    if "max_batch" in rep:
+        found = rep["max_batch"]
+        print(f"max batch: DGE cell {found['dge_cell']}, every stage alone {found['every_stage']}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot",
+                                description=__doc__.split("\n\n")[0])  # fmt: skip
+    p.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e:2x4, v6e:2x4")
+    p.add_argument("--config", required=True, help="a Hugging Face config.json")
+    p.add_argument("--seq", type=int, required=True, help="prompt length (tokens)")
+    p.add_argument("--batch", type=int, default=1, help="rows (default 1)")
+    p.add_argument("--mesh", default=None,
+                   help="data=D,model=M over the topology's devices (default: model = all)")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--budget", type=int, default=1024, help="SnapKV budget per kv head")
+    p.add_argument("--k", type=int, default=2, help="DGE's k (k - 1 draft steps), >= 2")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (the library's)")
+    p.add_argument("--layer_loop", choices=("scan", "unrolled"), default="scan",
+                   help="decode_loop's layer grouping (scan: what a TPU host picks)")
+    p.add_argument("--max_batch", action="store_true", help="search the largest batch")
+    p.add_argument("--max_batch_limit", type=int, default=1024)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if args.k < 2:
+        p.error("--k must be >= 2 (a DGE cell drafts k - 1 tokens)")
+    if args.seq % min(args.chunk, args.seq):
+        p.error(f"--seq must be a multiple of --chunk ({args.chunk}), as prompts are padded")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    devices = topology_devices(args.topology)
+    mesh = sharding.parse_mesh(args.mesh or f"data=1,model={len(devices)}", devices=devices)
+    family, cfg, eos = tpu_stages.load_config(args.config)
+    setup = tpu_stages.Setup(
+        family, cfg, eos, mesh, batch=args.batch, seq=args.seq,
+        max_new_tokens=args.max_new_tokens, budget=args.budget, k=args.k, chunk=args.chunk,
+        layer_loop=args.layer_loop,
+    )  # fmt: skip
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.max_batch:
+        rep = max_batch(setup, args.topology, log, args.max_batch_limit)
+    else:
+        rep = report(setup, args.topology, log)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        print_table(rep)
+    return rep
+
+
+if __name__ == "__main__":
+    main()
