@@ -37,13 +37,13 @@ from dge_jax.eviction.evict import (
     scoring_key,
     spreads_budget,
 )
-from dge_jax.eviction.observation import DraftRecord
 from dge_jax.model import Model
 from dge_jax.rules.base import Needs
 from dge_jax.rules.full import is_full
 from dge_jax.runtime import decoding, stacking
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
 from dge_jax.runtime.prompts import Request, cut_at_eos
+from dge_jax.runtime.records import DraftRecord
 from dge_jax.runtime.sampling import Greedy
 
 GREEDY = Greedy()

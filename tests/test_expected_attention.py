@@ -15,10 +15,11 @@ from tiny_model import jax_model
 
 from dge_jax.config import RopeConfig
 from dge_jax.eviction.evict import Eviction
-from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
+from dge_jax.eviction.observation import with_drafts
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.expected_attention import ExpectedAttention
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import inverse_frequencies
 
 L, HKV, G, D = 2, 2, 2, 8

@@ -16,11 +16,11 @@ from tiny_model import jax_model
 from dge_jax import generation, stages
 from dge_jax.eviction.budgets import adakv_budgets, global_budgets
 from dge_jax.eviction.evict import Eviction
-from dge_jax.eviction.observation import Observation
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules import kvzip
 from dge_jax.rules.kvzip import KVzip, Reconstruction
 from dge_jax.runtime import decoding
+from dge_jax.runtime.records import Observation
 
 VOCAB = 128
 

@@ -41,11 +41,12 @@ import numpy as np
 
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
-from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
+from dge_jax.eviction.observation import with_drafts
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, compact_heads, regroup
 from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
+from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import inverse_frequencies
 from dge_jax.runtime.sharding import constrain_cache
 

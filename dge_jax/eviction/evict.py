@@ -21,13 +21,14 @@ from dge_jax.config import with_fields
 from dge_jax.eviction import selection
 from dge_jax.eviction.budgets import adakv_budgets, expand_budgets, global_budgets
 from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_rule
-from dge_jax.eviction.observation import DraftRecord, Observation, with_drafts
+from dge_jax.eviction.observation import with_drafts
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.base import Rule, check_fields
 from dge_jax.rules.full import is_full
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import DraftRecord, Observation
 
 HEAD_BUDGETS = ("uniform", "adakv", "global")
 _OLD_RULE_FIELD = "policy"  # Eviction.rule's name before the scoring rules were called rules

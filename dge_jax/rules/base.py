@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.eviction.budgets import PyramidSchedule
-from dge_jax.eviction.observation import Observation
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import Observation
 
 
 @dataclasses.dataclass(frozen=True)

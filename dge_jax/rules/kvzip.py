@@ -36,13 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import ModelConfig
-from dge_jax.eviction.observation import Observation
 from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require_obs
 from dge_jax.rules.ops import prompt_entries
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import bucket_length, pad_left
+from dge_jax.runtime.records import Observation
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"

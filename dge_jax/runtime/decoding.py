@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
-from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.runtime.cache import KVCache, init_cache, regroup, runs_of_equal
+from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import inverse_frequencies
 from dge_jax.runtime.sharding import constrain_cache, constrain_rows
 
