@@ -269,6 +269,19 @@ def test_cache_bytes_flat_in_answer_length(model, prompts):
     assert sizes[64][0] > sizes[16][0]
 
 
+def test_an_eviction_names_its_selection_once():
+    """`SelectionSpec.for_eviction`: the spec the select stage and the decode loop build from
+    a cell (head budgets, alpha, ties, the timing's slide), with a sweep's rules or a cap."""
+    ev = Eviction(SnapKV(window=4), 32, Timing("dge", 2, slide=True), head_budget="adakv",
+                  alpha=0.3, ties="earlier")  # fmt: skip
+    spec = SelectionSpec.for_eviction(ev, head_cap=48)
+    assert spec == SelectionSpec(ev.rule, "adakv", 0.3, "earlier", head_cap=48, slide=True)
+    sweep = (SnapKV(window=4), make_rule("pyramidkv", window=4))
+    assert SelectionSpec.for_eviction(ev, sweep) == SelectionSpec(
+        sweep, "adakv", 0.3, "earlier", slide=True
+    )
+
+
 def test_adakv_heads_stay_under_their_cap(model, prompts):
     """AdaKV at decode time: per-head counts differ, each layer's pool stays the budget's,
     and no head exceeds the cap the fixed capacity leaves (`head_cap`)."""
