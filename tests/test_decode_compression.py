@@ -26,6 +26,7 @@ from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.runtime import decoding
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import cut_at_eos, prepare
+from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.sampling import Greedy
 
 NEW = 30  # answer tokens
@@ -172,7 +173,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
     step = jax.jit(
         functools.partial(
             decoding.decode_body, model.forward, cfg, params, Greedy(), request.eos_ids,
-            obs_window=1,
+            recording=Recording.of(QueryWindow(1)),
         )  # fmt: skip
     )
     capacity, groups = spec.capacity(), cfg.num_heads // cfg.num_kv_heads
@@ -184,7 +185,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
                 break
             active, pos_now = ~np.asarray(state.done), np.asarray(state.pos)
             state, fwd = step(state)
-            qs.append(np.asarray(fwd.q_window[:, :, :, 0]))
+            qs.append(np.asarray(fwd.recorded[0][:, :, :, 0]))
             q_pos.append(np.where(active, pos_now, -1))
         q = np.stack(qs, axis=3)  # [L, B, Hq, W, D]
         q_pos = np.stack(q_pos, axis=1)  # [B, W]

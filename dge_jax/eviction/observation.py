@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dge_jax.runtime.recorders import AttentionSums, QueryWindow
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import rotate
 
@@ -55,6 +56,9 @@ def with_drafts(
     q_stats = prompt_obs.q_stats
     if q_stats is not None and drafts.q is not None:
         q_stats = _join_draft_queries(q_stats, drafts, seen * weight)
+    records = prompt_obs.records
+    if records is not None:  # a rule's own recorders say how drafts add (`Recorder.join`)
+        records = records.join(drafts, (seen * weight).astype(jnp.float32))
     return Observation(
         q=q,
         q_pos=q_pos,
@@ -65,6 +69,7 @@ def with_drafts(
         out_proj=prompt_obs.out_proj,
         q_stats=q_stats,
         recon=prompt_obs.recon,
+        records=records,
     )
 
 
@@ -104,13 +109,16 @@ def for_rule(
     out_proj = obs.out_proj if needs.out_proj else None
     stats = obs.q_stats if needs.query_stats_from is not None else None
     recon = obs.recon if needs.reconstruction is not None else None
+    records = None if obs.records is None else obs.records.only(needs.recorders)
     obs = Observation(
         q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end,
-        out_proj=out_proj, q_stats=stats, recon=recon,
+        out_proj=out_proj, q_stats=stats, recon=recon, records=records,
     )  # fmt: skip
     if drafts is not None:
+        steps = needs.recording.steps  # what the rule reads of each draft step
         drafts = drafts._replace(
-            q=drafts.q if w or stats is not None else None,
-            probs=drafts.probs if needs.attn_sum else None,
+            q=drafts.q if steps.has(QueryWindow) else None,
+            probs=drafts.probs if steps.has(AttentionSums) else None,
+            records=None if drafts.records is None else drafts.records.only(steps.recorders),
         )
     return obs, drafts

@@ -1,19 +1,67 @@
 """What the forward records for the scoring rules, as the runtime hands it over.
 
 `Observation`: what a prefill recorded (the last prompt queries, attention sums, query
-statistics), read by the rules besides the cache; `DraftRecord`: what draft steps recorded,
-per step; `QueryStats`: the running sums of pre-RoPE queries. The loops of
-`dge_jax.runtime.decoding` fill them; `dge_jax.eviction.observation` joins them the way a
-timing says.
+statistics, and the records of a rule's own recorders), read by the rules besides the cache;
+`DraftRecord`: what draft steps recorded, per step; `QueryStats`: the running sums of pre-RoPE
+queries; `Records`: records by recorder. The loops of `dge_jax.runtime.decoding` fill them
+through the recorders (`dge_jax.runtime.recorders`); `dge_jax.eviction.observation` joins
+them the way a timing says.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Records:
+    """The records of recorders that have no field of their own in `Observation` or
+    `DraftRecord`, each under its recorder (`dge_jax.runtime.recorders.Recorder`; static
+    under jit, so a joined observation can ask it how). ``records[key]``: key a recorder or
+    its name."""
+
+    recorders: tuple = ()
+    values: tuple = ()
+
+    def __getitem__(self, key) -> Any:
+        name = key if isinstance(key, str) else key.name
+        for recorder, value in zip(self.recorders, self.values, strict=True):
+            if recorder.name == name:
+                return value
+        raise KeyError(f"nothing recorded under {name!r} (recorded: "
+                       f"{[r.name for r in self.recorders]}): does the rule's Needs name "
+                       "its recorder?")  # fmt: skip
+
+    def __contains__(self, key) -> bool:
+        name = key if isinstance(key, str) else key.name
+        return any(r.name == name for r in self.recorders)
+
+    def put(self, recorder, value) -> Records:
+        """These records with `recorder`'s value (replacing one of its name)."""
+        kept = [(r, v) for r, v in zip(self.recorders, self.values, strict=True)
+                if r.name != recorder.name]  # fmt: skip
+        kept.append((recorder, value))
+        return Records(tuple(r for r, _ in kept), tuple(v for _, v in kept))
+
+    def only(self, recorders) -> Records | None:
+        """The records of these recorders' names (None when none is left)."""
+        names = {r.name for r in recorders}
+        kept = [(r, v) for r, v in zip(self.recorders, self.values, strict=True)
+                if r.name in names]  # fmt: skip
+        return Records(*map(tuple, zip(*kept, strict=True))) if kept else None
+
+    def join(self, drafts: DraftRecord, weight: jax.Array) -> Records:
+        """Each record joined with the draft steps' (`Recorder.join`), weight [B, K]."""
+        values = tuple(r.join(v, drafts, weight)
+                       for r, v in zip(self.recorders, self.values, strict=True))  # fmt: skip
+        return Records(self.recorders, values)
+
+
+jax.tree_util.register_dataclass(Records, data_fields=["values"], meta_fields=["recorders"])
 
 
 @jax.tree_util.register_dataclass
@@ -67,6 +115,8 @@ class Observation:
                                  the observed drafts'), when a rule asks.
     recon: [L, B, Hkv, S] f32 or None  the attention each slot got while the model repeated
                                  the prompt (KVzip's reconstruct stage), when a rule asks.
+    records: Records or None     what recorders of a rule's own recorded (`Needs.recorders`),
+                                 by name: ``obs.records[MyRecorder.name]``.
     """
 
     q: jax.Array | None
@@ -78,6 +128,7 @@ class Observation:
     out_proj: jax.Array | None = None
     q_stats: QueryStats | None = None
     recon: jax.Array | None = None
+    records: Records | None = None
 
 
 class DraftRecord(NamedTuple):
@@ -85,7 +136,8 @@ class DraftRecord(NamedTuple):
 
     q: [L, B, Hq, K, D] the queries of the fed tokens, or None; q_pos: [B, K] their positions
     (-1 = step not observed); probs: [L, B, Hq, K, S] f32 per-step attention, or None;
-    entropy, top1: [B, K] statistics of the next-token distribution each step produced.
+    entropy, top1: [B, K] statistics of the next-token distribution each step produced;
+    records: what the steps recorded for a rule's own recorders ([K, ...] stacked), or None.
     """
 
     q: jax.Array | None
@@ -93,3 +145,4 @@ class DraftRecord(NamedTuple):
     probs: jax.Array | None
     entropy: jax.Array
     top1: jax.Array
+    records: Records | None = None
