@@ -180,8 +180,8 @@ def prefill(
 ) -> Prefilled:
     """Prefill once for every cell, recording what any cell's rule reads (the largest
     query window, attention sums, query statistics, rules' own recorders); choose the first
-    answer token. room: slots after the
-    prompt (default: the token buffer, room for every new token; `cache_room`)."""
+    answer token. room: slots after the prompt (default: the token buffer, room for every
+    new token; `cache_room`)."""
     pre = _call(
         hook, "prefill", decoding.prefill_prompt,
         model.forward, model.config, model.params,
