@@ -105,6 +105,7 @@ def run_dge(model, prompt: list[int], n: int, rule, args, rss) -> dict:
     from dge_jax.eviction.decode_spec import DecodeCompression
     from dge_jax.eviction.evict import SelectionSpec, round_up_slots
     from dge_jax.runtime import decoding
+    from dge_jax.runtime.recorders import QueryWindow, Recording
     from dge_jax.runtime.sampling import Greedy
 
     cfg, params, eos = model.config, model.params, eos_of(model)
@@ -113,10 +114,12 @@ def run_dge(model, prompt: list[int], n: int, rule, args, rss) -> dict:
     room = n if rule is None else round_up_slots(args.interval)
     chunk = 512 if len(prompt) % 512 == 0 else len(prompt)
 
+    windowed = rule is not None and rule.needs.window
+
     def start():
         pre = decoding.prefill_prompt(
             model.forward, cfg, params, tokens, lengths, capacity=len(prompt) + room,
-            chunk=chunk, obs_window=8 if rule is not None and rule.needs.window else 0,
+            chunk=chunk, recording=Recording.of(*([QueryWindow(8)] if windowed else [])),
         )  # fmt: skip
         first = jnp.argmax(decoding.suppress_eos(pre.logits, eos, True), -1).astype(jnp.int32)
         return decoding.start_state(pre.cache, first, lengths, n, eos, jax.random.PRNGKey(0))

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         lengths,
         capacity=capacity,
         chunk=chunk,
-        obs_window=rule.needs.window,
+        recording=rule.needs.recording,
     ).compile()
     compile_s = time.perf_counter() - compile_start
     t_prefill, pre = timed(prefill, params, tokens, lengths)

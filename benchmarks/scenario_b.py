@@ -172,7 +172,7 @@ def time_kv_steps(
         lengths,
         capacity=capacity,
         chunk=chunk,
-        obs_window=rule.needs.window,
+        recording=rule.needs.recording,
     )
     t_prefill, pre = ed.timed(prefill, params, ids, lengths)
     start_time = time.perf_counter()

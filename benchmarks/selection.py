@@ -29,10 +29,10 @@ import numpy as np
 
 from benchmarks import machine
 from dge_jax.eviction import selection
-from dge_jax.eviction.observation import Observation
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import Observation
 
 # (layers, kv heads, query heads, head dim, prompt tokens, slots, budget): SmolLM2-135M at a
 # 4,096-token prompt (capacity = prompt + a 512-token answer bucket), kvpress's budget 256.

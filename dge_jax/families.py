@@ -25,24 +25,22 @@ class ForwardOutput(NamedTuple):
 
     logits: [B, V] f32 (last position) or [B, T, V] f32 (every position), or None.
     cache: the cache with the T new entries written at slots [index, index + T).
-    q_window: [L, B, Hq, W, D] the last W queries per layer (post-RoPE), when asked.
-    probs_sum: [L, B, Hq, S] f32 attention each slot received from these T queries, when asked.
-    q_stats: (sum [L, B, Hq, D], outer [L, B, Hq, D, D]) f32 of the pre-RoPE queries at
-        positions >= q_stats_from, when asked (ExpectedAttention's query statistics).
+    recorded: one value per recorder of the call's `recording` (in its order), each stacked
+    over the layers [L, ...] (`dge_jax.runtime.recorders`; `Recording.get` finds one by type).
     """
 
     logits: jax.Array | None
     cache: KVCache
-    q_window: jax.Array | None
-    probs_sum: jax.Array | None
-    q_stats: tuple[jax.Array, jax.Array] | None = None
+    recorded: tuple = ()
 
 
-# forward(config, params, tokens [B, T], positions [B, T], cache, *, layers, obs_window,
-#         record_attn, q_stats_from, logits, key_block) -> ForwardOutput. The layers run
-# group by group over the cache's layer groups (`dge_jax.runtime.cache`); `layers` gives the layer
-# weights grouped like the cache (`group_layers`, made once outside a decode loop), None
-# groups them per call.
+# forward(config, params, tokens [B, T], positions [B, T], cache, *, layers, recording,
+#         logits, key_block) -> ForwardOutput. The layers run group by group over the cache's
+# layer groups (`dge_jax.runtime.cache`); `layers` gives the layer weights grouped like the
+# cache (`group_layers`, made once outside a decode loop), None groups them per call;
+# `recording` (a `dge_jax.runtime.recorders.Recording`) says what each layer records: the
+# family builds a `LayerView` per layer and calls `recording.layer(view)`, and asks its
+# attention for per-slot probability sums when `recording.reads_probs_sum`.
 ForwardFn = Callable[..., ForwardOutput]
 
 

@@ -20,8 +20,8 @@ from dge_jax.stages import (
     GREEDY,
     STAGES,
     GenerationResult,
+    GridRecording,
     Hook,
-    Recording,
     cache_room,
     check_cells,
     decode,
@@ -104,7 +104,7 @@ def generate_grid(
         chat=cfg.chat, chunk=cfg.chunk, extra_eos_ids=cfg.extra_eos_ids,
     )  # fmt: skip
     cells = check_cells(cells, cfg.max_new_tokens)
-    recording = Recording.of(cells)
+    recording = GridRecording.of(cells)
     prefilled = prefill(
         model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells)
     )

@@ -37,13 +37,13 @@ from dge_jax.eviction.evict import (
     scoring_key,
     spreads_budget,
 )
-from dge_jax.eviction.observation import DraftRecord
 from dge_jax.model import Model
 from dge_jax.rules.base import Needs
 from dge_jax.rules.full import is_full
 from dge_jax.runtime import decoding, stacking
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
 from dge_jax.runtime.prompts import Request, cut_at_eos
+from dge_jax.runtime.records import DraftRecord
 from dge_jax.runtime.sampling import Greedy
 
 GREEDY = Greedy()
@@ -136,17 +136,18 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
 
 
 @dataclasses.dataclass(frozen=True)
-class Recording:
+class GridRecording:
     """What the shared prefill and draft record, for every cell at once: the union of the
     cells' declared needs (`Needs.__or__`: the largest query window, attention sums if any
-    reads them, the one start of query statistics, the one reconstruct stage) and the
-    largest draft k."""
+    reads them, the one start of query statistics, every rule's own recorders, the one
+    reconstruct stage) and the largest draft k. What the forward records is
+    `needs.recording` (prefill), and its `steps` (each draft step)."""
 
     needs: Needs
     draft_steps: int
 
     @classmethod
-    def of(cls, cells: Sequence[Eviction | None]) -> Recording:
+    def of(cls, cells: Sequence[Eviction | None]) -> GridRecording:
         """The recording the evicting cells of a grid need together (None: FullKV)."""
         active = [ev for ev in cells if ev is not None]
         needs = Needs()
@@ -171,24 +172,23 @@ def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
 def prefill(
     model: Model,
     request: Request,
-    recording: Recording,
+    recording: GridRecording,
     sampler,
     seed: int,
     hook=None,
     room: int | None = None,
 ) -> Prefilled:
-    """Prefill once for every cell, recording the largest query window (and the attention
-    sums) any cell's rule reads; choose the first answer token. room: slots after the
-    prompt (default: the token buffer, room for every new token; `cache_room`)."""
+    """Prefill once for every cell, recording what any cell's rule reads (the largest
+    query window, attention sums, query statistics, rules' own recorders); choose the first
+    answer token. room: slots after the prompt (default: the token buffer, room for every
+    new token; `cache_room`)."""
     pre = _call(
         hook, "prefill", decoding.prefill_prompt,
         model.forward, model.config, model.params,
         jnp.asarray(request.tokens), jnp.asarray(request.lengths),
         capacity=request.tokens.shape[1] + (request.buffer if room is None else room),
         chunk=request.chunk,
-        obs_window=recording.needs.window,
-        record_attn=recording.needs.attn_sum,
-        q_stats_from=recording.needs.query_stats_from,
+        recording=recording.needs.recording,
     )  # fmt: skip
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     eos_ids = request.eos_ids
@@ -203,7 +203,7 @@ def prefill(
 
 
 def reconstruct(
-    model: Model, request: Request, prefilled: Prefilled, recording: Recording, hook=None
+    model: Model, request: Request, prefilled: Prefilled, recording: GridRecording, hook=None
 ) -> Prefilled:
     """KVzip's extra passes, when a cell reads them: the model repeats the prompt chunk by
     chunk over prefill's cache; the attention each prompt entry got goes into `obs.recon`.
@@ -222,7 +222,12 @@ def reconstruct(
 
 
 def draft(
-    model: Model, request: Request, prefilled: Prefilled, recording: Recording, sampler, hook=None
+    model: Model,
+    request: Request,
+    prefilled: Prefilled,
+    recording: GridRecording,
+    sampler,
+    hook=None,
 ) -> Drafted | None:
     """One draft to the largest k any cell needs (None if none drafts): `rewind` replays any
     shorter draft from it, per row for adaptive k, so every k shares one draft and one
@@ -233,8 +238,7 @@ def draft(
         hook, "draft", decoding.draft_tokens,
         model.forward, model.config, model.params, prefilled.start,
         sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
-        record_q=recording.needs.queries,
-        record_attn=recording.needs.attn_sum,
+        recording=recording.needs.recording.steps,
         min_new_tokens=request.min_new_tokens,
     )  # fmt: skip
     e1, p1 = decoding.next_token_stats(prefilled.pre.logits)
@@ -417,9 +421,7 @@ def _decode_compressed(
         state = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=None))
         state = dataclasses.replace(state, cache=cache)
     history = decode_compression.max_compressions(request.buffer, spec.interval) if record else 0
-    selection = SelectionSpec(
-        ev.rule, ev.head_budget, ev.alpha, ev.ties, head_cap=spec.head_cap(spread)
-    )
+    selection = SelectionSpec.for_eviction(ev, head_cap=spec.head_cap(spread))
     loop = decode_compression.CompressionLoop(
         model.forward, model.config, sampler, request.eos_ids, selection, spec.interval,
         spec.capacity(spread), min_new_tokens=request.min_new_tokens,

@@ -9,9 +9,9 @@ cache (`dge_jax.runtime.cache`): compile time stays flat as models get deeper.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,7 @@ from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardOutput, group_layers
 from dge_jax.runtime.attention import cache_layer_attention
 from dge_jax.runtime.cache import KVCache, LayerGroup
+from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -215,9 +216,7 @@ def forward(
     cache: KVCache,
     *,
     layers: tuple[LayerParams, ...] | None = None,
-    obs_window: int = 0,
-    record_attn: bool = False,
-    q_stats_from: int | None = None,
+    recording: Recording = NOTHING,
     logits: str = "last",
     key_block: int = 0,
 ) -> ForwardOutput:
@@ -226,11 +225,9 @@ def forward(
 
     tokens, positions: [B, T] int32 (position -1 marks a padding token: it is written with
     pos -1, so no query ever sees it). logits: "last" -> [B, V], "all" -> [B, T, V], "none".
-    obs_window > 0 also returns the last min(obs_window, T) queries per layer; record_attn
-    returns per-slot attention sums of these T queries, q_stats_from (an int) the sums of the
-    pre-RoPE queries at positions >= it and of their outer products (see `ForwardOutput`).
-    key_block > 0
-    attends over the written slots [0, index + T) only, in blocks of that many keys
+    recording: what every layer records (`dge_jax.runtime.recorders`): each recorder's value
+    comes back stacked over the layers in `ForwardOutput.recorded`. key_block > 0 attends
+    over the written slots [0, index + T) only, in blocks of that many keys
     (`written_slot_attention`: what a prefill chunk wants); 0 reads the whole capacity.
 
     The layers run group by group over the cache's layer groups, each under `lax.scan`;
@@ -238,41 +235,37 @@ def forward(
     outside a decode loop), None = grouped here.
     """
     b, t = tokens.shape
-    if record_attn and cache.ragged:
+    if recording.reads_probs_sum and cache.ragged:
         raise ValueError(
-            f"record_attn needs one capacity for all layers (per-slot sums are stacked), got "
-            f"{cache.capacities}"
+            f"recording attention sums needs one capacity for all layers (per-slot sums are "
+            f"stacked), got {cache.capacities}"
         )
     if layers is None:
         layers = group_layers(params.layers, cache.group_sizes)
     cos, sin = rope_tables(positions, inverse_frequencies(cfg.rope, cfg.head_dim))
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t)).astype(jnp.int32)
-    run = functools.partial(
-        _layer, cfg, positions, new_pos, cos, sin,
-        obs_window=min(obs_window, t), record_attn=record_attn, q_stats_from=q_stats_from,
-        key_block=key_block,
-    )  # fmt: skip
+    call = _Call(cfg, positions, new_pos, cos, sin, recording, key_block)
 
     def scanned_layer(carry, scanned):
         # The group's cache rides in the carry and only the T new slots of layer `i` are
         # written, instead of returning every layer as a fresh stacked output, which made each
         # decode step copy the whole cache.
-        x, k_all, v_all, pos_all = carry
+        x, buffers = carry
         lp, i, slot = scanned
-        x, k_all, v_all, pos_all, recorded = run(x, lp, k_all, v_all, pos_all, i, slot)
-        return (x, k_all, v_all, pos_all), recorded
+        x, buffers, recorded = _layer(call, x, lp, buffers, i, slot)
+        return (x, buffers), recorded
 
     x = params.embed[tokens]
     groups, recorded = [], []
     for lp, group in zip(layers, cache.groups, strict=True):
         ids = jnp.arange(group.num_layers, dtype=jnp.int32)
-        (x, k, v, pos), rec = jax.lax.scan(
-            scanned_layer, (x, group.k, group.v, group.pos), (lp, ids, group.index)
+        (x, (k, v, pos)), rec = jax.lax.scan(
+            scanned_layer, (x, (group.k, group.v, group.pos)), (lp, ids, group.index)
         )
         groups.append(LayerGroup(k=k, v=v, pos=pos, index=group.index + t))
         recorded.append(rec)
-    # (q_window, probs_sum, q_stats) per group, each [Lg, ...] or None: join the groups.
-    q_window, probs_sum, q_stats = jax.tree.map(lambda *xs: jnp.concatenate(xs), *recorded)
+    # Each recorder's value per group, [Lg, ...]: join the groups.
+    recorded = jax.tree.map(lambda *xs: jnp.concatenate(xs), *recorded)
     out = None
     if logits != "none":
         x = x[:, -1] if logits == "last" else x
@@ -281,25 +274,28 @@ def forward(
             out = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
         else:
             out = jnp.dot(x, params.lm_head, preferred_element_type=jnp.float32)
-    return ForwardOutput(out, KVCache(tuple(groups)), q_window, probs_sum, q_stats)
+    return ForwardOutput(out, KVCache(tuple(groups)), recorded)
 
 
-def query_statistics(q: jax.Array, positions: jax.Array, start: int) -> tuple[jax.Array, ...]:
-    """Sums over the positions >= start of pre-RoPE queries q [B, T, Hq, D] and of their
-    outer products: ([B, Hq, D], [B, Hq, D, D]) f32 (padding, position -1, never counts)."""
-    w = (positions >= start).astype(jnp.float32)  # [B, T]
-    qf = q.astype(jnp.float32)
-    total = jnp.einsum("bthd,bt->bhd", qf, w)
-    outer = jnp.einsum("bthd,bthe,bt->bhde", qf, qf, w)
-    return total, outer
+class _Call(NamedTuple):
+    """What every layer of one forward call shares: the config, the new tokens' positions
+    [B, T] (and per kv head [B, Hkv, T]), their RoPE tables, what to record and the prefill
+    key block (0: decode and draft steps)."""
+
+    cfg: ModelConfig
+    positions: jax.Array
+    new_pos: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    recording: Recording
+    key_block: int
 
 
-def _layer(cfg, positions, new_pos, cos, sin, x, lp, k_all, v_all, pos_all, i, slot, *,
-           obs_window, record_attn, q_stats_from, key_block):  # fmt: skip
-    """Layer i of a group on x [B, T, D]: writes slots [slot, slot + T) of k_all[i] (in place
-    under jit), v_all[i] and pos_all[i] ([Lg, B, Hkv, S, ...] buffers of the group).
-    Returns (x, k_all, v_all, pos_all, (last W queries [B, Hq, W, D] or None, per-slot
-    attention sums [B, Hq, S] or None, pre-RoPE query statistics or None))."""
+def _layer(call: _Call, x, lp, buffers, i, slot):
+    """Layer i of a group on x [B, T, D]: writes slots [slot, slot + T) of layer i of the
+    group's buffers (k, v [Lg, B, Hkv, S, D], pos [Lg, B, Hkv, S]; in place under jit).
+    Returns (x, buffers, the recording's values for this layer)."""
+    cfg, positions = call.cfg, call.positions
     b, t = positions.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
@@ -309,18 +305,18 @@ def _layer(cfg, positions, new_pos, cos, sin, x, lp, k_all, v_all, pos_all, i, s
     if cfg.qk_norm:
         q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
         k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-    q_stats = None if q_stats_from is None else query_statistics(q, positions, q_stats_from)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    rotated = apply_rope(q, call.cos, call.sin)
+    k = apply_rope(k, call.cos, call.sin)
 
-    attn, probs_sum, k_all, v_all, pos_all = cache_layer_attention(
-        q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), new_pos, positions,
-        k_all, v_all, pos_all, i, slot, key_block=key_block, record_attn=record_attn,
+    attn, probs_sum, *buffers = cache_layer_attention(
+        rotated, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), call.new_pos, positions,
+        *buffers, i, slot, key_block=call.key_block,
+        record_attn=call.recording.reads_probs_sum,
     )  # fmt: skip
+    recorded = call.recording.layer(LayerView(x, q, rotated, positions, probs_sum))
     x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
     x = x + mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
-    q_win = q[:, t - obs_window :].transpose(0, 2, 1, 3) if obs_window else None  # [B, Hq, W, D]
-    return x, k_all, v_all, pos_all, (q_win, probs_sum, q_stats)
+    return x, tuple(buffers), recorded
 
 
 def check_shapes(cfg: ModelConfig, params: Params) -> None:

@@ -274,7 +274,7 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
     with sh.mesh_context(model.params):
         pre = gen.prefill_prompt(model.forward, cfg, model.params, tokens, lengths,
                                  capacity=CAPACITY, chunk=16,
-                                 obs_window=RULE.needs.window)  # fmt: skip
+                                 recording=RULE.needs.recording)  # fmt: skip
         key = jax.random.PRNGKey(0)
         state = gen.start_state(pre.cache, Greedy()(pre.logits, key), lengths, MAX_NEW, (), key)
         keep = eviction.keep_mask(state.cache, pre.obs, None, ev)

@@ -25,7 +25,6 @@ from numpy_reference import pool as ref_pool
 
 from dge_jax import cli
 from dge_jax.eviction.evict import Eviction, keep_masks, select_for, select_for_budgets
-from dge_jax.eviction.observation import Observation
 from dge_jax.eviction.selection import select_slots, top_mask
 from dge_jax.eviction.timing import Timing
 from dge_jax.generation import generate_grid
@@ -37,6 +36,8 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import bucket_length, pad_left
+from dge_jax.runtime.recorders import QueryWindow, Recording
+from dge_jax.runtime.records import Observation
 from dge_jax.runtime.sampling import Greedy
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
@@ -356,7 +357,8 @@ def llama():
     t, buffer = bucket_length(max(PROMPT_LENGTHS)), bucket_length(N_NEW)
     tokens, lengths = pad_left(prompts, t)
     pre = gen.prefill_prompt(model.forward, cfg, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                      capacity=t + buffer, chunk=512, obs_window=WINDOW)  # fmt: skip
+                      capacity=t + buffer, chunk=512,
+                      recording=Recording.of(QueryWindow(WINDOW)))  # fmt: skip
     key = jax.random.PRNGKey(0)
     start = gen.start_state(pre.cache, Greedy()(pre.logits, key), jnp.asarray(lengths), N_NEW,
                             (), key, buffer=buffer)  # fmt: skip

@@ -14,7 +14,6 @@ import pytest
 
 from dge_jax.eviction.budgets import adakv_budgets
 from dge_jax.eviction.evict import SelectionSpec, select_for, select_for_budgets
-from dge_jax.eviction.observation import Observation
 from dge_jax.rules.chunkkv import ChunkKV
 from dge_jax.rules.criticalkv import CriticalKV, projected_value_norms
 from dge_jax.rules.h2o import H2O
@@ -24,6 +23,7 @@ from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.registry import RULES, make_rule
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import Observation
 
 L, HKV, G, D, E = 2, 2, 2, 8, 12
 HQ = HKV * G

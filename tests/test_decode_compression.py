@@ -26,6 +26,7 @@ from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.runtime import decoding
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import cut_at_eos, prepare
+from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.sampling import Greedy
 
 NEW = 30  # answer tokens
@@ -173,7 +174,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
     step = jax.jit(
         functools.partial(
             decoding.decode_body, model.forward, cfg, params, Greedy(), request.eos_ids,
-            obs_window=1,
+            recording=Recording.of(QueryWindow(1)),
         )  # fmt: skip
     )
     capacity, groups = spec.capacity(), cfg.num_heads // cfg.num_kv_heads
@@ -185,7 +186,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
                 break
             active, pos_now = ~np.asarray(state.done), np.asarray(state.pos)
             state, fwd = step(state)
-            qs.append(np.asarray(fwd.q_window[:, :, :, 0]))
+            qs.append(np.asarray(fwd.recorded[0][:, :, :, 0]))
             q_pos.append(np.where(active, pos_now, -1))
         q = np.stack(qs, axis=3)  # [L, B, Hq, W, D]
         q_pos = np.stack(q_pos, axis=1)  # [B, W]
@@ -268,6 +269,19 @@ def test_cache_bytes_flat_in_answer_length(model, prompts):
         sizes[new] = (full_bytes, state.cache.nbytes(), state.cache.capacity)
     assert sizes[16][1] == sizes[64][1] and sizes[64][2] == spec.capacity() == 16 + 8
     assert sizes[64][0] > sizes[16][0]
+
+
+def test_an_eviction_names_its_selection_once():
+    """`SelectionSpec.for_eviction`: the spec the select stage and the decode loop build from
+    a cell (head budgets, alpha, ties, the timing's slide), with a sweep's rules or a cap."""
+    ev = Eviction(SnapKV(window=4), 32, Timing("dge", 2, slide=True), head_budget="adakv",
+                  alpha=0.3, ties="earlier")  # fmt: skip
+    spec = SelectionSpec.for_eviction(ev, head_cap=48)
+    assert spec == SelectionSpec(ev.rule, "adakv", 0.3, "earlier", head_cap=48, slide=True)
+    sweep = (SnapKV(window=4), make_rule("pyramidkv", window=4))
+    assert SelectionSpec.for_eviction(ev, sweep) == SelectionSpec(
+        sweep, "adakv", 0.3, "earlier", slide=True
+    )
 
 
 def test_adakv_heads_stay_under_their_cap(model, prompts):

@@ -345,6 +345,57 @@ def test_workspace_rule_example_runs_under_every_timing(workspace, checkpoint):
         assert all(max(head) == n for head in layer)  # the draft entry is always kept
 
 
+def test_workspace_statistic_example_records_through_every_loop(workspace, checkpoint):
+    """The rule with a recorder of its own: its sums come out of the chunked prefill and the
+    draft steps as the queries they sum, draft steps join as the timing observes them, it
+    generates under every timing and head budget, and decode-time compression refuses it."""
+    import jax
+    import jax.numpy as jnp
+
+    import dge_jax
+    from dge_jax.eviction.decode_spec import DecodeCompression
+    from dge_jax.eviction.evict import Eviction
+    from dge_jax.eviction.observation import with_drafts
+    from dge_jax.eviction.timing import Timing
+    from dge_jax.generation import generate_grid
+    from dge_jax.rules.registry import make_rule
+    from dge_jax.runtime import decoding
+    from dge_jax.runtime.recorders import QueryWindow, Recording
+    from dge_jax.runtime.sampling import Greedy
+
+    rule, query_sum = workspace["MeanQuery"](), workspace["QuerySum"]()
+    assert make_rule("meanquery") == rule and not rule.needs.query_free
+    model = dge_jax.load(checkpoint("llama"))
+    cfg, n, t = model.config, 40, 64
+    ids = [(7 * i + 3) % cfg.vocab_size for i in range(n)]
+    tokens, lengths = jnp.asarray([[0] * (t - n) + ids]), jnp.asarray([n])
+    both = Recording.of(QueryWindow(t), query_sum)
+    pre = decoding.prefill_prompt(model.forward, cfg, model.params, tokens, lengths,
+                                  capacity=t + 8, chunk=16, recording=both)  # fmt: skip
+    window = np.asarray(pre.obs.q) * (np.asarray(pre.obs.q_pos) >= 0)[None, :, None, :, None]
+    np.testing.assert_allclose(pre.obs.records["query_sum"], window.sum(3), atol=1e-4)
+    state = decoding.start_state(pre.cache, jnp.argmax(pre.logits, -1).astype(jnp.int32),
+                                 lengths, 8, (), jax.random.PRNGKey(0))  # fmt: skip
+    _, drafts = decoding.draft_tokens(model.forward, cfg, model.params, state, sampler=Greedy(),
+                                      eos_ids=(), num_steps=2, recording=both.steps)  # fmt: skip
+    steps = np.asarray(drafts.records[query_sum])  # [K, L, B, Hq, D], one query each
+    np.testing.assert_allclose(steps, np.moveaxis(np.asarray(drafts.q), 3, 0), atol=1e-5)
+    for observed, added in ((True, steps.sum(0)), (False, 0.0)):
+        joined = with_drafts(pre.obs, drafts, jnp.asarray(observed)).records[query_sum]
+        np.testing.assert_allclose(joined, np.asarray(pre.obs.records[query_sum]) + added,
+                                   atol=1e-4)  # fmt: skip
+    timings = [Timing("prefill", k=1), Timing("dge", k=2), Timing("dge_w", k=2),
+               Timing("dge", k=3)]
+    cells = [Eviction(rule, 16, timing, head_budget=h, compact=h == "uniform")
+             for timing in timings for h in ("uniform", "adakv", "global")]  # fmt: skip
+    total = 16 * cfg.num_layers * cfg.num_kv_heads
+    for res in generate_grid(model, [ids], cells, max_new_tokens=4):
+        assert sum(len(h) for layer in res.kept[0] for h in layer) == total
+    with pytest.raises(ValueError, match="decode-time loop does not record"):
+        generate_grid(model, [ids], [Eviction(rule, 16, Timing("decode"),
+                                              decode=DecodeCompression(16, 4))])  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------
 # WORKSPACE: "Add a scoring rule" is one file, in a copy of the repository
 

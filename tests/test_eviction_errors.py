@@ -18,7 +18,6 @@ import pytest
 from dge_jax import cli
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import Eviction, check_eviction, select_for
-from dge_jax.eviction.observation import DraftRecord, Observation
 from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
 from dge_jax.generation import generate
@@ -30,6 +29,7 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.rules.tova import TOVA
 from dge_jax.runtime.cache import init_cache
+from dge_jax.runtime.records import DraftRecord, Observation
 
 NL, B, HQ, HKV, S, D = 2, 1, 4, 2, 12, 8
 

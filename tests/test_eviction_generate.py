@@ -42,10 +42,12 @@ from dge_jax.rules.tova import TOVA
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import compact
 from dge_jax.runtime.prompts import pad_left
+from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.sampling import Greedy
 
 L, HQ, HKV, HD, VOCAB = 2, 4, 2, 16, 128
 WINDOW = 8
+WINDOWED = Recording.of(QueryWindow(WINDOW))  # the prefill records SnapKV's window
 N_NEW = 6  # answer tokens everywhere: shared shapes keep compilations (and test time) down
 CAP = 64  # compacted capacity shared by the tests (>= max kept per head + N_NEW), same reason
 GREEDY = Greedy()
@@ -265,15 +267,16 @@ def test_decode_body_logits_masked_vs_compacted(model, step, timing):
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     pre = gen.prefill_prompt(
-        fwd, cfg, params, tokens, lengths, capacity=64 + n_new, chunk=512, obs_window=WINDOW
+        fwd, cfg, params, tokens, lengths, capacity=64 + n_new, chunk=512, recording=WINDOWED
     )
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, n_new, (), key)
     drafts = None
     if timing.draft_steps:
         state, drafts = gen.draft_tokens(
-            fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=timing.draft_steps
-        )
+            fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=timing.draft_steps,
+            recording=WINDOWED.steps,
+        )  # fmt: skip
     rule = SnapKV(window=WINDOW)
     keep = select_for(
         state.cache,
@@ -320,11 +323,12 @@ def test_one_scoring_for_many_budgets_equals_one_selection_each(model, rule, hea
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
-                      obs_window=WINDOW, record_attn=rule.needs.attn_sum)  # fmt: skip
+                      recording=WINDOWED | rule.needs.recording)  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
     state, drafts = gen.draft_tokens(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(),
-                                     num_steps=1, record_attn=rule.needs.attn_sum)  # fmt: skip
+                                     num_steps=1,
+                                     recording=(WINDOWED | rule.needs.recording).steps)  # fmt: skip
     budgets = [12, 20, 30] if isinstance(rule, PyramidKV) else [12, np.array([20, 16]), 30]
     if type(rule) is SnapKV and head_budget == "uniform":
         budgets.append(np.array([[12, 14], [16, 18]]))  # per head
@@ -348,12 +352,13 @@ def test_snapkv_and_pyramidkv_share_one_scoring(model):
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
-                      obs_window=WINDOW)  # fmt: skip
+                      recording=WINDOWED)  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
     state, drafts = gen.draft_tokens(
-        fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1
-    )
+        fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1,
+        recording=WINDOWED.steps,
+    )  # fmt: skip
     snap, pyramid = SnapKV(window=WINDOW), PyramidKV(window=WINDOW)
     assert pyramid.scorer == snap
     evs = [Eviction(p, b, DGE2) for p in (snap, pyramid) for b in (12, 20)]
@@ -460,7 +465,7 @@ def test_pyramidkv_compacts_to_per_layer_capacities(model):
     tokens, lengths = pad_left(LONG_PROMPTS, 256)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=256 + 64, chunk=512,
-                      obs_window=WINDOW)  # fmt: skip
+                      recording=WINDOWED)  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
     ev = Eviction(PyramidKV(window=WINDOW), 64, PREFILL)

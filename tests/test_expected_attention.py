@@ -15,10 +15,12 @@ from tiny_model import jax_model
 
 from dge_jax.config import RopeConfig
 from dge_jax.eviction.evict import Eviction
-from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
+from dge_jax.eviction.observation import with_drafts
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.expected_attention import ExpectedAttention
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.recorders import QueryStatistics, Recording
+from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import inverse_frequencies
 
 L, HKV, G, D = 2, 2, 2, 8
@@ -153,7 +155,7 @@ def _prefill_stats(model, rows, width, chunk, sinks):
     lengths = np.array([len(r) for r in rows], np.int32)
     pre = decoding.prefill_prompt(
         model.forward, model.config, model.params, jnp.asarray(tokens), jnp.asarray(lengths),
-        capacity=width, chunk=chunk, q_stats_from=sinks,
+        capacity=width, chunk=chunk, recording=Recording.of(QueryStatistics(sinks)),
     )  # fmt: skip
     return pre.obs.q_stats
 
@@ -186,13 +188,13 @@ def test_prefill_records_pre_rope_query_statistics(model):
 
 def test_a_grid_records_one_set_of_statistics(model):
     from dge_jax.generation import generate_grid
-    from dge_jax.stages import Recording
+    from dge_jax.stages import GridRecording
 
     cells = [Eviction(ExpectedAttention(sinks=4), 16, Timing("dge", 2)),
              Eviction(ExpectedAttention(sinks=2), 16, Timing("dge", 2))]  # fmt: skip
     with pytest.raises(ValueError, match="start them at positions \\[2, 4\\]"):
-        Recording.of(cells)
-    rec = Recording.of(cells[:1])
+        GridRecording.of(cells)
+    rec = GridRecording.of(cells[:1])
     assert rec.needs.query_stats_from == 4 and rec.needs.queries and rec.needs.window == 0
     prompts = [np.random.default_rng(n).integers(0, 128, n).tolist() for n in (44, 30)]
     out = generate_grid(model, prompts, cells[:1], max_new_tokens=3)

@@ -310,6 +310,7 @@ def test_forward_over_any_layer_grouping_equals_the_one_group_forward(model, pro
     """The same forward over the same layers in other groups (`regroup`): same logits, same
     queries, and a cache holding the same entries, in the grouping it was given."""
     from dge_jax.runtime.cache import init_cache, regroup
+    from dge_jax.runtime.recorders import QueryWindow, Recording
 
     cfg = model.config
     nl = cfg.num_layers
@@ -318,9 +319,10 @@ def test_forward_over_any_layer_grouping_equals_the_one_group_forward(model, pro
     positions = decoding.prompt_positions(jnp.asarray(lengths), 32)
     cache = init_cache(nl, 2, cfg.num_kv_heads, 40, cfg.head_dim)
     args = (jnp.asarray(tokens), positions)
-    one = model.forward(cfg, model.params, *args, cache, logits="all", obs_window=4)
+    window = Recording.of(QueryWindow(4))
+    one = model.forward(cfg, model.params, *args, cache, logits="all", recording=window)
     grouped = model.forward(
-        cfg, model.params, *args, regroup(cache, sizes), logits="all", obs_window=4
+        cfg, model.params, *args, regroup(cache, sizes), logits="all", recording=window
     )
     assert grouped.cache.group_sizes == sizes and one.cache.group_sizes == (nl,)
     assert (grouped.cache.num_layers, grouped.cache.batch_size, grouped.cache.capacity) == (
@@ -329,7 +331,8 @@ def test_forward_over_any_layer_grouping_equals_the_one_group_forward(model, pro
     np.testing.assert_array_equal(grouped.cache.num_kept(), one.cache.num_kept())
     np.testing.assert_array_equal(grouped.cache.index, one.cache.index)
     np.testing.assert_allclose(np.asarray(grouped.logits), np.asarray(one.logits), atol=1e-4)
-    np.testing.assert_allclose(np.asarray(grouped.q_window), np.asarray(one.q_window), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grouped.recorded[0]), np.asarray(one.recorded[0]),
+                               atol=1e-5)  # fmt: skip
     for name in ("k", "v", "pos"):
         got, want = getattr(grouped.cache, name), getattr(one.cache, name)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

@@ -14,7 +14,10 @@ Asserted:
   on a cycle, a shortest such cycle as a path a -> b -> ... -> a, with each edge's file:line
   and, for a lazy import, its function);
 - no module in dge_jax/ imports anything from models/ (families are entry points: models/
-  imports dge_jax, never the reverse).
+  imports dge_jax, never the reverse);
+- the package's layers import only downwards: dge_jax/runtime/ nothing of dge_jax/eviction/
+  or dge_jax/rules/ (what the forward records is a runtime type), and neither of those the
+  top-level modules built on them (stages, generation, model, cli).
 """
 
 from __future__ import annotations
@@ -265,6 +268,31 @@ def test_dge_jax_never_imports_models(edges):
     if bad:
         pytest.fail(
             "dge_jax/ imports models/ (models/ imports dge_jax, never the reverse):\n"
+            + "\n".join(f"  {e.where}: {e.src} -> {e.dst}  {e.code}" for e in bad),
+            pytrace=False,
+        )
+
+
+# A layer of dge_jax/ -> the modules it must never import (by module name prefix).
+LAYERS = {
+    "dge_jax.runtime": ("dge_jax.eviction", "dge_jax.rules"),
+    "dge_jax.eviction": ("dge_jax.stages", "dge_jax.generation", "dge_jax.model", "dge_jax.cli"),
+    "dge_jax.rules": ("dge_jax.stages", "dge_jax.generation", "dge_jax.model", "dge_jax.cli"),
+}
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_layers_import_only_downwards(edges):
+    bad = [
+        e for e in edges for layer, above in LAYERS.items()
+        if _within(e.src, layer) and any(_within(e.dst, a) for a in above)
+    ]  # fmt: skip
+    if bad:
+        pytest.fail(
+            "a layer of dge_jax/ imports one built on it (move the shared type down):\n"
             + "\n".join(f"  {e.where}: {e.src} -> {e.dst}  {e.code}" for e in bad),
             pytrace=False,
         )

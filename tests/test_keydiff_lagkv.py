@@ -14,11 +14,11 @@ import pytest
 from tiny_model import jax_model
 
 from dge_jax.eviction.evict import Eviction, select_for
-from dge_jax.eviction.observation import Observation
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.keydiff import KeyDiff
 from dge_jax.rules.lagkv import LagKV
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import Observation
 
 L, HKV, D = 2, 2, 8
 

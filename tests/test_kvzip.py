@@ -16,11 +16,12 @@ from tiny_model import jax_model
 from dge_jax import generation, stages
 from dge_jax.eviction.budgets import adakv_budgets, global_budgets
 from dge_jax.eviction.evict import Eviction
-from dge_jax.eviction.observation import Observation
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules import kvzip
 from dge_jax.rules.kvzip import KVzip, Reconstruction
 from dge_jax.runtime import decoding
+from dge_jax.runtime.recorders import QueryWindow, Recording
+from dge_jax.runtime.records import Observation
 
 VOCAB = 128
 
@@ -108,7 +109,7 @@ def scores_reference(model, ids: list[int], chunks: list[tuple[int, int, list]],
         pre = decoding.prefill_prompt(
             model.forward, cfg, model.params, jnp.asarray([seq], jnp.int32),
             jnp.asarray([len(seq)], jnp.int32), capacity=len(seq), chunk=len(seq),
-            obs_window=r,
+            recording=Recording.of(QueryWindow(r)),
         )  # fmt: skip
         q = np.asarray(pre.obs.q)[:, 0].reshape(cfg.num_layers, cfg.num_kv_heads, g, r, -1)
         keys = np.asarray(pre.cache.k)[:, 0]  # [L, Hkv, n + r, D]
@@ -254,7 +255,7 @@ def test_pipeline_dge_and_dge_w_keep_prefills_top_prompt_entries(model):
 def test_grid_cells_must_share_one_reconstruction():
     cells = [Eviction(KVzip(chunk_size=64), 32), Eviction(KVzip(chunk_size=32), 32)]
     with pytest.raises(ValueError, match="one reconstruct stage"):
-        stages.Recording.of(cells)
+        stages.GridRecording.of(cells)
 
 
 def test_model_without_tokenizer_is_a_clear_error(model):

@@ -167,8 +167,6 @@ def _stepwise(name: str, folder) -> tuple[np.ndarray, np.ndarray]:
         lengths,
         capacity=t + n,
         chunk=PREFILL_CHUNK,
-        obs_window=0,
-        record_attn=False,
     )
     first = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
     state = decoding.start_state(pre.cache, first, lengths, n, (), jax.random.PRNGKey(0))

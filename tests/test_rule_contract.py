@@ -26,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.eviction.observation import Observation, QueryStats, for_rule
+from dge_jax.eviction.observation import for_rule
 from dge_jax.rules.base import Needs
 from dge_jax.rules.full import is_full
 from dge_jax.rules.registry import RULES, WRAPPERS, make_rule, rule_fields
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import Observation, QueryStats
 
 NAMES = sorted(RULES)
 EVICTING = [n for n in NAMES if not is_full(make_rule(n))]

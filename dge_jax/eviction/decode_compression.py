@@ -41,11 +41,13 @@ import numpy as np
 
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
-from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats, with_drafts
+from dge_jax.eviction.observation import with_drafts
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, compact_heads, regroup
 from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
+from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
+from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import inverse_frequencies
 from dge_jax.runtime.sharding import constrain_cache
 
@@ -159,12 +161,19 @@ class CompressionLoop:
     def reads_q(self) -> bool:
         return self.rule.needs.queries
 
+    @property
+    def recording(self) -> Recording:
+        """What each decode step records for the rule (`Recording.steps` of its needs): its
+        query (a window of 1) and its attention sums, as it reads them."""
+        return self.rule.needs.recording.steps
+
     def block(self, params, state: DecodeState, attn, layers):
         """Up to `interval` decode steps (fewer once every row is done). Returns the state,
         the steps' queries [L, B, Hq, interval, D] (None if the rule reads none), positions
         [B, interval] (-1: not run, or the row had finished) and the attention sums plus
         what the steps paid each slot (None if the rule reads none)."""
-        cfg, interval, reads_q, reads_attn = self.cfg, self.interval, self.reads_q, attn is not None
+        cfg, interval, reads_q, recording = self.cfg, self.interval, self.reads_q, self.recording
+        reads_attn = attn is not None and recording.reads_probs_sum
         b, dtype = state.tokens.shape[0], state.cache.dtype
         shape = (cfg.num_layers, b, cfg.num_heads, interval, cfg.head_dim)
         ring_q = jnp.zeros(shape, dtype) if reads_q else None
@@ -178,16 +187,17 @@ class CompressionLoop:
             active, pos = ~s.done, s.pos
             s, out = decode_body(
                 self.forward, cfg, params, self.sampler, self.eos_ids, s, layers=layers,
-                obs_window=1 if reads_q else 0, record_attn=reads_attn,
-                min_new_tokens=self.min_new_tokens,
+                recording=recording, min_new_tokens=self.min_new_tokens,
             )  # fmt: skip
             s = _finished_rows_write_nothing(s, active)
             if reads_q:  # step i's query goes to ring slot i
-                rq = jax.lax.dynamic_update_slice_in_dim(rq, out.q_window.astype(dtype), i, 3)
+                q = recording.get(out.recorded, QueryWindow).astype(dtype)
+                rq = jax.lax.dynamic_update_slice_in_dim(rq, q, i, 3)
             here = jnp.where(active, pos, -1)[:, None]
             rp = jax.lax.dynamic_update_slice_in_dim(rp, here, i, 1)
             if reads_attn:
-                at = at + jnp.where(active[None, :, None, None], out.probs_sum, 0.0)
+                sums = recording.get(out.recorded, AttentionSums)
+                at = at + jnp.where(active[None, :, None, None], sums, 0.0)
             return i + 1, s, rq, rp, at
 
         carry = (jnp.int32(0), state, ring_q, ring_pos, attn)

@@ -51,6 +51,13 @@ def check_decode_rule(rule: Rule, spec: DecodeCompression, protected: int) -> No
             f"{type(rule).__name__} scores from a reconstruction pass over the prompt, which "
             "has no decode-time form; use it at prefill (no Eviction.decode) or pick another rule"
         )
+    if rule.needs.recorders:
+        names = [r.name for r in rule.needs.recorders]
+        raise ValueError(
+            f"{type(rule).__name__} reads statistics of its own recorders ({names}), which "
+            "the decode-time loop does not record; use it before decoding (no Eviction.decode) "
+            "or pick another rule"
+        )
     # The block's own entries are protected by the attention rules (they are the observed
     # queries'), and sinks / windows by theirs: the budget must hold all of them.
     need = protected + spec.interval

@@ -21,13 +21,14 @@ from dge_jax.config import with_fields
 from dge_jax.eviction import selection
 from dge_jax.eviction.budgets import adakv_budgets, expand_budgets, global_budgets
 from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_rule
-from dge_jax.eviction.observation import DraftRecord, Observation, with_drafts
+from dge_jax.eviction.observation import with_drafts
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.base import Rule, check_fields
 from dge_jax.rules.full import is_full
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import DraftRecord, Observation
 
 HEAD_BUDGETS = ("uniform", "adakv", "global")
 _OLD_RULE_FIELD = "policy"  # Eviction.rule's name before the scoring rules were called rules
@@ -251,6 +252,22 @@ class SelectionSpec:
         """`spec` with `fields` (by name) replacing its own, or a new spec of `fields`."""
         return with_fields(cls, spec, fields, "spec")
 
+    @classmethod
+    def for_eviction(
+        cls, ev: Eviction, rule: Rule | tuple[Rule, ...] | None = None, head_cap: int | None = None
+    ) -> SelectionSpec:
+        """The selection `ev` makes: its head budgets, alpha, ties and its timing's sliding
+        window (read only where draft queries join a prompt window), with its rule (or
+        ``rule``: one per budget of a sweep) and ``head_cap``."""
+        return cls(
+            rule=ev.rule if rule is None else rule,
+            head_budget=ev.head_budget,
+            alpha=ev.alpha,
+            ties=ev.ties,
+            head_cap=head_cap,
+            slide=ev.timing.slide,
+        )
+
 
 def select_for(
     cache: KVCache,
@@ -405,14 +422,8 @@ def keep_masks(
             tuple(jnp.asarray(e.budget, jnp.int32) for e in evs),
             jnp.asarray(ev.timing.observes_drafts),
             jnp.asarray(ev.timing.draft_weight, jnp.float32),
-            spec=SelectionSpec(
-                # one rule when all agree, so that a plain sweep shares select_for's compilation
-                rule=rules[0] if len(set(rules)) == 1 else rules,
-                head_budget=ev.head_budget,
-                alpha=ev.alpha,
-                ties=ev.ties,
-                slide=ev.timing.slide,
-            ),
+            # one rule when all agree, so that a plain sweep shares select_for's compilation
+            spec=SelectionSpec.for_eviction(ev, rules[0] if len(set(rules)) == 1 else rules),
         )
     )
 

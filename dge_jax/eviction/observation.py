@@ -1,99 +1,20 @@
-"""What scoring rules may read besides the cache: the recorded queries and attention.
+"""The observation a rule scores with, assembled per timing from what the runtime recorded.
 
 Prefill records the last W prompt queries per layer (and, for H2O, per-slot attention
-sums) only when a rule asks; draft steps record theirs (`DraftRecord`). `with_drafts` joins
-them the way the timing says (`dge_jax.eviction.timing`), and `for_rule` cuts the shared record of
-a grid down to what one rule reads.
+sums) only when a rule asks; draft steps record theirs (the record types are
+`dge_jax.runtime.records`'). `with_drafts` joins them the way the timing says
+(`dge_jax.eviction.timing`), and `for_rule` cuts the shared record of a grid down to what one
+rule reads.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
+from dge_jax.runtime.recorders import AttentionSums, QueryWindow
+from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import rotate
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QueryStats:
-    """Running statistics of the pre-RoPE queries a rule may read (ExpectedAttention's).
-
-    total: [L, B, Hq, D] f32 sum of the queries, outer: [L, B, Hq, D, D] f32 sum of their
-    outer products, count: [B] f32 how many queries (prompt positions >= the rule's sinks,
-    plus observed drafts), inv_freq: [D / 2] f32 the model's RoPE inverse frequencies (to
-    un-rotate draft queries and to rotate the statistics to future positions).
-    """
-
-    total: jax.Array
-    outer: jax.Array
-    count: jax.Array
-    inv_freq: jax.Array
-
-    def plus(self, total: jax.Array, outer: jax.Array) -> QueryStats:
-        """These statistics with more queries' sums added (the count is set up front)."""
-        return dataclasses.replace(self, total=self.total + total, outer=self.outer + outer)
-
-    def mean_and_covariance(self) -> tuple[jax.Array, jax.Array]:
-        """Mean [L, B, Hq, D] and population covariance [L, B, Hq, D, D] of the queries."""
-        n = jnp.maximum(self.count, 1.0)[None, :, None, None]
-        mean = self.total / n
-        cov = self.outer / n[..., None] - mean[..., :, None] * mean[..., None, :]
-        return mean, cov
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Observation:
-    """What scoring rules may read besides the cache, recorded only when asked for.
-
-    q      : [L, B, Hq, W, D]  the last W queries per layer (post-RoPE), oldest first; prompt
-                               window first, then any draft queries appended after it.
-    q_pos  : [B, W] int32      each query's position, -1 where the slot holds no query (a prompt
-                               shorter than W, or a draft step masked out).
-    attn_sum: [L, B, Hq, S] f32 or None  sum over every observed query of its softmax
-                               attention to each slot (H2O's accumulated attention).
-    is_draft: [W] bool          True for the queries appended by draft steps.
-    prompt_end: [B] int32        position of each row's last prompt token, so that "recent"
-                                 windows are measured in prompt positions whatever was drafted.
-    q_weight: [B, W] f32 or None  each query's weight in the scores (None = all 1); DGE can
-                                 weigh draft queries against prompt-window queries.
-    out_proj: [L, Hq, D, E] or None  each layer's attention output projection, per query
-                                 head (CriticalKV's ‖W_o v‖); not recorded: the select stage
-                                 adds it from the weights when a rule asks.
-    q_stats: QueryStats or None  statistics of the pre-RoPE prompt queries (and, under DGE,
-                                 the observed drafts'), when a rule asks.
-    recon: [L, B, Hkv, S] f32 or None  the attention each slot got while the model repeated
-                                 the prompt (KVzip's reconstruct stage), when a rule asks.
-    """
-
-    q: jax.Array | None
-    q_pos: jax.Array | None
-    attn_sum: jax.Array | None
-    is_draft: jax.Array | None
-    prompt_end: jax.Array | None = None
-    q_weight: jax.Array | None = None
-    out_proj: jax.Array | None = None
-    q_stats: QueryStats | None = None
-    recon: jax.Array | None = None
-
-
-class DraftRecord(NamedTuple):
-    """What K draft steps observed, per step (so any prefix of them can be replayed).
-
-    q: [L, B, Hq, K, D] the queries of the fed tokens, or None; q_pos: [B, K] their positions
-    (-1 = step not observed); probs: [L, B, Hq, K, S] f32 per-step attention, or None;
-    entropy, top1: [B, K] statistics of the next-token distribution each step produced.
-    """
-
-    q: jax.Array | None
-    q_pos: jax.Array
-    probs: jax.Array | None
-    entropy: jax.Array
-    top1: jax.Array
 
 
 def with_drafts(
@@ -135,6 +56,9 @@ def with_drafts(
     q_stats = prompt_obs.q_stats
     if q_stats is not None and drafts.q is not None:
         q_stats = _join_draft_queries(q_stats, drafts, seen * weight)
+    records = prompt_obs.records
+    if records is not None:  # a rule's own recorders say how drafts add (`Recorder.join`)
+        records = records.join(drafts, (seen * weight).astype(jnp.float32))
     return Observation(
         q=q,
         q_pos=q_pos,
@@ -145,6 +69,7 @@ def with_drafts(
         out_proj=prompt_obs.out_proj,
         q_stats=q_stats,
         recon=prompt_obs.recon,
+        records=records,
     )
 
 
@@ -184,13 +109,16 @@ def for_rule(
     out_proj = obs.out_proj if needs.out_proj else None
     stats = obs.q_stats if needs.query_stats_from is not None else None
     recon = obs.recon if needs.reconstruction is not None else None
+    records = None if obs.records is None else obs.records.only(needs.recorders)
     obs = Observation(
         q=q, q_pos=q_pos, attn_sum=attn, is_draft=is_draft, prompt_end=obs.prompt_end,
-        out_proj=out_proj, q_stats=stats, recon=recon,
+        out_proj=out_proj, q_stats=stats, recon=recon, records=records,
     )  # fmt: skip
     if drafts is not None:
+        steps = needs.recording.steps  # what the rule reads of each draft step
         drafts = drafts._replace(
-            q=drafts.q if w or stats is not None else None,
-            probs=drafts.probs if needs.attn_sum else None,
+            q=drafts.q if steps.has(QueryWindow) else None,
+            probs=drafts.probs if steps.has(AttentionSums) else None,
+            records=None if drafts.records is None else drafts.records.only(steps.recorders),
         )
     return obs, drafts

@@ -19,8 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.eviction.budgets import PyramidSchedule
-from dge_jax.eviction.observation import Observation
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.recorders import (
+    AttentionSums,
+    QueryStatistics,
+    QueryWindow,
+    Recorder,
+    Recording,
+)
+from dge_jax.runtime.records import Observation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +37,16 @@ class Needs:
     window: trailing prompt queries per layer the forward records (`obs.q`; 0 = none).
     attn_sum: whether every observed query's attention to each slot is summed
     (`obs.attn_sum`, H2O's). query_stats_from: None, or the first prompt position whose
-    pre-RoPE query enters `obs.q_stats` (ExpectedAttention's). reconstruction: None, or the
+    pre-RoPE query enters `obs.q_stats` (ExpectedAttention's). recorders: recorders of the
+    rule's own, for a statistic none of those is (`dge_jax.runtime.recorders.Recorder`,
+    written beside the rule; read as ``obs.records[name]``). reconstruction: None, or the
     reconstruct stage whose scores (`obs.recon`) the rule reads: a hashable value whose
     ``scores(...)`` the stage calls (`kvzip.Reconstruction`). out_proj: whether the select stage
     adds each layer's output projection (`obs.out_proj`, CriticalKV's). protected: entries
     per head the rule always keeps (its window or sinks), which a budget must hold.
+
+    What the forward records for them is `recording`: window, attn_sum and query_stats_from
+    name the built-in recorders, `recorders` add the rule's own.
     """
 
     window: int = 0
@@ -43,6 +55,25 @@ class Needs:
     reconstruction: Hashable | None = None
     out_proj: bool = False
     protected: int = 0
+    recorders: tuple[Recorder, ...] = ()
+
+    def __post_init__(self) -> None:
+        builtin = [type(r).__name__ for r in self.recorders if type(r) in _BUILTIN]
+        if builtin:
+            raise ValueError(
+                f"Needs(recorders=...) holds a rule's own recorders; declare {builtin} with "
+                "window=, attn_sum= or query_stats_from= (what Needs.recording makes of them)"
+            )
+
+    @property
+    def recording(self) -> Recording:
+        """What the forward records for these needs (`dge_jax.runtime.recorders`)."""
+        built = (
+            QueryWindow(self.window) if self.window else None,
+            AttentionSums() if self.attn_sum else None,
+            None if self.query_stats_from is None else QueryStatistics(self.query_stats_from),
+        )
+        return Recording.of(*(r for r in built if r is not None), *self.recorders)
 
     @property
     def queries(self) -> bool:
@@ -52,13 +83,15 @@ class Needs:
 
     @property
     def query_free(self) -> bool:
-        """Whether no query (prompt or draft) informs the scores: DGE then equals DGE-W."""
-        return not self.queries and not self.attn_sum
+        """Whether nothing a draft step records informs the scores (no query, no attention,
+        no recorder of its own that steps add to): DGE then equals DGE-W."""
+        return not self.recording.steps.recorders
 
     def __or__(self, other: Needs) -> Needs:
         """What one recording must hold to serve both (a grid's cells, a wrapper and its
-        inner rule): the larger window and protection, any flag either sets. Query
-        statistics and the reconstruct stage are recorded once, so both must agree."""
+        inner rule): the larger window and protection, any flag either sets, the recorders of
+        both. Query statistics and the reconstruct stage are recorded once, so both must
+        agree."""
         starts = {self.query_stats_from, other.query_stats_from} - {None}
         if len(starts) > 1:
             raise ValueError(
@@ -78,7 +111,11 @@ class Needs:
             reconstruction=next(iter(recs), None),
             out_proj=self.out_proj or other.out_proj,
             protected=max(self.protected, other.protected),
+            recorders=Recording.of(*self.recorders, *other.recorders).recorders,
         )
+
+
+_BUILTIN = (QueryWindow, AttentionSums, QueryStatistics)
 
 
 class Rule(Protocol):

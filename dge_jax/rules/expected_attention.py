@@ -2,7 +2,7 @@
 that future queries are expected to attend to.
 
 The queries still to come are modelled as a Gaussian: the mean and covariance of the
-pre-RoPE prompt queries after the sinks (`observation.QueryStats`, summed by the forward
+pre-RoPE prompt queries after the sinks (`records.QueryStats`, summed by the forward
 when a rule asks), rotated by RoPE averaged over the next ``n_future_positions`` positions.
 For attention exp(q·k/√d), the expectation under that Gaussian is
 exp(μ·k/√d + ½ kᵀΣk/d); softmaxed over the prompt's keys, averaged over the GQA group and
@@ -19,11 +19,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax.eviction.observation import Observation
 from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require_obs
 from dge_jax.rules.ops import group_heads
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import Observation
 from dge_jax.runtime.rope import rotate
 
 

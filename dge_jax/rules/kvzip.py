@@ -21,7 +21,8 @@ Following kvpress:
 kvpress's global allocation across layers and heads (its default) is
 ``Eviction(head_budget="global", alpha=0.0)``; per layer across heads (``layerwise=True``)
 is ``head_budget="adakv", alpha=0.0``. Not ported: KVzip+ normalisation (it reads each
-layer's hidden state norms, which the forward does not record).
+layer's hidden state norms during the repeat passes: a recorder of `LayerView.hidden` would
+give them).
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import ModelConfig
-from dge_jax.eviction.observation import Observation
 from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require_obs
 from dge_jax.rules.ops import prompt_entries
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import bucket_length, pad_left
+from dge_jax.runtime.recorders import QueryWindow, Recording
+from dge_jax.runtime.records import Observation
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -132,6 +134,7 @@ def template_parts(tokenizer) -> tuple[list[int], list[int]]:
     return encode(prefix), encode(suffix)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RepeatChunk:
     """One reconstruct pass for the whole batch: tokens [B, T] int32 left-padded repeat ids
@@ -142,6 +145,19 @@ class RepeatChunk:
     lengths: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatPass:
+    """The static settings of a reconstruct pass (one compilation each): the model's
+    forward and config, the sinks every repeating query sees, the widest chunk (width >=
+    every hi - lo) and the key block the repeat tokens attend in."""
+
+    forward: ForwardFn
+    cfg: ModelConfig
+    sinks: int
+    width: int
+    key_block: int = 512
 
 
 def repeat_chunks(
@@ -179,33 +195,27 @@ def repeat_chunks(
     return chunks
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sinks", "width", "key_block"))
+@functools.partial(jax.jit, static_argnames=("spec",))
 def chunk_scores(
-    forward: ForwardFn,
-    cfg: ModelConfig,
+    spec: RepeatPass,
     params,
     cache: KVCache,
     scores: jax.Array,
-    tokens: jax.Array,
-    lengths: jax.Array,
+    chunk: RepeatChunk,
     prompt_lengths: jax.Array,
-    lo: jax.Array,
-    hi: jax.Array,
-    *,
-    sinks: int,
-    width: int,
-    key_block: int = 512,
 ) -> jax.Array:
     """`scores` [L, B, Hkv, S] f32 with the slots of positions [lo, hi) set by one pass.
 
     cache: prefill's cache (one layer group, prompts left-padded to its write index T, so
-    row b's position p sits at slot T - len_b + p in every head); tokens [B, Tr] and lengths
-    [B]: the pass's repeat ids (`RepeatChunk`); prompt_lengths [B]; width (static) >= every
-    hi - lo. The repeat tokens follow each row's prompt (positions len_b, len_b + 1, ...);
-    their entries are written into a grown copy of the cache, which is dropped.
+    row b's position p sits at slot T - len_b + p in every head); chunk: the pass's repeat
+    ids [B, Tr], lengths [B] and prompt ranges (`RepeatChunk`); prompt_lengths [B]. The
+    repeat tokens follow each row's prompt (positions len_b, len_b + 1, ...); their entries
+    are written into a grown copy of the cache, which is dropped.
     """
     if len(cache.groups) != 1:
         raise ValueError("the reconstruct stage runs on prefill's cache (one layer group)")
+    cfg, sinks, width = spec.cfg, spec.sinks, spec.width
+    tokens, lengths, lo, hi = chunk.tokens, chunk.lengths, chunk.lo, chunk.hi
     b, tr = tokens.shape
     pad = ((0, 0), (0, 0), (0, 0), (0, tr))
     grown = KVCache.stacked(
@@ -214,9 +224,9 @@ def chunk_scores(
     )  # fmt: skip
     offset = jnp.arange(tr, dtype=jnp.int32)[None, :] - (tr - lengths)[:, None]
     positions = jnp.where(offset >= 0, prompt_lengths[:, None] + offset, -1)
-    out = forward(
-        cfg, params, tokens, positions, grown, obs_window=tr, logits="none", key_block=key_block
-    )
+    every_query = Recording.of(QueryWindow(tr))  # the repeat tokens' queries, post-RoPE
+    out = spec.forward(cfg, params, tokens, positions, grown, recording=every_query,
+                       logits="none", key_block=spec.key_block)  # fmt: skip
     # The keys each repeating query is scored over, in kvpress's order, as slots [B, Wk]:
     #   sinks   positions 0 .. ns - 1, ns = min(sinks, lo) (none when the chunk starts there)
     #   chunk   positions lo .. hi - 1 (width slots, the ones past hi masked)
@@ -249,7 +259,8 @@ def chunk_scores(
         probs = jnp.where((positions >= 0)[:, None, None, :, None], probs, 0.0)
         return jnp.max(probs, axis=(2, 3))  # [B, Hkv, width]
 
-    best = jax.lax.map(layer, (out.q_window, out.cache.k))  # [L, B, Hkv, width]
+    queries = every_query.get(out.recorded, QueryWindow)
+    best = jax.lax.map(layer, (queries, out.cache.k))  # [L, B, Hkv, width]
     # Back to the prompt slots; slots past hi go to a dump column S, dropped.
     s = scores.shape[-1]
     target = jnp.where(j_c < (hi - lo)[:, None], first[:, None] + lo[:, None] + j_c, s)
@@ -284,9 +295,6 @@ def reconstruction_scores(
     width = min(rec.chunk_size, cache.capacity)
     run = call or (lambda fn, *a, **k: fn(*a, **k))
     for ch in chunks:
-        scores = run(
-            chunk_scores, forward, cfg, params, cache, scores, jnp.asarray(ch.tokens),
-            jnp.asarray(ch.lengths), lengths, jnp.asarray(ch.lo), jnp.asarray(ch.hi),
-            sinks=rec.sinks, width=width, key_block=min(bucket, ch.tokens.shape[1]),
-        )  # fmt: skip
+        spec = RepeatPass(forward, cfg, rec.sinks, width, min(bucket, ch.tokens.shape[1]))
+        scores = run(chunk_scores, spec, params, cache, scores, ch, lengths)
     return scores, len(chunks)

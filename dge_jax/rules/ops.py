@@ -12,9 +12,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dge_jax.eviction.observation import Observation
 from dge_jax.rules.base import check_choice, require_obs
 from dge_jax.runtime.cache import INT32_MAX, KVCache
+from dge_jax.runtime.records import Observation
 
 GQA = ("mean", "max")
 POOLING = ("max", "avg")

@@ -14,7 +14,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax.eviction.observation import Observation
 from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require_obs
 from dge_jax.rules.ops import (
     GQA,
@@ -26,6 +25,7 @@ from dge_jax.rules.ops import (
 )
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import Observation
 
 
 @register

@@ -8,10 +8,10 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax.eviction.observation import Observation
 from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.records import Observation
 
 
 @register

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
-from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.runtime.cache import KVCache, init_cache, regroup, runs_of_equal
-from dge_jax.runtime.rope import inverse_frequencies
+from dge_jax.runtime.recorders import NOTHING, Recording, Setup
+from dge_jax.runtime.records import DraftRecord, Observation
 from dge_jax.runtime.sharding import constrain_cache, constrain_rows
 
 
@@ -50,16 +50,7 @@ class PrefillOutput(NamedTuple):
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "forward",
-        "cfg",
-        "capacity",
-        "chunk",
-        "obs_window",
-        "record_attn",
-        "q_stats_from",
-        "cache_dtype",
-    ),
+    static_argnames=("forward", "cfg", "capacity", "chunk", "recording", "cache_dtype"),
 )
 def prefill_prompt(
     forward: ForwardFn,
@@ -70,18 +61,16 @@ def prefill_prompt(
     *,
     capacity: int,
     chunk: int = 512,
-    obs_window: int = 0,
-    record_attn: bool = False,
-    q_stats_from: int | None = None,
+    recording: Recording = NOTHING,
     cache_dtype=None,
 ) -> PrefillOutput:
     """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache.
 
     T must be a multiple of `chunk` (or smaller than it): activations stay [B, chunk, ...]
-    however long the prompt. obs_window > 0 records the last W prompt queries per layer;
-    record_attn accumulates every prompt query's attention per slot (H2O); q_stats_from (an
-    int) accumulates the statistics of the pre-RoPE queries at positions >= it
-    (`observation.QueryStats`, ExpectedAttention's).
+    however long the prompt. recording: what the prompt's observation holds (a rule's
+    `Needs.recording`: its query window, attention sums, query statistics, its own
+    recorders'); each recorder's record starts empty and takes every chunk's values
+    (`dge_jax.runtime.recorders`).
     """
     b, t = tokens.shape
     c = min(chunk, t)
@@ -97,56 +86,22 @@ def prefill_prompt(
     cache = constrain_cache(cache, cfg)
     positions = prompt_positions(lengths, t)
     n = t // c
-    w = obs_window
-    nl, hq, hd = cfg.num_layers, cfg.num_heads, cfg.head_dim
 
     def step(carry, xs):
-        cache, q_buf, qpos_buf, attn, q_stats, _ = carry
+        cache, records, _ = carry
         tok, pos = xs
-        out = forward(
-            cfg, params, tok, pos, cache, obs_window=w, record_attn=record_attn,
-            q_stats_from=q_stats_from, key_block=c,
-        )  # fmt: skip
-        if w:
-            # Rolling window: append this chunk's last min(W, c) queries, keep the last W.
-            q_buf = jnp.concatenate([q_buf, out.q_window], axis=3)[:, :, :, -w:]
-            qpos_buf = jnp.concatenate([qpos_buf, pos[:, c - min(w, c) :]], axis=1)[:, -w:]
-        if record_attn:
-            attn = attn + out.probs_sum
-        if q_stats_from is not None:
-            q_stats = q_stats.plus(*out.q_stats)
+        out = forward(cfg, params, tok, pos, cache, recording=recording, key_block=c)
+        records = recording.add(records, out.recorded, pos)
         cache = constrain_cache(out.cache, cfg)  # keeps its layout through the chunk loop
-        return (cache, q_buf, qpos_buf, attn, q_stats, out.logits), None
+        return (cache, records, out.logits), None
 
-    q_buf = jnp.zeros((nl, b, hq, w, hd), dtype) if w else None
-    qpos_buf = jnp.full((b, w), -1, jnp.int32) if w else None
-    attn = jnp.zeros((nl, b, hq, capacity), jnp.float32) if record_attn else None
-    q_stats = None if q_stats_from is None else _no_queries_yet(cfg, lengths, q_stats_from)
+    records = recording.start(Setup(cfg, lengths, capacity, dtype))
     logits = jnp.zeros((b, cfg.vocab_size), jnp.float32)
     xs = (tokens.reshape(b, n, c).transpose(1, 0, 2), positions.reshape(b, n, c).transpose(1, 0, 2))
-    (cache, q_buf, qpos_buf, attn, q_stats, logits), _ = jax.lax.scan(
-        step, (cache, q_buf, qpos_buf, attn, q_stats, logits), xs
-    )
-    obs = Observation(
-        q=q_buf,
-        q_pos=qpos_buf,
-        attn_sum=attn,
-        is_draft=jnp.zeros((w,), bool) if w else None,
-        prompt_end=(lengths - 1).astype(jnp.int32),
-        q_stats=q_stats,
-    )
-    return PrefillOutput(logits, cache, obs)
-
-
-def _no_queries_yet(cfg: ModelConfig, lengths: jax.Array, start: int) -> QueryStats:
-    """Zero sums, and the count the prompt's positions >= start will bring (per row)."""
-    nl, b, hq, hd = cfg.num_layers, lengths.shape[0], cfg.num_heads, cfg.head_dim
-    return QueryStats(
-        total=jnp.zeros((nl, b, hq, hd), jnp.float32),
-        outer=jnp.zeros((nl, b, hq, hd, hd), jnp.float32),
-        count=jnp.maximum(lengths - start, 0).astype(jnp.float32),
-        inv_freq=jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
-    )
+    (cache, records, logits), _ = jax.lax.scan(step, (cache, records, logits), xs)
+    nothing = Observation(q=None, q_pos=None, attn_sum=None, is_draft=None,
+                          prompt_end=(lengths - 1).astype(jnp.int32))  # fmt: skip
+    return PrefillOutput(logits, cache, recording.observe(nothing, records))
 
 
 @jax.tree_util.register_dataclass
@@ -233,14 +188,14 @@ def decode_body(
     state: DecodeState,
     *,
     layers=None,
-    obs_window: int = 0,
-    record_attn: bool = False,
+    recording: Recording = NOTHING,
     min_new_tokens: int = 0,
 ):
     """One decode step: feed `last` [B], choose the next token. Returns (state, ForwardOutput).
 
     The token is written at slot `cache.index` of every head (position `pos`), the sampled id
-    at tokens[b, step[b]]; ForwardOutput.logits is [B, V] f32.
+    at tokens[b, step[b]]; ForwardOutput.logits is [B, V] f32, `recorded` what `recording`
+    asked of the step.
 
     EOS ids are banned while a row has fewer than `min_new_tokens` tokens (transformers'
     min_length, which LongBench uses for samsum). Finished rows still run (the batch moves
@@ -253,8 +208,7 @@ def decode_body(
         state.pos[:, None],
         state.cache,
         layers=layers,
-        obs_window=obs_window,
-        record_attn=record_attn,
+        recording=recording,
     )
     key, sub = jax.random.split(state.key)
     logits = suppress_eos(out.logits, eos_ids, state.step < min_new_tokens)
@@ -285,8 +239,7 @@ def decode_body(
         "sampler",
         "eos_ids",
         "num_steps",
-        "record_q",
-        "record_attn",
+        "recording",
         "min_new_tokens",
     ),
 )
@@ -299,16 +252,17 @@ def draft_tokens(
     sampler,
     eos_ids: tuple[int, ...],
     num_steps: int,
-    record_q: bool = True,
-    record_attn: bool = False,
+    recording: Recording = NOTHING,
     min_new_tokens: int = 0,
 ) -> tuple[DecodeState, DraftRecord]:
-    """Runs `num_steps` decode steps with the full cache (lax.scan), recording their queries.
+    """Runs `num_steps` decode steps with the full cache (lax.scan), recording each step.
 
-    These are DGE's draft steps: the tokens they produce are real answer tokens, and their
-    queries (and attention) are what the scoring rule gains by waiting. Returns the state after
-    K = num_steps steps (cache with K more entries per head) and a `DraftRecord` (q [L, B, Hq,
-    K, D], q_pos [B, K] int32, probs [L, B, Hq, K, S] f32 if record_attn, stats [B, K] f32).
+    These are DGE's draft steps: the tokens they produce are real answer tokens, and what
+    they record (their queries, their attention) is what the scoring rule gains by waiting.
+    recording: what each step records (`Recording.steps` of the prompt's: a query window
+    of 1, attention sums; `dge_jax.runtime.recorders`). Returns the state after K =
+    num_steps steps (cache with K more entries per head) and a `DraftRecord` (q [L, B, Hq, K,
+    D] and probs [L, B, Hq, K, S] f32 if recorded, q_pos [B, K] int32, stats [B, K] f32).
     """
 
     def body(state, _):
@@ -320,19 +274,16 @@ def draft_tokens(
             sampler,
             eos_ids,
             state,
-            obs_window=1 if record_q else 0,
-            record_attn=record_attn,
+            recording=recording,
             min_new_tokens=min_new_tokens,
         )
         entropy, top1 = next_token_stats(out.logits)
-        return state, (out.q_window, pos, out.probs_sum, entropy, top1)
+        return state, (out.recorded, pos, entropy, top1)
 
-    state, (q, pos, probs, entropy, top1) = jax.lax.scan(body, state, None, length=num_steps)
-    # scan stacks steps on a new leading axis: q [K, L, B, Hq, 1, D] -> [L, B, Hq, K, D],
-    # probs [K, L, B, Hq, S] -> [L, B, Hq, K, S].
-    q = jnp.moveaxis(q[..., 0, :], 0, 3) if record_q else None
-    probs = jnp.moveaxis(probs, 0, 3) if record_attn else None
-    return state, DraftRecord(q=q, q_pos=pos.T, probs=probs, entropy=entropy.T, top1=top1.T)
+    state, (recorded, pos, entropy, top1) = jax.lax.scan(body, state, None, length=num_steps)
+    # scan stacks the steps on a new leading axis [K, ...]; the recorders lay them out.
+    drafts = DraftRecord(q=None, q_pos=pos.T, probs=None, entropy=entropy.T, top1=top1.T)
+    return state, recording.into_drafts(drafts, recorded)
 
 
 @functools.partial(jax.jit, static_argnames=("eos_ids",))
