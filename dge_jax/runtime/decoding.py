@@ -183,6 +183,8 @@ def start_state(
     """The loop state after prefill: the first answer token [B] is already chosen.
 
     buffer: the static token-buffer length N >= max_new_tokens (default max_new_tokens).
+    The state holds copies of `first`, `lengths` and `key` (the draft and decode steps donate
+    their state, which must not delete the caller's arrays); `cache` itself goes in as given.
     """
     b = first.shape[0]
     n = buffer or max_new_tokens
@@ -195,10 +197,10 @@ def start_state(
         tokens=tokens,
         step=jnp.ones((b,), jnp.int32),
         limit=limit,
-        last=first,
-        pos=lengths.astype(jnp.int32),
+        last=jnp.copy(first),
+        pos=lengths.astype(jnp.int32, copy=True),
         done=_is_eos(first, eos_ids) | (limit <= 1),
-        key=key,
+        key=jnp.copy(key),
     )
 
 
