@@ -291,6 +291,7 @@ def decode_body(
         "record_attn",
         "min_new_tokens",
     ),
+    donate_argnames=("state",),
 )
 def draft_tokens(
     forward: ForwardFn,
@@ -311,6 +312,9 @@ def draft_tokens(
     queries (and attention) are what the scoring rule gains by waiting. Returns the state after
     K = num_steps steps (cache with K more entries per head) and a `DraftRecord` (q [L, B, Hq,
     K, D], q_pos [B, K] int32, probs [L, B, Hq, K, S] f32 if record_attn, stats [B, K] f32).
+
+    The state (and its cache) is donated, as `decode_loop`'s: the draft writes its entries
+    into the cache in place. Pass a copy (``jax.tree.map(jnp.copy, state)``) to keep it.
     """
 
     def body(state, _):
@@ -337,7 +341,7 @@ def draft_tokens(
     return state, DraftRecord(q=q, q_pos=pos.T, probs=probs, entropy=entropy.T, top1=top1.T)
 
 
-@functools.partial(jax.jit, static_argnames=("eos_ids",))
+@functools.partial(jax.jit, static_argnames=("eos_ids",), donate_argnames=("state",))
 def rewind_state(
     state: DecodeState,
     drafts: DraftRecord,
@@ -355,6 +359,9 @@ def rewind_state(
     K = 3 draft steps, steps = 1: draft slots hold positions 5, 6, 7 (tokens t1, t2, t3 fed);
     after rewinding, only position 5 (t1) stays, tokens keep t1, t2, and t2 (position 6)
     is the next token to feed.
+
+    The state is donated: only positions (and the token counters) are rewritten, so the keys
+    and values come back in the buffers they came in (no copy of the cache).
     """
     k = drafts.q_pos.shape[1]
     steps = jnp.clip(steps.astype(jnp.int32), 0, k)
