@@ -109,9 +109,12 @@ def generate_grid(
         model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells)
     )
     prefilled = reconstruct(model, request, prefilled, recording, hook)
-    drafted = draft(model, request, prefilled, recording, sampler, hook)
+    # The draft writes into prefill's cache in place, unless a FullKV cell decodes from it.
+    keep_start = any(ev is None for ev in cells)
+    drafted = draft(model, request, prefilled, recording, sampler, hook, keep_start)
     plans = rewind(request, prefilled, drafted, cells, hook)
     plans = select(model, prefilled, plans, hook)
     plans = evict(request, prefilled, plans, hook)
+    del prefilled, drafted  # their full caches now live only in the plans that decode in them
     tokens, logs = decode(model, request, plans, sampler, hook, cfg.record_compressions)
     return results(model, request, plans, tokens, logs)

@@ -102,19 +102,22 @@ class CellPlan:
     """One cell's way through the stages.
 
     eviction: None for FullKV. steps: draft steps each row ran before eviction ([B] int, None
-    without a draft). state: the decode state at the eviction point; drafts: the draft
-    record rewound to `steps` (None without a draft). keep: the keep mask [L, B, Hkv, S]
-    (select stage); evicted: the state decoding starts from (evict stage); attn: the
-    attention sums aligned with its cache, for a decode-time rule that reads them (H2O).
+    without a draft). state: the decode state at the eviction point (None after the evict
+    stage: no plan holds a full cache it no longer reads); drafts: the draft record rewound
+    to `steps` (None without a draft). keep: the keep mask [L, B, Hkv, S] (select stage);
+    positions: its cache's slot positions, that `keep` indexes; evicted: the state decoding
+    starts from (evict stage); attn: the attention sums aligned with its cache, for a
+    decode-time rule that reads them (H2O).
     """
 
     eviction: Eviction | None
-    state: DecodeState
+    state: DecodeState | None
     steps: np.ndarray | None = None
     drafts: DraftRecord | None = None
     keep: jax.Array | None = None
     evicted: DecodeState | None = None
     attn: jax.Array | None = None
+    positions: jax.Array | None = None
 
 
 def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[Eviction | None]:
@@ -228,15 +231,21 @@ def draft(
     recording: GridRecording,
     sampler,
     hook=None,
+    keep_start: bool = False,
 ) -> Drafted | None:
     """One draft to the largest k any cell needs (None if none drafts): `rewind` replays any
     shorter draft from it, per row for adaptive k, so every k shares one draft and one
-    compiled scorer."""
+    compiled scorer.
+
+    The draft donates prefill's state: its entries are written into prefill's cache in place,
+    which is gone after (one full cache, not two). keep_start: a cell still decodes from
+    prefill's state (FullKV), so the draft runs on a copy of it instead."""
     if not recording.draft_steps:
         return None
+    start = jax.tree.map(jnp.copy, prefilled.start) if keep_start else prefilled.start
     state, record = _call(
         hook, "draft", decoding.draft_tokens,
-        model.forward, model.config, model.params, prefilled.start,
+        model.forward, model.config, model.params, start,
         sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
         recording=recording.needs.recording.steps,
         min_new_tokens=request.min_new_tokens,
@@ -252,24 +261,33 @@ def rewind(request: Request, prefilled: Prefilled, drafted, cells, hook=None) ->
 
     "prefill" cells rewind to 0 steps (the pre-draft cache, the draft record masked out), so
     the three timings share one compiled scorer. One rewound state per distinct steps, shared
-    by the cells that need it: each rewind returns a fresh copy of the whole cache, which per
-    cell made a 45-cell grid hold 45 full caches at once.
+    by the cells that need it. Rewinding rewrites only positions and the token counters, and
+    `decoding.rewind_state` donates its state: each rewind gets the draft's positions and
+    counters (the last one the originals, the others copies: they are small) with the keys and
+    values the previous rewind returned, in place, and every rewound state then shares the
+    draft's one full cache (copies per distinct steps made a grid hold one full cache each).
     """
+    per_cell = [None if ev is None or drafted is None else
+                ev.timing.steps_per_row(drafted.entropy, drafted.top1) for ev in cells]  # fmt: skip
+    points = {tuple(map(int, s)): s for s in per_cell if s is not None}  # in the cells' order
     rewound: dict[tuple[int, ...], tuple[DecodeState, DraftRecord]] = {}
+    cache = drafted.state.cache if drafted is not None else None
+    for i, (key, steps) in enumerate(points.items()):
+        state = drafted.state if i == len(points) - 1 else stacking.copy_but_kv(drafted.state)
+        state = dataclasses.replace(state, cache=stacking.with_kv(state.cache, cache))
+        rewound[key] = _call(
+            hook, "rewind", decoding.rewind_state,
+            state, drafted.record, jnp.asarray(request.lengths), jnp.asarray(steps),
+            eos_ids=request.eos_ids,
+        )  # fmt: skip
+        cache = rewound[key][0].cache  # k and v donated and returned: the next rewind's
     plans = []
-    for ev in cells:
-        if ev is None or drafted is None:
+    for ev, steps in zip(cells, per_cell, strict=True):
+        if steps is None:
             plans.append(CellPlan(eviction=ev, state=prefilled.start))
             continue
-        steps = ev.timing.steps_per_row(drafted.entropy, drafted.top1)
-        key = tuple(int(s) for s in steps)
-        if key not in rewound:
-            rewound[key] = _call(
-                hook, "rewind", decoding.rewind_state,
-                drafted.state, drafted.record, jnp.asarray(request.lengths), jnp.asarray(steps),
-                eos_ids=request.eos_ids,
-            )  # fmt: skip
-        state, record = rewound[key]
+        state, record = rewound[tuple(map(int, steps))]
+        state = dataclasses.replace(state, cache=stacking.with_kv(state.cache, cache))  # live k, v
         plans.append(CellPlan(eviction=ev, state=state, steps=steps, drafts=record))
     return plans
 
@@ -351,7 +369,10 @@ def evict(
                 state.cache, plan.keep, ev, capacity, remaining, count,
             )  # fmt: skip
             state = dataclasses.replace(state, cache=cache)
-        out.append(dataclasses.replace(plan, evicted=state, attn=attn))
+        positions = None if plan.keep is None else plan.state.cache.pos
+        out.append(
+            dataclasses.replace(plan, state=None, positions=positions, evicted=state, attn=attn)
+        )
     return out
 
 
@@ -374,50 +395,65 @@ def decode(
     Cells whose caches have the same shape decode as one batch (rows interleaved by
     `stacking.stack_states`, a copy): decoding reads the weights once per step for all of
     them, so a grid costs little more than one cell. A single cell decodes its own state, no
-    copy (decode donates it). A cell that compresses while decoding runs its own loop.
+    copy (decode donates it). A cell that compresses while decoding runs its own loop, first.
+
+    A cache goes with the last cell that reads it (`stacking.last_reads`): a compressing cell
+    then takes its keys and values (else a copy), a stack deletes what it copied.
     """
     groups: dict[tuple, list[int]] = {}
     tokens: list[np.ndarray | None] = [None] * len(plans)
     logs: list = [None] * len(plans)
     for i, plan in enumerate(plans):
-        if _decodes(plan):
-            tokens[i], logs[i] = _decode_compressed(
-                model, request, plan, sampler, hook, record_compressions, alone=len(plans) == 1
-            )
-            continue
-        cache = plan.evicted.cache
-        groups.setdefault((cache.capacities, cache.group_sizes, cache.dtype), []).append(i)
-    for members in groups.values():
+        if not _decodes(plan):
+            cache = plan.evicted.cache
+            groups.setdefault((cache.capacities, cache.group_sizes, cache.dtype), []).append(i)
+    order = [[i] for i, p in enumerate(plans) if _decodes(p)] + list(groups.values())
+    last = stacking.last_reads([[plans[i].evicted.cache for i in m] for m in order])
+    for n, members in enumerate(order):
         states = [plans[i].evicted for i in members]
+        if _decodes(plans[members[0]]):
+            i, owns = members[0], stacking.owns(states[0].cache, last, n)
+            tokens[i], logs[i] = _decode_compressed(
+                model, request, plans[i], sampler, hook, record_compressions,
+                alone=len(plans) == 1, owns=owns,
+            )  # fmt: skip
+            stacking.release([s.cache for s in states], last, n)
+            continue
         if len(plans) == 1:
             state = states[0]
         else:  # cells may share buffers, so the decode below may only donate a stack of them
             sizes = decoding.decode_groups(states[0].cache)  # stacked as decode runs them
             state = _call(hook, "stack_states", stacking.stack_states, states, sizes)
+            stacking.release([s.cache for s in states], last, n)
         state = _call(
             hook, "decode", decoding.decode_loop,
             model.forward, model.config, model.params, state,
             sampler=sampler, eos_ids=request.eos_ids, min_new_tokens=request.min_new_tokens,
         )  # fmt: skip
-        # Only the tokens come back: splitting the whole state would copy every cell's final
-        # cache for nothing.
-        parts = stacking.split_rows(np.asarray(state.tokens), len(members))
+        # Only the tokens come back (splitting the whole state would copy every cell's final
+        # cache for nothing), and the final cache goes before the next stack is made.
+        parts, state = stacking.split_rows(np.asarray(state.tokens), len(members)), None
         for i, part in zip(members, parts, strict=True):
             tokens[i] = part
     return tokens, logs
 
 
 def _decode_compressed(
-    model: Model, request: Request, plan: CellPlan, sampler, hook, record: bool, alone: bool
+    model: Model, request: Request, plan: CellPlan, sampler, hook, record: bool, alone: bool,
+    owns: bool = False,
 ):
-    """One cell's decode loop with compression every interval (`decode_compression`)."""
+    """One cell's decode loop with compression every interval (`decode_compression`). owns:
+    no later cell reads the keys and values it starts from, so the loop takes them."""
     ev = plan.eviction
     spec, spread = ev.decode, spreads_budget(ev)
     state = plan.evicted
     if not alone:
         # The loop donates its state, and other cells may hold the same arrays: the rewound
-        # tokens and counters, and (nothing evicted before decoding) prefill's cache.
-        cache = state.cache if plan.keep is not None else jax.tree.map(jnp.copy, state.cache)
+        # tokens and counters, and (nothing evicted before decoding) prefill's cache or the
+        # draft's, and its positions (another cell's `positions`).
+        cache = state.cache
+        if plan.keep is None:
+            cache = stacking.copy_but_kv(cache) if owns else jax.tree.map(jnp.copy, cache)
         state = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=None))
         state = dataclasses.replace(state, cache=cache)
     history = decode_compression.max_compressions(request.buffer, spec.interval) if record else 0
@@ -450,7 +486,7 @@ def results(
         texts = [model.tokenizer.decode(row) if model.tokenizer else "" for row in ids]
         kept = k = None
         if plan.keep is not None:
-            kept = kept_positions(plan.state.cache, plan.keep)
+            kept = kept_positions(plan.positions, plan.keep)
             steps = plan.steps if plan.steps is not None else [0] * len(ids)
             k = [1 + int(n) for n in steps]
         out.append(

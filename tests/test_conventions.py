@@ -362,8 +362,9 @@ def llama():
     key = jax.random.PRNGKey(0)
     start = gen.start_state(pre.cache, Greedy()(pre.logits, key), jnp.asarray(lengths), N_NEW,
                             (), key, buffer=buffer)  # fmt: skip
-    drafted, drafts = gen.draft_tokens(model.forward, cfg, params, start, sampler=Greedy(),
-                                       eos_ids=(), num_steps=1)  # fmt: skip
+    # the draft donates its state: a copy, so that prefill's cache stays for the reference
+    drafted, drafts = gen.draft_tokens(model.forward, cfg, params, jax.tree.map(jnp.copy, start),
+                                       sampler=Greedy(), eos_ids=(), num_steps=1)  # fmt: skip
     return model, prompts, pre, drafted, drafts
 
 

@@ -449,12 +449,13 @@ def apply_eviction(
     return compact(masked, capacity=capacity)
 
 
-def kept_positions(cache: KVCache, keep: jax.Array) -> list[list[list[list[int]]]]:
+def kept_positions(cache: KVCache | jax.Array, keep: jax.Array) -> list[list[list[list[int]]]]:
     """Per row, layer and kv head: the sorted original positions kept (for analysis/plots).
 
-    cache.pos: [L, B, Hkv, S] int32 and keep: [L, B, Hkv, S] bool -> nested lists [B][L][Hkv].
+    cache.pos (or `cache` itself, the positions): [L, B, Hkv, S] int32 and keep: [L, B, Hkv,
+    S] bool -> nested lists [B][L][Hkv].
     """
-    pos = np.asarray(cache.pos)
+    pos = np.asarray(cache.pos if isinstance(cache, KVCache) else cache)
     mask = np.asarray(keep)
     nl, b, h, _ = pos.shape
     return [

@@ -138,6 +138,8 @@ def start_state(
     """The loop state after prefill: the first answer token [B] is already chosen.
 
     buffer: the static token-buffer length N >= max_new_tokens (default max_new_tokens).
+    The state holds copies of `first`, `lengths` and `key` (the draft and decode steps donate
+    their state, which must not delete the caller's arrays); `cache` itself goes in as given.
     """
     b = first.shape[0]
     n = buffer or max_new_tokens
@@ -150,10 +152,10 @@ def start_state(
         tokens=tokens,
         step=jnp.ones((b,), jnp.int32),
         limit=limit,
-        last=first,
-        pos=lengths.astype(jnp.int32),
+        last=jnp.copy(first),
+        pos=lengths.astype(jnp.int32, copy=True),
         done=_is_eos(first, eos_ids) | (limit <= 1),
-        key=key,
+        key=jnp.copy(key),
     )
 
 
@@ -242,6 +244,7 @@ def decode_body(
         "recording",
         "min_new_tokens",
     ),
+    donate_argnames=("state",),
 )
 def draft_tokens(
     forward: ForwardFn,
@@ -263,6 +266,9 @@ def draft_tokens(
     of 1, attention sums; `dge_jax.runtime.recorders`). Returns the state after K =
     num_steps steps (cache with K more entries per head) and a `DraftRecord` (q [L, B, Hq, K,
     D] and probs [L, B, Hq, K, S] f32 if recorded, q_pos [B, K] int32, stats [B, K] f32).
+
+    The state (and its cache) is donated, as `decode_loop`'s: the draft writes its entries
+    into the cache in place. Pass a copy (``jax.tree.map(jnp.copy, state)``) to keep it.
     """
 
     def body(state, _):
@@ -286,7 +292,7 @@ def draft_tokens(
     return state, recording.into_drafts(drafts, recorded)
 
 
-@functools.partial(jax.jit, static_argnames=("eos_ids",))
+@functools.partial(jax.jit, static_argnames=("eos_ids",), donate_argnames=("state",))
 def rewind_state(
     state: DecodeState,
     drafts: DraftRecord,
@@ -304,6 +310,9 @@ def rewind_state(
     K = 3 draft steps, steps = 1: draft slots hold positions 5, 6, 7 (tokens t1, t2, t3 fed);
     after rewinding, only position 5 (t1) stays, tokens keep t1, t2, and t2 (position 6)
     is the next token to feed.
+
+    The state is donated: only positions (and the token counters) are rewritten, so the keys
+    and values come back in the buffers they came in (no copy of the cache).
     """
     k = drafts.q_pos.shape[1]
     steps = jnp.clip(steps.astype(jnp.int32), 0, k)

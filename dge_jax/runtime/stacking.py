@@ -1,13 +1,20 @@
 """Cells of one cache shape decoded as one batch: their states' rows interleaved, and split
-back after.
+back after; and the full caches the cells of a grid share, until the last one reads them.
 
 Interleaved, not concatenated, so that on a device mesh (`dge_jax.runtime.sharding`) every row
 stays on the device that holds it: a device's block of rows of each state becomes one block of
 the stack, and neither stacking nor splitting moves a cache entry.
+
+Sharing: every eviction point of a grid's draft shares the draft's keys and values
+(`with_kv`; a rewind rewrites only positions), and masked caches share theirs, so a grid
+holds one full cache where it held one per cell. `last_reads` names the step after which
+nobody reads a cache's keys and values; that step takes them (`owns`) or deletes them after
+(`release`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +22,42 @@ import jax.numpy as jnp
 
 from dge_jax.runtime.cache import KVCache, LayerGroup, regroup
 from dge_jax.runtime.decoding import DecodeState
+
+
+def with_kv(cache: KVCache, kv: KVCache) -> KVCache:
+    """`cache` with the keys and values of `kv` (same layout), its own positions and index."""
+    groups = zip(cache.groups, kv.groups, strict=True)
+    return KVCache(tuple(dataclasses.replace(g, k=src.k, v=src.v) for g, src in groups))
+
+
+def copy_but_kv(tree):
+    """A copy of a cache or decode state whose keys and values stay the same arrays."""
+    cache = tree if isinstance(tree, KVCache) else tree.cache
+    kv = {id(x) for x in _kv(cache)}
+    return jax.tree.map(lambda x: x if id(x) in kv else jnp.copy(x), tree)
+
+
+def _kv(cache: KVCache) -> list[jax.Array]:
+    return [x for g in cache.groups for x in (g.k, g.v)]
+
+
+def last_reads(steps: list[list[KVCache]]) -> dict[int, int]:
+    """id of every key / value array -> the last of `steps` (the caches each step reads, in
+    the order they run) that reads it."""
+    return {id(x): n for n, caches in enumerate(steps) for c in caches for x in _kv(c)}
+
+
+def owns(cache: KVCache, last: dict[int, int], step: int) -> bool:
+    """Whether no step after `step` reads `cache`'s keys and values (`last_reads`)."""
+    return all(last[id(x)] == step for x in _kv(cache))
+
+
+def release(caches: list[KVCache], last: dict[int, int], step: int) -> None:
+    """Deletes the keys and values of `caches` that no step after `step` reads: the grid's
+    own buffers, freed now rather than when the last reference goes."""
+    for x in {id(x): x for c in caches for x in _kv(c)}.values():
+        if last[id(x)] == step and not x.is_deleted():
+            x.delete()
 
 
 def _interleave(xs: list[jax.Array], axis: int) -> jax.Array:
