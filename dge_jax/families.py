@@ -39,10 +39,11 @@ class ForwardOutput(NamedTuple):
 
 
 # forward(config, params, tokens [B, T], positions [B, T], cache, *, layers, obs_window,
-#         record_attn, q_stats_from, logits, key_block) -> ForwardOutput. The layers run
-# group by group over the cache's layer groups (`dge_jax.runtime.cache`); `layers` gives the layer
-# weights grouped like the cache (`group_layers`, made once outside a decode loop), None
-# groups them per call.
+#         record_attn, q_stats_from, logits, key_block, attention) -> ForwardOutput. The layers
+# run group by group over the cache's layer groups (`dge_jax.runtime.cache`); `layers` gives
+# the layer weights grouped like the cache (`group_layers`, made once outside a decode loop),
+# None groups them per call; `attention` names a prefill chunk's attention implementation
+# (`dge_jax.runtime.platform.ATTENTION`).
 ForwardFn = Callable[..., ForwardOutput]
 
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardOutput, group_layers
-from dge_jax.runtime.attention import cache_layer_attention
 from dge_jax.runtime.cache import KVCache, LayerGroup
+from dge_jax.runtime.layer_attention import cache_layer_attention
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables
 
 
@@ -220,6 +220,7 @@ def forward(
     q_stats_from: int | None = None,
     logits: str = "last",
     key_block: int = 0,
+    attention: str = "auto",
 ) -> ForwardOutput:
     """Runs T new tokens through the model, writing each layer's K/V at slots
     [index_i, index_i + T) of its cache layer.
@@ -232,6 +233,7 @@ def forward(
     key_block > 0
     attends over the written slots [0, index + T) only, in blocks of that many keys
     (`written_slot_attention`: what a prefill chunk wants); 0 reads the whole capacity.
+    attention: the prefill chunk's implementation (`dge_jax.runtime.platform.ATTENTION`).
 
     The layers run group by group over the cache's layer groups, each under `lax.scan`;
     ``layers``: the layer weights grouped like the cache (`families.group_layers`, made once
@@ -250,7 +252,7 @@ def forward(
     run = functools.partial(
         _layer, cfg, positions, new_pos, cos, sin,
         obs_window=min(obs_window, t), record_attn=record_attn, q_stats_from=q_stats_from,
-        key_block=key_block,
+        key_block=key_block, attention=attention,
     )  # fmt: skip
 
     def scanned_layer(carry, scanned):
@@ -295,7 +297,7 @@ def query_statistics(q: jax.Array, positions: jax.Array, start: int) -> tuple[ja
 
 
 def _layer(cfg, positions, new_pos, cos, sin, x, lp, k_all, v_all, pos_all, i, slot, *,
-           obs_window, record_attn, q_stats_from, key_block):  # fmt: skip
+           obs_window, record_attn, q_stats_from, key_block, attention="auto"):  # fmt: skip
     """Layer i of a group on x [B, T, D]: writes slots [slot, slot + T) of k_all[i] (in place
     under jit), v_all[i] and pos_all[i] ([Lg, B, Hkv, S, ...] buffers of the group).
     Returns (x, k_all, v_all, pos_all, (last W queries [B, Hq, W, D] or None, per-slot
@@ -316,6 +318,7 @@ def _layer(cfg, positions, new_pos, cos, sin, x, lp, k_all, v_all, pos_all, i, s
     attn, probs_sum, k_all, v_all, pos_all = cache_layer_attention(
         q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), new_pos, positions,
         k_all, v_all, pos_all, i, slot, key_block=key_block, record_attn=record_attn,
+        attention=attention,
     )  # fmt: skip
     x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
     x = x + mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
