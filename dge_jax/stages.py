@@ -188,7 +188,7 @@ def prefill(
         chunk=request.chunk,
         obs_window=recording.needs.window,
         record_attn=recording.needs.attn_sum,
-        q_stats_from=recording.needs.query_stats_from,
+        q_stats_from=recording.needs.query_stats_from, attention=request.attention,
     )  # fmt: skip
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     eos_ids = request.eos_ids
@@ -216,6 +216,7 @@ def reconstruct(
         model.forward, model.config, model.params, model.tokenizer, pre.cache,
         request.prompt_ids, bucket=request.chunk,
         call=lambda fn, *a, **k: _call(hook, "reconstruct", fn, *a, **k),
+        attention=request.attention,
     )  # fmt: skip
     obs = dataclasses.replace(pre.obs, recon=scores)
     return dataclasses.replace(prefilled, pre=pre._replace(obs=obs))

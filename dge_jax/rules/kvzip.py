@@ -69,10 +69,12 @@ class Reconstruction:
         *,
         bucket: int = 512,
         call=None,
+        attention: str = "auto",
     ) -> tuple[jax.Array, int]:
         """This stage run over prefill's cache: `reconstruction_scores` (`obs.recon`)."""
         return reconstruction_scores(
-            forward, cfg, params, tokenizer, cache, prompt_ids, self, bucket=bucket, call=call
+            forward, cfg, params, tokenizer, cache, prompt_ids, self, bucket=bucket, call=call,
+            attention=attention,
         )
 
 
@@ -179,7 +181,9 @@ def repeat_chunks(
     return chunks
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg", "sinks", "width", "key_block"))
+@functools.partial(
+    jax.jit, static_argnames=("forward", "cfg", "sinks", "width", "key_block", "attention")
+)
 def chunk_scores(
     forward: ForwardFn,
     cfg: ModelConfig,
@@ -195,6 +199,7 @@ def chunk_scores(
     sinks: int,
     width: int,
     key_block: int = 512,
+    attention: str = "auto",
 ) -> jax.Array:
     """`scores` [L, B, Hkv, S] f32 with the slots of positions [lo, hi) set by one pass.
 
@@ -202,7 +207,8 @@ def chunk_scores(
     row b's position p sits at slot T - len_b + p in every head); tokens [B, Tr] and lengths
     [B]: the pass's repeat ids (`RepeatChunk`); prompt_lengths [B]; width (static) >= every
     hi - lo. The repeat tokens follow each row's prompt (positions len_b, len_b + 1, ...);
-    their entries are written into a grown copy of the cache, which is dropped.
+    their entries are written into a grown copy of the cache, which is dropped. attention:
+    the passes' attention implementation (`platform.ATTENTION`), as prefill's.
     """
     if len(cache.groups) != 1:
         raise ValueError("the reconstruct stage runs on prefill's cache (one layer group)")
@@ -215,8 +221,9 @@ def chunk_scores(
     offset = jnp.arange(tr, dtype=jnp.int32)[None, :] - (tr - lengths)[:, None]
     positions = jnp.where(offset >= 0, prompt_lengths[:, None] + offset, -1)
     out = forward(
-        cfg, params, tokens, positions, grown, obs_window=tr, logits="none", key_block=key_block
-    )
+        cfg, params, tokens, positions, grown, obs_window=tr, logits="none", key_block=key_block,
+        attention=attention,
+    )  # fmt: skip
     # The keys each repeating query is scored over, in kvpress's order, as slots [B, Wk]:
     #   sinks   positions 0 .. ns - 1, ns = min(sinks, lo) (none when the chunk starts there)
     #   chunk   positions lo .. hi - 1 (width slots, the ones past hi masked)
@@ -269,10 +276,11 @@ def reconstruction_scores(
     *,
     bucket: int = 512,
     call=None,
+    attention: str = "auto",
 ) -> tuple[jax.Array, int]:
     """KVzip's scores [L, B, Hkv, S] f32 of prefill's cache (0 where nothing was repeated),
     and how many reconstruct passes ran. call(fn, *args, **kwargs) runs each jitted pass
-    (generation's hook)."""
+    (generation's hook); attention: their attention implementation (`platform.ATTENTION`)."""
     if tokenizer is None:
         raise ValueError(
             "KVzip repeats the prompt with an instruction its tokenizer encodes, and this "
@@ -288,5 +296,6 @@ def reconstruction_scores(
             chunk_scores, forward, cfg, params, cache, scores, jnp.asarray(ch.tokens),
             jnp.asarray(ch.lengths), lengths, jnp.asarray(ch.lo), jnp.asarray(ch.hi),
             sinks=rec.sinks, width=width, key_block=min(bucket, ch.tokens.shape[1]),
+            attention=attention,
         )  # fmt: skip
     return scores, len(chunks)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.observation import DraftRecord, Observation, QueryStats
 from dge_jax.families import ForwardFn, group_layers
+from dge_jax.runtime import platform
 from dge_jax.runtime.cache import KVCache, init_cache, regroup, runs_of_equal
 from dge_jax.runtime.rope import inverse_frequencies
 from dge_jax.runtime.sharding import constrain_cache, constrain_rows
@@ -59,6 +60,7 @@ class PrefillOutput(NamedTuple):
         "record_attn",
         "q_stats_from",
         "cache_dtype",
+        "attention",
     ),
 )
 def prefill_prompt(
@@ -74,19 +76,22 @@ def prefill_prompt(
     record_attn: bool = False,
     q_stats_from: int | None = None,
     cache_dtype=None,
+    attention: str = "auto",
 ) -> PrefillOutput:
     """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache.
 
-    T must be a multiple of `chunk` (or smaller than it): activations stay [B, chunk, ...]
-    however long the prompt. obs_window > 0 records the last W prompt queries per layer;
+    T runs in ceil(T / chunk) equal steps of at most `chunk` tokens, which must split T
+    evenly (`prompts.bucket_length`'s buckets do): activations stay [B, chunk, ...] however
+    long the prompt. obs_window > 0 records the last W prompt queries per layer;
     record_attn accumulates every prompt query's attention per slot (H2O); q_stats_from (an
     int) accumulates the statistics of the pre-RoPE queries at positions >= it
-    (`observation.QueryStats`, ExpectedAttention's).
+    (`observation.QueryStats`, ExpectedAttention's). attention: the chunks' attention
+    implementation (`platform.ATTENTION`; "auto": the platform's, `platform.current`).
     """
     b, t = tokens.shape
-    c = min(chunk, t)
+    c = t // -(-t // chunk)  # min(chunk, t) when T is a multiple of the chunk
     if t % c:
-        raise ValueError(f"prompt length {t} is not a multiple of the prefill chunk {c}")
+        raise ValueError(f"prompt length {t} does not split into steps of at most {chunk}")
     if capacity < t:
         raise ValueError(f"cache capacity {capacity} is smaller than the prompt ({t})")
     dtype = cache_dtype or params.embed.dtype
@@ -105,7 +110,7 @@ def prefill_prompt(
         tok, pos = xs
         out = forward(
             cfg, params, tok, pos, cache, obs_window=w, record_attn=record_attn,
-            q_stats_from=q_stats_from, key_block=c,
+            q_stats_from=q_stats_from, key_block=c, attention=attention,
         )  # fmt: skip
         if w:
             # Rolling window: append this chunk's last min(W, c) queries, keep the last W.
@@ -380,15 +385,11 @@ def rewind_state(
     return state, drafts
 
 
-def default_layer_loop() -> str:
-    """ "unrolled" on CPU, "scan" elsewhere: see `decode_loop`."""
-    return "unrolled" if jax.default_backend() == "cpu" else "scan"
-
-
 def decode_groups(cache: KVCache, layer_loop: str | None = None) -> tuple[int, ...]:
     """Layer group sizes `decode_loop` runs `cache` in: "scan" = one group per run of layers of
-    one capacity (one group for a uniform cache); "unrolled" = one layer per group."""
-    layer_loop = layer_loop or default_layer_loop()
+    one capacity (one group for a uniform cache); "unrolled" = one layer per group; None:
+    the platform's (`platform.Backend.layer_loop`: unrolled on CPU, scan elsewhere)."""
+    layer_loop = layer_loop or platform.current().layer_loop
     if layer_loop not in ("scan", "unrolled"):
         raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
     if layer_loop == "unrolled":
@@ -423,7 +424,7 @@ def decode_loop(
     its own group. XLA:CPU copies each layer's slice of a stacked array before using it, so
     a scanned step moves the weights and cache several times; one-layer groups are read in
     place (`python -m benchmarks.decode_step` compares them), for one extra copy of the
-    layer weights while decoding and a longer compile. None: `default_layer_loop()`. The
+    layer weights while decoding and a longer compile. None: the platform's. The
     cache comes back in the grouping it was given. Same tokens either way.
     """
 
