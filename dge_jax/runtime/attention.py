@@ -29,10 +29,8 @@ def cached_attention(
     q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [B, Hkv, S]; query_pos: [B, T].
     out: [B, T, Hq, D] in q's dtype. probs sum: [B, Hq, S] f32, the attention each slot got
     summed over the T queries (H2O's accumulated attention), padding queries contributing 0.
-    Scores and softmax are f32 whatever the parameter dtype. keys_major: the score layout,
-    K [S, D] @ Q^T instead of Q @ K^T (None: the platform's choice,
-    `platform.Backend.keys_major_max_rows` query rows per kv head at most); a speed choice
-    only, same numbers either way.
+    Scores and softmax are f32 whatever the parameter dtype. keys_major: K @ Q^T scores, not
+    Q @ K^T (None: the platform's `Backend.keys_major_max_rows`); same numbers either way.
 
     new: (k_new, v_new [B, Hkv, T, D], pos_new [B, Hkv, T]), this call's own entries, not yet
     written: the attention is the one the cache would give with them written at slots
