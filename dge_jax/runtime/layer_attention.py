@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from dge_jax.runtime import platform
 from dge_jax.runtime.attention import cached_attention, written_slot_attention
-from dge_jax.runtime.flash import flash_attention
 from dge_jax.runtime.platform import Backend
 from dge_jax.runtime.sharding import attention_specs
 
@@ -121,7 +120,10 @@ def _sharded_flash(q, k, v, slot_pos, query_pos, num_slots, return_probs_sum: bo
     """`flash_attention`; under a (data, model) mesh, one call per device on its own rows and
     kv heads (jax.shard_map with the cache's layout: `sharding.attention_specs`). Each (row,
     kv head) pair is independent, so nothing crosses devices; a Pallas call cannot be
-    partitioned by XLA itself."""
+    partitioned by XLA itself. Imported here: Pallas's modules take about a second to import,
+    which CPU runs (xla) need not pay."""
+    from dge_jax.runtime.flash import flash_attention
+
     fn = functools.partial(flash_attention, return_probs_sum=return_probs_sum)
     specs = attention_specs(q.shape[0], k.shape[1])
     if specs is None:
