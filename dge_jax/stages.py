@@ -185,10 +185,11 @@ def prefill(
         model.forward, model.config, model.params,
         jnp.asarray(request.tokens), jnp.asarray(request.lengths),
         capacity=request.tokens.shape[1] + (request.buffer if room is None else room),
+        attention=request.attention,
         chunk=request.chunk,
         obs_window=recording.needs.window,
         record_attn=recording.needs.attn_sum,
-        q_stats_from=recording.needs.query_stats_from, attention=request.attention,
+        q_stats_from=recording.needs.query_stats_from,
     )  # fmt: skip
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     eos_ids = request.eos_ids

@@ -80,13 +80,16 @@ def prefill_prompt(
 ) -> PrefillOutput:
     """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache.
 
-    T runs in ceil(T / chunk) equal steps of at most `chunk` tokens, which must split T
-    evenly (`prompts.bucket_length`'s buckets do): activations stay [B, chunk, ...] however
-    long the prompt. obs_window > 0 records the last W prompt queries per layer;
+    Steps and attention: T runs in ceil(T / chunk) equal steps of at most `chunk` tokens, so
+    besides the T below (one step, or steps of the chunk) any T those steps split evenly
+    runs (what `prompts.bucket_length` pads to for long accelerator chunks); attention: the
+    steps' attention implementation (`platform.ATTENTION`; "auto": the platform's).
+
+    T must be a multiple of `chunk` (or smaller than it): activations stay [B, chunk, ...]
+    however long the prompt. obs_window > 0 records the last W prompt queries per layer;
     record_attn accumulates every prompt query's attention per slot (H2O); q_stats_from (an
     int) accumulates the statistics of the pre-RoPE queries at positions >= it
-    (`observation.QueryStats`, ExpectedAttention's). attention: the chunks' attention
-    implementation (`platform.ATTENTION`; "auto": the platform's, `platform.current`).
+    (`observation.QueryStats`, ExpectedAttention's).
     """
     b, t = tokens.shape
     c = t // -(-t // chunk)  # min(chunk, t) when T is a multiple of the chunk
@@ -95,6 +98,7 @@ def prefill_prompt(
     if capacity < t:
         raise ValueError(f"cache capacity {capacity} is smaller than the prompt ({t})")
     dtype = cache_dtype or params.embed.dtype
+    forward = functools.partial(forward, attention=attention)  # every chunk's attention
     cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
     # Under jax.set_mesh (dge_jax.runtime.sharding): rows over data, kv heads over model;
     # else no-ops.
@@ -110,7 +114,7 @@ def prefill_prompt(
         tok, pos = xs
         out = forward(
             cfg, params, tok, pos, cache, obs_window=w, record_attn=record_attn,
-            q_stats_from=q_stats_from, key_block=c, attention=attention,
+            q_stats_from=q_stats_from, key_block=c,
         )  # fmt: skip
         if w:
             # Rolling window: append this chunk's last min(W, c) queries, keep the last W.
