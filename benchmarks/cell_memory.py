@@ -148,7 +148,7 @@ def compile_steps(args, platform, family, cfg, eos, mesh, batch: int, log) -> tu
         return steps[name].outputs
 
     pre = run("prefill", decoding.prefill_prompt, *statics, tokens, lengths,
-              capacity=seq + room, chunk=args.chunk, obs_window=needs.window)  # fmt: skip
+              capacity=seq + room, chunk=args.chunk, recording=needs.recording)  # fmt: skip
     first = jax.ShapeDtypeStruct((batch,), jnp.int32)
     make = functools.partial(decoding.start_state, max_new_tokens=args.max_new_tokens,
                              eos_ids=eos, buffer=buffer)  # fmt: skip
@@ -156,7 +156,7 @@ def compile_steps(args, platform, family, cfg, eos, mesh, batch: int, log) -> tu
     start = jax.eval_shape(make, pre.cache, first, lengths, key=key)
     start = _like(mesh, start, dataclasses.replace(start, cache=pre.cache))
     state, record = run("draft", decoding.draft_tokens, *statics, start, sampler=GREEDY,
-                        eos_ids=eos, num_steps=k, record_q=needs.queries)  # fmt: skip
+                        eos_ids=eos, num_steps=k, recording=needs.recording.steps)  # fmt: skip
     steps_arr = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=NamedSharding(mesh, P()))
     state, record = run("rewind", decoding.rewind_state, state, record, lengths, steps_arr,
                         eos_ids=eos)  # fmt: skip

@@ -261,8 +261,7 @@ class Cell:
         lengths = _rows(setup, (setup.batch,), jnp.int32)
         return _compile(
             run, decoding.prefill_prompt, *self._statics(), tokens, lengths,
-            capacity=self.capacity, chunk=setup.chunk, obs_window=needs.window,
-            record_attn=needs.attn_sum, q_stats_from=needs.query_stats_from,
+            capacity=self.capacity, chunk=setup.chunk, recording=needs.recording,
         )  # fmt: skip
 
     def start_state(self, cache):
@@ -285,8 +284,8 @@ class Cell:
         run = StageRun("draft", ideal_hbm_bytes=bytes_, ideal_flops=flops, slots=(self.capacity,))
         return _compile(
             run, decoding.draft_tokens, *self._statics(), state, sampler=stages.GREEDY,
-            eos_ids=setup.eos_ids, num_steps=k, record_q=needs.queries,
-            record_attn=needs.attn_sum, min_new_tokens=0,
+            eos_ids=setup.eos_ids, num_steps=k, recording=needs.recording.steps,
+            min_new_tokens=0,
         )  # fmt: skip
 
     def rewind(self) -> StageRun:

@@ -30,6 +30,7 @@ from dge_jax.eviction.selection import TIES
 from dge_jax.eviction.timing import KINDS, Timing
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.rules.registry import RULES, make_rule, resolve
+from dge_jax.runtime import platform
 from dge_jax.runtime.sampling import Greedy, Sampling
 
 # Eviction flags default to None so that a flag the user gave is told from one left out.
@@ -139,6 +140,11 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top_k", type=int, default=None, help="sampling: >= 0, 0 = no cut")
     g.add_argument("--top_p", type=float, default=None, help="sampling: in (0, 1], 1 = no cut")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--attention", default="auto", choices=platform.ATTENTION,
+        help="prefill's attention: auto (the platform's: pallas on TPU, xla elsewhere), xla, "
+        "pallas (the Pallas flash kernel; interpret mode off TPU, slow) or cudnn (GPU only)",
+    )  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object")
     ev = g.add_argument_group("eviction")
     rule = ev.add_argument(
@@ -355,6 +361,7 @@ def run_generate(args: argparse.Namespace) -> dict:
 
     check_prompt_text(args.prompt)
     sampler, eviction = sampler_from_args(args), eviction_from_args(args)  # before loading
+    platform.current(args.attention)  # cudnn off a GPU is refused before loading too
     model = dge_jax.load(args.model, dtype=args.dtype)
     result = dge_jax.generate(
         model,
@@ -364,6 +371,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         sampler=sampler,
         seed=args.seed,
         eviction=eviction,
+        attention=args.attention,
         record_compressions=args.json and eviction is not None and eviction.decode is not None,
     )
     out = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.texts}

@@ -35,12 +35,13 @@ class ForwardOutput(NamedTuple):
 
 
 # forward(config, params, tokens [B, T], positions [B, T], cache, *, layers, recording,
-#         logits, key_block) -> ForwardOutput. The layers run group by group over the cache's
-# layer groups (`dge_jax.runtime.cache`); `layers` gives the layer weights grouped like the
-# cache (`group_layers`, made once outside a decode loop), None groups them per call;
+#         logits, key_block, attention) -> ForwardOutput. The layers run group by group over the
+# cache's layer groups (`dge_jax.runtime.cache`); `layers` gives the layer weights grouped like
+# the cache (`group_layers`, made once outside a decode loop), None groups them per call;
 # `recording` (a `dge_jax.runtime.recorders.Recording`) says what each layer records: the
 # family builds a `LayerView` per layer and calls `recording.layer(view)`, and asks its
-# attention for per-slot probability sums when `recording.reads_probs_sum`.
+# attention for per-slot probability sums when `recording.reads_probs_sum`; `attention` names
+# a prefill chunk's attention implementation (`dge_jax.runtime.platform.ATTENTION`).
 ForwardFn = Callable[..., ForwardOutput]
 
 

@@ -13,7 +13,8 @@ from typing import Any
 from dge_jax.config import with_fields
 from dge_jax.eviction.evict import Eviction
 from dge_jax.model import Model
-from dge_jax.runtime.prompts import DEFAULT_CHUNK, prepare
+from dge_jax.runtime import platform
+from dge_jax.runtime.prompts import prepare
 from dge_jax.runtime.sampling import check_sampler
 from dge_jax.runtime.sharding import on_model_mesh
 from dge_jax.stages import (
@@ -43,9 +44,13 @@ class GenerationConfig:
 
     max_new_tokens / min_new_tokens: answer length bounds (EOS is banned before the minimum,
     transformers' min_length); chat: wrap text prompts in the chat template; sampler: `Greedy()`
-    or `Sampling(...)`; seed: the PRNG seed of sampling; chunk: prompt tokens per prefill step;
-    extra_eos_ids: ids that end an answer besides the tokenizer's EOS; record_compressions:
-    keep what each decode-time compression kept (`GenerationResult.compressions`).
+    or `Sampling(...)`; seed: the PRNG seed of sampling; chunk: prompt tokens per prefill step
+    (None: the platform's, 512 on CPU and 8192 on TPU / GPU with prompts padded to multiples
+    of 512: `platform.Backend`); extra_eos_ids: ids that end an answer besides the
+    tokenizer's EOS; record_compressions: keep what each decode-time compression kept
+    (`GenerationResult.compressions`); attention: prefill's attention implementation, "auto"
+    (the platform's: pallas on TPU, xla elsewhere), "xla", "pallas" (the Pallas flash
+    kernel; interpret mode off TPU, slow) or "cudnn" (GPU only).
     """
 
     max_new_tokens: int = 64
@@ -53,9 +58,13 @@ class GenerationConfig:
     chat: bool = False
     sampler: Any = GREEDY
     seed: int = 0
-    chunk: int = DEFAULT_CHUNK
+    chunk: int | None = None
     extra_eos_ids: Sequence[int] = ()
     record_compressions: bool = False
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        platform.check_attention(self.attention)
 
     @classmethod
     def of(cls, config: GenerationConfig | None, options: dict[str, Any]) -> GenerationConfig:
@@ -99,9 +108,14 @@ def generate_grid(
     cfg = GenerationConfig.of(config, options)
     sampler = cfg.sampler
     check_sampler(sampler)
+    backend = platform.current(cfg.attention)  # the model's mesh is set (on_model_mesh)
+    chunk, granule = cfg.chunk, None
+    if chunk is None:
+        chunk, granule = backend.prefill_chunk, backend.prompt_bucket
     request = prepare(
         model, prompts, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-        chat=cfg.chat, chunk=cfg.chunk, extra_eos_ids=cfg.extra_eos_ids,
+        chat=cfg.chat, chunk=chunk, extra_eos_ids=cfg.extra_eos_ids, granule=granule,
+        attention=cfg.attention,
     )  # fmt: skip
     cells = check_cells(cells, cfg.max_new_tokens)
     recording = GridRecording.of(cells)

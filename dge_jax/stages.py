@@ -190,6 +190,7 @@ def prefill(
         model.forward, model.config, model.params,
         jnp.asarray(request.tokens), jnp.asarray(request.lengths),
         capacity=request.tokens.shape[1] + (request.buffer if room is None else room),
+        attention=request.attention,
         chunk=request.chunk,
         recording=recording.needs.recording,
     )  # fmt: skip
@@ -219,6 +220,7 @@ def reconstruct(
         model.forward, model.config, model.params, model.tokenizer, pre.cache,
         request.prompt_ids, bucket=request.chunk,
         call=lambda fn, *a, **k: _call(hook, "reconstruct", fn, *a, **k),
+        attention=request.attention,
     )  # fmt: skip
     obs = dataclasses.replace(pre.obs, recon=scores)
     return dataclasses.replace(prefilled, pre=pre._replace(obs=obs))

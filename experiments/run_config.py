@@ -14,6 +14,7 @@ from absl import flags
 from dge_jax.cli import RULE_OPTIONS
 from dge_jax.eviction.timing import Adaptive
 from dge_jax.rules.registry import RULES
+from dge_jax.runtime.platform import ATTENTION
 from experiments import suites
 from experiments.cells import Cell, build_cells
 from experiments.suites import longbench, ruler, synthetic
@@ -76,7 +77,12 @@ flags.DEFINE_bool("gqa_before_pool", False, "SnapKV/PyramidKV: aggregate the kv 
                   "order)")
 flags.DEFINE_enum("ties", "later", ["later", "earlier"], "which of equal scores is kept: the "
                   "later slot (default) or the earlier position")
-flags.DEFINE_integer("chunk", 512, "prefill chunk (tokens)")
+flags.DEFINE_integer("chunk", None, "prefill chunk (tokens; default: the platform's, 512 on "
+                     "CPU, 8192 on TPU and GPU)")
+flags.DEFINE_enum("attention", "auto", list(ATTENTION), "prefill's attention: auto (the "
+                  "platform's: pallas on TPU, xla elsewhere), xla, pallas (the Pallas flash "
+                  "kernel; interpret mode off TPU) or cudnn (GPU only); recorded in the run "
+                  "identity unless it resolves to xla")
 flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
                     "sharded, and each batch of --batch_size samples is spread over the data "
                     "axis (--batch_size must then be a multiple of it)")
@@ -175,7 +181,7 @@ class RunConfig:
     max_length: int | None
     answer_prefix: bool
     batch_size: int
-    chunk: int
+    chunk: int | None
     mesh: str | None
     out_dir: str | None
     extend: bool
@@ -185,6 +191,7 @@ class RunConfig:
     adaptive_rule: str | None
     adaptive_threshold: float
     k_max: int
+    attention: str = "auto"
 
     @classmethod
     def from_flags(cls, values: flags.FlagValues) -> RunConfig:
@@ -216,7 +223,7 @@ class RunConfig:
             rule_options={k: getattr(values, k) for k in RULE_OPTIONS},
             draft_weight=values.draft_weight, ties=values.ties,
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
-            k_max=values.k_max)
+            k_max=values.k_max, attention=values.attention)
 
     def adaptive(self) -> Adaptive | None:
         """The adaptive-k rule of the grid's adaptive cells (None without --adaptive_rule)."""

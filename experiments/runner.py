@@ -70,13 +70,17 @@ def suite_rows(model, suite: Suite, settings: RowSettings, datasets: list[str],
 def run_identity(config: RunConfig, model, max_length: int) -> dict:
     """Everything besides the grid and the samples that changes a prediction: a run folder
     holds one identity (`experiments.run_folder`). Its keys and their order are what earlier
-    folders recorded (the suite adds its own: synthetic_length, seed, ruler_length)."""
+    folders recorded (the suite adds its own: synthetic_length, seed, ruler_length). The
+    chunk and the attention are the ones that run (`run_backend`); the attention only when
+    it is not xla, so every folder written before it was recorded (xla, the only one then)
+    keeps its identity."""
     import dge_jax
 
+    backend, chunk = run_backend(config, model)
     return {
         "model": config.model, "model_files": files_fingerprint(model.path),
         "dtype": config.dtype, "suite": config.suite.name, "protocol": PROTOCOL,
-        "dge_jax": dge_jax.__version__, "max_length": max_length, "chunk": config.chunk,
+        "dge_jax": dge_jax.__version__, "max_length": max_length, "chunk": chunk,
         "batch_size": config.batch_size,  # left padding may change results in the last bits
         **config.suite.identity(config.rows),
         # only when off, so the folders of every earlier run keep their identity
@@ -84,7 +88,22 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         RULE_OPTIONS_KEY: dict(config.rule_options),
         "draft_weight": config.draft_weight, "ties": config.ties,
         "adaptive": config.adaptive_identity,
+        **({} if backend.attention == "xla" else {"attention": backend.attention}),
     }
+
+
+def run_backend(config: RunConfig, model):
+    """(the `platform.Backend` the run's steps take on the model's devices, its prefill
+    chunk: --chunk, or the platform's); --attention cudnn off a GPU is a UsageError."""
+    from dge_jax.runtime import platform
+    from dge_jax.runtime.sharding import mesh_context
+
+    with mesh_context(model.params):
+        try:
+            backend = platform.current(config.attention)
+        except ValueError as e:
+            raise UsageError(f"--attention: {e}") from e
+    return backend, backend.prefill_chunk if config.chunk is None else config.chunk
 
 
 def cell_config(identity: dict, cell: Cell) -> dict:
@@ -361,7 +380,8 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, pending: lis
         t0 = time.time()
         results = grid.generate_grid(model, ids, [grid.evictions[c] for c in todo],
                                      max_new_tokens=max_new, extra_eos_ids=extra_eos,
-                                     min_new_tokens=stop.min_new_tokens, chunk=config.chunk)
+                                     min_new_tokens=stop.min_new_tokens, chunk=config.chunk,
+                                     attention=config.attention)
         seconds = (time.time() - t0) / len(batch)
         lines = []
         for i, (row, _) in enumerate(batch):

@@ -19,8 +19,8 @@ import numpy as np
 
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardOutput, group_layers
-from dge_jax.runtime.attention import cache_layer_attention
 from dge_jax.runtime.cache import KVCache, LayerGroup
+from dge_jax.runtime.layer_attention import cache_layer_attention
 from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables
 
@@ -219,6 +219,7 @@ def forward(
     recording: Recording = NOTHING,
     logits: str = "last",
     key_block: int = 0,
+    attention: str = "auto",
 ) -> ForwardOutput:
     """Runs T new tokens through the model, writing each layer's K/V at slots
     [index_i, index_i + T) of its cache layer.
@@ -229,6 +230,7 @@ def forward(
     comes back stacked over the layers in `ForwardOutput.recorded`. key_block > 0 attends
     over the written slots [0, index + T) only, in blocks of that many keys
     (`written_slot_attention`: what a prefill chunk wants); 0 reads the whole capacity.
+    attention: the prefill chunk's implementation (`dge_jax.runtime.platform.ATTENTION`).
 
     The layers run group by group over the cache's layer groups, each under `lax.scan`;
     ``layers``: the layer weights grouped like the cache (`families.group_layers`, made once
@@ -244,7 +246,7 @@ def forward(
         layers = group_layers(params.layers, cache.group_sizes)
     cos, sin = rope_tables(positions, inverse_frequencies(cfg.rope, cfg.head_dim))
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t)).astype(jnp.int32)
-    call = _Call(cfg, positions, new_pos, cos, sin, recording, key_block)
+    call = _Call(cfg, positions, new_pos, cos, sin, recording, key_block, attention)
 
     def scanned_layer(carry, scanned):
         # The group's cache rides in the carry and only the T new slots of layer `i` are
@@ -280,7 +282,7 @@ def forward(
 class _Call(NamedTuple):
     """What every layer of one forward call shares: the config, the new tokens' positions
     [B, T] (and per kv head [B, Hkv, T]), their RoPE tables, what to record and the prefill
-    key block (0: decode and draft steps)."""
+    key block (0: decode and draft steps) and its attention implementation."""
 
     cfg: ModelConfig
     positions: jax.Array
@@ -289,6 +291,7 @@ class _Call(NamedTuple):
     sin: jax.Array
     recording: Recording
     key_block: int
+    attention: str = "auto"
 
 
 def _layer(call: _Call, x, lp, buffers, i, slot):
@@ -311,7 +314,7 @@ def _layer(call: _Call, x, lp, buffers, i, slot):
     attn, probs_sum, *buffers = cache_layer_attention(
         rotated, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), call.new_pos, positions,
         *buffers, i, slot, key_block=call.key_block,
-        record_attn=call.recording.reads_probs_sum,
+        record_attn=call.recording.reads_probs_sum, attention=call.attention,
     )  # fmt: skip
     recorded = call.recording.layer(LayerView(x, q, rotated, positions, probs_sum))
     x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)

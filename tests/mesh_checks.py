@@ -185,13 +185,15 @@ def step_facts(before: str, after: str, cfg, mesh_shape: dict) -> dict:
     nl, hkv, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     flat = before.replace(" ", "")
     # A cache is a tuple of layer groups [Lg, B, Hkv, S, D] (decode on CPU runs one-layer
-    # groups): (Lg, B, S) of every group-shaped array with 1 <= Lg <= L and S > 1 (an array
-    # [Lg, B, H, 1, D] is one step's queries, not a cache).
+    # groups): (Lg, B, S) of every group-shaped array with 1 <= Lg <= L and S >= 16, the
+    # fewest slots a cache has (prompt buckets and decode capacities): an array [Lg, B, H, 1,
+    # D] is one step's queries, and the flash kernel's regrouped queries [B, T, Hkv, G, D]
+    # (here [1, 16, 4, 2, 16] per device) match the pattern with S = G = 2.
     groups = sorted(
         {
             (int(lg), int(b), int(c))
             for lg, b, c in re.findall(rf"f32\[(\d+),(\d+),{hkv},(\d+),{hd}\]", flat)
-            if 1 <= int(lg) <= nl and int(c) > 1
+            if 1 <= int(lg) <= nl and int(c) >= 16
         }
     )
     caches = sorted({(b, c) for _, b, c in groups})
@@ -241,10 +243,8 @@ def describe(x: jax.Array) -> dict:
     }
 
 
-def results(res) -> dict:
-    return {
-        name: {"tokens": r.tokens, "kept": r.kept} for name, r in zip(CELL_NAMES, res, strict=True)
-    }
+def results(res, names=CELL_NAMES) -> dict:
+    return {name: {"tokens": r.tokens, "kept": r.kept} for name, r in zip(names, res, strict=True)}
 
 
 def error_of(fn) -> str | None:
@@ -328,12 +328,16 @@ def main(out_path: str, dump_dir: str) -> None:
         mesh = sh.make_mesh(data, model_axis)
         model = dge_jax.load(folder, mesh=mesh)
         res = generate_grid(model, ids, CELLS, max_new_tokens=MAX_NEW)
+        # The Pallas flash prefill (interpret mode here) inside its shard_map over rows and
+        # kv heads; its compiled prefill joins the steps checked for moved keys and values.
+        pallas = generate_grid(model, ids, CELLS[:2], max_new_tokens=MAX_NEW, attention="pallas")
         cache = sh.init_sharded_cache(cfg, len(ids), CAPACITY, mesh)
         steps: dict[str, list] = {}
         for name, before, after in compiled_modules(dump, seen):
             steps.setdefault(name, []).append(step_facts(before, after, cfg, dict(mesh.shape)))
         facts["meshes"][f"{data}x{model_axis}"] = {
             "results": results(res),
+            "pallas": results(pallas, CELL_NAMES[:2]),
             "params": {name: describe(x) for name, x in orbax_io.flat_params(model.params).items()},
             "cache": {"k": describe(cache.k), "pos": describe(cache.pos)},
             "steps": steps,

@@ -279,7 +279,7 @@ def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
     """The decode loop updates its cache buffers in place: its compiled body holds no copy
     of a cache-sized array. (XLA:CPU copied every batch-1 buffer 2-4 times per step while
     attention read the buffer its write had just produced; see
-    dge_jax.runtime.attention.cache_layer_attention.)"""
+    dge_jax.runtime.layer_attention.cache_layer_attention.)"""
     import re
 
     cfg = model.config

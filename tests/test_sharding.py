@@ -192,6 +192,15 @@ def test_meshes_give_the_same_tokens_and_kept_positions(facts, mesh, cell):
         assert any(max(layer) > 8 for layer in sizes)
 
 
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("cell", CELLS[:2])
+def test_the_pallas_prefill_under_a_mesh_gives_the_same_tokens(facts, mesh, cell):
+    """attention="pallas": the flash kernel runs per device in a shard_map over rows and kv
+    heads (the cache's layout), and gives the one-device xla tokens and kept positions."""
+    got, want = facts["meshes"][mesh]["pallas"][cell], facts["reference"][cell]
+    assert got == want
+
+
 # Per-device blocks: [L, B, Hkv, S, D] = [2, 8, 4, S, 16] split by the mesh.
 CACHE_BLOCKS = {"8x1": [2, 1, 4, 32, 16], "2x4": [2, 4, 1, 32, 16], "1x8": [2, 1, 4, 32, 16]}
 
@@ -245,7 +254,8 @@ def test_no_step_gathers_the_cache(facts, mesh):
             if name in STEPS:
                 assert module["cache_slots"], f"{name}: no sharded cache in {module['caches']}"
     if mesh == "2x4":  # head-parallel attention: per layer, all-reduces of activations only
-        assert all(c.startswith("all-reduce") for c in steps["prefill_prompt"][0]["collectives"])
+        for module in steps["prefill_prompt"]:  # the xla and the pallas (shard_map) prefill
+            assert all(c.startswith("all-reduce") for c in module["collectives"])
 
 
 @pytest.mark.slow

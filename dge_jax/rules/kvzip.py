@@ -71,10 +71,12 @@ class Reconstruction:
         *,
         bucket: int = 512,
         call=None,
+        attention: str = "auto",
     ) -> tuple[jax.Array, int]:
         """This stage run over prefill's cache: `reconstruction_scores` (`obs.recon`)."""
         return reconstruction_scores(
-            forward, cfg, params, tokenizer, cache, prompt_ids, self, bucket=bucket, call=call
+            forward, cfg, params, tokenizer, cache, prompt_ids, self, bucket=bucket, call=call,
+            attention=attention,
         )
 
 
@@ -151,13 +153,15 @@ class RepeatChunk:
 class RepeatPass:
     """The static settings of a reconstruct pass (one compilation each): the model's
     forward and config, the sinks every repeating query sees, the widest chunk (width >=
-    every hi - lo) and the key block the repeat tokens attend in."""
+    every hi - lo), the key block the repeat tokens attend in and the attention
+    implementation."""
 
     forward: ForwardFn
     cfg: ModelConfig
     sinks: int
     width: int
     key_block: int = 512
+    attention: str = "auto"
 
 
 def repeat_chunks(
@@ -210,7 +214,8 @@ def chunk_scores(
     row b's position p sits at slot T - len_b + p in every head); chunk: the pass's repeat
     ids [B, Tr], lengths [B] and prompt ranges (`RepeatChunk`); prompt_lengths [B]. The
     repeat tokens follow each row's prompt (positions len_b, len_b + 1, ...); their entries
-    are written into a grown copy of the cache, which is dropped.
+    are written into a grown copy of the cache, which is dropped; spec.attention: the
+    passes' attention implementation (`platform.ATTENTION`), as prefill's.
     """
     if len(cache.groups) != 1:
         raise ValueError("the reconstruct stage runs on prefill's cache (one layer group)")
@@ -226,7 +231,8 @@ def chunk_scores(
     positions = jnp.where(offset >= 0, prompt_lengths[:, None] + offset, -1)
     every_query = Recording.of(QueryWindow(tr))  # the repeat tokens' queries, post-RoPE
     out = spec.forward(cfg, params, tokens, positions, grown, recording=every_query,
-                       logits="none", key_block=spec.key_block)  # fmt: skip
+                       logits="none", key_block=spec.key_block,
+                       attention=spec.attention)  # fmt: skip
     # The keys each repeating query is scored over, in kvpress's order, as slots [B, Wk]:
     #   sinks   positions 0 .. ns - 1, ns = min(sinks, lo) (none when the chunk starts there)
     #   chunk   positions lo .. hi - 1 (width slots, the ones past hi masked)
@@ -280,10 +286,11 @@ def reconstruction_scores(
     *,
     bucket: int = 512,
     call=None,
+    attention: str = "auto",
 ) -> tuple[jax.Array, int]:
     """KVzip's scores [L, B, Hkv, S] f32 of prefill's cache (0 where nothing was repeated),
     and how many reconstruct passes ran. call(fn, *args, **kwargs) runs each jitted pass
-    (generation's hook)."""
+    (generation's hook); attention: their attention implementation (`platform.ATTENTION`)."""
     if tokenizer is None:
         raise ValueError(
             "KVzip repeats the prompt with an instruction its tokenizer encodes, and this "
@@ -295,6 +302,7 @@ def reconstruction_scores(
     width = min(rec.chunk_size, cache.capacity)
     run = call or (lambda fn, *a, **k: fn(*a, **k))
     for ch in chunks:
-        spec = RepeatPass(forward, cfg, rec.sinks, width, min(bucket, ch.tokens.shape[1]))
+        spec = RepeatPass(forward, cfg, rec.sinks, width, min(bucket, ch.tokens.shape[1]),
+                          attention)
         scores = run(chunk_scores, spec, params, cache, scores, ch, lengths)
     return scores, len(chunks)

@@ -5,17 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dge_jax.runtime import platform
+
 # Finite stand-in for -inf: a query whose every slot is masked (a padding query) then gets a
 # uniform, finite distribution that `probs * mask` turns into zeros, instead of NaNs.
 _MASKED = -1e30
-
-
-# At most this many query rows per kv head (G query heads x T tokens: decode and draft steps)
-# compute the scores keys-major, K [S, D] @ Q^T [D, rows] -> [S, rows], instead of Q @ K^T:
-# with a handful of rows, the whole attention runs faster on XLA:CPU (figures in
-# benchmarks/RESULTS.md, "Decode step"; `python -m benchmarks.decode_step`). Same numbers
-# either way.
-KEYS_MAJOR_MAX_ROWS = 16
 
 
 def cached_attention(
@@ -35,8 +29,8 @@ def cached_attention(
     q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [B, Hkv, S]; query_pos: [B, T].
     out: [B, T, Hq, D] in q's dtype. probs sum: [B, Hq, S] f32, the attention each slot got
     summed over the T queries (H2O's accumulated attention), padding queries contributing 0.
-    Scores and softmax are f32 whatever the parameter dtype. keys_major: the score layout
-    (None: keys-major for at most `KEYS_MAJOR_MAX_ROWS` rows per kv head); a speed choice only.
+    Scores and softmax are f32 whatever the parameter dtype. keys_major: K @ Q^T scores, not
+    Q @ K^T (None: the platform's `Backend.keys_major_max_rows`); same numbers either way.
 
     new: (k_new, v_new [B, Hkv, T, D], pos_new [B, Hkv, T]), this call's own entries, not yet
     written: the attention is the one the cache would give with them written at slots
@@ -50,7 +44,7 @@ def cached_attention(
     g = hq // hkv
     s_len = k.shape[2]
     if keys_major is None:
-        keys_major = g * t <= KEYS_MAJOR_MAX_ROWS
+        keys_major = g * t <= platform.current().keys_major_max_rows
     # Group the G query heads of each kv head into one [G*T] row block, so both products are
     # plain 4-D batched matmuls over (B, Hkv): XLA:CPU runs those several times faster than
     # the 5-D grouped einsum (benchmarks/RESULTS.md, "Measured design choices"). Row r is
@@ -183,58 +177,3 @@ def written_slot_attention(
 
     total = jax.lax.fori_loop(0, num_blocks, probs_sum, jnp.zeros((b, hq, s_len), jnp.float32))
     return out, total
-
-
-def cache_layer_attention(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    new_pos: jax.Array,
-    positions: jax.Array,
-    k_all: jax.Array,
-    v_all: jax.Array,
-    pos_all: jax.Array,
-    i: jax.Array | int,
-    slot: jax.Array | int,
-    *,
-    key_block: int = 0,
-    record_attn: bool = False,
-) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
-    """Layer i's attention over its layer group's cache, with this step's T entries written.
-
-    q [B, T, Hq, D] and k_new, v_new [B, Hkv, T, D] (post-RoPE), new_pos [B, Hkv, T],
-    positions [B, T]; k_all, v_all [Lg, B, Hkv, S, D] and pos_all [Lg, B, Hkv, S]: the
-    group's buffers, layer i written at slots [slot, slot + T). Returns (attention output
-    [B, T, Hq, D], per-slot attention sums [B, Hq, S] or None, k_all, v_all, pos_all).
-
-    key_block > 0 (a prefill chunk): the entries are written first and the chunk attends over
-    the written slots [0, slot + T) in blocks of that many keys (`written_slot_attention`).
-    Otherwise (decode and draft steps) attention reads the cache with this step's entries
-    passed beside it, then they are written, and the written values take a zero computed
-    from the attention output so the write must run after attention's reads: XLA:CPU then
-    updates each buffer in place instead of copying every cache buffer of the loop several
-    times per step (tests/test_generation.py checks the compiled loop for such copies). The
-    zero is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a. Every model family
-    calls this one function, so none has to repeat the trick.
-    """
-    t = q.shape[1]
-
-    def write(buf, new):
-        """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of layer i."""
-        start = (i, 0, 0, slot) + (0,) * (new.ndim - 3)
-        return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), start)
-
-    if key_block:
-        k_all, v_all, pos_all = write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
-        attn, probs_sum = written_slot_attention(
-            q, k_all[i], v_all[i], pos_all[i], positions, slot + t, block=key_block,
-            return_probs_sum=record_attn,
-        )  # fmt: skip
-        return attn, probs_sum, k_all, v_all, pos_all
-    attn, probs_sum = cached_attention(
-        q, k_all[i], v_all[i], pos_all[i], positions, return_probs_sum=record_attn,
-        new=(k_new, v_new, new_pos), new_slot=slot,
-    )  # fmt: skip
-    after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
-    k_all, v_all = write(k_all, k_new + after), write(v_all, v_new + after)
-    return attn, probs_sum, k_all, v_all, write(pos_all, new_pos)

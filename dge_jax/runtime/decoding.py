@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardFn, group_layers
+from dge_jax.runtime import platform
 from dge_jax.runtime.cache import KVCache, init_cache, regroup, runs_of_equal
 from dge_jax.runtime.recorders import NOTHING, Recording, Setup
 from dge_jax.runtime.records import DraftRecord, Observation
@@ -50,7 +51,9 @@ class PrefillOutput(NamedTuple):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("forward", "cfg", "capacity", "chunk", "recording", "cache_dtype"),
+    static_argnames=(
+        "forward", "cfg", "capacity", "chunk", "recording", "cache_dtype", "attention"
+    ),
 )
 def prefill_prompt(
     forward: ForwardFn,
@@ -63,8 +66,14 @@ def prefill_prompt(
     chunk: int = 512,
     recording: Recording = NOTHING,
     cache_dtype=None,
+    attention: str = "auto",
 ) -> PrefillOutput:
     """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache.
+
+    Steps and attention: T runs in ceil(T / chunk) equal steps of at most `chunk` tokens, so
+    besides the T below (one step, or steps of the chunk) any T those steps split evenly
+    runs (what `prompts.bucket_length` pads to for long accelerator chunks); attention: the
+    steps' attention implementation (`platform.ATTENTION`; "auto": the platform's).
 
     T must be a multiple of `chunk` (or smaller than it): activations stay [B, chunk, ...]
     however long the prompt. recording: what the prompt's observation holds (a rule's
@@ -73,12 +82,13 @@ def prefill_prompt(
     (`dge_jax.runtime.recorders`).
     """
     b, t = tokens.shape
-    c = min(chunk, t)
+    c = t // -(-t // chunk)  # min(chunk, t) when T is a multiple of the chunk
     if t % c:
-        raise ValueError(f"prompt length {t} is not a multiple of the prefill chunk {c}")
+        raise ValueError(f"prompt length {t} does not split into steps of at most {chunk}")
     if capacity < t:
         raise ValueError(f"cache capacity {capacity} is smaller than the prompt ({t})")
     dtype = cache_dtype or params.embed.dtype
+    forward = functools.partial(forward, attention=attention)  # every chunk's attention
     cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
     # Under jax.set_mesh (dge_jax.runtime.sharding): rows over data, kv heads over model;
     # else no-ops.
@@ -340,15 +350,11 @@ def rewind_state(
     return state, drafts
 
 
-def default_layer_loop() -> str:
-    """ "unrolled" on CPU, "scan" elsewhere: see `decode_loop`."""
-    return "unrolled" if jax.default_backend() == "cpu" else "scan"
-
-
 def decode_groups(cache: KVCache, layer_loop: str | None = None) -> tuple[int, ...]:
     """Layer group sizes `decode_loop` runs `cache` in: "scan" = one group per run of layers of
-    one capacity (one group for a uniform cache); "unrolled" = one layer per group."""
-    layer_loop = layer_loop or default_layer_loop()
+    one capacity (one group for a uniform cache); "unrolled" = one layer per group; None:
+    the platform's (`platform.Backend.layer_loop`: unrolled on CPU, scan elsewhere)."""
+    layer_loop = layer_loop or platform.current().layer_loop
     if layer_loop not in ("scan", "unrolled"):
         raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
     if layer_loop == "unrolled":
@@ -383,7 +389,7 @@ def decode_loop(
     its own group. XLA:CPU copies each layer's slice of a stacked array before using it, so
     a scanned step moves the weights and cache several times; one-layer groups are read in
     place (`python -m benchmarks.decode_step` compares them), for one extra copy of the
-    layer weights while decoding and a longer compile. None: `default_layer_loop()`. The
+    layer weights while decoding and a longer compile. None: the platform's. The
     cache comes back in the grouping it was given. Same tokens either way.
     """
 

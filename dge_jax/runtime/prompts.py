@@ -21,14 +21,22 @@ MIN_BUCKET = 16
 PROMPT_FORMS = "a prompt is a str, or a list / 1-D integer array of token ids in [0, vocab)"
 
 
-def bucket_length(n: int, chunk: int = DEFAULT_CHUNK) -> int:
+def bucket_length(n: int, chunk: int = DEFAULT_CHUNK, granule: int | None = None) -> int:
     """Padded prompt length for n tokens: a power of two up to `chunk`, then a multiple of it.
 
     e.g. chunk 512: 10 -> 16, 300 -> 512, 513 -> 1024, 1500 -> 1536.
+
+    granule (a divisor of chunk; None: the chunk): a long chunk with a finer padding. Up to
+    the granule as above; past it, n takes steps = ceil(n / chunk) prefill steps and pads to
+    a multiple of steps * granule, so `decoding.prefill_prompt` splits it into `steps` equal
+    steps of at most `chunk`. e.g. chunk 8192, granule 512: 5000 -> 5120, 9000 -> 9216 (two
+    steps of 4608). Without a granule, the steps are the chunk.
     """
-    if n <= chunk:  # capped at the chunk, so prefill's "multiple of the chunk" always holds
-        return min(chunk, max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()))
-    return -(-n // chunk) * chunk
+    g = granule or chunk
+    if n <= g:  # capped at the granule, so prefill's "multiple of the step" always holds
+        return min(g, max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()))
+    unit = -(-n // chunk) * g
+    return -(-n // unit) * unit
 
 
 def _is_id(x: object) -> bool:
@@ -213,7 +221,8 @@ class Request:
 
     prompt_ids: the ids fed per row; tokens [B, T] int32 left-padded to the bucket T and
     lengths [B] int32 (`pad_left`); buffer: the decode token buffer (a bucket >= the tokens
-    wanted); eos_ids: the model's EOS ids and the extra ones, sorted.
+    wanted); chunk: prefill tokens per step at most; eos_ids: the model's EOS ids and the
+    extra ones, sorted; attention: the prefill attention (`platform.ATTENTION`).
     """
 
     prompt_ids: list[list[int]]
@@ -224,6 +233,7 @@ class Request:
     buffer: int
     chunk: int
     eos_ids: tuple[int, ...]
+    attention: str = "auto"
 
 
 def prepare(
@@ -235,11 +245,15 @@ def prepare(
     chat: bool = False,
     chunk: int = DEFAULT_CHUNK,
     extra_eos_ids: Sequence[int] = (),
+    granule: int | None = None,
+    attention: str = "auto",
 ) -> Request:
     """Text (or token-id) prompts -> a checked `Request` padded to its length bucket.
 
     prompts: one str, a list of prompts (each a str or a list / 1-D integer array of token
-    ids; one batch is all text or all ids), or a 2-D integer array (one row per prompt)."""
+    ids; one batch is all text or all ids), or a 2-D integer array (one row per prompt).
+    chunk / granule: `bucket_length`'s; attention: the prefill attention
+    (`platform.ATTENTION`)."""
     if isinstance(chunk, bool | np.bool_) or not isinstance(chunk, numbers.Integral):
         raise TypeError(f"chunk (the prefill chunk size) must be an int >= 1, got {_kind(chunk)}")
     if chunk < 1:
@@ -262,7 +276,7 @@ def prepare(
     eos_ids = tuple(
         sorted(set(model.tokenizer.eos_ids if model.tokenizer else ()) | set(extra_eos_ids))
     )
-    t = bucket_length(max(map(len, prompt_ids)), chunk)
+    t = bucket_length(max(map(len, prompt_ids)), chunk, granule)
     tokens, lengths = pad_left(prompt_ids, t)
     return Request(
         prompt_ids=prompt_ids,
@@ -273,6 +287,7 @@ def prepare(
         buffer=bucket_length(max_new_tokens, chunk),  # the loop stops at the limit
         chunk=chunk,
         eos_ids=eos_ids,
+        attention=attention,
     )
 
 

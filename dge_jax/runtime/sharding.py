@@ -149,7 +149,16 @@ class AxisRules:
         for name, n in (("mlp", cfg.intermediate_size), ("vocab", cfg.vocab_size)):
             if n % _size(mesh_shape, getattr(self, name)):
                 changes[name] = None  # replicated: slower, never wrong
-        kv_split = cfg.num_kv_heads % _size(mesh_shape, self.kv_heads) == 0
+        changes |= self._heads_and_rows(cfg.num_kv_heads, mesh_shape, batch_size)
+        return dataclasses.replace(self, **changes)
+
+    def _heads_and_rows(
+        self, num_kv_heads: int, mesh_shape: Mapping[str, int], batch_size: int | None
+    ) -> dict[str, MeshAxes]:
+        """`fit`'s changes to heads, kv_heads and batch: what attention's layout depends on
+        (`attention_specs` reads them without a config)."""
+        changes: dict[str, MeshAxes] = {}
+        kv_split = num_kv_heads % _size(mesh_shape, self.kv_heads) == 0
         if not kv_split:  # data-parallel attention (module docstring)
             changes["kv_heads"] = changes["heads"] = None
         if batch_size is not None:
@@ -161,7 +170,7 @@ class AxisRules:
             if batch_size % _size(mesh_shape, batch):
                 batch = ()
             changes["batch"] = batch[0] if len(batch) == 1 else (batch or None)
-        return dataclasses.replace(self, **changes)
+        return changes
 
 
 DEFAULT_RULES = AxisRules()
@@ -401,6 +410,27 @@ def constrain_rows(
         jax.lax.with_sharding_constraint(a, rows_spec(cfg, a.shape[0], a.ndim, mesh, rules))
         for a in arrays
     )
+
+
+def attention_specs(
+    batch_size: int, num_kv_heads: int, rules: AxisRules = DEFAULT_RULES
+) -> tuple[P, P, P, P, P] | None:
+    """Inside jit under a (data, model) mesh set by `jax.set_mesh`: the specs of one layer's
+    attention operands as the cache and the q projection lay them out (`AxisRules.fit`):
+    (q and output [B, T, Hq, D], k and v [B, Hkv, S, D], slot positions [B, Hkv, S], query
+    positions [B, T], per-slot sums [B, Hq, S]). None without such a mesh.
+
+    Rows split over the batch axes and kv heads with their query heads over the model axis,
+    so each device holds whole (row, kv head) pairs: what a kernel that knows no mesh needs
+    (`layer_attention`'s shard_map)."""
+    mesh = _context_mesh()
+    if mesh is None:
+        return None
+    fitted = dataclasses.replace(rules, **rules._heads_and_rows(num_kv_heads, mesh, batch_size))
+    logical = (("batch", None, "heads", None), ("batch", "kv_heads", None, None),
+               ("batch", "kv_heads", None), ("batch", None), ("batch", "heads", None))  # fmt: skip
+    q, kv, slots, rows, sums = (fitted.spec(axes) for axes in logical)
+    return q, kv, slots, rows, sums
 
 
 def mesh_context(tree: Any) -> contextlib.AbstractContextManager:

@@ -1,0 +1,181 @@
+"""One layer's attention over its layer group's cache, with the step's entries written: the
+cache write every family shares, and the switch between attention implementations.
+
+Which implementation runs is the platform's choice (`platform.Backend`, overridable by the
+user's ``attention``): a prefill chunk (``key_block`` > 0) runs `prefill_attention` (the XLA
+blocked online softmax, the Pallas flash kernel, or cuDNN's flash attention); decode and
+draft steps, a handful of queries over the cache, always run the XLA path
+(`attention.cached_attention`), in the score layout the platform prefers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dge_jax.runtime import platform
+from dge_jax.runtime.attention import cached_attention, written_slot_attention
+from dge_jax.runtime.platform import Backend
+from dge_jax.runtime.sharding import attention_specs
+
+
+def cache_layer_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    new_pos: jax.Array,
+    positions: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    pos_all: jax.Array,
+    i: jax.Array | int,
+    slot: jax.Array | int,
+    *,
+    key_block: int = 0,
+    record_attn: bool = False,
+    attention: str = "auto",
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
+    """Layer i's attention over its layer group's cache, with this step's T entries written.
+
+    q [B, T, Hq, D] and k_new, v_new [B, Hkv, T, D] (post-RoPE), new_pos [B, Hkv, T],
+    positions [B, T]; k_all, v_all [Lg, B, Hkv, S, D] and pos_all [Lg, B, Hkv, S]: the
+    group's buffers, layer i written at slots [slot, slot + T). Returns (attention output
+    [B, T, Hq, D], per-slot attention sums [B, Hq, S] or None, k_all, v_all, pos_all).
+    attention: the prefill implementation (`platform.ATTENTION`; "auto": the platform's).
+
+    key_block > 0 (a prefill chunk of that many tokens): the entries are written first and
+    the chunk attends over the written slots [0, slot + T) (`prefill_attention`).
+    Otherwise (decode and draft steps) attention reads the cache with this step's entries
+    passed beside it, then they are written. On CPU the written values take a zero computed
+    from the attention output, so the write must run after attention's reads: XLA:CPU then
+    updates each buffer in place instead of copying every cache buffer of the loop several
+    times per step (tests/test_generation.py checks the compiled loop for such copies). The
+    zero is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a. Every model family
+    calls this one function, so none has to repeat the trick.
+    """
+    backend = platform.current(attention)
+    t = q.shape[1]
+
+    def write(buf, new):
+        """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of layer i."""
+        start = (i, 0, 0, slot) + (0,) * (new.ndim - 3)
+        return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), start)
+
+    if key_block:
+        k_all, v_all, pos_all = write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
+        attn, probs_sum = prefill_attention(
+            backend, q, k_all[i], v_all[i], pos_all[i], positions, slot + t,
+            block=backend.key_block or key_block, return_probs_sum=record_attn,
+        )  # fmt: skip
+        return attn, probs_sum, k_all, v_all, pos_all
+    rows = q.shape[2] // k_all.shape[2] * t  # query rows per kv head
+    attn, probs_sum = cached_attention(
+        q, k_all[i], v_all[i], pos_all[i], positions, return_probs_sum=record_attn,
+        keys_major=rows <= backend.keys_major_max_rows, new=(k_new, v_new, new_pos),
+        new_slot=slot,
+    )  # fmt: skip
+    if backend.write_after_attention:
+        after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
+        k_new, v_new = k_new + after, v_new + after
+    return attn, probs_sum, write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
+
+
+def prefill_attention(
+    backend: Backend,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_pos: jax.Array,
+    query_pos: jax.Array,
+    num_slots: jax.Array | int,
+    *,
+    block: int,
+    return_probs_sum: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`attention.written_slot_attention`'s contract, run by `backend.attention`.
+
+    "xla": `written_slot_attention` in key blocks of `block`. "pallas": `flash_attention`
+    (Mosaic on TPU, interpret mode elsewhere), under a mesh inside a shard_map over rows and
+    kv heads (`_sharded_flash`). "cudnn": `cudnn_attention`; its kernel returns no per-slot
+    sums, so a chunk that records them (H2O) runs the XLA path.
+
+    Rows that see no slot (padding queries) differ: zeros from the flash kernel, a mean of
+    values from the others. Nothing reads them: such a row's key and value are written at
+    position -1 (never visible), prefill keeps only the last position's logits (always a
+    real token with left padding), and recorded queries, query statistics and KVzip's
+    repeat scores all skip position -1.
+    """
+    if backend.attention == "pallas":
+        return _sharded_flash(q, k, v, slot_pos, query_pos, num_slots, return_probs_sum)
+    if backend.attention == "cudnn" and not return_probs_sum:
+        return cudnn_attention(q, k, v, slot_pos, query_pos, num_slots), None
+    return written_slot_attention(
+        q, k, v, slot_pos, query_pos, num_slots, block=block, return_probs_sum=return_probs_sum
+    )
+
+
+def _sharded_flash(q, k, v, slot_pos, query_pos, num_slots, return_probs_sum: bool):
+    """`flash_attention`; under a (data, model) mesh, one call per device on its own rows and
+    kv heads (jax.shard_map with the cache's layout: `sharding.attention_specs`). Each (row,
+    kv head) pair is independent, so nothing crosses devices; a Pallas call cannot be
+    partitioned by XLA itself. Imported here: Pallas's modules take about a second to import,
+    which CPU runs (xla) need not pay."""
+    from dge_jax.runtime.flash import flash_attention
+
+    fn = functools.partial(flash_attention, return_probs_sum=return_probs_sum)
+    specs = attention_specs(q.shape[0], k.shape[1])
+    if specs is None:
+        return fn(q, k, v, slot_pos, query_pos, num_slots)
+    rows, keys, slots, qpos, sums = specs
+
+    def local(*args):
+        out, total = fn(*args)
+        return (out, total) if return_probs_sum else out
+
+    out = jax.shard_map(
+        local, in_specs=(rows, keys, keys, slots, qpos, jax.sharding.PartitionSpec()),
+        out_specs=(rows, sums) if return_probs_sum else rows, check_vma=False,
+    )(q, k, v, slot_pos, query_pos, jnp.asarray(num_slots, jnp.int32))  # fmt: skip
+    return out if return_probs_sum else (out, None)
+
+
+def cudnn_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_pos: jax.Array,
+    query_pos: jax.Array,
+    num_slots: jax.Array | int,
+    *,
+    implementation: str = "cudnn",
+) -> jax.Array:
+    """out [B, T, Hq, D] of `jax.nn.dot_product_attention` over the slots [0, num_slots)
+    visible by position (slot s to query t iff 0 <= slot_pos[s] <= query_pos[t]).
+
+    Each (row, kv head) is one batch entry of a multi-query call: q regrouped as [B * Hkv, T,
+    G, D], the cache read as [B * Hkv, S, 1, D] (a reshape of [B, Hkv, S, D]: no copy), and
+    the slot-position mask as its boolean ``mask`` [B * Hkv, 1, T, S] (jax turns it into an
+    additive bias: B * Hkv * T * S elements per call, bounded by the prefill chunk T).
+    Scores are scaled by D^-1/2 inside the kernel. cuDNN needs bf16 or f16 inputs on a GPU;
+    ``implementation="xla"`` runs the same call through XLA (how CPU tests check the
+    regrouping and the mask).
+    """
+    b, t, hq, d = q.shape
+    hkv, s_len = k.shape[1], k.shape[2]
+    g = hq // hkv
+    if implementation == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"attention='cudnn' needs bfloat16 or float16 weights (cuDNN flash attention), got "
+            f"{q.dtype}: load the model with dtype='bfloat16', or use attention='xla'"
+        )
+    qm = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b * hkv, t, g, d)
+    km, vm = (x.reshape(b * hkv, s_len, 1, d) for x in (k, v))
+    sp = slot_pos[:, :, None, :]  # [B, Hkv, 1, S] against query positions [B, 1, T, 1]
+    written = jnp.arange(s_len) < num_slots
+    mask = (sp >= 0) & (sp <= query_pos[:, None, :, None]) & written
+    out = jax.nn.dot_product_attention(
+        qm, km, vm, mask=mask.reshape(b * hkv, 1, t, s_len), implementation=implementation
+    )
+    return out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)

@@ -1,0 +1,134 @@
+"""The platform's choices in one place: one frozen value, decided by where the arrays live.
+
+XLA:CPU, TPUs and GPUs want different programs for the same numbers. Every choice that
+depends on the platform is a field of `Backend`, and nothing else in the library asks which
+platform it runs on. `current(attention)` makes the value for the devices a computation runs
+on: the platform of the mesh set by `jax.set_mesh` (what `generate` sets for a model loaded
+on a mesh, and what compiling for a TPU from a machine without one sets), else the default
+device's. To compile for another platform without a mesh, set a 1 x 1 mesh of its device.
+
+    field                  cpu          tpu            gpu            why
+    attention ("auto")     xla          pallas         xla            see ATTENTION
+    layer_loop             unrolled     scan           scan           XLA:CPU copies a scanned
+                                                                      layer's slices each step
+    prefill_chunk          512          8192           8192           see below
+    prompt_bucket          512          512            512            padding past one chunk
+    key_block              = chunk      512            512            XLA path's score tiles
+    keys_major_max_rows    16           0              0              an XLA:CPU speed choice
+    write_after_attention  True         False          False          an XLA:CPU copy fix
+
+Prefill chunk. Each prefill step reads every weight once, so a 32k prompt in 512-token steps
+reads an 8B model's weights 64 times (159 GB of HBM traffic per device on a v5e-8 against
+about 2 GB of weights: issue 29). On TPU and GPU a step is 8192 tokens: the weights are read
+once for prompts up to 8k and 4 times at 32k, a step's activations stay bounded (batch x 8192
+x the MLP width; the whole 32k prompt at batch 24 would hold 6 GiB of residual stream alone
+per device), and 8192 x batch tokens per weight read sits far past every chip's roofline
+ridge (about 240-600 flops per byte). Prompts are still padded to multiples of 512
+(`prompt_bucket`) and split into equal steps of at most the chunk
+(`prompts.bucket_length`), so a long chunk costs no padding. CPU keeps 512: measured
+fastest there (benchmarks/RESULTS.md).
+
+The other CPU fields: one layer per decode group, because XLA:CPU copies the slice of a
+stacked array a scanned layer reads, every step (`decoding.decode_loop`); keys-major score
+products for a handful of query rows, faster on XLA:CPU (`attention.cached_attention`); and
+the zero that orders a decode step's cache write after attention's reads, without which
+XLA:CPU copied every cache buffer per step (`layer_attention.cache_layer_attention`). On TPU
+that zero only adds a scalar to every layer's all-reduce under a mesh (issue 29), and the TPU
+compiler keeps the buffers in place without it (tests/test_platform.py compiles the decode
+loop for a v5e and finds no cache copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+ATTENTION = ("auto", "xla", "pallas", "cudnn")
+PLATFORMS = ("cpu", "gpu", "tpu")
+# What device.platform may say for each platform (GPUs report "gpu", or their runtime).
+_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
+# XLA:CPU's rows limit for keys-major decode scores (G query heads x T tokens per kv head):
+# K [S, D] @ Q^T [D, rows] ran the whole attention 1.2-2.3x faster than Q @ K^T for a handful
+# of rows (benchmarks/RESULTS.md, "Decode step"; `python -m benchmarks.decode_step`).
+CPU_KEYS_MAJOR_MAX_ROWS = 16
+CPU_CHUNK = 512
+ACCELERATOR_CHUNK = 8192
+PROMPT_BUCKET = 512
+
+
+def check_attention(attention: object) -> str:
+    """`attention` when it is one of `ATTENTION`; otherwise one ValueError naming them."""
+    if not isinstance(attention, str) or attention not in ATTENTION:
+        raise ValueError(
+            f"attention must be one of {', '.join(repr(a) for a in ATTENTION)}, got "
+            f"{attention!r}: 'auto' picks the platform's (pallas on TPU, xla elsewhere)"
+        )
+    return attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """Every platform-dependent choice of one computation (module docstring); hashable, so
+    it may be a static argument under jit.
+
+    platform: "cpu" | "gpu" | "tpu". attention: prefill's attention ("xla": the blocked
+    online softmax of `attention.written_slot_attention`; "pallas": `flash.flash_attention`,
+    Mosaic on TPU and interpret mode elsewhere; "cudnn": `jax.nn.dot_product_attention`'s
+    cuDNN flash attention, GPU only); decode steps always run the XLA path. layer_loop: the
+    decode loop's layer grouping (`decoding.decode_groups`). prefill_chunk: tokens per
+    prefill step at most; prompt_bucket: prompts longer than it pad to multiples of it (per
+    step). key_block: keys per block of the XLA prefill path (0: the chunk).
+    keys_major_max_rows: decode scores keys-major up to this many rows per kv head (0:
+    never). write_after_attention: order a decode step's cache write after attention's
+    reads through a computed zero.
+    """
+
+    platform: str
+    attention: str
+    layer_loop: str
+    prefill_chunk: int
+    prompt_bucket: int
+    key_block: int
+    keys_major_max_rows: int
+    write_after_attention: bool
+
+    @classmethod
+    def of(cls, platform: str, attention: str = "auto") -> Backend:
+        """The choices for `platform` ("cpu", "gpu", "tpu"; "cuda" / "rocm" mean "gpu") with
+        prefill attention `attention` ("auto": pallas on TPU, xla elsewhere). cudnn off a GPU
+        and unknown names are ValueErrors naming the choice."""
+        check_attention(attention)
+        name = _ALIASES.get(platform, platform)
+        if name not in PLATFORMS:
+            raise ValueError(f"unknown platform {platform!r}; known: {', '.join(PLATFORMS)}")
+        if attention == "cudnn" and name != "gpu":
+            raise ValueError(
+                f"attention='cudnn' (cuDNN flash attention, jax.nn.dot_product_attention) "
+                f"runs on GPU only, and this computation runs on {name}: choose 'auto', "
+                "'xla' or 'pallas'"
+            )
+        if attention == "auto":
+            attention = "pallas" if name == "tpu" else "xla"
+        if name == "cpu":
+            return cls(name, attention, "unrolled", CPU_CHUNK, CPU_CHUNK, 0,
+                       CPU_KEYS_MAJOR_MAX_ROWS, True)  # fmt: skip
+        return cls(name, attention, "scan", ACCELERATOR_CHUNK, PROMPT_BUCKET, 512, 0, False)
+
+
+def current_platform() -> str:
+    """The platform the arrays of this computation live on: the devices of the mesh set by
+    `jax.set_mesh` (inside or outside jit), else the default device's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    if device is not None and getattr(device, "platform", None):
+        return device.platform
+    default = jax.config.jax_default_device
+    if isinstance(default, str):
+        return default
+    return (default or jax.devices()[0]).platform
+
+
+def current(attention: str = "auto") -> Backend:
+    """`Backend.of` the platform this computation runs on (`current_platform`)."""
+    return Backend.of(current_platform(), attention)
