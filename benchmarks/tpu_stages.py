@@ -5,12 +5,12 @@
 `evict.select_for_budgets` (what `evict.keep_masks` calls) -> `evict.compact` ->
 `decoding.decode_loop` over the compacted cache, and `decode_loop` over prefill's full cache
 (what a FullKV cell decodes). Each step is the library's own jitted function, lowered with the
-static arguments the stages give it (`stages.Recording`, `stages.cache_room`, the evict stage's
+static arguments the stages give it (`stages.GridRecording`, `stages.cache_room`, the evict stage's
 capacity rule) and donating what it donates today; each stage's inputs are the previous
 stages' outputs, with the shardings the compiler gave them. Parameters are bf16 and laid out
 by `dge_jax.runtime.sharding` (its rules, `param_shardings`, `cache_shardings`, `rows_spec`),
 under `jax.set_mesh` as `generate_grid` runs (`on_model_mesh`). The small eager glue between
-steps (`start_state`, `observation.for_policy`, `selection.apply_keep`) is traced with
+steps (`start_state`, `observation.for_rule`, `selection.apply_keep`) is traced with
 `jax.eval_shape`, and its outputs keep the layout of the arrays they come from.
 
 One choice differs from what this host would pick: `decode_loop`'s layer grouping defaults to
@@ -218,7 +218,7 @@ class Cell:
         self.params = abstract_params(setup)
         self.request = setup.request()
         self.ev = setup.eviction
-        self.recording = stages.Recording.of([self.ev])
+        self.recording = stages.GridRecording.of([self.ev])
         self.capacity = setup.seq + stages.cache_room(self.request, [self.ev])
         self.full_capacity = setup.seq + stages.cache_room(self.request, [None])
         self.sizes = sizes_of(setup, self.params)
@@ -305,17 +305,14 @@ class Cell:
         ev, cap, b = self.ev, self.capacity, self.setup.batch
         state, record = self.runs["rewind"].outputs
         pre = self.runs["prefill"].outputs
-        cut = jax.eval_shape(lambda o, d: observation.for_policy(ev.policy, o, d), pre.obs, record)
+        cut = jax.eval_shape(lambda o, d: observation.for_rule(ev.rule, o, d), pre.obs, record)
         obs, drafts = _like(self.mesh, cut, (pre.obs, record))
         scalars = _replicated(self.mesh, (
             (jax.ShapeDtypeStruct(np.shape(ev.budget), jnp.int32),),
             jax.ShapeDtypeStruct((), jnp.bool_),
             jax.ShapeDtypeStruct((), jnp.float32),
         ))  # fmt: skip
-        spec = evict.SelectionSpec(
-            policy=ev.policy, head_budget=ev.head_budget, alpha=ev.alpha, ties=ev.ties,
-            slide=ev.timing.slide,
-        )  # fmt: skip
+        spec = evict.SelectionSpec.for_eviction(ev)
         s, w = self.sizes, self.recording.needs.window
         run = StageRun(
             "select",
