@@ -4,14 +4,14 @@
 `decoding.prefill_prompt` -> `decoding.draft_tokens` -> `decoding.rewind_state` ->
 `evict.select_for_budgets` (what `evict.keep_masks` calls) -> `evict.compact` ->
 `decoding.decode_loop` over the compacted cache, and `decode_loop` over prefill's full cache
-(what a FullKV cell decodes). Each step is the library's own jitted function, lowered with the
-static arguments the stages give it (`stages.GridRecording`, `stages.cache_room`, the evict stage's
-capacity rule) and donating what it donates today; each stage's inputs are the previous
-stages' outputs, with the shardings the compiler gave them. Parameters are bf16 and laid out
-by `dge_jax.runtime.sharding` (its rules, `param_shardings`, `cache_shardings`, `rows_spec`),
-under `jax.set_mesh` as `generate_grid` runs (`on_model_mesh`). The small eager glue between
-steps (`start_state`, `observation.for_rule`, `selection.apply_keep`) is traced with
-`jax.eval_shape`, and its outputs keep the layout of the arrays they come from.
+(what a FullKV cell decodes). Each step is the library's own jitted function, lowered with
+the static arguments the stages give it (`grid_plan.GridRecording`, `grid_plan.cache_room`,
+the evict stage's capacity rule) and donating what it donates today; each stage's inputs are
+the previous stages' outputs, with the shardings the compiler gave them. Parameters are bf16
+and laid out by `dge_jax.runtime.sharding` (its rules, `param_shardings`, `cache_shardings`,
+`rows_spec`), under `jax.set_mesh` as `generate_grid` runs (`on_model_mesh`). The small eager
+glue between steps (`start_state`, `observation.for_rule`, `selection.apply_keep`) is traced
+with `jax.eval_shape`, and its outputs keep the layout of the arrays they come from.
 
 One choice differs from what this host would pick: `decode_loop`'s layer grouping defaults to
 `jax.default_backend()`, which is "cpu" here, so `layer_loop` is passed explicitly ("scan",
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import work
 from dge_jax import stages
 from dge_jax.checkpoints.hf import parse_config
-from dge_jax.eviction import evict, observation, selection
+from dge_jax.eviction import evict, grid_plan, observation, selection
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge
 from dge_jax.rules.snapkv import SnapKV
@@ -218,9 +218,9 @@ class Cell:
         self.params = abstract_params(setup)
         self.request = setup.request()
         self.ev = setup.eviction
-        self.recording = stages.GridRecording.of([self.ev])
-        self.capacity = setup.seq + stages.cache_room(self.request, [self.ev])
-        self.full_capacity = setup.seq + stages.cache_room(self.request, [None])
+        self.recording = grid_plan.GridRecording.of([self.ev])
+        self.capacity = setup.seq + grid_plan.cache_room(self.request, [self.ev])
+        self.full_capacity = setup.seq + grid_plan.cache_room(self.request, [None])
         self.sizes = sizes_of(setup, self.params)
         kept = min(setup.budget, setup.seq + self.recording.draft_steps)
         self.kept = kept
@@ -363,7 +363,7 @@ class Cell:
 
     def decode_full(self) -> StageRun:
         """`decode_loop` over prefill's full cache: what a FullKV cell decodes (its prefill's
-        cache has room for every new token: `stages.cache_room`)."""
+        cache has room for every new token: `grid_plan.cache_room`)."""
         cfg, b, cap = self.setup.cfg, self.setup.batch, self.full_capacity
         cache = self.runs["prefill"].outputs.cache
         if cap != self.capacity:

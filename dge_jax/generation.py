@@ -12,6 +12,7 @@ from typing import Any
 
 from dge_jax.config import with_fields
 from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.grid_plan import GridRecording, cache_room, check_cells
 from dge_jax.model import Model
 from dge_jax.runtime import platform
 from dge_jax.runtime.prompts import prepare
@@ -21,10 +22,7 @@ from dge_jax.stages import (
     GREEDY,
     STAGES,
     GenerationResult,
-    GridRecording,
     Hook,
-    cache_room,
-    check_cells,
     decode,
     draft,
     evict,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,10 +26,8 @@ import numpy as np
 from dge_jax.eviction import decode_compression, observation
 from dge_jax.eviction.decode_spec import CAP_MULTIPLE
 from dge_jax.eviction.evict import (
-    Eviction,
     SelectionSpec,
     apply_eviction,
-    check_eviction,
     keep_masks,
     kept_positions,
     layer_capacities,
@@ -37,9 +35,8 @@ from dge_jax.eviction.evict import (
     scoring_key,
     spreads_budget,
 )
+from dge_jax.eviction.grid_plan import CellPlan, GridRecording
 from dge_jax.model import Model
-from dge_jax.rules.base import Needs
-from dge_jax.rules.full import is_full
 from dge_jax.runtime import decoding, stacking
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
 from dge_jax.runtime.prompts import Request, cut_at_eos
@@ -95,81 +92,6 @@ class Drafted:
     record: DraftRecord
     entropy: np.ndarray
     top1: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class CellPlan:
-    """One cell's way through the stages.
-
-    eviction: None for FullKV. steps: draft steps each row ran before eviction ([B] int, None
-    without a draft). state: the decode state at the eviction point (None after the evict
-    stage: no plan holds a full cache it no longer reads); drafts: the draft record rewound
-    to `steps` (None without a draft). keep: the keep mask [L, B, Hkv, S] (select stage);
-    positions: its cache's slot positions, that `keep` indexes; evicted: the state decoding
-    starts from (evict stage); attn: the attention sums aligned with its cache, for a
-    decode-time rule that reads them (H2O).
-    """
-
-    eviction: Eviction | None
-    state: DecodeState | None
-    steps: np.ndarray | None = None
-    drafts: DraftRecord | None = None
-    keep: jax.Array | None = None
-    evicted: DecodeState | None = None
-    attn: jax.Array | None = None
-    positions: jax.Array | None = None
-
-
-def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[Eviction | None]:
-    """The cells with FullKV as None, each eviction checked (clear errors before compiling)."""
-    if isinstance(cells, Eviction):
-        raise TypeError("cells must be a list of Eviction / None; for one eviction pass [ev]")
-    for i, ev in enumerate(cells):
-        if ev is not None and not isinstance(ev, Eviction):
-            raise TypeError(
-                f"eviction (cell {i}) must be a dge_jax.eviction.evict.Eviction or None (no "
-                f"eviction), got {ev!r}; e.g. Eviction(SnapKV(), budget=256, "
-                "timing=dge_jax.eviction.timing.dge(2))"
-            )
-    cells = [None if ev is None or is_full(ev.rule) else ev for ev in cells]
-    for ev in cells:
-        if ev is not None:
-            check_eviction(ev, max_new_tokens)
-    return cells
-
-
-@dataclasses.dataclass(frozen=True)
-class GridRecording:
-    """What the shared prefill and draft record, for every cell at once: the union of the
-    cells' declared needs (`Needs.__or__`: the largest query window, attention sums if any
-    reads them, the one start of query statistics, every rule's own recorders, the one
-    reconstruct stage) and the largest draft k. What the forward records is
-    `needs.recording` (prefill), and its `steps` (each draft step)."""
-
-    needs: Needs
-    draft_steps: int
-
-    @classmethod
-    def of(cls, cells: Sequence[Eviction | None]) -> GridRecording:
-        """The recording the evicting cells of a grid need together (None: FullKV)."""
-        active = [ev for ev in cells if ev is not None]
-        needs = Needs()
-        for ev in active:
-            needs = needs | ev.rule.needs
-        steps = max((ev.timing.draft_steps for ev in active), default=0)
-        return cls(needs=needs, draft_steps=steps)
-
-
-def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
-    """Slots after the prompt the shared prefill cache needs: room for every new token when a
-    cell decodes in that cache (FullKV, a masked eviction); otherwise only for the drafts and
-    for the first block of a cell that evicts only while decoding (every other cell decodes
-    from a compacted copy), so that prefill's cache does not grow with the answer length."""
-    if any(ev is None or not ev.compact for ev in cells):
-        return request.buffer
-    need = [ev.timing.draft_steps for ev in cells]
-    need += [ev.decode.interval for ev in cells if not ev.timing.before_decoding]
-    return min(request.buffer, round_up_slots(max(need + [1])))
 
 
 def prefill(
@@ -441,7 +363,13 @@ def decode(
 
 
 def _decode_compressed(
-    model: Model, request: Request, plan: CellPlan, sampler, hook, record: bool, alone: bool,
+    model: Model,
+    request: Request,
+    plan: CellPlan,
+    sampler,
+    hook,
+    record: bool,
+    alone: bool,
     owns: bool = False,
 ):
     """One cell's decode loop with compression every interval (`decode_compression`). owns:

@@ -363,8 +363,10 @@ def llama():
     start = gen.start_state(pre.cache, Greedy()(pre.logits, key), jnp.asarray(lengths), N_NEW,
                             (), key, buffer=buffer)  # fmt: skip
     # the draft donates its state: a copy, so that prefill's cache stays for the reference
+    steps = Recording.of(QueryWindow(WINDOW)).steps
     drafted, drafts = gen.draft_tokens(model.forward, cfg, params, jax.tree.map(jnp.copy, start),
-                                       sampler=Greedy(), eos_ids=(), num_steps=1)  # fmt: skip
+                                       sampler=Greedy(), eos_ids=(), num_steps=1,
+                                       recording=steps)  # fmt: skip
     return model, prompts, pre, drafted, drafts
 
 

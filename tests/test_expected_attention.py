@@ -187,8 +187,8 @@ def test_prefill_records_pre_rope_query_statistics(model):
 
 
 def test_a_grid_records_one_set_of_statistics(model):
+    from dge_jax.eviction.grid_plan import GridRecording
     from dge_jax.generation import generate_grid
-    from dge_jax.stages import GridRecording
 
     cells = [Eviction(ExpectedAttention(sinks=4), 16, Timing("dge", 2)),
              Eviction(ExpectedAttention(sinks=2), 16, Timing("dge", 2))]  # fmt: skip

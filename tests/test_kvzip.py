@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from tiny_model import jax_model
 
-from dge_jax import generation, stages
+from dge_jax import generation
+from dge_jax.eviction import grid_plan
 from dge_jax.eviction.budgets import adakv_budgets, global_budgets
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
@@ -255,7 +256,7 @@ def test_pipeline_dge_and_dge_w_keep_prefills_top_prompt_entries(model):
 def test_grid_cells_must_share_one_reconstruction():
     cells = [Eviction(KVzip(chunk_size=64), 32), Eviction(KVzip(chunk_size=32), 32)]
     with pytest.raises(ValueError, match="one reconstruct stage"):
-        stages.GridRecording.of(cells)
+        grid_plan.GridRecording.of(cells)
 
 
 def test_model_without_tokenizer_is_a_clear_error(model):

@@ -27,6 +27,7 @@ from dge_jax.rules.h2o import H2O
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.prompts import pad_left
+from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.sampling import Greedy
 
 HD, WINDOW, N_NEW = 24, 8, 6
@@ -57,8 +58,9 @@ def _kv_bytes(cache) -> int:
 def _start(model, capacity: int = 64 + N_NEW):
     tokens, lengths = pad_left(PROMPTS, 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    recording = Recording.of(QueryWindow(WINDOW))
     pre = gen.prefill_prompt(model.forward, model.config, model.params, tokens, lengths,
-                             capacity=capacity, obs_window=WINDOW)  # fmt: skip
+                             capacity=capacity, recording=recording)  # fmt: skip
     key = jax.random.PRNGKey(0)
     first = Greedy()(pre.logits, key)
     return lengths, gen.start_state(pre.cache, first, lengths, N_NEW, (), key, buffer=N_NEW)

@@ -38,6 +38,7 @@ from dge_jax.runtime.attention import written_slot_attention
 from dge_jax.runtime.layer_attention import cudnn_attention
 from dge_jax.runtime.platform import Backend
 from dge_jax.runtime.prompts import bucket_length, pad_left
+from dge_jax.runtime.recorders import NOTHING, AttentionSums, Recording
 
 
 @pytest.fixture(scope="module")
@@ -277,12 +278,12 @@ def test_prefill_compiled_for_tpu_runs_the_pallas_kernel(model, tpu_mesh):
     params = _on(tpu_mesh, model.params)
     with jax.set_mesh(tpu_mesh):  # (no eager op in here: it would run on the absent TPU)
         assert platform.current() == Backend.of("tpu")
-        for record_attn, kernels in ((False, 1), (True, 2)):
+        for recording, kernels in ((NOTHING, 1), (Recording.of(AttentionSums()), 2)):
             hlo = decoding.prefill_prompt.lower(
                 model.forward, model.config, params, *inputs, capacity=80,
-                record_attn=record_attn,
+                recording=recording,
             ).compile().as_text()  # fmt: skip
-            assert hlo.count('custom_call_target="tpu_custom_call"') == kernels, record_attn
+            assert hlo.count('custom_call_target="tpu_custom_call"') == kernels, recording
 
 
 def test_decode_compiled_for_tpu_keeps_the_cache_in_place_without_the_cpu_trick(
