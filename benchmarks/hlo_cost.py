@@ -36,8 +36,12 @@ Limits, said plainly: this is an *accounting of the program*, not a simulation o
 Bytes are what the ops read and write at their boundaries, not what the memory system moves
 (caches, re-reads inside a kernel, DMA granularity and padding to tiles are not modelled; tile
 padding is visible in the layouts but sizes here are logical). A Pallas kernel
-(``tpu_custom_call``) counts its operands and results but no FLOPs (its body is Mosaic code,
-not HLO). ``conditional`` counts its most expensive branch. Loops whose trip count is unknown
+(``tpu_custom_call``) counts its operands and results in ``hbm_bytes`` (each read or written
+once: a lower bound, as a kernel may read a block more than once), and the FLOPs,
+transcendentals and bytes its author declared (``pl.CostEstimate``, carried in the custom
+call's backend config) in ``flops``, ``transcendentals`` and ``kernel_declared_bytes``
+(against ``kernel_boundary_bytes``, its operands and results), since its body is Mosaic code,
+not HLO. ``conditional`` counts its most expensive branch. Loops whose trip count is unknown
 count ``unknown_trips`` times (or once, reported as such). Collectives count their operands and
 results as HBM traffic; the time on the interconnect is not estimated.
 """
@@ -96,11 +100,18 @@ class Cost:
     flops: float = 0.0
     transcendentals: float = 0.0
     hbm_bytes: float = 0.0
+    kernel_boundary_bytes: float = 0.0  # Pallas kernels' operands and results (in hbm_bytes)
+    kernel_declared_bytes: float = 0.0  # what those kernels declare they access
 
     def add(self, other: Cost, times: float = 1.0) -> None:
-        self.flops += other.flops * times
-        self.transcendentals += other.transcendentals * times
-        self.hbm_bytes += other.hbm_bytes * times
+        for field in dataclasses.fields(self):
+            name = field.name
+            setattr(self, name, getattr(self, name) + getattr(other, name) * times)
+
+    @property
+    def hbm_bytes_declared(self) -> float:
+        """hbm_bytes with each Pallas kernel's declared bytes in place of its boundary's."""
+        return self.hbm_bytes - self.kernel_boundary_bytes + self.kernel_declared_bytes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +122,18 @@ class Cost:
 def _operand_arrays(comp: Computation, name: str) -> list[Array]:
     ins = comp.instrs.get(name)
     return ins.arrays if ins is not None else []
+
+
+def declared_cost(ins: Instr) -> tuple[float, float, float] | None:
+    """(FLOPs, transcendentals, bytes) a Pallas kernel declares (its ``pl.CostEstimate``,
+    in the custom call's backend config), or None for any other instruction."""
+    if ins.opcode != "custom-call" or 'custom_call_target="tpu_custom_call"' not in ins.attrs:
+        return None
+    found = re.search(r'"cost_estimate":\{([^}]*)\}', ins.attrs)
+    if not found:
+        return None
+    fields = dict(re.findall(r'"(\w+)":"?(\d+)"?', found.group(1)))
+    return tuple(float(fields.get(k, 0)) for k in ("flops", "transcendentals", "bytes_accessed"))
 
 
 def instr_flops(comp: Computation, ins: Instr) -> tuple[float, float]:
@@ -341,8 +364,13 @@ def _walk(comps, comp, scalars, depth, assume, loops) -> Cost:
                         for n in names if n in comps]  # fmt: skip
             cost.add(max(branches, key=lambda c: (c.flops, c.hbm_bytes), default=Cost()))
         else:
+            declared = declared_cost(ins)
             if op == "fusion":
                 f, t = computation_flops(comps, comps[ins.called("calls")])
+            elif declared is not None:
+                f, t, nbytes = declared
+                cost.kernel_declared_bytes += nbytes
+                cost.kernel_boundary_bytes += boundary_bytes(comps, comp, ins)
             else:
                 f, t = instr_flops(comp, ins)
             cost.flops, cost.transcendentals = cost.flops + f, cost.transcendentals + t

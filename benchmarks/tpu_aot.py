@@ -32,17 +32,19 @@ for that chip. Per stage it prints:
   ([..., S, D], or S·D flattened, S any cache capacity of the stage or the prefill key block)
   in the cache's dtype: keys or values moving between devices. Empty is what we want.
 
-**The memory of the whole DGE cell** (today's program). `generate_grid` keeps what each stage
-returns until the cell is done: prefill's output (its cache), the draft's state (a second full
-cache: ``draft_tokens`` does not donate), the rewound state (a third: ``rewind_state`` returns a
-fresh copy of k and v though it rewrites only positions), the keep mask, and the compacted cache
-that decode donates and updates in place. So the bytes alive on a device while stage s runs are
-counted as: the parameters + the outputs of every earlier stage of the cell + stage s's outputs
-- its aliased (donated) bytes + its temporaries. Small eager glue between steps (the first
-token, ``apply_keep``'s new positions) is left out. The FullKV decode (``decode_full``) is
-another cell and not in this sum. ``kept_argument_bytes`` (arguments - aliased) is what a stage
-reads without consuming it; ``full_caches_alive_during_decode`` counts the full-size caches
-held while the compacted cache decodes.
+**The memory of the whole DGE cell.** What `generate_grid` holds is read, not assumed: a real
+grid of one DGE-SnapKV cell runs on a tiny Llama on CPU with a stage hook that lists the
+caches alive before each step (`cell_memory.trace_grid`, `jax.live_arrays`; donated buffers
+are deleted and drop out). Today the draft and rewind donate prefill's cache and update it in
+place, the cell's plan drops it once evicted, and decode runs over the compacted cache alone:
+one full cache until compaction, then none. The bytes alive on a device while stage s runs
+are counted as: the parameters + the caches held as s starts (full and compacted, at this
+cell's compiled sizes; s's arguments among them) + s's outputs - its aliased (donated) bytes +
+its temporaries. Small arrays (keep masks, observed queries, the first token, ``apply_keep``'s
+new positions) are left out. The FullKV decode (``decode_full``) is another cell and not in
+this sum. ``kept_argument_bytes`` (arguments - aliased) is what a stage reads without
+consuming it; ``full_caches_alive_during_decode`` counts the full-size caches held while the
+compacted cache decodes.
 
 **--max_batch**: the largest batch (a multiple of the mesh's row multiple,
 `sharding.row_multiple`) at which (a) every stage compiles and its own peak fits the HBM
@@ -70,7 +72,7 @@ import sys
 from collections.abc import Callable
 
 from benchmarks import hlo_cost, tpu_stages
-from dge_jax.runtime import sharding
+from dge_jax.runtime import platform, sharding
 
 GIB = 2**30
 
@@ -197,6 +199,9 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
         "kept_argument_bytes": arg - alias,
         "flops": cost.flops, "transcendentals": cost.transcendentals,
         "hbm_bytes": cost.hbm_bytes, "ideal_hbm_bytes": run.ideal_hbm_bytes,
+        "kernel_boundary_bytes": cost.kernel_boundary_bytes,
+        "kernel_declared_bytes": cost.kernel_declared_bytes,
+        "hbm_bytes_declared": cost.hbm_bytes_declared,
         "ideal_flops": run.ideal_flops,
         "hbm_over_ideal": cost.hbm_bytes / run.ideal_hbm_bytes if run.ideal_hbm_bytes else None,
         "roofline_s": _seconds(cost.flops, cost.hbm_bytes, chip),
@@ -210,29 +215,49 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
     }  # fmt: skip
 
 
-def _full_caches(run: tpu_stages.StageRun, capacity: int, head_dim: int) -> int:
-    """Full-capacity caches among a stage's outputs (a k and a v array make one)."""
-    import jax
+# trace hook stage (`generate_grid`'s) -> the compiled stage of the cell
+STAGE_OF = {"prefill": "prefill", "draft": "draft", "rewind": "rewind", "keep_masks": "select",
+            "apply_eviction": "compact", "decode": "decode"}  # fmt: skip
 
-    leaves = jax.tree.leaves(run.outputs) if run.outputs is not None else []
-    kv = [x for x in leaves if len(x.shape) == 5 and x.shape[-2:] == (capacity, head_dim)]
-    return len(kv) // 2
+
+@functools.cache
+def held_caches(k: int) -> tuple[tuple[str, float, float], ...]:
+    """Per stage of one DGE-SnapKV cell, the (full, compacted) caches `generate_grid` holds as
+    the stage starts, its arguments among them: read from a real run of the grid (a tiny
+    Llama on CPU, `cell_memory.trace_grid`), not assumed. Sizes do not change what is held."""
+    from benchmarks import cell_memory
+    from dge_jax.eviction.evict import Eviction
+    from dge_jax.eviction.timing import dge
+    from dge_jax.rules.snapkv import SnapKV
+
+    events = cell_memory.trace_grid([Eviction(SnapKV(), budget=64, timing=dge(k))])
+    out = {}
+    for e in events:
+        name = STAGE_OF.get(e["stage"])
+        if e["when"] == "before" and name is not None and name not in out:
+            out[name] = tuple(sum(c["caches"] for c in e["caches"] if c["kind"] == kind)
+                              for kind in ("full", "compacted"))  # fmt: skip
+    return tuple((name, *out[name]) for name in CELL if name in out)
 
 
 def cell_report(cell: tpu_stages.Cell, stages: list[dict]) -> dict:
-    """The DGE cell's live bytes per stage, counted as the module docstring says."""
+    """The DGE cell's live bytes per stage (module docstring): the parameters, the caches the
+    grid holds as the stage starts (`held_caches`, at this cell's compiled sizes), and the
+    stage's outputs - aliased + temporaries."""
     by_name = {s["name"]: s for s in stages}
-    held = tpu_stages.per_device_bytes(cell.params)
-    live, caches = {}, 0
-    for name in CELL:
+    params = tpu_stages.per_device_bytes(cell.params)
+    full = cell.sizes.kv_slot * cell.capacity  # one full cache (k and v), per device
+    compacted = cell.sizes.kv_slot * cell.compact_capacity
+    live, held = {}, {}
+    for name, n_full, n_compacted in held_caches(cell.setup.k):
         s = by_name[name]
         if not s["compiles"]:
             break
-        live[name] = held + s["output_bytes"] - s["alias_bytes"] + s["temp_bytes"]
+        held[name] = (n_full, n_compacted)
+        live[name] = (params + n_full * full + n_compacted * compacted + s["output_bytes"]
+                      - s["alias_bytes"] + s["temp_bytes"])  # fmt: skip
         s["cell_live_bytes_per_device"] = live[name]
-        held += s["output_bytes"]
-        if name != "decode":
-            caches += _full_caches(cell.runs[name], cell.capacity, cell.setup.cfg.head_dim)
+        s["cell_caches_held"] = {"full": n_full, "compacted": n_compacted}
     complete = len(live) == len(CELL)
     peak_stage = max(live, key=live.get) if live else None
     return {
@@ -240,8 +265,9 @@ def cell_report(cell: tpu_stages.Cell, stages: list[dict]) -> dict:
         "complete": complete,
         "peak_bytes_per_device": live[peak_stage] if complete else None,
         "peak_stage": peak_stage,
-        "full_caches_alive_during_decode": caches if complete else None,
-        "full_cache_bytes_per_device": cell.sizes.kv_slot * cell.capacity,
+        "full_caches_alive_during_decode": held["decode"][0] if complete else None,
+        "full_caches_held_at_most": max(n for n, _ in held.values()) if held else None,
+        "full_cache_bytes_per_device": full,
         "capacity": cell.capacity, "compacted_capacity": cell.compact_capacity,
         "budget": cell.setup.budget, "k": cell.setup.k,
         "max_new_tokens": cell.setup.max_new_tokens,
@@ -260,7 +286,8 @@ def report(setup: tpu_stages.Setup, topology: str, log=None) -> dict:
         "device": dataclasses.asdict(device),
         "mesh": dict(setup.mesh.shape),
         "params_bytes_per_device": tpu_stages.per_device_bytes(cell.params),
-        "layer_loop": setup.layer_loop,
+        "layer_loop": setup.decode_layer_loop,
+        "prefill_chunk": setup.prefill_chunk, "attention": setup.backend.attention,
         "cell": cell_report(cell, stages),
         "stages": stages,
     }  # fmt: skip
@@ -369,16 +396,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--budget", type=int, default=1024, help="SnapKV budget per kv head")
     p.add_argument("--k", type=int, default=2, help="DGE's k (k - 1 draft steps), >= 2")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (the library's)")
-    p.add_argument("--layer_loop", choices=("scan", "unrolled"), default="scan",
-                   help="decode_loop's layer grouping (scan: what a TPU host picks)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="prefill chunk (default: the TPU backend's, as generate picks it)")
+    p.add_argument("--attention", choices=platform.ATTENTION, default="auto",
+                   help="prefill attention (auto: the TPU's, the Pallas flash kernel)")
+    p.add_argument("--layer_loop", choices=("scan", "unrolled"), default=None,
+                   help="decode_loop's layer grouping (default: the TPU backend's, scan)")
     p.add_argument("--max_batch", action="store_true", help="search the largest batch")
     p.add_argument("--max_batch_limit", type=int, default=1024)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     if args.k < 2:
         p.error("--k must be >= 2 (a DGE cell drafts k - 1 tokens)")
-    if args.seq % min(args.chunk, args.seq):
+    if args.chunk and args.seq % min(args.chunk, args.seq):
         p.error(f"--seq must be a multiple of --chunk ({args.chunk}), as prompts are padded")
     return args
 
@@ -391,7 +421,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup = tpu_stages.Setup(
         family, cfg, eos, mesh, batch=args.batch, seq=args.seq,
         max_new_tokens=args.max_new_tokens, budget=args.budget, k=args.k, chunk=args.chunk,
-        layer_loop=args.layer_loop,
+        attention=args.attention, layer_loop=args.layer_loop,
     )  # fmt: skip
 
     def log(line: str) -> None:

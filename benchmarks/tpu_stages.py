@@ -13,9 +13,11 @@ and laid out by `dge_jax.runtime.sharding` (its rules, `param_shardings`, `cache
 glue between steps (`start_state`, `observation.for_rule`, `selection.apply_keep`) is traced
 with `jax.eval_shape`, and its outputs keep the layout of the arrays they come from.
 
-One choice differs from what this host would pick: `decode_loop`'s layer grouping defaults to
-`jax.default_backend()`, which is "cpu" here, so `layer_loop` is passed explicitly ("scan",
-what a TPU host picks; `--layer_loop unrolled` gives what a CPU host compiling for TPU gets).
+The platform's choices are the TPU's, as `generate_grid` makes them under a mesh of TPU
+devices (`dge_jax.runtime.platform.Backend`): prefill steps of its `prefill_chunk` tokens,
+prompts padded to its `prompt_bucket`, its attention ("auto": the Pallas flash kernel), the
+decode loop's layer grouping ("scan"). `Setup.chunk`, `attention` and `layer_loop` override
+them (e.g. ``--chunk 512 --attention xla`` gives the program before issue 29's changes).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dge_jax.eviction.timing import dge
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding, sharding
 from dge_jax.runtime.cache import init_cache
+from dge_jax.runtime.platform import Backend
 from dge_jax.runtime.prompts import Request, bucket_length
 
 
@@ -59,8 +62,22 @@ class Setup:
     max_new_tokens: int = 64
     budget: int = 1024
     k: int = 2
-    chunk: int = 512
-    layer_loop: str = "scan"
+    chunk: int | None = None  # None: the backend's prefill_chunk (and its prompt_bucket)
+    attention: str = "auto"
+    layer_loop: str | None = None  # None: the backend's
+
+    @property
+    def backend(self) -> Backend:
+        """The choices generate_grid makes on the mesh's platform (module docstring)."""
+        return Backend.of(self.mesh.devices.flat[0].platform, self.attention)
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.chunk or self.backend.prefill_chunk
+
+    @property
+    def decode_layer_loop(self) -> str:
+        return self.layer_loop or self.backend.layer_loop
 
     @property
     def eviction(self) -> Eviction:
@@ -73,11 +90,14 @@ class Setup:
     def request(self) -> Request:
         """A request of `batch` prompts of `seq` tokens, as `prompts.prepare` pads it (only its
         shapes are read)."""
-        tokens = np.zeros((self.batch, self.seq), np.int32)
+        chunk = self.prefill_chunk
+        granule = None if self.chunk else self.backend.prompt_bucket
+        t = bucket_length(self.seq, chunk, granule)
+        tokens = np.zeros((self.batch, t), np.int32)
         return Request(
             prompt_ids=[], tokens=tokens, lengths=np.full(self.batch, self.seq, np.int32),
             max_new_tokens=self.max_new_tokens, min_new_tokens=0,
-            buffer=bucket_length(self.max_new_tokens, self.chunk), chunk=self.chunk,
+            buffer=bucket_length(self.max_new_tokens, chunk), chunk=chunk,
             eos_ids=self.eos_ids,
         )  # fmt: skip
 
@@ -219,8 +239,9 @@ class Cell:
         self.request = setup.request()
         self.ev = setup.eviction
         self.recording = grid_plan.GridRecording.of([self.ev])
-        self.capacity = setup.seq + grid_plan.cache_room(self.request, [self.ev])
-        self.full_capacity = setup.seq + grid_plan.cache_room(self.request, [None])
+        self.prompt_len = self.request.tokens.shape[1]  # seq padded as generate pads it
+        self.capacity = self.prompt_len + grid_plan.cache_room(self.request, [self.ev])
+        self.full_capacity = self.prompt_len + grid_plan.cache_room(self.request, [None])
         self.sizes = sizes_of(setup, self.params)
         kept = min(setup.budget, setup.seq + self.recording.draft_steps)
         self.kept = kept
@@ -246,8 +267,9 @@ class Cell:
         return steps * per_step_bytes, steps * per_step_flops
 
     def prefill(self) -> StageRun:
-        setup, needs, t = self.setup, self.recording.needs, self.setup.seq
-        chunks = max(t // min(setup.chunk, t), 1)
+        setup, needs, t = self.setup, self.recording.needs, self.prompt_len
+        chunks = -(-t // setup.prefill_chunk)  # equal steps of at most the chunk
+        step = t // chunks
         run = StageRun(
             "prefill",
             # The attention loop of chunk i reads the i + 1 key blocks written so far: on
@@ -255,13 +277,14 @@ class Cell:
             unknown_trips=lambda depth, name: (chunks + 1) / 2,
             ideal_hbm_bytes=self.sizes.weights + self.sizes.kv_slot * t * 1.0,
             ideal_flops=work.prefill_flops(setup.cfg, t, setup.batch) / setup.devices,
-            slots=(self.capacity, min(setup.chunk, t)),
+            slots=(self.capacity, step),
         )
         tokens = _rows(setup, (setup.batch, t), jnp.int32)
         lengths = _rows(setup, (setup.batch,), jnp.int32)
         return _compile(
             run, decoding.prefill_prompt, *self._statics(), tokens, lengths,
-            capacity=self.capacity, chunk=setup.chunk, recording=needs.recording,
+            capacity=self.capacity, chunk=setup.prefill_chunk, recording=needs.recording,
+            attention=setup.attention,
         )  # fmt: skip
 
     def start_state(self, cache):
@@ -350,7 +373,7 @@ class Cell:
         )  # fmt: skip
         return _compile(
             run, decoding.decode_loop, *self._statics(), state, sampler=stages.GREEDY,
-            eos_ids=setup.eos_ids, min_new_tokens=0, layer_loop=setup.layer_loop,
+            eos_ids=setup.eos_ids, min_new_tokens=0, layer_loop=setup.decode_layer_loop,
         )  # fmt: skip
 
     def decode(self) -> StageRun:

@@ -142,6 +142,7 @@ def test_tiny_model_stages_compile_for_v5e(devices, tmp_path, capsys):
     tpu_aot.main([
         "--topology", TOPOLOGY, "--config", str(config), "--seq", "1024", "--batch", "2",
         "--mesh", "data=2,model=4", "--budget", "128", "--max_new_tokens", "16", "--json",
+        "--chunk", "512",  # two prefill steps (the TPU's own chunk would take the prompt in one)
     ])  # fmt: skip
     out = json.loads(capsys.readouterr().out)  # stdout is one JSON object, nothing else
     assert {"topology", "seq", "batch", "hbm_bytes_per_device", "stages"} <= set(out)
@@ -163,6 +164,38 @@ def test_tiny_model_stages_compile_for_v5e(devices, tmp_path, capsys):
     assert [(loop["trips"], loop["source"]) for loop in prefill["loops"]] == [
         (2, "static"), (2, "static")]  # fmt: skip
     assert prefill["flops"] > prefill["xla_cost_analysis"]["flops"]
+    # the flash kernel declares its cost: counted in place of its operands and results
+    assert prefill["kernel_declared_bytes"] > 0 and prefill["kernel_boundary_bytes"] > 0
+    assert (out["prefill_chunk"], out["attention"], out["layer_loop"]) == (512, "pallas", "scan")
     cell = out["cell"]
     assert cell["complete"] and cell["peak_bytes_per_device"] > 0
-    assert cell["full_caches_alive_during_decode"] >= 1
+    # one live full cache: held from prefill to compaction (the draft and rewind update it in
+    # place), none while the compacted cache decodes (what a real grid holds, traced)
+    assert cell["full_caches_held_at_most"] == 1
+    assert cell["full_caches_alive_during_decode"] == 0
+    held = {s["name"]: s.get("cell_caches_held") for s in out["stages"]}
+    assert held["draft"] == held["compact"] == {"full": 1, "compacted": 0}
+    assert held["decode"] == {"full": 0, "compacted": 1}
+
+
+def test_a_kernel_counts_the_cost_it_declares():
+    """A Pallas kernel's FLOPs and bytes are the ones its CostEstimate declares (carried in
+    the custom call's backend config); its operands and results stay in hbm_bytes, and
+    hbm_bytes_declared puts the declared bytes in their place."""
+    text = (
+        "HloModule m, entry_computation_layout={(bf16[8,128]{1,0})->bf16[8,128]{1,0}}\n\n"
+        "ENTRY %main (p: bf16[8,128]) -> bf16[8,128] {\n"
+        "  %p = bf16[8,128]{1,0} parameter(0)\n"
+        "  ROOT %k = bf16[8,128]{1,0} custom-call(%p), custom_call_target=\"tpu_custom_call\", "
+        'backend_config={"custom_call_config":{"body":"x","cost_estimate":{"flops":"1000",'
+        '"transcendentals":"10","bytes_accessed":"50000","remote_bytes_transferred":"0"}}}\n'
+        "}\n"
+    )
+    counted = hlo_cost.analyze(text)
+    assert counted.pallas
+    cost = counted.cost
+    assert (cost.flops, cost.transcendentals) == (1000, 10)
+    boundary = 2 * 8 * 128 * 2  # read once, written once
+    assert cost.kernel_boundary_bytes == cost.hbm_bytes == boundary
+    assert cost.kernel_declared_bytes == 50000
+    assert cost.hbm_bytes_declared == 50000
