@@ -14,7 +14,7 @@ glue between steps (`start_state`, `observation.for_rule`, `selection.apply_keep
 with `jax.eval_shape`, and its outputs keep the layout of the arrays they come from.
 
 The platform's choices are the TPU's, as `generate_grid` makes them under a mesh of TPU
-devices (`dge_jax.runtime.platform.Backend`): prefill steps of its `prefill_chunk` tokens,
+devices (`dge_jax.runtime.platform.Backend`): prefill steps of its `chunk_for` the batch,
 prompts padded to its `prompt_bucket`, its attention ("auto": the Pallas flash kernel), the
 decode loop's layer grouping ("scan"). `Setup.chunk`, `attention` and `layer_loop` override
 them (e.g. ``--chunk 512 --attention xla`` gives the program before issue 29's changes).
@@ -62,7 +62,7 @@ class Setup:
     max_new_tokens: int = 64
     budget: int = 1024
     k: int = 2
-    chunk: int | None = None  # None: the backend's prefill_chunk (and its prompt_bucket)
+    chunk: int | None = None  # None: the backend's chunk for the batch (and its bucket)
     attention: str = "auto"
     layer_loop: str | None = None  # None: the backend's
 
@@ -73,7 +73,9 @@ class Setup:
 
     @property
     def prefill_chunk(self) -> int:
-        return self.chunk or self.backend.prefill_chunk
+        """--chunk, or the chunk generate_grid picks for a device's rows on this mesh."""
+        data = dict(self.mesh.shape).get("data", 1)
+        return self.chunk or self.backend.chunk_for(-(-self.batch // data))
 
     @property
     def decode_layer_loop(self) -> str:

@@ -7,7 +7,7 @@ settings that are not the prompts or the evictions. ``hook``: see `dge_jax.stage
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import Any
 
 from dge_jax.config import with_fields
@@ -41,14 +41,15 @@ class GenerationConfig:
     """How to generate, apart from the prompts and the evictions; static per call.
 
     max_new_tokens / min_new_tokens: answer length bounds (EOS is banned before the minimum,
-    transformers' min_length); chat: wrap text prompts in the chat template; sampler: `Greedy()`
-    or `Sampling(...)`; seed: the PRNG seed of sampling; chunk: prompt tokens per prefill step
-    (None: the platform's, 512 on CPU and 8192 on TPU / GPU with prompts padded to multiples
-    of 512: `platform.Backend`); extra_eos_ids: ids that end an answer besides the
-    tokenizer's EOS; record_compressions: keep what each decode-time compression kept
-    (`GenerationResult.compressions`); attention: prefill's attention implementation, "auto"
-    (the platform's: pallas on TPU, xla elsewhere), "xla", "pallas" (the Pallas flash
-    kernel; interpret mode off TPU, slow) or "cudnn" (GPU only).
+    transformers' min_length); chat: wrap text prompts in the chat template; sampler:
+    `Greedy()` or `Sampling(...)`; seed: the PRNG seed of sampling; chunk: prompt tokens per
+    prefill step (None: the platform's, 512 on CPU and 8192 tokens of a device's rows together
+    on TPU / GPU with prompts padded to multiples of 512: `platform.Backend.chunk_for`);
+    extra_eos_ids: ids that end an answer besides the tokenizer's EOS; record_compressions:
+    keep what each decode-time compression kept (`GenerationResult.compressions`); attention:
+    prefill's attention implementation, "auto" (the platform's: pallas on TPU, xla elsewhere),
+    "xla", "pallas" (the Pallas flash kernel; interpret mode off TPU, slow) or "cudnn" (GPU
+    only).
     """
 
     max_new_tokens: int = 64
@@ -109,7 +110,9 @@ def generate_grid(
     backend = platform.current(cfg.attention)  # the model's mesh is set (on_model_mesh)
     chunk, granule = cfg.chunk, None
     if chunk is None:
-        chunk, granule = backend.prefill_chunk, backend.prompt_bucket
+        # (prepare names what is wrong with prompts that are not a sequence)
+        rows = platform.rows_per_device(len(prompts) if isinstance(prompts, Sized) else 1)
+        chunk, granule = backend.chunk_for(rows), backend.prompt_bucket
     request = prepare(
         model, prompts, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
         chat=cfg.chat, chunk=chunk, extra_eos_ids=cfg.extra_eos_ids, granule=granule,

@@ -94,7 +94,8 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
 
 def run_backend(config: RunConfig, model):
     """(the `platform.Backend` the run's steps take on the model's devices, its prefill
-    chunk: --chunk, or the platform's); --attention cudnn off a GPU is a UsageError."""
+    chunk: --chunk, or the platform's for --batch_size rows); --attention cudnn off a GPU is
+    a UsageError."""
     from dge_jax.runtime import platform
     from dge_jax.runtime.sharding import mesh_context
 
@@ -103,7 +104,8 @@ def run_backend(config: RunConfig, model):
             backend = platform.current(config.attention)
         except ValueError as e:
             raise UsageError(f"--attention: {e}") from e
-    return backend, backend.prefill_chunk if config.chunk is None else config.chunk
+        rows = platform.rows_per_device(config.batch_size)
+    return backend, backend.chunk_for(rows) if config.chunk is None else config.chunk
 
 
 def cell_config(identity: dict, cell: Cell) -> dict:

@@ -58,13 +58,27 @@ def prompt_ids(lengths, seed=0, vocab=128):
 def test_the_choices_per_platform():
     """CPU keeps today's program; TPU and GPU get none of its XLA:CPU choices."""
     cpu, tpu, gpu = (Backend.of(p) for p in ("cpu", "tpu", "gpu"))
-    assert cpu == Backend("cpu", "xla", "unrolled", 512, 512, 0, 16, True)
-    assert tpu == Backend("tpu", "pallas", "scan", 8192, 512, 512, 0, False)
-    assert gpu == Backend("gpu", "xla", "scan", 8192, 512, 512, 0, False)
+    assert cpu == Backend("cpu", "xla", "unrolled", 512, 0, 512, 0, 16, True)
+    assert tpu == Backend("tpu", "pallas", "scan", 8192, 8192, 512, 512, 0, False)
+    assert gpu == Backend("gpu", "xla", "scan", 8192, 8192, 512, 512, 0, False)
     assert Backend.of("cuda") == gpu and Backend.of("gpu", "cudnn").attention == "cudnn"
     assert Backend.of("tpu", "xla").attention == "xla"
     assert Backend.of("cpu", "pallas") == dataclasses.replace(cpu, attention="pallas")
     assert hash(Backend.of("tpu")) == hash(tpu)  # a static argument under jit
+
+
+def test_a_prefill_step_holds_a_bounded_number_of_tokens():
+    """On TPU and GPU a device's rows share about 8192 tokens per prefill step (the chunk in
+    whole 512-token buckets, at least one); CPU keeps 512 at every batch. rows_per_device
+    splits the rows over the mesh's data axis."""
+    tpu, cpu = Backend.of("tpu"), Backend.of("cpu")
+    assert [tpu.chunk_for(b) for b in (1, 2, 3, 4, 16, 24, 64)] == [
+        8192, 4096, 2560, 2048, 512, 512, 512]  # fmt: skip
+    assert [cpu.chunk_for(b) for b in (1, 24)] == [512, 512]
+    assert platform.rows_per_device(24) == 24  # no mesh: every row on the one device
+    mesh = dge_jax.runtime.sharding.make_mesh(1, 1)
+    with jax.set_mesh(mesh):
+        assert platform.rows_per_device(5) == 5
 
 
 def test_auto_is_xla_on_this_cpu():

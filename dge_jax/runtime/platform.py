@@ -12,6 +12,7 @@ device's. To compile for another platform without a mesh, set a 1 x 1 mesh of it
     layer_loop             unrolled     scan           scan           XLA:CPU copies a scanned
                                                                       layer's slices each step
     prefill_chunk          512          8192           8192           see below
+    prefill_step_tokens    -            8192           8192           batch x chunk, at most
     prompt_bucket          512          512            512            padding past one chunk
     key_block              = chunk      512            512            XLA path's score tiles
     keys_major_max_rows    16           0              0              an XLA:CPU speed choice
@@ -19,14 +20,16 @@ device's. To compile for another platform without a mesh, set a 1 x 1 mesh of it
 
 Prefill chunk. Each prefill step reads every weight once, so a 32k prompt in 512-token steps
 reads an 8B model's weights 64 times (159 GB of HBM traffic per device on a v5e-8 against
-about 2 GB of weights: issue 29). On TPU and GPU a step is 8192 tokens: the weights are read
-once for prompts up to 8k and 4 times at 32k, a step's activations stay bounded (batch x 8192
-x the MLP width; the whole 32k prompt at batch 24 would hold 6 GiB of residual stream alone
-per device), and 8192 x batch tokens per weight read sits far past every chip's roofline
-ridge (about 240-600 flops per byte). Prompts are still padded to multiples of 512
-(`prompt_bucket`) and split into equal steps of at most the chunk
-(`prompts.bucket_length`), so a long chunk costs no padding. CPU keeps 512: measured
-fastest there (benchmarks/RESULTS.md).
+about 2 GB of weights: issue 29). On TPU and GPU a step holds about 8192 tokens of all rows
+together (`chunk_for`: a device's rows x chunk <= `prefill_step_tokens`, the chunk a multiple of the
+512-token `prompt_bucket` and at most `prefill_chunk`): at batch 1 the weights are read once
+for prompts up to 8k and 4 times at 32k, and a step's activations stay bounded whatever the
+batch (compiled for a v5e-8, an 8B model's prefill at batch 24 in 8192-token chunks needs
+19 GiB of temporaries; in 512-token ones it fits: benchmarks/RESULTS.md). 8192 tokens per
+weight read sits far past every chip's roofline ridge (about 240-600 flops per byte), so
+the weights' re-reads cost traffic, not time. Prompts are padded to multiples of 512 and
+split into equal steps of at most the chunk (`prompts.bucket_length`), so a long chunk costs
+no padding. CPU keeps 512 at every batch: measured fastest there (benchmarks/RESULTS.md).
 
 The other CPU fields: one layer per decode group, because XLA:CPU copies the slice of a
 stacked array a scanned layer reads, every step (`decoding.decode_loop`); keys-major score
@@ -77,8 +80,9 @@ class Backend:
     Mosaic on TPU and interpret mode elsewhere; "cudnn": `jax.nn.dot_product_attention`'s
     cuDNN flash attention, GPU only); decode steps always run the XLA path. layer_loop: the
     decode loop's layer grouping (`decoding.decode_groups`). prefill_chunk: tokens per
-    prefill step at most; prompt_bucket: prompts longer than it pad to multiples of it (per
-    step). key_block: keys per block of the XLA prefill path (0: the chunk).
+    prefill step at most; prefill_step_tokens: the rows' tokens per step at most (0: the
+    chunk whatever the batch; `chunk_for`); prompt_bucket: prompts longer than it pad to
+    multiples of it (per step). key_block: keys per block of the XLA prefill path (0: the chunk).
     keys_major_max_rows: decode scores keys-major up to this many rows per kv head (0:
     never). write_after_attention: order a decode step's cache write after attention's
     reads through a computed zero.
@@ -88,6 +92,7 @@ class Backend:
     attention: str
     layer_loop: str
     prefill_chunk: int
+    prefill_step_tokens: int
     prompt_bucket: int
     key_block: int
     keys_major_max_rows: int
@@ -111,9 +116,20 @@ class Backend:
         if attention == "auto":
             attention = "pallas" if name == "tpu" else "xla"
         if name == "cpu":
-            return cls(name, attention, "unrolled", CPU_CHUNK, CPU_CHUNK, 0,
+            return cls(name, attention, "unrolled", CPU_CHUNK, 0, CPU_CHUNK, 0,
                        CPU_KEYS_MAJOR_MAX_ROWS, True)  # fmt: skip
-        return cls(name, attention, "scan", ACCELERATOR_CHUNK, PROMPT_BUCKET, 512, 0, False)
+        return cls(name, attention, "scan", ACCELERATOR_CHUNK, ACCELERATOR_CHUNK, PROMPT_BUCKET,
+                   512, 0, False)  # fmt: skip
+
+    def chunk_for(self, batch: int) -> int:
+        """The prefill chunk for `batch` rows on a device (`rows_per_device`):
+        `prefill_chunk`, cut so that the rows' tokens per step stay within
+        `prefill_step_tokens` (0: no cut), in whole `prompt_bucket`s and at least one. e.g.
+        on TPU: batch 1 -> 8192, 4 -> 2048, 24 -> 512 (341 rounded down to one bucket)."""
+        if not self.prefill_step_tokens or batch <= 1:
+            return self.prefill_chunk
+        per_row = self.prefill_step_tokens // batch // self.prompt_bucket * self.prompt_bucket
+        return max(self.prompt_bucket, min(self.prefill_chunk, per_row))
 
 
 def current_platform() -> str:
@@ -127,6 +143,15 @@ def current_platform() -> str:
     if isinstance(default, str):
         return default
     return (default or jax.devices()[0]).platform
+
+
+def rows_per_device(rows: int) -> int:
+    """Rows one device holds of `rows` under the mesh set by `jax.set_mesh` (rows split over
+    its "data" axis; all of them without a mesh): what a prefill step's activations scale
+    with (`Backend.chunk_for`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    data = 1 if mesh.empty else dict(mesh.shape).get("data", 1)
+    return -(-rows // data)
 
 
 def current(attention: str = "auto") -> Backend:
