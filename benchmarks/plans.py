@@ -122,11 +122,44 @@ def make_plan(suite: str, size: str) -> Plan:
             runs=1,
         )
     if suite == "gpu":
+        # Every size has the same shape: decode at batch 1, 8 and 32 (two lengths, so that
+        # batch 32's full cache stays a few GiB), then one long batch-1 prompt for prefill at
+        # length; each configuration under each attention backend (suites.gpu_attention).
         common = dict(b_dtype="bfloat16", b_peers=False, b_layers=32, b_prefill_memory=None)
         if size == "full":
-            return Plan(suite, size, b_configs=((8192, 4), (32768, 1)), **common)
+            # One H200 (141 GB). The model is (b)'s trunk (hidden 1024, MLP 3584, vocab
+            # 1024) with Llama-3-8B's attention (32 layers x 8 kv heads x 128): 0.69 B
+            # parameters, 1.4 GB in bf16, and 128 KiB of bf16 cache per token. Full caches:
+            # 8192 x 8 = 8.7 GB; 4096 x 32 = 17 GB, the largest (even five live copies,
+            # prefill's, the draft's, a fresh one per decode run and its output: 87 GB);
+            # 32768 x 1 = 4.3 GB. Prefill's attention chunk is capped at 8 GiB
+            # (eviction_decode). Time, estimated (no H200 run yet): machine limits ~20 s;
+            # per configuration ~6 compiles of 5-15 s on the xla pass, the prefill's alone on
+            # the cudnn pass (~1-2.5 min), plus the runs: prefill up to 1e15 FLOPs (32k x 1,
+            # about 5 s at 100 TFLOP/s), 2 caches x 4 runs x 62 decode steps of 0.5-5 ms;
+            # 4 configurations: ~5-8 min in all, under the issue's 10.
+            return Plan(
+                suite,
+                size,
+                b_configs=((8192, 1), (8192, 8), (4096, 32), (32768, 1)),
+                b_target=(8192, 8),
+                **common,
+            )
         if size == "quick":
-            return Plan(suite, size, b_configs=((2048, 2), (4096, 1)), b_target=(2048, 2), **common)
+            return Plan(
+                suite,
+                size,
+                b_configs=((2048, 1), (2048, 8), (1024, 32), (8192, 1)),
+                b_target=(2048, 8),
+                **common,
+            )
         common |= dict(b_layers=2, b_hidden=64, b_intermediate=128, b_new_tokens=6, runs=1)
-        return Plan(suite, size, b_configs=((256, 2),), b_target=(256, 2), b_budget=48, **common)
+        return Plan(
+            suite,
+            size,
+            b_configs=((128, 1), (128, 8), (64, 32), (256, 1)),
+            b_target=(128, 8),
+            b_budget=48,
+            **common,
+        )
     raise ValueError(f"unknown suite {suite!r}")
