@@ -127,22 +127,23 @@ def make_plan(suite: str, size: str) -> Plan:
         # length; each configuration under each attention backend (suites.gpu_attention).
         common = dict(b_dtype="bfloat16", b_peers=False, b_layers=32, b_prefill_memory=None)
         if size == "full":
-            # One H200 (141 GB). The model is (b)'s trunk (hidden 1024, MLP 3584, vocab
-            # 1024) with Llama-3-8B's attention (32 layers x 8 kv heads x 128): 0.69 B
-            # parameters, 1.4 GB in bf16, and 128 KiB of bf16 cache per token. Full caches:
-            # 8192 x 8 = 8.7 GB; 4096 x 32 = 17 GB, the largest (even five live copies,
-            # prefill's, the draft's, a fresh one per decode run and its output: 87 GB);
-            # 32768 x 1 = 4.3 GB. Prefill's attention chunk is capped at 8 GiB
-            # (eviction_decode). Time, estimated (no H200 run yet): machine limits ~20 s;
-            # per configuration ~6 compiles of 5-15 s on the xla pass, the prefill's alone on
-            # the cudnn pass (~1-2.5 min), plus the runs: prefill up to 1e15 FLOPs (32k x 1,
-            # about 5 s at 100 TFLOP/s), 2 caches x 4 runs x 62 decode steps of 0.5-5 ms;
-            # 4 configurations: ~5-8 min in all, under the issue's 10.
+            # One H200 (141 GB). The model has Llama-3.1-8B's geometry (hidden 4096, MLP
+            # 14336, 32 layers, 32 / 8 heads x 128; vocab 1024, as (b)'s): 7.0 B parameters,
+            # 14 GB in bf16, and 128 KiB of bf16 cache per token. Full caches: 8192 x 8 =
+            # 8.6 GB; 4096 x 32 = 17 GB, the largest (five live copies would be 86 GB, with
+            # the weights 100 GB); 32768 x 1 = 4.3 GB. Time, estimated (no H200 run yet):
+            # machine limits ~20 s; per configuration ~6 compiles of 5-15 s on the xla pass,
+            # the prefill's alone on the cudnn pass, plus the runs: prefill up to 7e14 FLOPs
+            # (32k x 1: ~1.5 s at 500 TFLOP/s), decode 2 caches x 4 runs x 62 steps of 3-10
+            # ms (14 GB of weights per step at ~4 TB/s); 4 configurations x 2 backends:
+            # ~6-9 min in all, under the issue's 10.
             return Plan(
                 suite,
                 size,
                 b_configs=((8192, 1), (8192, 8), (4096, 32), (32768, 1)),
                 b_target=(8192, 8),
+                b_hidden=4096,
+                b_intermediate=14336,
                 **common,
             )
         if size == "quick":
