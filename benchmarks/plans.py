@@ -122,11 +122,45 @@ def make_plan(suite: str, size: str) -> Plan:
             runs=1,
         )
     if suite == "gpu":
+        # Every size has the same shape: decode at batch 1, 8 and 32 (two lengths, so that
+        # batch 32's full cache stays a few GiB), then one long batch-1 prompt for prefill at
+        # length; each configuration under each attention backend (suites.gpu_attention).
         common = dict(b_dtype="bfloat16", b_peers=False, b_layers=32, b_prefill_memory=None)
         if size == "full":
-            return Plan(suite, size, b_configs=((8192, 4), (32768, 1)), **common)
+            # One H200 (141 GB). The model has Llama-3.1-8B's geometry (hidden 4096, MLP
+            # 14336, 32 layers, 32 / 8 heads x 128; vocab 1024, as (b)'s): 7.0 B parameters,
+            # 14 GB in bf16, and 128 KiB of bf16 cache per token. Full caches: 8192 x 8 =
+            # 8.6 GB; 4096 x 32 = 17 GB, the largest (five live copies would be 86 GB, with
+            # the weights 100 GB); 32768 x 1 = 4.3 GB. Time, estimated (no H200 run yet):
+            # machine limits ~20 s; per configuration ~6 compiles of 5-15 s on the xla pass,
+            # the prefill's alone on the cudnn pass, plus the runs: prefill up to 7e14 FLOPs
+            # (32k x 1: ~1.5 s at 500 TFLOP/s), decode 2 caches x 4 runs x 62 steps of 3-10
+            # ms (14 GB of weights per step at ~4 TB/s); 4 configurations x 2 backends:
+            # ~6-9 min in all, under the issue's 10.
+            return Plan(
+                suite,
+                size,
+                b_configs=((8192, 1), (8192, 8), (4096, 32), (32768, 1)),
+                b_target=(8192, 8),
+                b_hidden=4096,
+                b_intermediate=14336,
+                **common,
+            )
         if size == "quick":
-            return Plan(suite, size, b_configs=((2048, 2), (4096, 1)), b_target=(2048, 2), **common)
+            return Plan(
+                suite,
+                size,
+                b_configs=((2048, 1), (2048, 8), (1024, 32), (8192, 1)),
+                b_target=(2048, 8),
+                **common,
+            )
         common |= dict(b_layers=2, b_hidden=64, b_intermediate=128, b_new_tokens=6, runs=1)
-        return Plan(suite, size, b_configs=((256, 2),), b_target=(256, 2), b_budget=48, **common)
+        return Plan(
+            suite,
+            size,
+            b_configs=((128, 1), (128, 8), (64, 32), (256, 1)),
+            b_target=(128, 8),
+            b_budget=48,
+            **common,
+        )
     raise ValueError(f"unknown suite {suite!r}")

@@ -40,7 +40,11 @@ SCENARIO_NOTES = {
     "(dge_jax: the benchmark process, model and JAX included; peers: the peer process).",
     "b": "Every step compiled ahead of time; decode is the best of several runs; the "
     "compacted row's evict ms is select + compact.",
-    "gpu": "Every step compiled ahead of time; decode is the best of several runs.",
+    "gpu": "Every step compiled ahead of time; decode is the best of several runs. attention: "
+    "prefill's attention backend (xla: the library's blocked online softmax; cudnn: cuDNN "
+    "flash attention, GPU only); decode steps run the XLA path under both, so compile s (#) "
+    "is what that backend's pass compiled: the first compiles every step, a later one its "
+    "prefill alone (JAX's compile cache holds the others: same functions and shapes).",
 }
 
 
@@ -140,7 +144,10 @@ def _md_scenarios(result: dict) -> list[str]:
             continue
         rows.sort(key=lambda r: (r["prompt_tokens"], r["batch"], r["system"] != "dge_jax"))
         lines += [f"## {title}", ""]
-        lines += _table(FIGURE_HEADER, [_figure_cells(r) for r in rows], align="rrll" + "r" * 8)
+        header, cells = FIGURE_HEADER, [_figure_cells(r) for r in rows]
+        if scenario == "gpu":  # one row per prefill attention backend
+            header, cells = _with_attention(header, cells, rows, 4)
+        lines += _table(header, cells, align="rrll" + "l" * (scenario == "gpu") + "r" * 8)
         lines += ["", SCENARIO_NOTES[scenario], ""]
         lines += _md_utilisation(scenario, [r for r in rows if r["system"] == "dge_jax"])
     return lines
@@ -157,6 +164,14 @@ def _scenario_titles(plan: dict) -> dict[str, str]:
         "gpu": f"GPU suite: Llama-3-8B attention geometry, {plan['b_layers']} layers, hidden "
         f"{plan['b_hidden']}, {plan['b_dtype']}, budget {plan['b_budget']}",
     }
+
+
+def _with_attention(
+    header: list[str], cells: list[list[str]], rows: list[dict], at: int
+) -> tuple[list[str], list[list[str]]]:
+    """`header` and `cells` with the rows' attention backend as column `at`."""
+    cells = [c[:at] + [r.get("attention", "–")] + c[at:] for c, r in zip(cells, rows, strict=True)]
+    return header[:at] + ["attention"] + header[at:], cells
 
 
 def _figure_cells(r: dict) -> list[str]:
@@ -200,12 +215,15 @@ def _md_utilisation(scenario: str, ours: list[dict]) -> list[str]:
         ]
         for r in ours
     ]
+    align = "rrl"
     if scenario == "gpu":
         util_header += ["MFU %", "bandwidth util %"]
         for u, r in zip(util, ours, strict=True):
             u += [_f(r["mfu"], ".1f", 100), _f(r["bw_util"], ".1f", 100)]
+        util_header, util = _with_attention(util_header, util, ours, 3)
+        align = "rrll"
     lines = [f"dge_jax against the measured limits ({scenario}):", ""]
-    lines += _table(util_header, util, align="rrl" + "r" * (len(util_header) - 3))
+    lines += _table(util_header, util, align=align + "r" * (len(util_header) - len(align)))
     lines.append("")
     return lines
 

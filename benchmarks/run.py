@@ -3,7 +3,10 @@
     bash benchmarks/setup_peers.sh                    # once: the peers' venv (kvpress 0.5.5)
     python -m benchmarks.run --suite cpu              # the full CPU suite (tens of minutes)
     python -m benchmarks.run --suite cpu --quick      # small sizes: every code path, minutes
-    python -m benchmarks.run --suite gpu              # one NVIDIA GPU, JAX's CUDA build, < 8 min
+    python -m benchmarks.run --suite gpu              # one NVIDIA GPU, JAX's CUDA build: batch
+                                                      # 1 / 8 / 32 and 32k x 1, xla and cudnn
+                                                      # prefill attention, < 10 min on an H200
+                                                      # (= python -m benchmarks.gpu_suite)
 
 Writes `benchmarks/results/<suite>[-quick].json` and a Markdown twin, and prints the tables.
 

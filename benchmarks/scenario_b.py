@@ -3,14 +3,19 @@
 `run_kv_config` runs one configuration of (b), and of the GPU suite (the same model at 32
 layers in bf16): prefill, draft, select + compact, decode full vs compacted, each step
 compiled ahead as `benchmarks.eviction_decode` does (whose pieces it reuses), its short steps
-timed best of `Plan.runs`. `write_hf_folder` writes the same weights as a Hugging Face folder
-for the peers. What the suites run is in `benchmarks.suites`.
+timed best of `Plan.runs`. Its prefill runs the attention backend it is given
+(`dge_jax.runtime.platform.ATTENTION`); the later steps always run the XLA path, so a second
+backend of the same configuration finds their executables in JAX's compile cache (same
+functions, static arguments and shapes) and compiles its prefill alone. `write_hf_folder`
+writes the same weights as a Hugging Face folder for the peers. What the suites run is in
+`benchmarks.suites`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import time
@@ -29,6 +34,7 @@ from dge_jax.eviction.selection import apply_keep
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
+from dge_jax.runtime import platform
 from dge_jax.runtime.cache import compact
 
 
@@ -86,11 +92,19 @@ def prefill_chunk(plan: Plan, cfg: ModelConfig, batch: int, tokens: int, capacit
 
 
 def run_kv_config(
-    plan: Plan, tokens: int, batch: int, compiles: CompileLog, memory: Memory, limits: dict
+    plan: Plan,
+    tokens: int,
+    batch: int,
+    compiles: CompileLog,
+    memory: Memory,
+    limits: dict,
+    attention: str = "auto",
 ) -> tuple[list[dict], dict]:
     """One (b) configuration: prefill, draft (k=2), select + compact, decode full vs compacted.
 
-    Returns (the two rows, extras: theoretical compacted size, kept counts, the prompt)."""
+    attention: prefill's attention backend ("auto": the platform's; the rows record the one
+    that ran). Returns (the two rows, extras: theoretical compacted size, kept counts, the
+    prompt)."""
     from models.llama_like import init_params
 
     _, cfg = kv_config(plan, tokens, batch)
@@ -105,7 +119,7 @@ def run_kv_config(
     key = jax.random.PRNGKey(0)
     cost = CompileCost(compiles)
     memory.mark()
-    steps = time_kv_steps(plan, cfg, params, (ids, lengths, key), capacity, chunk, cost)
+    steps = time_kv_steps(plan, cfg, params, (ids, lengths, key), capacity, chunk, cost, attention)
     peak = memory.peak()
     flops = prefill_flops(cfg, tokens, batch)
     common = {
@@ -113,6 +127,7 @@ def run_kv_config(
         "system": "dge_jax",
         "prompt_tokens": tokens,
         "batch": batch,
+        "attention": platform.current(attention).attention,
         "prefill_s": steps.prefill_s,
         "prefill_tok_s": batch * tokens / steps.prefill_s,
         "ttft_s": steps.ttft_s,
@@ -134,6 +149,7 @@ def run_kv_config(
     extras = {
         "prompt_tokens": tokens,
         "batch": batch,
+        "attention": common["attention"],
         "select_s": steps.select_s,
         "compact_s": steps.compact_s,
         "compacted_capacity": steps.compacted_capacity,
@@ -146,6 +162,13 @@ def run_kv_config(
     return rows, extras
 
 
+@functools.partial(jax.jit, static_argnames="capacity")
+def compact_kept(cache, keep, capacity: int):
+    """The cache holding only the kept entries, in `capacity` slots (module level, so that
+    JAX's compile cache finds it again for the same shapes)."""
+    return compact(apply_keep(cache, keep), capacity)
+
+
 def time_kv_steps(
     plan: Plan,
     cfg: ModelConfig,
@@ -154,12 +177,18 @@ def time_kv_steps(
     capacity: int,
     chunk: int,
     cost: CompileCost,
+    attention: str = "auto",
 ) -> KvSteps:
     """Compiles each step ahead (`cost` adds up the compile cost) and times it: prefill, the
     first token, draft, select, compact, then decode from the full and the compacted cache.
 
-    inputs: (token ids [B, T], lengths [B], the sampler's key)."""
+    inputs: (token ids [B, T], lengths [B], the sampler's key). attention: the prefill's
+    attention backend (`platform.ATTENTION`); every later step runs the XLA path whatever
+    it is. Every step is a module-level jitted function, so a step compiled before with the
+    same static arguments and shapes comes from JAX's compile cache and `cost` counts only
+    what this call compiled (a second backend's pass: its prefill)."""
     ids, lengths, key = inputs
+
     fwd = get_family("llama").forward
     n_new, runs = plan.b_new_tokens, plan.runs
     rule, timing = SnapKV(window=plan.b_window), DGE2
@@ -173,6 +202,7 @@ def time_kv_steps(
         capacity=capacity,
         chunk=chunk,
         recording=rule.needs.recording,
+        attention=attention,
     )
     t_prefill, pre = ed.timed(prefill, params, ids, lengths)
     start_time = time.perf_counter()
@@ -199,7 +229,7 @@ def time_kv_steps(
     remaining = n_new - int(np.min(np.asarray(state.step)))
     counts = np.asarray(jnp.sum(keep, axis=-1))
     small = capacity_for(counts, remaining)  # the API's rule: kept, rounded up, + new tokens
-    shrink = cost.compile(jax.jit(lambda c, k: compact(apply_keep(c, k), small)), state.cache, keep)
+    shrink = cost.compile(compact_kept, state.cache, keep, capacity=small)
     t_compact, small_cache = ed.timed(shrink, state.cache, keep, runs=runs)
     decode_rows = {}
     for name, st in (("full", state), ("compacted", dataclasses.replace(state, cache=small_cache))):

@@ -16,8 +16,10 @@ What runs (issue 9), in one process, peers in a subprocess afterwards (never con
 - (b) the KV-dominated random-weight model of `benchmarks.eviction_decode` (Llama-3-8B
   attention geometry on a 2-layer trunk) at 4k / 8k / 16k tokens: full vs compacted decode,
   cache bytes against the theoretical size of a compacted cache;
-- the GPU suite: (b)'s model at 32 layers in bf16: prefill model-FLOP utilisation and decode
-  bandwidth utilisation, full vs compacted, against the GPU's peaks (`machine.GPU_PEAKS`).
+- the GPU suite: (b)'s model at 32 layers in bf16 at batch 1, 8 and 32 (and one long batch-1
+  prompt): prefill tok/s and model-FLOP utilisation, decode tok/s and bandwidth utilisation
+  from the full and the compacted cache, against the GPU's peaks (`machine.GPU_PEAKS`), each
+  configuration under each prefill attention backend (`gpu_attention`).
 
 How each is timed: `benchmarks.harness`. The machine limits are measured by
 `benchmarks.run.main` before a suite starts.
@@ -41,6 +43,7 @@ from benchmarks.scenario_a import make_prompts, prefill_profile, run_embedded_co
 from benchmarks.scenario_b import kv_config, run_kv_config, write_hf_folder
 from benchmarks.targets import headline
 from benchmarks.work import tree_bytes
+from dge_jax.runtime import platform
 
 
 def cpu_suite(plan: Plan, limits: dict, compiles: CompileLog, memory: Memory,
@@ -176,17 +179,34 @@ def kv_suite(plan: Plan, limits: dict, compiles: CompileLog, memory: Memory,
             ])  # fmt: skip
 
 
+def gpu_attention() -> tuple[str, ...]:
+    """The prefill attention backends the GPU suite times: ("xla", "cudnn") on a GPU; only
+    "xla" elsewhere (the --tiny test runs this suite's code on CPU), since cuDNN flash
+    attention runs on GPUs only (`platform.Backend.of` refuses it elsewhere)."""
+    on_gpu = platform.Backend.of(platform.current_platform()).platform == "gpu"
+    return ("xla", "cudnn") if on_gpu else ("xla",)
+
+
 def gpu_suite(plan: Plan, limits: dict, peaks: dict, compiles: CompileLog, memory: Memory) -> dict:
-    """The 8B-geometry model at 32 layers in bf16: prefill MFU, decode bandwidth utilisation."""
+    """The 8B-attention-geometry model at 32 layers in bf16, each configuration under each
+    prefill attention backend (`gpu_attention`): prefill tok/s and MFU, decode tok/s and
+    bandwidth utilisation from the full and the compacted cache. The steps after prefill run
+    the XLA path under every backend, so a configuration's later backends find their
+    executables in JAX's compile cache: each row's compile s (#) is what its backend's pass
+    compiled (after the first, the prefill alone)."""
     out: dict = {"rows": [], "b_extras": []}
     for tokens, batch in plan.b_configs:
-        log(f"[gpu] {tokens} tokens x {batch}, {plan.b_layers} layers, {plan.b_dtype}")
-        rows, extras = run_kv_config(plan, tokens, batch, compiles, memory, limits)
-        extras.pop("prompt")
-        for row in rows:
-            row["scenario"] = "gpu"
-            row["mfu"] = row["prefill_gflops"] / peaks["gflops"]
-            row["bw_util"] = row["decode_gb_s"] / peaks["gb_s"]
-        out["rows"] += rows
-        out["b_extras"].append(extras)
+        for attention in gpu_attention():
+            log(f"[gpu] {tokens} tokens x {batch}, {plan.b_layers} layers, {plan.b_dtype}, "
+                f"{attention} attention")  # fmt: skip
+            rows, extras = run_kv_config(
+                plan, tokens, batch, compiles, memory, limits, attention=attention
+            )
+            extras.pop("prompt")
+            for row in rows:
+                row["scenario"] = "gpu"
+                row["mfu"] = row["prefill_gflops"] / peaks["gflops"]
+                row["bw_util"] = row["decode_gb_s"] / peaks["gb_s"]
+            out["rows"] += rows
+            out["b_extras"].append(extras)
     return out

@@ -22,6 +22,7 @@ import dge_jax
 from benchmarks import (
     agreement,
     cpu_kernels,
+    gpu_suite,
     harness,
     machine,
     plans,
@@ -30,6 +31,7 @@ from benchmarks import (
     scenario_a,
     scenario_b,
     selection,
+    suites,
     work,
 )
 from benchmarks.peers import ratio_for
@@ -129,16 +131,44 @@ def test_cpu_suite_json_schema(cpu_run):
 
 @pytest.mark.slow
 def test_gpu_suite_code_path_on_cpu(tmp_path):
-    result = run.main(["--suite", "gpu", "--tiny", "--out", str(tmp_path)])
+    """`python -m benchmarks.gpu_suite --tiny` on CPU: the tiny plan's batches 1, 8 and 32 and
+    its long prompt, full and compacted rows each, under xla attention only (cuDNN runs on
+    GPUs only)."""
+    plan = plans.make_plan("gpu", "tiny")
+    assert sorted({b for _, b in plan.b_configs}) == [1, 8, 32]
+    result = gpu_suite.main(["--tiny", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpu-tiny.json").read_text())
     assert saved == json.loads(json.dumps(result, default=report._json_default))
     assert saved["peaks"]["source"] == "measured"  # a CPU is in no GPU table
+    assert suites.gpu_attention() == ("xla",)
     rows = saved["rows"]
-    assert [r["method"] for r in rows] == ["FullKV", "SnapKV dge(2) compacted"]
+    methods = ["FullKV", "SnapKV dge(2) compacted"]
+    expected = [(t, b, "xla", m) for t, b in plan.b_configs for m in methods]
+    assert [(r["prompt_tokens"], r["batch"], r["attention"], r["method"]) for r in rows] == (
+        expected
+    )
     for r in rows:
         assert r["scenario"] == "gpu" and r["dtype"] == "bfloat16"
         assert _finite_positive(r["mfu"]) and _finite_positive(r["bw_util"])
-    assert "MFU %" in (tmp_path / "gpu-tiny.md").read_text()
+        assert _finite_positive(r["prefill_tok_s"]) and _finite_positive(r["decode_tok_s"])
+        assert r["compilations"] > 0
+    assert [e["attention"] for e in saved["b_extras"]] == ["xla"] * len(plan.b_configs)
+    md = (tmp_path / "gpu-tiny.md").read_text()
+    assert "MFU %" in md and "| attention |" in md and "| xla |" in md
+
+
+@pytest.mark.slow
+def test_kv_config_repeated_compiles_nothing():
+    """What makes the GPU suite's compile counts per backend: every step of a configuration
+    comes from JAX's compile cache the second time (the compact step included), so a second
+    backend's pass compiles only what differs, its prefill. On CPU both passes run xla."""
+    plan = plans.make_plan("gpu", "tiny")
+    compiles, memory = harness.CompileLog.get(), harness.Memory()
+    limits = {"gflops": 1.0, "gb_s": 1.0}
+    first, _ = scenario_b.run_kv_config(plan, 64, 2, compiles, memory, limits, "xla")
+    second, _ = scenario_b.run_kv_config(plan, 64, 2, compiles, memory, limits, "xla")
+    assert first[0]["compilations"] > 0 and second[0]["compilations"] == 0
+    assert [r["decode_steps"] for r in second] == [r["decode_steps"] for r in first]
 
 
 def test_selection_benchmark_quick(capsys):
