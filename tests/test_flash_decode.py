@@ -41,7 +41,7 @@ from dge_jax.runtime.attention import cached_attention
 from dge_jax.runtime.flash_decode import block_table, decode_attention
 
 D = 16
-DECODE = jax.jit(decode_attention, static_argnames=("block_k",))
+DECODE = jax.jit(decode_attention, static_argnames=("block_k", "slots_minor"))
 DENSE = jax.jit(cached_attention)
 F32 = (2e-5, 0)
 BF16 = (1e-2, 1e-2)
@@ -73,10 +73,15 @@ def step_inputs(b, t, hq, hkv, s, dtype, seed=0, d=D):
 
 
 def check(q, k, v, pos, query_pos, new, new_slot, *, tol=F32, block_k=128):
-    """decode_attention equals cached_attention on the rows whose query is real; returns the
-    kernel's output as f32 numpy."""
+    """decode_attention equals cached_attention on the rows whose query is real, reading the
+    cache row-major and slots-minor (the same numbers); returns the kernel's output as f32
+    numpy."""
     pos, query_pos, new_slot = jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(new_slot)
-    out = DECODE(q, k, v, pos, query_pos, new=new, new_slot=new_slot, block_k=block_k)
+    out, transposed = (DECODE(q, k, v, pos, query_pos, new=new, new_slot=new_slot,
+                              block_k=block_k, slots_minor=minor)
+                       for minor in (False, True))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(transposed, np.float32), np.asarray(out, np.float32),
+                               atol=1e-6 if tol is F32 else 1e-2)  # fmt: skip
     ref, _ = DENSE(q, k, v, pos, query_pos, new=new, new_slot=new_slot)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -192,31 +197,33 @@ def tpu_devices():
 
 def test_the_kernel_compiles_for_tpu_without_one(tpu_devices):
     """The stacked layout with the step's entries, bf16, G = 3 and 8, T = 1 and 3, head
-    dims 64 and 128, S no block multiple: one Mosaic kernel each."""
+    dims 64 (read slots-minor and row-major) and 128, S no block multiple: one Mosaic kernel
+    each."""
     where = jax.sharding.SingleDeviceSharding(tpu_devices[0])
 
     def spec(shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
 
-    def step(q, k, v, pos, qpos, new, new_slot, layer):
-        return decode_attention(q, k, v, pos, qpos, new=new, new_slot=new_slot, layer=layer)
+    def step(q, k, v, pos, qpos, new, new_slot, layer, minor):
+        return decode_attention(q, k, v, pos, qpos, new=new, new_slot=new_slot, layer=layer,
+                                slots_minor=minor)  # fmt: skip
 
-    for hq, hkv, t, d in ((24, 8, 1, 64), (8, 1, 3, 128)):
+    cases = ((24, 8, 1, 64, True), (24, 8, 1, 64, False), (8, 1, 3, 128, False))
+    for hq, hkv, t, d, minor in cases:
         b, s, lg = 2, 1000, 3
         new = (spec((b, hkv, t, d)), spec((b, hkv, t, d)), spec((b, hkv, t), jnp.int32))
         args = (spec((b, t, hq, d)), spec((lg, b, hkv, s, d)), spec((lg, b, hkv, s, d)),
                 spec((b, hkv, s), jnp.int32), spec((b, t), jnp.int32), new,
                 spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
-        hlo = jax.jit(step).lower(*args).compile().as_text()
-        assert hlo.count('custom_call_target="tpu_custom_call"') == 1, (hq, hkv, t, d)
+        hlo = jax.jit(step, static_argnums=8).lower(*args, minor).compile().as_text()
+        assert hlo.count('custom_call_target="tpu_custom_call"') == 1, (hq, hkv, t, d, minor)
 
 
 def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
     """A head-128 bf16 tiny Llama (the layout of an 8B model's cache) decoding on a 1 x 2
     v5e mesh under attention "auto": the compiled loop holds the Mosaic decode kernel and no
-    copy of a cache-sized buffer (the kernel reads the stacked cache at layer i in place).
-    With a head under 128 the TPU lays the cache out slots-minor, which a Pallas call cannot
-    take: tests/test_platform.py's head-16 loop converts it once on entry and exit."""
+    copy of a cache-sized buffer (the kernel reads the stacked cache at layer i in place,
+    row-major; tests/test_platform.py's head-16 loop checks the slots-minor reads)."""
     from tiny_model import jax_config
 
     import dge_jax

@@ -27,7 +27,12 @@ layer i inside a scan is a slice of it. Passed to a custom call, that slice woul
 materialised: a copy of the layer's whole capacity per step, the very read the kernel
 avoids. So the kernel takes the stacked buffers and the layer index (scalar-prefetched) and
 its index maps pick layer i's blocks in place (``layer=``); a plain [B, Hkv, S, D] layer
-works too.
+works too. The TPU lays a cache whose head dim is under 128 lanes out slots-minor
+(physically [.., D, S], so D is not padded to 128), and a Pallas call takes operands
+row-major: read as [.., S, D] such a cache is converted (two whole-cache copies per decode
+loop, around it) and held padded. ``slots_minor=True`` reads k and v through a [.., D, S]
+transposed view instead, which that layout makes free: blocks are [D, bk] and the products
+q @ k and p @ v^T. `layer_attention` sets it for heads under 128.
 
 The step's own entries (``new``: k, v [B, Hkv, T, D], pos [B, Hkv, T]). The contract is
 `cached_attention`'s: attention as if they were written at slots [new_slot, new_slot + T),
@@ -72,6 +77,7 @@ def decode_attention(
     new: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     new_slot: jax.Array | int = 0,
     layer: jax.Array | int | None = None,
+    slots_minor: bool = False,
     block_k: int = 512,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -80,7 +86,8 @@ def decode_attention(
 
     q: [B, T, Hq, D]; k, v: [B, Hkv, S, D], or with layer= the stacked [Lg, B, Hkv, S, D] of
     which layer `layer` is read in place; slot_pos: [B, Hkv, S] (that layer's); query_pos:
-    [B, T]; new / new_slot: as in `cached_attention`. block_k: keys per block (a multiple of
+    [B, T]; new / new_slot: as in `cached_attention`; slots_minor: read k and v through
+    their [.., D, S] view (module docstring; same results). block_k: keys per block (a multiple of
     128, shrunk to S rounded up to 128 when larger). interpret: None runs Mosaic when
     compiled for TPU and interpret mode elsewhere; True / False force it.
     """
@@ -105,7 +112,9 @@ def decode_attention(
     row_pos = jnp.broadcast_to(row_pos[:, :, None], (b, r_pad, _LANES))
     tables = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
               blocks.reshape(-1), counts.reshape(-1))  # fmt: skip
-    call = _decode_call(bk=bk, s_len=s_len, scale=d**-0.5)
+    call = _decode_call(bk=bk, s_len=s_len, scale=d**-0.5, slots_minor=slots_minor)
+    if slots_minor:
+        k, v = jnp.swapaxes(k, -1, -2), jnp.swapaxes(v, -1, -2)
     args = (*tables, row_pos, qg, k, v, spos[:, :, None, :])
     if interpret is None:
         out, lse = jax.lax.platform_dependent(
@@ -162,7 +171,8 @@ def _fold_new(out, lse, qg, new, row_pos, scale):
 
 
 def _decode_kernel(layer_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref, v_ref, spos_ref,
-                   out_ref, lse_ref, m_ref, l_ref, acc_ref, *, nk, bk, s_len, scale):  # fmt: skip
+                   out_ref, lse_ref, m_ref, l_ref, acc_ref, *, nk, bk, s_len, scale,
+                   slots_minor):  # fmt: skip
     """One (batch, kv head, step) of the online softmax over the listed key blocks.
 
     Scratch: running max m [R, 1], normaliser l [R, 1], unnormalised output acc [R, D] (f32).
@@ -179,7 +189,12 @@ def _decode_kernel(layer_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref, 
 
     @pl.when(j < counts_ref[at])
     def _step():
-        s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
+        if slots_minor:  # k block [D, bk]
+            s = jnp.dot(q_ref[...], k_ref[...], preferred_element_type=jnp.float32)
+        else:  # [bk, D]
+            s = jax.lax.dot_general(
+                q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32
+            )
         s = s * scale
         sp = spos_ref[...]  # [1, bk] against the rows' positions [R, 1]
         visible = (sp >= 0) & (sp <= rowpos_ref[:, :1])
@@ -189,11 +204,16 @@ def _decode_kernel(layer_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref, 
         p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m_prev - m_new)
         v = v_ref[...]
-        if s_len % bk:  # the last block's rows past S are undefined (maybe NaN): 0 * NaN = NaN
+        if s_len % bk:  # the last block's slots past S are undefined (maybe NaN): 0 * NaN = NaN
             first = blocks_ref[at * nk + j] * bk
-            slot = first + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+            along = (1, bk) if slots_minor else (bk, 1)
+            slot = first + jax.lax.broadcasted_iota(jnp.int32, along, 1 if slots_minor else 0)
             v = jnp.where(slot < s_len, v, jnp.zeros_like(v))
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        p = p.astype(v.dtype)
+        if slots_minor:  # v block [D, bk]
+            pv = jax.lax.dot_general(p, v, _NT, preferred_element_type=jnp.float32)
+        else:
+            pv = jnp.dot(p, v, preferred_element_type=jnp.float32)
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
         acc_ref[...] = alpha * acc_ref[...] + pv
         m_ref[...] = m_new
@@ -208,18 +228,22 @@ def _decode_kernel(layer_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref, 
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
-def _decode_call(*, bk: int, s_len: int, scale: float):
+def _decode_call(*, bk: int, s_len: int, scale: float, slots_minor: bool):
     """The pallas_call: (interpret, layer [1], blocks [B*Hkv*nk], counts [B*Hkv], row
-    positions [B, R, 128], q rows [B, Hkv, R, D], k, v [Lg, B, Hkv, S, D], slot positions
+    positions [B, R, 128], q rows [B, Hkv, R, D], k, v [Lg, B, Hkv, S, D] (slots_minor:
+    [Lg, B, Hkv, D, S]), slot positions
     [B, Hkv, 1, nk * bk]) -> (out [B, Hkv, R, D] f32, lse [B, Hkv, R, 128] f32)."""
 
     def call(interpret, layer, blocks, counts, row_pos, q_rows, k, v, spos):
-        _, b, hkv, _, d = k.shape
+        _, b, hkv = k.shape[:3]
+        d = q_rows.shape[-1]
+        kv_block = (None, None, None, d, bk) if slots_minor else (None, None, None, bk, d)
         r_pad = q_rows.shape[2]
         nk = spos.shape[-1] // bk
 
         def kv_map(bi, h, j, layer_ref, blocks_ref, counts_ref):
-            return layer_ref[0], bi, h, blocks_ref[(bi * hkv + h) * nk + j], 0
+            block = blocks_ref[(bi * hkv + h) * nk + j]
+            return (layer_ref[0], bi, h) + ((0, block) if slots_minor else (block, 0))
 
         def spos_map(bi, h, j, layer_ref, blocks_ref, counts_ref):
             return bi, h, 0, blocks_ref[(bi * hkv + h) * nk + j]
@@ -233,8 +257,8 @@ def _decode_call(*, bk: int, s_len: int, scale: float):
             in_specs=[
                 pl.BlockSpec((None, r_pad, _LANES), lambda bi, h, j, *_: (bi, 0, 0)),
                 pl.BlockSpec((None, None, r_pad, d), rows_map),
-                pl.BlockSpec((None, None, None, bk, d), kv_map),
-                pl.BlockSpec((None, None, None, bk, d), kv_map),
+                pl.BlockSpec(kv_block, kv_map),
+                pl.BlockSpec(kv_block, kv_map),
                 pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=[
@@ -249,7 +273,8 @@ def _decode_call(*, bk: int, s_len: int, scale: float):
         )
         flops = 4 * b * hkv * r_pad * nk * bk * d  # dense bound: skipped blocks not counted off
         layer_bytes = 2 * b * hkv * s_len * d * k.dtype.itemsize
-        kernel = functools.partial(_decode_kernel, nk=nk, bk=bk, s_len=s_len, scale=scale)
+        kernel = functools.partial(_decode_kernel, nk=nk, bk=bk, s_len=s_len, scale=scale,
+                                   slots_minor=slots_minor)  # fmt: skip
         return pl.pallas_call(
             kernel,
             grid_spec=grid_spec,

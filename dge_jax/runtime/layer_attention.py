@@ -113,14 +113,19 @@ def decode_step_attention(
 
 def _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot):
     """`decode_attention` of layer i; under a (data, model) mesh one call per device on its
-    own rows and kv heads, as `_sharded_flash` (imported here for the same reason)."""
+    own rows and kv heads, as `_sharded_flash` (imported here for the same reason). A head
+    under 128 reads the cache slots-minor, the layout the TPU gives such a cache (see
+    `flash_decode`), so the kernel's reads need no layout copy of it."""
     from dge_jax.runtime.flash_decode import decode_attention
+
+    slots_minor = k_all.shape[-1] < 128
 
     def fn(q, k_all, v_all, slot_pos, query_pos, k_new, v_new, pos_new, new_slot, i):
         new = (k_new, v_new, pos_new)
         return decode_attention(
-            q, k_all, v_all, slot_pos, query_pos, new=new, new_slot=new_slot, layer=i
-        )
+            q, k_all, v_all, slot_pos, query_pos, new=new, new_slot=new_slot, layer=i,
+            slots_minor=slots_minor,
+        )  # fmt: skip
 
     args = (q, k_all, v_all, slot_pos, query_pos, *new, jnp.asarray(new_slot, jnp.int32),
             jnp.asarray(i, jnp.int32))  # fmt: skip
