@@ -6,8 +6,9 @@
   default), with the logits of one step.
 - Same tokens: greedy tokens and kept sets with attention="pallas" (the flash kernel for
   prefill and the decode kernel for decode and draft steps, in Pallas interpret mode) equal
-  "xla" on the tiny model (FullKV, DGE(2)-SnapKV and DGE(2)-H2O,
-  which records the kernel's probs sums; two rows of different lengths, so padding rows run)
+  "xla" on the tiny model (FullKV, DGE(2)-SnapKV, DGE(2)-H2O, which records the kernel's
+  probs sums, and DGE(2)-SnapKV compressed every 4 decode steps, whose compacted heads are
+  ragged; two rows of different lengths, so padding rows run)
   and, through the CLI, on the embedded SmolLM2 (FullKV and DGE(2)-SnapKV).
 - cudnn's code path: its regrouping and mask, run through XLA, equal written_slot_attention.
 - The run identity: default and xla runs keep the identity earlier folders recorded (so they
@@ -31,6 +32,7 @@ import pytest
 
 import dge_jax
 from dge_jax import cli
+from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge
 from dge_jax.rules.h2o import H2O
@@ -141,6 +143,8 @@ def test_pallas_gives_the_xla_tokens_and_kept_sets(model):
         None,
         Eviction(SnapKV(window=4, kernel=3), budget=8, timing=dge(2)),
         Eviction(H2O(window=4), budget=8, timing=dge(2)),  # probs sums: the second kernel
+        # compressed every 4 decode steps: ragged compacted heads under the decode kernel
+        Eviction(SnapKV(window=4), budget=8, timing=dge(2), decode=DecodeCompression(8, 4)),
     ]
     xla, pallas = (dge_jax.generate_grid(model, prompts, cells, max_new_tokens=8, attention=a)
                    for a in ("xla", "pallas"))  # fmt: skip
