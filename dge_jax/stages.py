@@ -172,7 +172,7 @@ def draft(
         model.forward, model.config, model.params, start,
         sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
         recording=recording.needs.recording.steps,
-        min_new_tokens=request.min_new_tokens,
+        min_new_tokens=request.min_new_tokens, attention=request.attention,
     )  # fmt: skip
     e1, p1 = decoding.next_token_stats(prefilled.pre.logits)
     entropy = np.concatenate([np.asarray(e1)[:, None], np.asarray(record.entropy)], 1)
@@ -353,6 +353,7 @@ def decode(
             hook, "decode", decoding.decode_loop,
             model.forward, model.config, model.params, state,
             sampler=sampler, eos_ids=request.eos_ids, min_new_tokens=request.min_new_tokens,
+            attention=request.attention,
         )  # fmt: skip
         # Only the tokens come back (splitting the whole state would copy every cell's final
         # cache for nothing), and the final cache goes before the next stack is made.
@@ -391,6 +392,7 @@ def _decode_compressed(
     loop = decode_compression.CompressionLoop(
         model.forward, model.config, sampler, request.eos_ids, selection, spec.interval,
         spec.capacity(spread), min_new_tokens=request.min_new_tokens,
+        attention=request.attention,
     )  # fmt: skip
     with warnings.catch_warnings():
         # A cache that enters bigger than the loop's capacity is compacted at the first

@@ -4,15 +4,18 @@
   and cudnn off a GPU are one clear ValueError each.
 - Long prefill chunks pad prompts to the granule and run in equal steps (the TPU / GPU
   default), with the logits of one step.
-- Same tokens: greedy tokens and kept sets with attention="pallas" (the flash kernel in
-  Pallas interpret mode) equal "xla" on the tiny model (FullKV, DGE(2)-SnapKV and DGE(2)-H2O,
-  which records the kernel's probs sums; two rows of different lengths, so padding rows run)
+- Same tokens: greedy tokens and kept sets with attention="pallas" (the flash kernel for
+  prefill and the decode kernel for decode and draft steps, in Pallas interpret mode) equal
+  "xla" on the tiny model (FullKV, DGE(2)-SnapKV, DGE(2)-H2O, which records the kernel's
+  probs sums, and DGE(2)-SnapKV compressed every 4 decode steps, whose compacted heads are
+  ragged; two rows of different lengths, so padding rows run)
   and, through the CLI, on the embedded SmolLM2 (FullKV and DGE(2)-SnapKV).
 - cudnn's code path: its regrouping and mask, run through XLA, equal written_slot_attention.
 - The run identity: default and xla runs keep the identity earlier folders recorded (so they
   resume); pallas is another configuration.
 - Compiled for a TPU without one (deviceless, through libtpu): prefill under "auto" holds the
-  Pallas kernel, and the decode loop keeps its cache in place without the CPU write trick.
+  Pallas kernel, and the decode loop holds the decode kernel and keeps its cache in place
+  without the CPU write trick (no cache copy).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pytest
 
 import dge_jax
 from dge_jax import cli
+from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge
 from dge_jax.rules.h2o import H2O
@@ -153,6 +157,8 @@ def test_pallas_gives_the_xla_tokens_and_kept_sets(model):
         None,
         Eviction(SnapKV(window=4, kernel=3), budget=8, timing=dge(2)),
         Eviction(H2O(window=4), budget=8, timing=dge(2)),  # probs sums: the second kernel
+        # compressed every 4 decode steps: ragged compacted heads under the decode kernel
+        Eviction(SnapKV(window=4), budget=8, timing=dge(2), decode=DecodeCompression(8, 4)),
     ]
     xla, pallas = (dge_jax.generate_grid(model, prompts, cells, max_new_tokens=8, attention=a)
                    for a in ("xla", "pallas"))  # fmt: skip
@@ -304,7 +310,11 @@ def test_decode_compiled_for_tpu_keeps_the_cache_in_place_without_the_cpu_trick(
     model, tpu_mesh
 ):
     """The decode loop for a v5e, with write_after_attention off (the TPU's choice), scanned
-    layers (its layer loop), holds no copy of a cache-sized buffer."""
+    layers (its layer loop) and attention "auto" (the Pallas decode kernel), holds the kernel
+    and no copy of a cache-sized buffer. This model's head (16) is under the 128 lanes, so
+    the TPU lays the cache out slots-minor and the kernel reads it so (``slots_minor``);
+    read row-major, it was converted on entry and exit. tests/test_flash_decode.py checks a
+    head-128 cache, the layout of an 8B model, read row-major."""
     cfg = model.config
     batch, slots = 2, 256
     cache = dge_jax.runtime.cache.init_cache(
@@ -319,5 +329,6 @@ def test_decode_compiled_for_tpu_keeps_the_cache_in_place_without_the_cpu_trick(
             model.forward, cfg, _on(tpu_mesh, model.params), _on(tpu_mesh, state),
             sampler=dge_jax.runtime.sampling.Greedy(), eos_ids=(),
         ).compile().as_text()  # fmt: skip
+    assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
     buffer = rf"f32\[(?:\d+,)?{batch},\d+,{slots},{cfg.head_dim}\]"
     assert re.findall(rf"{buffer}\S* copy\(", hlo) == []

@@ -140,7 +140,8 @@ class CompressionLoop:
     takes them; selection: the rule, head budgets, ties and `head_cap` (the most entries a
     head keeps, `DecodeCompression.head_cap`) each compression selects with; interval: decode
     steps between compressions; capacity: the loop's slots per head
-    (`DecodeCompression.capacity`); layer_loop: `decoding.decode_groups`'s grouping.
+    (`DecodeCompression.capacity`); layer_loop: `decoding.decode_groups`'s grouping;
+    attention: the steps' implementation (`platform.ATTENTION`).
     """
 
     forward: ForwardFn
@@ -152,6 +153,7 @@ class CompressionLoop:
     capacity: int
     min_new_tokens: int = 0
     layer_loop: str | None = None
+    attention: str = "auto"
 
     @property
     def rule(self) -> Rule:
@@ -188,6 +190,7 @@ class CompressionLoop:
             s, out = decode_body(
                 self.forward, cfg, params, self.sampler, self.eos_ids, s, layers=layers,
                 recording=recording, min_new_tokens=self.min_new_tokens,
+                attention=self.attention,
             )  # fmt: skip
             s = _finished_rows_write_nothing(s, active)
             if reads_q:  # step i's query goes to ring slot i

@@ -202,6 +202,7 @@ def decode_body(
     layers=None,
     recording: Recording = NOTHING,
     min_new_tokens: int = 0,
+    attention: str = "auto",
 ):
     """One decode step: feed `last` [B], choose the next token. Returns (state, ForwardOutput).
 
@@ -211,7 +212,8 @@ def decode_body(
 
     EOS ids are banned while a row has fewer than `min_new_tokens` tokens (transformers'
     min_length, which LongBench uses for samsum). Finished rows still run (the batch moves
-    together) but keep their tokens, step and last id unchanged.
+    together) but keep their tokens, step and last id unchanged. attention: the step's
+    implementation (`platform.ATTENTION`; "pallas": `flash_decode`'s kernel).
     """
     out = forward(
         cfg,
@@ -221,6 +223,7 @@ def decode_body(
         state.cache,
         layers=layers,
         recording=recording,
+        attention=attention,
     )
     key, sub = jax.random.split(state.key)
     logits = suppress_eos(out.logits, eos_ids, state.step < min_new_tokens)
@@ -253,6 +256,7 @@ def decode_body(
         "num_steps",
         "recording",
         "min_new_tokens",
+        "attention",
     ),
     donate_argnames=("state",),
 )
@@ -267,6 +271,7 @@ def draft_tokens(
     num_steps: int,
     recording: Recording = NOTHING,
     min_new_tokens: int = 0,
+    attention: str = "auto",
 ) -> tuple[DecodeState, DraftRecord]:
     """Runs `num_steps` decode steps with the full cache (lax.scan), recording each step.
 
@@ -292,6 +297,7 @@ def draft_tokens(
             state,
             recording=recording,
             min_new_tokens=min_new_tokens,
+            attention=attention,
         )
         entropy, top1 = next_token_stats(out.logits)
         return state, (out.recorded, pos, entropy, top1)
@@ -364,7 +370,9 @@ def decode_groups(cache: KVCache, layer_loop: str | None = None) -> tuple[int, .
 
 @functools.partial(
     jax.jit,
-    static_argnames=("forward", "cfg", "sampler", "eos_ids", "min_new_tokens", "layer_loop"),
+    static_argnames=(
+        "forward", "cfg", "sampler", "eos_ids", "min_new_tokens", "layer_loop", "attention"
+    ),
     donate_argnames=("state",),
 )
 def decode_loop(
@@ -377,6 +385,7 @@ def decode_loop(
     eos_ids: tuple[int, ...],
     min_new_tokens: int = 0,
     layer_loop: str | None = None,
+    attention: str = "auto",
 ) -> DecodeState:
     """Decodes until `limit` tokens exist or every row has emitted an EOS (lax.while_loop).
 
@@ -390,13 +399,15 @@ def decode_loop(
     a scanned step moves the weights and cache several times; one-layer groups are read in
     place (`python -m benchmarks.decode_step` compares them), for one extra copy of the
     layer weights while decoding and a longer compile. None: the platform's. The
-    cache comes back in the grouping it was given. Same tokens either way.
+    cache comes back in the grouping it was given. Same tokens either way. attention: the
+    steps' implementation (`platform.ATTENTION`).
     """
 
     def body(s, extra, layers):
         step = decode_body(
-            forward, cfg, params, sampler, eos_ids, s, layers=layers, min_new_tokens=min_new_tokens
-        )
+            forward, cfg, params, sampler, eos_ids, s, layers=layers,
+            min_new_tokens=min_new_tokens, attention=attention,
+        )  # fmt: skip
         return step[0], extra
 
     return until_done(params, state, body, (), layer_loop=layer_loop)[0]

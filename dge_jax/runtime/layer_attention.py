@@ -4,8 +4,10 @@ cache write every family shares, and the switch between attention implementation
 Which implementation runs is the platform's choice (`platform.Backend`, overridable by the
 user's ``attention``): a prefill chunk (``key_block`` > 0) runs `prefill_attention` (the XLA
 blocked online softmax, the Pallas flash kernel, or cuDNN's flash attention); decode and
-draft steps, a handful of queries over the cache, always run the XLA path
-(`attention.cached_attention`), in the score layout the platform prefers.
+draft steps, a handful of queries over the cache, run `decode_step_attention`: under
+"pallas" the decode kernel (`flash_decode.decode_attention`, which reads only the key blocks
+holding visible slots), otherwise the XLA path (`attention.cached_attention`) in the score
+layout the platform prefers.
 """
 
 from __future__ import annotations
@@ -70,16 +72,72 @@ def cache_layer_attention(
             block=backend.key_block or key_block, return_probs_sum=record_attn,
         )  # fmt: skip
         return attn, probs_sum, k_all, v_all, pos_all
-    rows = q.shape[2] // k_all.shape[2] * t  # query rows per kv head
-    attn, probs_sum = cached_attention(
-        q, k_all[i], v_all[i], pos_all[i], positions, return_probs_sum=record_attn,
-        keys_major=rows <= backend.keys_major_max_rows, new=(k_new, v_new, new_pos),
-        new_slot=slot,
+    attn, probs_sum = decode_step_attention(
+        backend, q, k_all, v_all, pos_all[i], positions, i, new=(k_new, v_new, new_pos),
+        new_slot=slot, return_probs_sum=record_attn,
     )  # fmt: skip
     if backend.write_after_attention:
         after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
         k_new, v_new = k_new + after, v_new + after
     return attn, probs_sum, write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
+
+
+def decode_step_attention(
+    backend: Backend,
+    q: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    slot_pos: jax.Array,
+    query_pos: jax.Array,
+    i: jax.Array | int,
+    *,
+    new: tuple[jax.Array, jax.Array, jax.Array],
+    new_slot: jax.Array | int,
+    return_probs_sum: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`cached_attention` over layer i of the stacked k_all, v_all [Lg, B, Hkv, S, D]
+    (slot_pos: layer i's [B, Hkv, S]), with the step's entries `new` beside the cache.
+
+    "pallas" without probs sums: `flash_decode.decode_attention` on the stacked buffers (the
+    layer picked by its index maps, so no slice of the cache is materialised), in a
+    shard_map under a mesh. Everything else, and steps that record probs sums (H2O's draft
+    and decode-time steps; the kernel computes none), run the XLA path."""
+    if backend.attention == "pallas" and not return_probs_sum:
+        return _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot), None
+    rows = q.shape[2] // k_all.shape[2] * q.shape[1]  # query rows per kv head
+    return cached_attention(
+        q, k_all[i], v_all[i], slot_pos, query_pos, return_probs_sum=return_probs_sum,
+        keys_major=rows <= backend.keys_major_max_rows, new=new, new_slot=new_slot,
+    )  # fmt: skip
+
+
+def _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot):
+    """`decode_attention` of layer i; under a (data, model) mesh one call per device on its
+    own rows and kv heads, as `_sharded_flash` (imported here for the same reason). A head
+    under 128 reads the cache slots-minor, the layout the TPU gives such a cache (see
+    `flash_decode`), so the kernel's reads need no layout copy of it."""
+    from dge_jax.runtime.flash_decode import decode_attention
+
+    slots_minor = k_all.shape[-1] < 128
+
+    def fn(q, k_all, v_all, slot_pos, query_pos, k_new, v_new, pos_new, new_slot, i):
+        new = (k_new, v_new, pos_new)
+        return decode_attention(
+            q, k_all, v_all, slot_pos, query_pos, new=new, new_slot=new_slot, layer=i,
+            slots_minor=slots_minor,
+        )  # fmt: skip
+
+    args = (q, k_all, v_all, slot_pos, query_pos, *new, jnp.asarray(new_slot, jnp.int32),
+            jnp.asarray(i, jnp.int32))  # fmt: skip
+    specs = attention_specs(q.shape[0], k_all.shape[2])
+    if specs is None:
+        return fn(*args)
+    rows, keys, slots, qpos, _ = specs
+    stacked, scalar = jax.sharding.PartitionSpec(None, *keys), jax.sharding.PartitionSpec()
+    return jax.shard_map(
+        fn, in_specs=(rows, stacked, stacked, slots, qpos, keys, keys, slots, scalar, scalar),
+        out_specs=rows, check_vma=False,
+    )(*args)  # fmt: skip
 
 
 def prefill_attention(

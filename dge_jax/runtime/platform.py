@@ -9,6 +9,7 @@ device's. To compile for another platform without a mesh, set a 1 x 1 mesh of it
 
     field                  cpu          tpu            gpu            why
     attention ("auto")     xla          pallas         xla            see ATTENTION
+                                                                      (prefill and decode)
     layer_loop             unrolled     scan           scan           XLA:CPU copies a scanned
                                                                       layer's slices each step
     prefill_chunk          512          8192           8192           see below
@@ -75,10 +76,13 @@ class Backend:
     """Every platform-dependent choice of one computation (module docstring); hashable, so
     it may be a static argument under jit.
 
-    platform: "cpu" | "gpu" | "tpu". attention: prefill's attention ("xla": the blocked
-    online softmax of `attention.written_slot_attention`; "pallas": `flash.flash_attention`,
+    platform: "cpu" | "gpu" | "tpu". attention: the attention implementation ("xla": the
+    blocked online softmax of `attention.written_slot_attention`; "pallas": `flash.flash_attention`,
     Mosaic on TPU and interpret mode elsewhere; "cudnn": `jax.nn.dot_product_attention`'s
-    cuDNN flash attention, GPU only); decode steps always run the XLA path. layer_loop: the
+    cuDNN flash attention, GPU only); decode and draft steps run
+    `flash_decode.decode_attention` under "pallas" (the key blocks holding visible slots
+    only; steps recording probs sums excepted) and the XLA path `attention.cached_attention`
+    otherwise. layer_loop: the
     decode loop's layer grouping (`decoding.decode_groups`). prefill_chunk: tokens per
     prefill step at most; prefill_step_tokens: the rows' tokens per step at most (0: the
     chunk whatever the batch; `chunk_for`); prompt_bucket: prompts longer than it pad to
@@ -101,7 +105,7 @@ class Backend:
     @classmethod
     def of(cls, platform: str, attention: str = "auto") -> Backend:
         """The choices for `platform` ("cpu", "gpu", "tpu"; "cuda" / "rocm" mean "gpu") with
-        prefill attention `attention` ("auto": pallas on TPU, xla elsewhere). cudnn off a GPU
+        attention `attention` ("auto": pallas on TPU, xla elsewhere). cudnn off a GPU
         and unknown names are ValueErrors naming the choice."""
         check_attention(attention)
         name = _ALIASES.get(platform, platform)

@@ -1,0 +1,294 @@
+"""Decode and draft attention as a Pallas TPU kernel that reads only the key blocks in use.
+
+`decode_attention` gives `attention.cached_attention`'s output for a decode or draft step (T
+a handful of queries, each step's own entries passed beside the cache as ``new``), up to
+float summation order. On TPU it is one Mosaic kernel; elsewhere (CPU tests) the same kernel
+runs in Pallas interpret mode.
+
+Why. A decode step is bound by reading the cache. The XLA path reads every slot of the
+capacity, empty or not; after compaction (`cache.compact_heads`) head h holds its n_h kept
+entries in slots [0, n_h), empty slots up to the shared index max(n_h), then the decoded
+tokens: heads are ragged, and a masked (uncompacted) cache has whole evicted blocks. The
+kernel reads, per (row, kv head), only the key blocks that hold a slot visible to the step.
+
+Layout. The grid is (batch, kv head, step j). The G query heads x T queries of a kv head are
+the rows of one tile (`attention._group_queries`'s order, padded to a multiple of 8 with
+rows at position -1), resident across the steps. A block table, computed in XLA outside the
+kernel from the slot positions (4 bytes a slot, against 2 * D * itemsize for k and v), lists
+per (row, kv head) the key blocks holding at least one slot with 0 <= pos <= the row's
+largest query position, in order, with their count; it is scalar-prefetched (SMEM). Step j
+loads the j-th listed block; steps past the count repeat the last listed block index, so
+Pallas issues no DMA for them, and `pl.when` skips their compute. An empty head repeats
+block 0 and computes nothing. The online softmax is f32 across the listed blocks; scores are
+scaled by D^-1/2 in f32 after the product, as `cached_attention` does.
+
+The stacked cache. A decode loop holds a layer group's cache as [Lg, B, Hkv, S, D] and
+layer i inside a scan is a slice of it. Passed to a custom call, that slice would be
+materialised: a copy of the layer's whole capacity per step, the very read the kernel
+avoids. So the kernel takes the stacked buffers and the layer index (scalar-prefetched) and
+its index maps pick layer i's blocks in place (``layer=``); a plain [B, Hkv, S, D] layer
+works too. The TPU lays a cache whose head dim is under 128 lanes out slots-minor
+(physically [.., D, S], so D is not padded to 128), and a Pallas call takes operands
+row-major: read as [.., S, D] such a cache is converted (two whole-cache copies per decode
+loop, around it) and held padded. ``slots_minor=True`` reads k and v through a [.., D, S]
+transposed view instead, which that layout makes free: blocks are [D, bk] and the products
+q @ k and p @ v^T. `layer_attention` sets it for heads under 128.
+
+The step's own entries (``new``: k, v [B, Hkv, T, D], pos [B, Hkv, T]). The contract is
+`cached_attention`'s: attention as if they were written at slots [new_slot, new_slot + T),
+whatever those slots hold now ignored. The kernel reads the cache with those slots' positions
+set to -1 (a where on the small position array, before the table is made), returns its
+normalised output and log-sum-exp per row (f32), and the T new entries, [rows, T] scores, are
+folded in after it in XLA with that log-sum-exp. Reading the cache before the write keeps the
+caller's write (`layer_attention.cache_layer_attention`) an in-place update after the read,
+as on the XLA path; writing them first and attending over the cache would need nothing
+folded, but would order the write before the kernel's reads.
+
+Probs sums (H2O's per-slot attention) are not computed here: only H2O's decode-time rule and
+its draft steps record them, and those steps keep the XLA path (`cache_layer_attention`).
+
+Rows that see nothing (padding queries, no visible slot and no visible new entry) get a zero
+output; `cached_attention` gives them a mean of values. Nothing reads such rows (see
+`layer_attention.prefill_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from dge_jax.runtime.attention import _MASKED, _group_queries
+from dge_jax.runtime.flash import _LANES, _NT, _tile
+
+_SUBLANES = 8  # rows of a tile are padded to a multiple of it
+
+
+def decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slot_pos: jax.Array,
+    query_pos: jax.Array,
+    *,
+    new: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    new_slot: jax.Array | int = 0,
+    layer: jax.Array | int | None = None,
+    slots_minor: bool = False,
+    block_k: int = 512,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """`cached_attention`'s output [B, T, Hq, D] (v's dtype), read block by block (module
+    docstring).
+
+    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D], or with layer= the stacked [Lg, B, Hkv, S, D] of
+    which layer `layer` is read in place; slot_pos: [B, Hkv, S] (that layer's); query_pos:
+    [B, T]; new / new_slot: as in `cached_attention`; slots_minor: read k and v through
+    their [.., D, S] view (module docstring; same results). block_k: keys per block (a multiple of
+    128, shrunk to S rounded up to 128 when larger). interpret: None runs Mosaic when
+    compiled for TPU and interpret mode elsewhere; True / False force it.
+    """
+    if layer is None:
+        k, v, layer = k[None], v[None], 0
+    b, t, hq, d = q.shape
+    hkv, s_len = k.shape[2], k.shape[3]
+    g = hq // hkv
+    bk, s_pad = _tile(s_len, block_k, "block_k")
+    rows = g * t
+    r_pad = -(-rows // _SUBLANES) * _SUBLANES
+    spos = slot_pos.astype(jnp.int32)
+    if new is not None:
+        slots = jnp.arange(s_len)
+        spos = jnp.where((slots >= new_slot) & (slots < new_slot + new[0].shape[2]), -1, spos)
+    spos = jnp.pad(spos, ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1)
+    blocks, counts = block_table(spos, query_pos, bk)
+    qg = jnp.pad(_group_queries(q, hkv), ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
+    row_pos = jnp.pad(jnp.tile(query_pos.astype(jnp.int32), (1, g)), ((0, 0), (0, r_pad - rows)),
+                      constant_values=-1)  # fmt: skip
+    # Lane-wide copies of the rows' positions: a [rows, 1] column is then a lane slice.
+    row_pos = jnp.broadcast_to(row_pos[:, :, None], (b, r_pad, _LANES))
+    tables = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+              blocks.reshape(-1), counts.reshape(-1))  # fmt: skip
+    call = _decode_call(bk=bk, s_len=s_len, scale=d**-0.5, slots_minor=slots_minor)
+    if slots_minor:
+        k, v = jnp.swapaxes(k, -1, -2), jnp.swapaxes(v, -1, -2)
+    args = (*tables, row_pos, qg, k, v, spos[:, :, None, :])
+    if interpret is None:
+        out, lse = jax.lax.platform_dependent(
+            *args, tpu=functools.partial(call, False), default=functools.partial(call, True)
+        )
+    else:
+        out, lse = call(interpret, *args)
+    out, lse = out[:, :, :rows], lse[:, :, :rows, 0]
+    if new is not None:
+        out = _fold_new(out, lse, qg[:, :, :rows], new, row_pos[:, :rows, 0], d**-0.5)
+    out = out.astype(v.dtype).reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, hq, d)
+
+
+def block_table(
+    slot_pos: jax.Array, query_pos: jax.Array, block: int
+) -> tuple[jax.Array, jax.Array]:
+    """(blocks [B, Hkv, nk], counts [B, Hkv]) int32 from slot positions [B, Hkv, nk * block]
+    and query positions [B, T]: per (row, kv head) the key blocks holding a slot visible to
+    some query of the row (0 <= pos <= the row's largest query position), in order, then the
+    last listed one repeated (0 when none is listed), and how many are listed."""
+    b, hkv, s_pad = slot_pos.shape
+    nk = s_pad // block
+    latest = query_pos.max(axis=1)[:, None, None]
+    visible = (slot_pos >= 0) & (slot_pos <= latest)
+    needed = visible.reshape(b, hkv, nk, block).any(axis=-1)
+    counts = needed.sum(axis=-1, dtype=jnp.int32)
+    kj = jnp.arange(nk, dtype=jnp.int32)
+    listed = jnp.argsort(jnp.where(needed, kj, nk + kj), axis=-1).astype(jnp.int32)
+    last = jnp.maximum(counts - 1, 0)[..., None]
+    return jnp.take_along_axis(listed, jnp.minimum(kj, last), axis=-1), counts
+
+
+def _fold_new(out, lse, qg, new, row_pos, scale):
+    """The cache's normalised output [B, Hkv, R, D] f32 and log-sum-exp [B, Hkv, R] joined
+    with the step's own entries (k, v [B, Hkv, T, D], pos [B, Hkv, T]) in one softmax.
+
+    With m the joint max, the cache's part weighs exp(lse - m) (its normaliser) and each new
+    entry exp(s - m). A row that saw no slot has lse = -1e30 (weight 0 once m is a real
+    score); a row that sees nothing at all keeps the cache's zero output (weight 1, m = lse).
+    """
+    k_new, v_new, pos_new = new
+    s = jnp.einsum("bkrd,bktd->bkrt", qg, k_new, preferred_element_type=jnp.float32) * scale
+    sp = pos_new[:, :, None, :]
+    visible = (sp >= 0) & (sp <= row_pos[:, None, :, None])
+    s = jnp.where(visible, s, _MASKED)
+    m = jnp.maximum(lse, s.max(axis=-1))
+    cached = jnp.exp(lse - m)
+    p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
+    pv = jnp.einsum("bkrt,bktd->bkrd", p.astype(v_new.dtype), v_new,
+                    preferred_element_type=jnp.float32)  # fmt: skip
+    norm = cached + p.sum(axis=-1)
+    return (out * cached[..., None] + pv) / norm[..., None]
+
+
+def _decode_kernel(layer_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref, v_ref, spos_ref,
+                   out_ref, lse_ref, m_ref, l_ref, acc_ref, *, nk, bk, s_len, scale,
+                   slots_minor):  # fmt: skip
+    """One (batch, kv head, step) of the online softmax over the listed key blocks.
+
+    Scratch: running max m [R, 1], normaliser l [R, 1], unnormalised output acc [R, D] (f32).
+    """
+    del layer_ref  # read by the index maps only
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    at = b * pl.num_programs(1) + h
+
+    @pl.when(j == 0)
+    def _start():
+        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(j < counts_ref[at])
+    def _step():
+        if slots_minor:  # k block [D, bk]
+            s = jnp.dot(q_ref[...], k_ref[...], preferred_element_type=jnp.float32)
+        else:  # [bk, D]
+            s = jax.lax.dot_general(
+                q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32
+            )
+        s = s * scale
+        sp = spos_ref[...]  # [1, bk] against the rows' positions [R, 1]
+        visible = (sp >= 0) & (sp <= rowpos_ref[:, :1])
+        s = jnp.where(visible, s, _MASKED)  # also drops NaN read past S in the last block
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        v = v_ref[...]
+        if s_len % bk:  # the last block's slots past S are undefined (maybe NaN): 0 * NaN = NaN
+            first = blocks_ref[at * nk + j] * bk
+            along = (1, bk) if slots_minor else (bk, 1)
+            slot = first + jax.lax.broadcasted_iota(jnp.int32, along, 1 if slots_minor else 0)
+            v = jnp.where(slot < s_len, v, jnp.zeros_like(v))
+        p = p.astype(v.dtype)
+        if slots_minor:  # v block [D, bk]
+            pv = jax.lax.dot_general(p, v, _NT, preferred_element_type=jnp.float32)
+        else:
+            pv = jnp.dot(p, v, preferred_element_type=jnp.float32)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+        acc_ref[...] = alpha * acc_ref[...] + pv
+        m_ref[...] = m_new
+
+    @pl.when(j == nk - 1)
+    def _finish():
+        norm = l_ref[...]
+        seen = norm > 0
+        safe = jnp.where(seen, norm, 1.0)
+        out_ref[...] = jnp.where(seen, acc_ref[...] / safe, 0.0)
+        lse = jnp.where(seen, m_ref[...] + jnp.log(safe), _MASKED)
+        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+def _decode_call(*, bk: int, s_len: int, scale: float, slots_minor: bool):
+    """The pallas_call: (interpret, layer [1], blocks [B*Hkv*nk], counts [B*Hkv], row
+    positions [B, R, 128], q rows [B, Hkv, R, D], k, v [Lg, B, Hkv, S, D] (slots_minor:
+    [Lg, B, Hkv, D, S]), slot positions
+    [B, Hkv, 1, nk * bk]) -> (out [B, Hkv, R, D] f32, lse [B, Hkv, R, 128] f32)."""
+
+    def call(interpret, layer, blocks, counts, row_pos, q_rows, k, v, spos):
+        _, b, hkv = k.shape[:3]
+        d = q_rows.shape[-1]
+        kv_block = (None, None, None, d, bk) if slots_minor else (None, None, None, bk, d)
+        r_pad = q_rows.shape[2]
+        nk = spos.shape[-1] // bk
+
+        def kv_map(bi, h, j, layer_ref, blocks_ref, counts_ref):
+            block = blocks_ref[(bi * hkv + h) * nk + j]
+            return (layer_ref[0], bi, h) + ((0, block) if slots_minor else (block, 0))
+
+        def spos_map(bi, h, j, layer_ref, blocks_ref, counts_ref):
+            return bi, h, 0, blocks_ref[(bi * hkv + h) * nk + j]
+
+        def rows_map(bi, h, j, *_):
+            return bi, h, 0, 0
+
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(b, hkv, nk),
+            in_specs=[
+                pl.BlockSpec((None, r_pad, _LANES), lambda bi, h, j, *_: (bi, 0, 0)),
+                pl.BlockSpec((None, None, r_pad, d), rows_map),
+                pl.BlockSpec(kv_block, kv_map),
+                pl.BlockSpec(kv_block, kv_map),
+                pl.BlockSpec((None, None, 1, bk), spos_map),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, r_pad, d), rows_map),
+                pl.BlockSpec((None, None, r_pad, _LANES), rows_map),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((r_pad, 1), jnp.float32),
+                pltpu.VMEM((r_pad, 1), jnp.float32),
+                pltpu.VMEM((r_pad, d), jnp.float32),
+            ],
+        )
+        flops = 4 * b * hkv * r_pad * nk * bk * d  # dense bound: skipped blocks not counted off
+        layer_bytes = 2 * b * hkv * s_len * d * k.dtype.itemsize
+        kernel = functools.partial(_decode_kernel, nk=nk, bk=bk, s_len=s_len, scale=scale,
+                                   slots_minor=slots_minor)  # fmt: skip
+        return pl.pallas_call(
+            kernel,
+            grid_spec=grid_spec,
+            out_shape=[
+                jax.ShapeDtypeStruct((b, hkv, r_pad, d), jnp.float32),
+                jax.ShapeDtypeStruct((b, hkv, r_pad, _LANES), jnp.float32),
+            ],
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel", "parallel", "arbitrary")
+            ),
+            cost_estimate=pl.CostEstimate(
+                flops=flops, transcendentals=flops // (4 * d), bytes_accessed=layer_bytes
+            ),
+            interpret=interpret,
+        )(layer, blocks, counts, row_pos, q_rows, k, v, spos)
+
+    return call

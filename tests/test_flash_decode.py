@@ -1,0 +1,256 @@
+"""The Pallas decode kernel (`runtime/flash_decode.py`) gives `cached_attention`'s results.
+
+On CPU the kernel runs in Pallas interpret mode (which fills reads past an array's end with
+NaN, so the masking of a last partial key block is exercised). Compared against
+`cached_attention` with the step's own entries passed beside the cache (``new``), on
+hand-made caches:
+
+- a compacted cache with ragged heads (`cache.compact_heads`'s layout: head h's n_h kept
+  entries in slots [0, n_h), empty slots up to the shared index max(n_h), a few decoded
+  entries after it, then the step's own entries at new_slot), with stale visible junk at
+  the slots the new entries will take;
+- a masked (uncompacted) cache: left padding, evicted holes, whole evicted key blocks, one
+  head with no visible slot at all;
+- GQA groups 1, 3, 4, 8 (T = 1 and T = 3 draft steps), f32 and bf16; the stacked
+  [Lg, B, Hkv, S, D] layout read at layer i equals the plain layer.
+
+Rows that see nothing (padding queries) are zero in the kernel and a mean of values in the
+XLA path: outputs are compared on real rows only.
+
+Tolerances: f32 2e-5 absolute (values ~N(0, 1)). bf16 against `cached_attention` in bf16:
+1e-2 absolute + 1e-2 relative (a bf16 ulp is 2^-7 relative; the paths round the
+probabilities to bf16 against different running maxima and sum in other orders).
+
+Also: the block table lists exactly the key blocks holding visible slots (hand-made
+positions), and deviceless TPU compiles (through libtpu; skipped with the reason when it is
+missing): the kernel lowers through Mosaic, and a head-128 bf16 model's decode loop compiled
+for a v5e holds the kernel and no copy of a cache-sized buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dge_jax.runtime.attention import cached_attention
+from dge_jax.runtime.flash_decode import block_table, decode_attention
+
+D = 16
+DECODE = jax.jit(decode_attention, static_argnames=("block_k", "slots_minor"))
+DENSE = jax.jit(cached_attention)
+F32 = (2e-5, 0)
+BF16 = (1e-2, 1e-2)
+
+
+def random(rng, shape, dtype):
+    return jnp.asarray(rng.normal(size=shape), dtype)
+
+
+def compacted(kept, index, decoded, s):
+    """Slot positions [B, Hkv, S] of a compacted cache: head (b, h) keeps kept[b][h] of the
+    prompt's positions in slots [0, n), empties up to `index`, then `decoded` tokens at
+    slots index.. with positions following the prompt (prompt length 1000)."""
+    pos = np.full((len(kept), len(kept[0]), s), -1, np.int32)
+    for b, row in enumerate(kept):
+        for h, n in enumerate(row):
+            pos[b, h, :n] = np.sort(np.random.default_rng(b * 31 + h).choice(1000, n, False))
+            pos[b, h, index : index + decoded] = 1000 + np.arange(decoded)
+    return pos
+
+
+def step_inputs(b, t, hq, hkv, s, dtype, seed=0, d=D):
+    """Random q, k, v [B, Hkv, S, D] and the step's own entries (k, v [B, Hkv, T, D])."""
+    rng = np.random.default_rng(seed)
+    q = random(rng, (b, t, hq, d), dtype)
+    k, v = (random(rng, (b, hkv, s, d), dtype) for _ in range(2))
+    k_new, v_new = (random(rng, (b, hkv, t, d), dtype) for _ in range(2))
+    return q, k, v, k_new, v_new
+
+
+def check(q, k, v, pos, query_pos, new, new_slot, *, tol=F32, block_k=128):
+    """decode_attention equals cached_attention on the rows whose query is real, reading the
+    cache row-major and slots-minor (the same numbers); returns the kernel's output as f32
+    numpy."""
+    pos, query_pos, new_slot = jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(new_slot)
+    out, transposed = (DECODE(q, k, v, pos, query_pos, new=new, new_slot=new_slot,
+                              block_k=block_k, slots_minor=minor)
+                       for minor in (False, True))  # fmt: skip
+    np.testing.assert_allclose(np.asarray(transposed, np.float32), np.asarray(out, np.float32),
+                               atol=1e-6 if tol is F32 else 1e-2)  # fmt: skip
+    ref, _ = DENSE(q, k, v, pos, query_pos, new=new, new_slot=new_slot)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out).all()
+    real = np.asarray(query_pos >= 0)[:, :, None, None]
+    np.testing.assert_allclose(out * real, ref * real, atol=tol[0], rtol=tol[1])
+    return out
+
+
+GROUPS = [(2, 2), (6, 2), (8, 2), (8, 1)]  # G = 1, 3, 4, 8
+
+
+@pytest.mark.parametrize("hq,hkv", GROUPS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_compacted_ragged_heads(hq, hkv, dtype):
+    """Heads keep 3..300 entries (S = 700: six 128-key blocks, the last partial), the shared
+    index is the largest kept count, 5 decoded tokens follow it, and a T = 1 decode step and
+    a T = 3 draft step attend with their own entries at slot index + 5. The slots those take
+    hold junk with visible positions: ignored, as the new entries replace them."""
+    b, s, index, decoded = 2, 700, 300, 5
+    kept = [[3, 300, 129, 40][:hkv], [256, 0, 7, 200][:hkv]]
+    kept[0][0], kept[1][-1] = 300, 128  # the shared index is row 0's largest count
+    pos = compacted(kept, index, decoded, s)
+    new_slot = index + decoded
+    pos[:, :, new_slot : new_slot + 3] = 7  # stale junk, visible were it read
+    tol = F32 if dtype == jnp.float32 else BF16
+    for t in (1, 3):
+        q, k, v, k_new, v_new = step_inputs(b, t, hq, hkv, s, dtype, seed=t)
+        query_pos = np.tile(1000 + decoded + np.arange(t, dtype=np.int32), (b, 1))
+        pos_new = jnp.asarray(np.broadcast_to(query_pos[:, None, :], (b, hkv, t)))
+        check(q, k, v, pos, query_pos, (k_new, v_new, pos_new), new_slot, tol=tol)
+
+
+@pytest.mark.parametrize("hq,hkv", GROUPS)
+def test_masked_cache_with_holes_and_padding(hq, hkv):
+    """An uncompacted cache: row 0 left-padded by 20 (positions -1), evicted holes, key block
+    1 wholly evicted on every head of row 1, row 1's last kv head with nothing visible (its
+    rows see only the new entry), and an S that is no block multiple; a T = 2 step whose
+    first query is padding on row 0 (it sees nothing: zero output)."""
+    b, t, s = 2, 2, 450
+    prompt = 400
+    pos = np.full((b, hkv, s), -1, np.int32)
+    pos[:, :, :prompt] = np.arange(prompt)
+    pos[0, :, :20] = -1
+    pos[0, :, 20:prompt] = np.arange(prompt - 20)
+    pos[0, 0, 50:60] = -1
+    pos[1, :, 128:256] = -1
+    pos[1, hkv - 1] = -1
+    query_pos = np.array([[-1, prompt - 20], [prompt, prompt + 1]], np.int32)
+    q, k, v, k_new, v_new = step_inputs(b, t, hq, hkv, s, jnp.float32, seed=3)
+    pos_new = jnp.asarray(np.broadcast_to(query_pos[:, None, :], (b, hkv, t)))
+    out = check(q, k, v, pos, query_pos, (k_new, v_new, pos_new), prompt)
+    assert not np.abs(out[0, 0]).any()
+
+
+def test_the_stacked_layout_reads_its_layer_in_place():
+    """k, v [Lg, B, Hkv, S, D] with layer=1 give the plain layer 1's result; without new."""
+    q, k, v, _, _ = step_inputs(2, 1, 8, 2, 300, jnp.float32, seed=5)
+    rng = np.random.default_rng(9)
+    k3, v3 = (jnp.stack([random(rng, x.shape, x.dtype), x, random(rng, x.shape, x.dtype)])
+              for x in (k, v))  # fmt: skip
+    pos = jnp.asarray(compacted([[5, 120], [250, 17]], 250, 2, 300))
+    query_pos = jnp.full((2, 1), 1002, jnp.int32)
+    stacked = DECODE(q, k3, v3, pos, query_pos, layer=jnp.int32(1), block_k=128)
+    plain = DECODE(q, k, v, pos, query_pos, block_k=128)
+    ref, _ = DENSE(q, k, v, pos, query_pos)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(plain))
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(ref), atol=2e-5)
+
+
+def test_the_block_table_lists_exactly_the_blocks_with_visible_slots():
+    """Blocks of 4 slots, 5 blocks: per (row, kv head) the blocks holding a slot with
+    0 <= pos <= the row's latest query position, in order, then the last repeated."""
+    e = -1
+    pos = np.array([
+        [[0, 1, e, e, e, e, e, e, e, e, e, e, 9, e, e, e, e, e, e, e],  # blocks 0, 3
+         [e, e, e, e, 2, e, e, e, 5, e, e, e, e, e, e, e, e, e, e, 12]],  # 1, 2, 4
+        [[e, e, e, e, e, e, e, e, e, e, e, e, e, e, e, e, e, e, e, e],  # none
+         [e, e, e, e, e, e, e, e, e, 40, e, e, e, e, e, 3, e, e, e, e]],  # 3 (40 too late)
+    ], np.int32)  # fmt: skip
+    query_pos = np.array([[11, 12], [4, 5]], np.int32)
+    blocks, counts = block_table(jnp.asarray(pos), jnp.asarray(query_pos), 4)
+    np.testing.assert_array_equal(counts, [[2, 3], [0, 1]])
+    np.testing.assert_array_equal(
+        blocks,
+        [[[0, 3, 3, 3, 3], [1, 2, 4, 4, 4]], [[0, 0, 0, 0, 0], [3, 3, 3, 3, 3]]],
+    )
+
+
+def test_blocks_must_be_lane_multiples():
+    q, k, v, _, _ = step_inputs(1, 1, 2, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="block_k must be a positive multiple of 128"):
+        decode_attention(q, k, v, jnp.zeros((1, 2, 16), jnp.int32), jnp.ones((1, 1), jnp.int32),
+                         block_k=100)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled for a TPU, without one
+
+
+@pytest.fixture(scope="module")
+def tpu_devices():
+    """v5e devices from libtpu's deviceless topology."""
+    # libtpu takes a machine-wide lock file by default; deviceless compiling shares no chip.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        from jax.experimental import topologies
+
+        return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    except Exception as error:  # no libtpu, or a jax without deviceless TPU topologies
+        pytest.skip(f"no deviceless TPU compilation here (pip install 'jax[tpu]'): {error}")
+
+
+def test_the_kernel_compiles_for_tpu_without_one(tpu_devices):
+    """The stacked layout with the step's entries, bf16, G = 3 and 8, T = 1 and 3, head
+    dims 64 (read slots-minor and row-major) and 128, S no block multiple: one Mosaic kernel
+    each."""
+    where = jax.sharding.SingleDeviceSharding(tpu_devices[0])
+
+    def spec(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+    def step(q, k, v, pos, qpos, new, new_slot, layer, minor):
+        return decode_attention(q, k, v, pos, qpos, new=new, new_slot=new_slot, layer=layer,
+                                slots_minor=minor)  # fmt: skip
+
+    cases = ((24, 8, 1, 64, True), (24, 8, 1, 64, False), (8, 1, 3, 128, False))
+    for hq, hkv, t, d, minor in cases:
+        b, s, lg = 2, 1000, 3
+        new = (spec((b, hkv, t, d)), spec((b, hkv, t, d)), spec((b, hkv, t), jnp.int32))
+        args = (spec((b, t, hq, d)), spec((lg, b, hkv, s, d)), spec((lg, b, hkv, s, d)),
+                spec((b, hkv, s), jnp.int32), spec((b, t), jnp.int32), new,
+                spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
+        hlo = jax.jit(step, static_argnums=8).lower(*args, minor).compile().as_text()
+        assert hlo.count('custom_call_target="tpu_custom_call"') == 1, (hq, hkv, t, d, minor)
+
+
+def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
+    """A head-128 bf16 tiny Llama (the layout of an 8B model's cache) decoding on a 1 x 2
+    v5e mesh under attention "auto": the compiled loop holds the Mosaic decode kernel and no
+    copy of a cache-sized buffer (the kernel reads the stacked cache at layer i in place,
+    row-major; tests/test_platform.py's head-16 loop checks the slots-minor reads)."""
+    from tiny_model import jax_config
+
+    import dge_jax
+    from dge_jax.runtime import decoding, platform
+    from dge_jax.runtime.platform import Backend
+    from models.llama_like import init_params
+
+    cfg = jax_config(head_dim=128)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16))
+    batch, slots = 2, 512
+    cache = dge_jax.runtime.cache.init_cache(
+        cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim, dtype=jnp.bfloat16
+    )
+    state = decoding.start_state(cache, jnp.ones((batch,), jnp.int32), jnp.full((batch,), 8), 4,
+                                 (), jax.random.PRNGKey(0))  # fmt: skip
+    mesh = dge_jax.runtime.sharding.make_mesh(1, 2, devices=tpu_devices[:2])
+    where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    on = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree
+    )
+    family = dge_jax.families.get_family("llama")
+    with jax.set_mesh(mesh):
+        assert platform.current() == Backend.of("tpu")
+        hlo = decoding.decode_loop.lower(
+            family.forward, cfg, on(params), on(state),
+            sampler=dge_jax.runtime.sampling.Greedy(), eos_ids=(),
+        ).compile().as_text()  # fmt: skip
+    assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
+    buffer = rf"bf16\[(?:\d+,)?{batch},\d+,{slots},{cfg.head_dim}\]"
+    assert re.findall(rf"{buffer}\S* copy\(", hlo) == []
