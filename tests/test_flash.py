@@ -4,7 +4,8 @@ On CPU the kernels run in Pallas interpret mode (which fills reads past an array
 NaN, so the masking of the last partial key tile is exercised). Compared against
 `written_slot_attention` and `cached_attention` on hand-made caches: left padding, evicted
 slots, slots past num_slots, GQA groups 1/3/4/8, several query and key tiles with T and S
-multiples of neither, f32 and bf16. Rows that see no slot are finite (zero) in the kernel and
+multiples of neither, f32 and bf16; and the stacked cache [Lg, B, Hkv, S, D] read at a
+layer in place gives that layer's results. Rows that see no slot are finite (zero) in the kernel and
 a mean of values in the XLA path, so outputs are compared on real rows only; the probs sums
 are compared everywhere.
 
@@ -141,6 +142,30 @@ def test_without_probs_sum():
     ref, _ = WRITTEN(*args, block=16)
     assert sums is None
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.float32, D), (jnp.bfloat16, 128)])
+def test_the_stacked_cache_reads_its_layer_in_place(dtype, d):
+    """k, v [3, B, Hkv, S, D] and slot_pos [3, B, Hkv, S] with layer=2 (traced) give layer 2
+    read alone, outputs and probs sums bit for bit: left padding (row 0), evicted slots (row 1,
+    one kv head), unwritten capacity, several tiles; the other layers differ (other values,
+    other evictions), so reading the wrong layer shows."""
+    q, k, v, pos, query_pos = make_inputs(2, 150, 6, 2, 300, dtype, seed=2, d=d)
+    left_pad(pos, query_pos, 0, 20)
+    pos[1, 1, 40:170] = -1
+    rng = np.random.default_rng(3)
+    others = [jnp.asarray(rng.normal(size=(2, *k.shape)), dtype) for _ in "kv"]
+    k3, v3 = (jnp.concatenate([x, y[None]]) for x, y in zip(others, (k, v), strict=True))
+    evicted = np.where(rng.random((2, *pos.shape)) < 0.3, -1, pos)
+    pos3 = jnp.asarray(np.concatenate([evicted, pos[None]]))
+    args = (jnp.asarray(query_pos), jnp.int32(170))
+    blocks = dict(return_probs_sum=True, block_q=128, block_k=128)
+    alone = FLASH(q, k, v, jnp.asarray(pos), *args, **blocks)
+    stacked = FLASH(q, k3, v3, pos3, *args, layer=jnp.int32(2), **blocks)
+    for got, want in zip(stacked, alone, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    tol = F32 if dtype == jnp.float32 else BF16
+    check(q, k, v, pos, query_pos, 170, tol=tol, block_q=128, block_k=128)
 
 
 def test_skip_tables_of_a_causal_prompt():

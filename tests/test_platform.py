@@ -14,8 +14,9 @@
 - The run identity: default and xla runs keep the identity earlier folders recorded (so they
   resume); pallas is another configuration.
 - Compiled for a TPU without one (deviceless, through libtpu): prefill under "auto" holds the
-  Pallas kernel, and the decode loop holds the decode kernel and keeps its cache in place
-  without the CPU write trick (no cache copy).
+  Pallas kernel, reading the stacked cache in place (no one-layer slice of the capacity),
+  and the decode loop holds the decode kernel and keeps its cache in place without the CPU
+  write trick (no cache copy).
 """
 
 from __future__ import annotations
@@ -291,19 +292,49 @@ def _on(mesh, tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree)
 
 
-def test_prefill_compiled_for_tpu_runs_the_pallas_kernel(model, tpu_mesh):
-    """attention="auto" under a mesh of TPU devices resolves to pallas: the compiled prefill
-    holds Mosaic kernels (the flash forward, and its probs sums when recorded)."""
-    inputs = _on(tpu_mesh, tuple(map(jnp.asarray, pad_left(prompt_ids([40, 29]), 64))))
+PREFILL_ROWS, PREFILL_CAPACITY = 2, 80
+
+
+@pytest.fixture(scope="module")
+def tpu_prefills(model, tpu_mesh):
+    """{kernels expected: compiled HLO text} of the tiny model's prefill (2 rows, capacity 80)
+    for the v5e mesh under attention "auto", without and with recorded probs sums."""
+    inputs = pad_left(prompt_ids([40, 29]), 64)
+    inputs = _on(tpu_mesh, tuple(map(jnp.asarray, inputs)))
     params = _on(tpu_mesh, model.params)
+    hlos = {}
     with jax.set_mesh(tpu_mesh):  # (no eager op in here: it would run on the absent TPU)
         assert platform.current() == Backend.of("tpu")
         for recording, kernels in ((NOTHING, 1), (Recording.of(AttentionSums()), 2)):
-            hlo = decoding.prefill_prompt.lower(
-                model.forward, model.config, params, *inputs, capacity=80,
+            hlos[kernels] = decoding.prefill_prompt.lower(
+                model.forward, model.config, params, *inputs, capacity=PREFILL_CAPACITY,
                 recording=recording,
             ).compile().as_text()  # fmt: skip
-            assert hlo.count('custom_call_target="tpu_custom_call"') == kernels, recording
+    return hlos
+
+
+def test_prefill_compiled_for_tpu_runs_the_pallas_kernel(tpu_prefills):
+    """attention="auto" under a mesh of TPU devices resolves to pallas: the compiled prefill
+    holds Mosaic kernels (the flash forward, and its probs sums when recorded)."""
+    for kernels, hlo in tpu_prefills.items():
+        assert hlo.count('custom_call_target="tpu_custom_call"') == kernels
+
+
+def test_prefill_compiled_for_tpu_reads_the_stacked_cache_in_place(model, tpu_prefills):
+    """The flash kernel takes the layer group's stacked cache [Lg, B, Hkv, S, D] and the layer
+    index, so no instruction of the compiled prefill makes one layer's slice of the whole
+    capacity ([B, Hkv, S, D] or [1, B, Hkv, S, D], either minor order, any dtype), the
+    largest HBM cost of an 8B prefill before (issue #29: passed k_all[i], the layer scan
+    copied the layer's capacity for every chunk and layer before the kernel read it)."""
+    cfg = model.config
+    per_layer = (
+        rf"\w+\[(?:1,)?{PREFILL_ROWS},\d+,"
+        rf"(?:{PREFILL_CAPACITY},{cfg.head_dim}|{cfg.head_dim},{PREFILL_CAPACITY})\]\S* [\w-]+\("
+    )
+    for kernels, hlo in tpu_prefills.items():
+        # The stacked buffers themselves are there (the pattern's shape, one axis more).
+        assert re.search(rf"\[{cfg.num_layers},{PREFILL_ROWS},\d+,{PREFILL_CAPACITY},", hlo)
+        assert re.findall(per_layer, hlo) == [], kernels
 
 
 def test_decode_compiled_for_tpu_keeps_the_cache_in_place_without_the_cpu_trick(

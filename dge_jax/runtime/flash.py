@@ -9,7 +9,13 @@ Layout. q is regrouped as `written_slot_attention` groups it: the G query heads 
 become rows g * T' + t of one [G * T', D] array (T' = T padded to whole query tiles), so row
 tile i is query tile i % nq of query head i // nq and every key tile a step loads serves bq
 rows of one kv head; the forward grid is (batch, kv head, row tile, key tile). Keys and
-values are read in place (never padded or copied); the slot and query positions (small) are
+values are read in place (never padded or copied), from the layer group's stacked cache
+[Lg, B, Hkv, S, D] itself: the layer index is scalar-prefetched with the skip tables and
+the k / v index maps pick that layer's tiles (``layer=``), as `flash_decode` does. Passed
+k_all[i] instead, a prefill under the layer scan materialised a copy of the layer's whole
+capacity for every chunk and layer before the kernel read it (for Llama-8B at 32k, batch 24
+on a v5e-8, the prefill's largest HBM cost). A plain [B, Hkv, S, D] layer works too (read as
+a stack of one). The slot and query positions (small; the layer's are sliced out) are
 padded with -1 to whole tiles, and the last key tile's rows past S (undefined, maybe NaN)
 are masked, so any T and S work. The regrouping is one transposing copy of q (and one of
 the output back); in a layer, XLA folds both into the q projection and o_proj (a Llama-8B
@@ -57,15 +63,17 @@ _NT = (((1,), (1,)), ((), ()))  # dot_general numbers of A @ B^T (contract both 
 
 
 class _Tables(NamedTuple):
-    """The scalar-prefetched skip tables (jax arrays in the wrapper, SMEM refs in kernels).
+    """The scalar-prefetched tables (jax arrays in the wrapper, SMEM refs in kernels).
 
-    num_slots [1]; per batch row b: kmin [B * nk] (key tile j's smallest visible position),
+    layer [1] (the stacked cache's layer the k / v index maps read); num_slots [1]; per batch
+    row b: kmin [B * nk] (key tile j's smallest visible position),
     qmax [B * nq] (query tile i's largest position), kfirst / klast [B * nq] (query tile i's
     first / last needed key tile), qfirst / qlast [B * nk] (key tile j's first / last needed
     query tile), kend [B] (the last key tile any query tile needs). Key tile j is needed by
     query tile i iff kmin[j] <= qmax[i].
     """
 
+    layer: jax.Array
     num_slots: jax.Array
     kmin: jax.Array
     qmax: jax.Array
@@ -87,6 +95,7 @@ def flash_attention(
     query_pos: jax.Array,
     num_slots: jax.Array | int,
     *,
+    layer: jax.Array | int | None = None,
     return_probs_sum: bool = False,
     block_q: int = 512,
     block_k: int = 512,
@@ -94,16 +103,24 @@ def flash_attention(
 ) -> tuple[jax.Array, jax.Array | None]:
     """`written_slot_attention` as Pallas kernels; returns (out, per-slot prob sums or None).
 
-    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [B, Hkv, S]; query_pos: [B, T];
-    num_slots: slots at or past it are never read. out: [B, T, Hq, D] in v's dtype; probs
+    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D] and slot_pos: [B, Hkv, S], or with layer= the
+    stacked k, v [Lg, B, Hkv, S, D] and slot_pos [Lg, B, Hkv, S] of which layer `layer` (an
+    int32, may be traced) is read in place; query_pos: [B, T]; num_slots: slots at or past it
+    are never read. out: [B, T, Hq, D] in v's dtype; probs
     sum: [B, Hq, S] f32 summed over the T queries, padding queries contributing 0. block_q /
     block_k: row and key tile sizes (multiples of 128; shrunk to the padded T / S when
     larger). interpret: None runs Mosaic when compiled for TPU and interpret mode on any
     other platform (decided at lowering, from where the computation is compiled); True /
     False force it.
     """
+    if layer is None:
+        k, v, slot_pos, layer = k[None], v[None], slot_pos[None], 0
+    layer = jnp.asarray(layer, jnp.int32)
     b, t, hq, d = q.shape
-    hkv, s_len = k.shape[1], k.shape[2]
+    hkv, s_len = k.shape[2], k.shape[3]
+    # This layer's positions (4 bytes a slot: small) feed the tables and the kernels' masks;
+    # k and v stay stacked, their index maps pick the layer.
+    slot_pos = jax.lax.dynamic_index_in_dim(slot_pos, layer, keepdims=False)
     bq, t_pad = _tile(t, block_q, "block_q")
     bk, s_pad = _tile(s_len, block_k, "block_k")
     dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len)
@@ -111,7 +128,7 @@ def flash_attention(
     spos = jnp.pad(
         slot_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1
     )
-    tables = _skip_tables(spos, qpos, jnp.asarray(num_slots, jnp.int32), bq, bk)
+    tables = _skip_tables(spos, qpos, jnp.asarray(num_slots, jnp.int32), bq, bk, layer)
     rows = _rows_in(q, hkv, dims)
     # [B, 1, L] layouts: a tile's positions are a legal (1, tile) block, lanes along L.
     qpos, spos = qpos[:, None, :], spos[:, :, None, :]
@@ -184,9 +201,11 @@ def _rows_spec(dims: _Dims, d: int, tile_of) -> pl.BlockSpec:
 
 
 def _skip_tables(
-    spos: jax.Array, qpos: jax.Array, num_slots: jax.Array, bq: int, bk: int
+    spos: jax.Array, qpos: jax.Array, num_slots: jax.Array, bq: int, bk: int,
+    layer: jax.Array | int = 0,
 ) -> _Tables:
-    """The skip tables (see `_Tables`) from padded slot [B, Hkv, S'] and query [B, T'] positions.
+    """The tables (see `_Tables`) from padded slot [B, Hkv, S'] and query [B, T'] positions
+    (the layer's) and the stacked cache's layer index.
 
     A tile pair nothing in common is skipped; a query tile needing no key tile (all padding)
     gets kfirst = nk - 1, klast = 0, so its clamped index min(max(j, kfirst), klast) is 0 for
@@ -206,7 +225,8 @@ def _skip_tables(
     kend = klast.max(axis=1)  # every key tile past it is unwritten or seen by no query
     tables = (kmin, qmax, kfirst, klast, qfirst, qlast, kend)
     flat = [x.reshape(-1).astype(jnp.int32) for x in tables]
-    return _Tables(jnp.reshape(num_slots, (1,)), *flat)
+    return _Tables(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+                   jnp.reshape(num_slots, (1,)), *flat)  # fmt: skip
 
 
 def _column(row: jax.Array) -> jax.Array:
@@ -285,8 +305,9 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
 
 
 def _forward_call(dims: _Dims, interpret: bool):
-    """The forward pallas_call: (tables, qpos [B,1,T'], q rows (`_rows_in`), k, v [B,Hkv,S,D],
-    spos [B,Hkv,1,S']) -> (out in q's row layout, lse [B,Hkv,1,G*T'] f32, row tile order)."""
+    """The forward pallas_call: (tables, qpos [B,1,T'], q rows (`_rows_in`), k, v
+    [Lg,B,Hkv,S,D] (layer tables.layer read), spos [B,Hkv,1,S']) -> (out in q's row layout,
+    lse [B,Hkv,1,G*T'] f32, row tile order)."""
     nq, bq, bk = dims.nq, dims.bq, dims.bk
 
     def row_tile(b, h, i, j, *refs):
@@ -298,7 +319,7 @@ def _forward_call(dims: _Dims, interpret: bool):
         return _clamp(j, tab.kfirst[at], tab.klast[at])
 
     def kv_map(b, h, i, j, *refs):
-        return b, h, key_tile(b, h, i, j, *refs), 0
+        return _Tables(*refs).layer[0], b, h, key_tile(b, h, i, j, *refs), 0
 
     def spos_map(b, h, i, j, *refs):
         return b, h, 0, key_tile(b, h, i, j, *refs)
@@ -307,7 +328,7 @@ def _forward_call(dims: _Dims, interpret: bool):
         return b, 0, _head_and_tile(i, nq)[1]
 
     def call(tables, qpos, q_rows, k, v, spos):
-        b, hkv, _, d = k.shape
+        _, b, hkv, s_len, d = k.shape
         rows = dims.g * nq * bq
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(tables),
@@ -315,8 +336,8 @@ def _forward_call(dims: _Dims, interpret: bool):
             in_specs=[
                 pl.BlockSpec((None, 1, bq), qpos_map),
                 _rows_spec(dims, d, row_tile),
-                pl.BlockSpec((None, None, bk, d), kv_map),
-                pl.BlockSpec((None, None, bk, d), kv_map),
+                pl.BlockSpec((None, None, None, bk, d), kv_map),
+                pl.BlockSpec((None, None, None, bk, d), kv_map),
                 pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=[
@@ -330,8 +351,9 @@ def _forward_call(dims: _Dims, interpret: bool):
                 pltpu.VMEM((bq, 1), jnp.int32),
             ],
         )
-        flops = 4 * b * hkv * rows * k.shape[2] * d  # dense bound: skipped tiles not counted off
-        tile_bytes = 2 * k.size * k.dtype.itemsize * (rows // bq)  # k and v once per row tile
+        flops = 4 * b * hkv * rows * s_len * d  # dense bound: skipped tiles not counted off
+        layer_bytes = b * hkv * s_len * d * k.dtype.itemsize
+        tile_bytes = 2 * layer_bytes * (rows // bq)  # the layer's k and v once per row tile
         return pl.pallas_call(
             functools.partial(_forward_kernel, dims=dims),
             grid_spec=grid_spec,
@@ -392,7 +414,8 @@ def _sums_kernel(*refs, dims: _Dims) -> None:
 
 def _sums_call(dims: _Dims, interpret: bool):
     """The probs-sum pallas_call: (tables, qpos, q, lse, k, spos) in `_forward_call`'s
-    layouts -> sums [B, Hkv, G, S'] f32 (query head h * G + g's sums in row g)."""
+    layouts (k stacked, layer tables.layer read) -> sums [B, Hkv, G, S'] f32 (query head
+    h * G + g's sums in row g)."""
     nq, nk, bq, bk, g = dims.nq, dims.nk, dims.bq, dims.bk, dims.g
 
     def query_tile(b, j, i, refs):
@@ -413,13 +436,14 @@ def _sums_call(dims: _Dims, interpret: bool):
         return b, h, 0, head * nq + qi
 
     def k_map(b, h, j, i, *refs):
-        return b, h, jnp.minimum(j, _Tables(*refs).kend[b]), 0
+        tab = _Tables(*refs)
+        return tab.layer[0], b, h, jnp.minimum(j, tab.kend[b]), 0
 
     def spos_map(b, h, j, i, *refs):
         return b, h, 0, jnp.minimum(j, _Tables(*refs).kend[b])
 
     def call(tables, qpos, q_rows, lse, k, spos):
-        b, hkv, _, d = k.shape
+        _, b, hkv, s_len, d = k.shape
         rows = g * nq * bq
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(tables),
@@ -428,13 +452,13 @@ def _sums_call(dims: _Dims, interpret: bool):
                 pl.BlockSpec((None, 1, bq), qpos_map),
                 _rows_spec(dims, d, row_tile),
                 pl.BlockSpec((None, None, 1, bq), lse_map),
-                pl.BlockSpec((None, None, bk, d), k_map),
+                pl.BlockSpec((None, None, None, bk, d), k_map),
                 pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=pl.BlockSpec((None, None, g, bk), lambda b, h, j, i, *_: (b, h, 0, j)),
             scratch_shapes=[pltpu.VMEM((bk, 1), jnp.int32), pltpu.VMEM((g, bk, 1), jnp.float32)],
         )
-        flops = 2 * b * hkv * rows * k.shape[2] * d
+        flops = 2 * b * hkv * rows * s_len * d
         return pl.pallas_call(
             functools.partial(_sums_kernel, dims=dims),
             grid_spec=grid_spec,
@@ -444,7 +468,8 @@ def _sums_call(dims: _Dims, interpret: bool):
             ),
             cost_estimate=pl.CostEstimate(
                 flops=flops, transcendentals=flops // (2 * d),
-                bytes_accessed=q_rows.size * q_rows.dtype.itemsize * nk + k.size * k.dtype.itemsize,
+                bytes_accessed=q_rows.size * q_rows.dtype.itemsize * nk
+                + b * hkv * s_len * d * k.dtype.itemsize,
             ),
             interpret=interpret,
         )(*tables, qpos, q_rows, lse, k, spos)

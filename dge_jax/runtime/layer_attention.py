@@ -12,8 +12,6 @@ layout the platform prefers.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -68,7 +66,7 @@ def cache_layer_attention(
     if key_block:
         k_all, v_all, pos_all = write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
         attn, probs_sum = prefill_attention(
-            backend, q, k_all[i], v_all[i], pos_all[i], positions, slot + t,
+            backend, q, k_all, v_all, pos_all, positions, slot + t, i,
             block=backend.key_block or key_block, return_probs_sum=record_attn,
         )  # fmt: skip
         return attn, probs_sum, k_all, v_all, pos_all
@@ -143,20 +141,24 @@ def _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot):
 def prefill_attention(
     backend: Backend,
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_pos: jax.Array,
+    k_all: jax.Array,
+    v_all: jax.Array,
+    pos_all: jax.Array,
     query_pos: jax.Array,
     num_slots: jax.Array | int,
+    i: jax.Array | int,
     *,
     block: int,
     return_probs_sum: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """`attention.written_slot_attention`'s contract, run by `backend.attention`.
+    """`attention.written_slot_attention`'s contract over layer i of the stacked k_all, v_all
+    [Lg, B, Hkv, S, D] and pos_all [Lg, B, Hkv, S], run by `backend.attention`.
 
     "xla": `written_slot_attention` in key blocks of `block`. "pallas": `flash_attention`
-    (Mosaic on TPU, interpret mode elsewhere), under a mesh inside a shard_map over rows and
-    kv heads (`_sharded_flash`). "cudnn": `cudnn_attention`; its kernel returns no per-slot
+    (Mosaic on TPU, interpret mode elsewhere) on the stacked buffers, its index maps picking
+    layer i, so no slice of the layer's capacity is materialised (under a layer scan it would
+    be a copy per chunk and layer); under a mesh inside a shard_map over rows and kv heads
+    (`_sharded_flash`). "cudnn": `cudnn_attention`; its kernel returns no per-slot
     sums, so a chunk that records them (H2O) runs the XLA path.
 
     Rows that see no slot (padding queries) differ: zeros from the flash kernel, a mean of
@@ -166,7 +168,9 @@ def prefill_attention(
     repeat scores all skip position -1.
     """
     if backend.attention == "pallas":
-        return _sharded_flash(q, k, v, slot_pos, query_pos, num_slots, return_probs_sum)
+        return _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i,
+                              return_probs_sum)  # fmt: skip
+    k, v, slot_pos = k_all[i], v_all[i], pos_all[i]
     if backend.attention == "cudnn" and not return_probs_sum:
         return cudnn_attention(q, k, v, slot_pos, query_pos, num_slots), None
     return written_slot_attention(
@@ -174,28 +178,37 @@ def prefill_attention(
     )
 
 
-def _sharded_flash(q, k, v, slot_pos, query_pos, num_slots, return_probs_sum: bool):
-    """`flash_attention`; under a (data, model) mesh, one call per device on its own rows and
-    kv heads (jax.shard_map with the cache's layout: `sharding.attention_specs`). Each (row,
-    kv head) pair is independent, so nothing crosses devices; a Pallas call cannot be
-    partitioned by XLA itself. Imported here: Pallas's modules take about a second to import,
-    which CPU runs (xla) need not pay."""
+def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_probs_sum: bool):
+    """`flash_attention` of layer i of the stacked buffers; under a (data, model) mesh, one
+    call per device on its own rows and kv heads (jax.shard_map with the cache's layout:
+    `sharding.attention_specs`, the layer axis unsplit). Each (row, kv head) pair is
+    independent, so nothing crosses devices; a Pallas call cannot be partitioned by XLA
+    itself. Imported here: Pallas's modules take about a second to import, which CPU runs
+    (xla) need not pay."""
     from dge_jax.runtime.flash import flash_attention
 
-    fn = functools.partial(flash_attention, return_probs_sum=return_probs_sum)
-    specs = attention_specs(q.shape[0], k.shape[1])
+    def fn(q, k_all, v_all, pos_all, query_pos, num_slots, i):
+        return flash_attention(q, k_all, v_all, pos_all, query_pos, num_slots, layer=i,
+                               return_probs_sum=return_probs_sum)  # fmt: skip
+
+    args = (q, k_all, v_all, pos_all, query_pos, jnp.asarray(num_slots, jnp.int32),
+            jnp.asarray(i, jnp.int32))  # fmt: skip
+    specs = attention_specs(q.shape[0], k_all.shape[2])
     if specs is None:
-        return fn(q, k, v, slot_pos, query_pos, num_slots)
+        return fn(*args)
     rows, keys, slots, qpos, sums = specs
+    stacked = jax.sharding.PartitionSpec(None, *keys)
+    scalar = jax.sharding.PartitionSpec()
 
     def local(*args):
         out, total = fn(*args)
         return (out, total) if return_probs_sum else out
 
     out = jax.shard_map(
-        local, in_specs=(rows, keys, keys, slots, qpos, jax.sharding.PartitionSpec()),
+        local, in_specs=(rows, stacked, stacked, jax.sharding.PartitionSpec(None, *slots), qpos,
+                         scalar, scalar),
         out_specs=(rows, sums) if return_probs_sum else rows, check_vma=False,
-    )(q, k, v, slot_pos, query_pos, jnp.asarray(num_slots, jnp.int32))  # fmt: skip
+    )(*args)  # fmt: skip
     return out if return_probs_sum else (out, None)
 
 
