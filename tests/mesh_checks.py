@@ -172,7 +172,7 @@ def axis_size(mesh_shape: dict, axes) -> int:
     return math.prod(mesh_shape[a] for a in names)
 
 
-def step_facts(before: str, after: str, cfg, mesh_shape: dict) -> dict:
+def step_facts(before: str, after: str, cfg, mesh_shape: dict, batch: int) -> dict:
     """What one compiled module does with KV caches.
 
     caches: the global cache shapes [Lg, B, Hkv, S, D] in the module, as (B, S); cache_slots:
@@ -180,7 +180,11 @@ def step_facts(before: str, after: str, cfg, mesh_shape: dict) -> dict:
     holds no global cache); kv_moves: collectives carrying keys/values (an array ending in
     [S, D]) or the positions of a whole layer group (s32 [Lg, ., ., S]); whole_cache: arrays
     of a whole layer group's global shape, or of one layer of it, in the per-device module,
-    i.e. one device holding a whole cache.
+    i.e. one device holding a whole cache. batch: the run's rows; only arrays of a multiple
+    of that many rows (cells decoding stacked hold several) are caches: a kernel's shard_map
+    body holds per-device blocks, e.g. [Lg, 1, Hkv, S, D] on the 8 x 1 mesh, which would
+    otherwise read as a whole cache of one row (8 rows here: no block of fewer than 8
+    stacked cells has a multiple of 8 rows on a mesh of 8 devices).
     """
     nl, hkv, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     flat = before.replace(" ", "")
@@ -193,7 +197,7 @@ def step_facts(before: str, after: str, cfg, mesh_shape: dict) -> dict:
         {
             (int(lg), int(b), int(c))
             for lg, b, c in re.findall(rf"f32\[(\d+),(\d+),{hkv},(\d+),{hd}\]", flat)
-            if 1 <= int(lg) <= nl and int(c) >= 16
+            if 1 <= int(lg) <= nl and int(c) >= 16 and int(b) % batch == 0
         }
     )
     caches = sorted({(b, c) for _, b, c in groups})
@@ -334,7 +338,8 @@ def main(out_path: str, dump_dir: str) -> None:
         cache = sh.init_sharded_cache(cfg, len(ids), CAPACITY, mesh)
         steps: dict[str, list] = {}
         for name, before, after in compiled_modules(dump, seen):
-            steps.setdefault(name, []).append(step_facts(before, after, cfg, dict(mesh.shape)))
+            facts_of = step_facts(before, after, cfg, dict(mesh.shape), len(ids))
+            steps.setdefault(name, []).append(facts_of)
         facts["meshes"][f"{data}x{model_axis}"] = {
             "results": results(res),
             "pallas": results(pallas, CELL_NAMES[:2]),
