@@ -36,7 +36,9 @@ from dge_jax import cli
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge
+from dge_jax.rules.full import is_full
 from dge_jax.rules.h2o import H2O
+from dge_jax.rules.registry import RULES, make_rule, rule_fields
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding, platform
 from dge_jax.runtime.attention import written_slot_attention
@@ -168,6 +170,23 @@ def test_pallas_gives_the_xla_tokens_and_kept_sets(model):
         assert got.kept == want.kept, cell
     # the evicting cells really evicted: 8 of 21 or 37 prompt entries (+ the draft) per head
     assert all(len(head) <= 8 for row in xla[1].kept for layer in row for head in layer)
+
+
+def test_every_rule_keeps_the_same_entries_under_pallas(model):
+    """Each registered rule (a window of 4 where it has one), evicting under dge(2) in one
+    grid: the kept sets and tokens with the Pallas kernels (prefill, its probs sums, decode)
+    equal the XLA path's. Float ties could in principle split them; none do here."""
+    names = sorted(n for n in RULES if not is_full(make_rule(n)))
+    rules = [make_rule(n, **({"window": 4} if "window" in rule_fields(n) else {}))
+             for n in names]  # fmt: skip
+    cells = [Eviction(rule, budget=12, timing=dge(2)) for rule in rules]
+    prompts = prompt_ids([37, 21], seed=5)
+    xla, pallas = (dge_jax.generate_grid(model, prompts, cells, max_new_tokens=6, attention=a)
+                   for a in ("xla", "pallas"))  # fmt: skip
+    for name, want, got in zip(names, xla, pallas, strict=True):
+        assert got.kept == want.kept, name
+        assert got.tokens == want.tokens, name
+    assert len(names) >= 13
 
 
 def test_pallas_gives_the_xla_tokens_on_the_embedded_model():
