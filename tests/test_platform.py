@@ -172,15 +172,17 @@ def test_pallas_gives_the_xla_tokens_and_kept_sets(model):
     assert all(len(head) <= 8 for row in xla[1].kept for layer in row for head in layer)
 
 
-def test_every_rule_keeps_the_same_entries_under_pallas(model):
+def test_every_rule_keeps_the_same_entries_under_pallas(checkpoint):
     """Each registered rule (a window of 4 where it has one), evicting under dge(2) in one
     grid: the kept sets and tokens with the Pallas kernels (prefill, its probs sums, decode)
-    equal the XLA path's. Float ties could in principle split them; none do here."""
+    equal the XLA path's. Float ties could in principle split them; none do here. (A
+    checkpoint with a tokenizer: KVzip encodes its repeat instruction.)"""
+    model = dge_jax.load(checkpoint("llama_chat"))
     names = sorted(n for n in RULES if not is_full(make_rule(n)))
     rules = [make_rule(n, **({"window": 4} if "window" in rule_fields(n) else {}))
              for n in names]  # fmt: skip
     cells = [Eviction(rule, budget=12, timing=dge(2)) for rule in rules]
-    prompts = prompt_ids([37, 21], seed=5)
+    prompts = prompt_ids([37, 21], seed=5, vocab=model.config.vocab_size)
     xla, pallas = (dge_jax.generate_grid(model, prompts, cells, max_new_tokens=6, attention=a)
                    for a in ("xla", "pallas"))  # fmt: skip
     for name, want, got in zip(names, xla, pallas, strict=True):
