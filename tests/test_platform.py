@@ -172,6 +172,7 @@ def test_pallas_gives_the_xla_tokens_and_kept_sets(model):
     assert all(len(head) <= 8 for row in xla[1].kept for layer in row for head in layer)
 
 
+@pytest.mark.slow
 def test_every_rule_keeps_the_same_entries_under_pallas(checkpoint):
     """Each registered rule (a window of 4 where it has one), evicting under dge(2) in one
     grid: the kept sets and tokens with the Pallas kernels (prefill, its probs sums, decode)
