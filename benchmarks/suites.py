@@ -16,10 +16,11 @@ What runs (issue 9), in one process, peers in a subprocess afterwards (never con
 - (b) the KV-dominated random-weight model of `benchmarks.eviction_decode` (Llama-3-8B
   attention geometry on a 2-layer trunk) at 4k / 8k / 16k tokens: full vs compacted decode,
   cache bytes against the theoretical size of a compacted cache;
-- the GPU suite: (b)'s model at 32 layers in bf16 at batch 1, 8 and 32 (and one long batch-1
-  prompt): prefill tok/s and model-FLOP utilisation, decode tok/s and bandwidth utilisation
-  from the full and the compacted cache, against the GPU's peaks (`machine.GPU_PEAKS`), each
-  configuration under each prefill attention backend (`gpu_attention`).
+- the GPU suite: (b)'s attention at 32 layers in bf16 (the full plan with Llama-3.1-8B's
+  hidden and MLP sizes) at batch 1, 8 and 32 (and one long batch-1 prompt): prefill tok/s
+  and model-FLOP utilisation, decode tok/s and bandwidth utilisation from the full and the
+  compacted cache, against the GPU's peaks (`machine.GPU_PEAKS`), each configuration under
+  each prefill attention backend (`gpu_attention`).
 
 How each is timed: `benchmarks.harness`. The machine limits are measured by
 `benchmarks.run.main` before a suite starts.

@@ -43,7 +43,7 @@ from dge_jax.eviction import evict, grid_plan, observation, selection
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge
 from dge_jax.rules.snapkv import SnapKV
-from dge_jax.runtime import decoding, sharding
+from dge_jax.runtime import decoding, platform, sharding
 from dge_jax.runtime.cache import init_cache
 from dge_jax.runtime.platform import Backend
 from dge_jax.runtime.prompts import Request, bucket_length
@@ -74,8 +74,9 @@ class Setup:
     @property
     def prefill_chunk(self) -> int:
         """--chunk, or the chunk generate_grid picks for a device's rows on this mesh."""
-        data = dict(self.mesh.shape).get("data", 1)
-        return self.chunk or self.backend.chunk_for(-(-self.batch // data))
+        with jax.set_mesh(self.mesh):
+            rows = platform.rows_per_device(self.batch)
+        return self.chunk or self.backend.chunk_for(rows)
 
     @property
     def decode_layer_loop(self) -> str:

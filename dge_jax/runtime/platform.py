@@ -22,15 +22,16 @@ device's. To compile for another platform without a mesh, set a 1 x 1 mesh of it
 Prefill chunk. Each prefill step reads every weight once, so a 32k prompt in 512-token steps
 reads an 8B model's weights 64 times (159 GB of HBM traffic per device on a v5e-8 against
 about 2 GB of weights: issue 29). On TPU and GPU a step holds about 8192 tokens of all rows
-together (`chunk_for`: a device's rows x chunk <= `prefill_step_tokens`, the chunk a multiple of the
-512-token `prompt_bucket` and at most `prefill_chunk`): at batch 1 the weights are read once
-for prompts up to 8k and 4 times at 32k, and a step's activations stay bounded whatever the
-batch (compiled for a v5e-8, an 8B model's prefill at batch 24 in 8192-token chunks needs
-19 GiB of temporaries; in 512-token ones it fits: benchmarks/RESULTS.md). 8192 tokens per
-weight read sits far past every chip's roofline ridge (about 240-600 flops per byte), so
-the weights' re-reads cost traffic, not time. Prompts are padded to multiples of 512 and
-split into equal steps of at most the chunk (`prompts.bucket_length`), so a long chunk costs
-no padding. CPU keeps 512 at every batch: measured fastest there (benchmarks/RESULTS.md).
+together (`chunk_for`: a device's rows x chunk <= `prefill_step_tokens`, the chunk a
+multiple of the 512-token `prompt_bucket` and at most `prefill_chunk`): at batch 1 the
+weights are read once for prompts up to 8k and 4 times at 32k, and a step's activations
+stay bounded whatever the batch (compiled for a v5e-8, an 8B model's prefill at batch 24 in
+8192-token chunks needs 19 GiB of temporaries; in 512-token ones it fits:
+benchmarks/RESULTS.md). 8192 tokens per weight read sits far past every chip's roofline
+ridge (about 240-600 flops per byte), so the weights' re-reads cost traffic, not time.
+Prompts are padded to multiples of 512 and split into equal steps of at most the chunk
+(`prompts.bucket_length`), so a long chunk costs no padding. CPU keeps 512 at every batch:
+measured fastest there (benchmarks/RESULTS.md).
 
 The other CPU fields: one layer per decode group, because XLA:CPU copies the slice of a
 stacked array a scanned layer reads, every step (`decoding.decode_loop`); keys-major score
@@ -77,16 +78,16 @@ class Backend:
     it may be a static argument under jit.
 
     platform: "cpu" | "gpu" | "tpu". attention: the attention implementation ("xla": the
-    blocked online softmax of `attention.written_slot_attention`; "pallas": `flash.flash_attention`,
-    Mosaic on TPU and interpret mode elsewhere; "cudnn": `jax.nn.dot_product_attention`'s
-    cuDNN flash attention, GPU only); decode and draft steps run
-    `flash_decode.decode_attention` under "pallas" (the key blocks holding visible slots
-    only; steps recording probs sums excepted) and the XLA path `attention.cached_attention`
-    otherwise. layer_loop: the
-    decode loop's layer grouping (`decoding.decode_groups`). prefill_chunk: tokens per
-    prefill step at most; prefill_step_tokens: the rows' tokens per step at most (0: the
-    chunk whatever the batch; `chunk_for`); prompt_bucket: prompts longer than it pad to
-    multiples of it (per step). key_block: keys per block of the XLA prefill path (0: the chunk).
+    blocked online softmax of `attention.written_slot_attention`; "pallas":
+    `flash.flash_attention`, Mosaic on TPU and interpret mode elsewhere; "cudnn":
+    `jax.nn.dot_product_attention`'s cuDNN flash attention, GPU only); decode and draft
+    steps run `flash_decode.decode_attention` under "pallas" (the key blocks holding
+    visible slots only; steps recording probs sums excepted) and the XLA path
+    `attention.cached_attention` otherwise. layer_loop: the decode loop's layer grouping
+    (`decoding.decode_groups`). prefill_chunk: tokens per prefill step at most;
+    prefill_step_tokens: the rows' tokens per step at most (0: the chunk whatever the
+    batch; `chunk_for`); prompt_bucket: prompts longer than it pad to multiples of it (per
+    step). key_block: keys per block of the XLA prefill path (0: the chunk).
     keys_major_max_rows: decode scores keys-major up to this many rows per kv head (0:
     never). write_after_attention: order a decode step's cache write after attention's
     reads through a computed zero.
