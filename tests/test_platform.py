@@ -269,6 +269,7 @@ def test_the_run_identity_keeps_earlier_folders(tmp_path):
     model = dge_jax.load(build_tiny_llama(tmp_path / "model"))
 
     def identity(*flags):
+        FLAGS.unparse_flags()  # another test in this process may have left flags parsed
         FLAGS(["longbench", "--model", str(model.path), *flags])
         try:
             return runner.run_identity(RunConfig.from_flags(FLAGS), model, 512)

@@ -64,6 +64,8 @@ def run_inprocess(monkeypatch, capsys):
             code = 0
         except SystemExit as e:
             code = 0 if e.code is None else e.code
+        finally:  # the flags are process-wide: leave none parsed for the next test
+            flags.FLAGS.unparse_flags()
         out, err = capsys.readouterr()
         return code, out, err
 
