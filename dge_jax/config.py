@@ -50,6 +50,20 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    # Local and global layers (Gemma 2/3, Mistral v0.1, Qwen2 with use_sliding_window, Phi-3):
+    # layer i attends to keys with 0 <= query_pos - pos < layer_windows[i] (a sliding window),
+    # or to every earlier key when layer_windows[i] == 0; () = every layer global.
+    layer_windows: tuple[int, ...] = ()
+    local_rope: RopeConfig | None = None  # the sliding layers' RoPE, where it differs (Gemma 3)
+    attn_scale: float | None = None  # scores times this; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    # Gemma: embeddings times sqrt(hidden), RMSNorm weights as (1 + w), a norm after attention
+    # and after the MLP as well as before each, and the MLP's activation.
+    embed_scale: bool = False
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh" (GeGLU, Gemma)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -57,6 +71,29 @@ class ModelConfig:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ConfigError(
+                f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers"
+            )
+        if any(w < 0 for w in self.layer_windows):
+            raise ConfigError(f"a sliding window must be positive, got {self.layer_windows}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ConfigError(f"hidden_act={self.hidden_act!r}: supported are silu, gelu_tanh")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens; 0 = global (every earlier key)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """The layers with a sliding window, in order."""
+        return tuple(i for i, w in enumerate(self.layer_windows) if w)
+
+    @property
+    def rope_of_layers(self) -> tuple[RopeConfig, ...]:
+        """Each layer's RoPE: `local_rope` on sliding layers where set, else `rope`."""
+        local = self.local_rope or self.rope
+        return tuple(local if self.window(i) else self.rope for i in range(self.num_layers))
 
     @property
     def group_size(self) -> int:
