@@ -283,14 +283,14 @@ def kv_rows(plan: Plan, common: dict, steps: KvSteps, param_bytes: int, limits: 
 
 def write_hf_folder(cfg: ModelConfig, params, folder: pathlib.Path) -> None:
     """A Hugging Face Llama folder (config.json + model.safetensors) holding `params`: the
-    reverse of `models.llama_like.HF_KEY_TABLE`, so the peers run the very same weights."""
+    reverse of `models.llama_like.hf_key_table`, so the peers run the very same weights."""
     from safetensors.numpy import save_file
 
-    from models.llama_like import HF_KEY_TABLE
+    from models.llama_like import hf_key_table
 
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for pattern, field, transform in HF_KEY_TABLE:
+    for pattern, field, transform in hf_key_table(cfg):
         holder, _, name = field.rpartition(".")
         value = getattr(params.layers if holder == "layers" else params, name)
         if value is None:

@@ -11,6 +11,7 @@ from typing import Any
 from dge_jax.config import ModelConfig
 from dge_jax.families import ModelFamily, register_family
 from models import llama_like
+from models.gemma import parse_gemma2, parse_gemma3, parse_gemma3_text
 from models.hf_config import BIAS_KEYS, parse_llama_like
 
 
@@ -24,8 +25,8 @@ def parse_llama(raw: dict[str, Any]) -> ModelConfig:
 
 
 def parse_mistral(raw: dict[str, Any]) -> ModelConfig:
-    """Mistral: Llama without biases (a true bias flag is refused); an active sliding window
-    is refused."""
+    """Mistral: Llama without biases (a true bias flag is refused); `sliding_window` (v0.1:
+    4096) makes every layer slide."""
     return parse_llama_like(raw, "mistral")
 
 
@@ -41,17 +42,20 @@ def parse_qwen3(raw: dict[str, Any]) -> ModelConfig:
     return parse_llama_like(raw, "qwen3", qkv_bias=bias, o_bias=bias, qk_norm=True, bias_keys=keys)
 
 
-for _name, _parse in [
-    ("llama", parse_llama),
-    ("mistral", parse_mistral),
-    ("qwen2", parse_qwen2),
-    ("qwen3", parse_qwen3),
+for _name, _parse, _key_map in [
+    ("llama", parse_llama, llama_like.key_map),
+    ("mistral", parse_mistral, llama_like.key_map),
+    ("qwen2", parse_qwen2, llama_like.key_map),
+    ("qwen3", parse_qwen3, llama_like.key_map),
+    ("gemma2", parse_gemma2, llama_like.key_map),
+    ("gemma3_text", parse_gemma3_text, llama_like.key_map),
+    ("gemma3", parse_gemma3, llama_like.multimodal_key_map),
 ]:
     register_family(
         ModelFamily(
             model_type=_name,
             parse_config=_parse,
-            key_map=llama_like.key_map,
+            key_map=_key_map,
             forward=llama_like.forward,
             init_params=llama_like.init_params,
             param_axes=llama_like.PARAM_AXES,

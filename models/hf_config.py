@@ -82,6 +82,9 @@ INERT_KEYS = frozenset(
 # of another is refused (transformers would ignore it and drop the checkpoint's bias tensors).
 BIAS_KEYS = ("attention_bias", "mlp_bias")
 
+# hidden_act / hidden_activation values -> ModelConfig.hidden_act.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
 READ_KEYS = frozenset(
     {
         "vocab_size",
@@ -152,11 +155,15 @@ def parse_llama_like(
     qk_norm: bool = False,
     bias_keys: frozenset[str] = frozenset(),
     extra_inert: frozenset[str] = frozenset(),
+    activations: frozenset[str] = frozenset({"silu"}),
+    **switches: Any,
 ) -> ModelConfig:
     """The common part of every family's parser; families pass their fixed switches.
 
     bias_keys: the `BIAS_KEYS` this family honours (its parser reads `attention_bias` itself;
-    `mlp_bias` is read here when listed); a true value of any other is refused.
+    `mlp_bias` is read here when listed); a true value of any other is refused. activations:
+    the `hidden_act` / `hidden_activation` values the family runs (`ACTIVATIONS`' keys).
+    Sliding windows: `layer_windows` (the family's rule, `_layer_windows`).
     """
     unknown = set(raw) - INERT_KEYS - READ_KEYS - extra_inert
     if unknown:
@@ -164,9 +171,11 @@ def parse_llama_like(
             f"config.json of this {family} checkpoint has field(s) {sorted(unknown)} that this "
             "library does not know; they may change the numerics, so loading stops here"
         )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act={act!r} is not supported (only 'silu')")
+    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    if act not in activations:
+        raise ConfigError(
+            f"hidden_act={act!r} is not supported for {family} (only {sorted(activations)})"
+        )
     if raw.get("rope_interleaved"):
         raise ConfigError(
             "rope_interleaved=true: interleaved RoPE (rotating pairs 2i, 2i+1) is not "
@@ -183,13 +192,13 @@ def parse_llama_like(
     hidden = int(_require(raw, "hidden_size"))
     head_dim = raw.get("head_dim") or hidden // heads
     max_pos = int(raw.get("max_position_embeddings", 4096))
-    _check_sliding_window(raw, family, max_pos)
+    num_layers = int(_require(raw, "num_hidden_layers"))
     return ModelConfig(
         family=family,
         vocab_size=int(_require(raw, "vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(_require(raw, "intermediate_size")),
-        num_layers=int(_require(raw, "num_hidden_layers")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
@@ -201,19 +210,58 @@ def parse_llama_like(
         o_bias=o_bias,
         mlp_bias="mlp_bias" in bias_keys and bool(raw.get("mlp_bias", False)),
         qk_norm=qk_norm,
+        layer_windows=_layer_windows(raw, family, num_layers),
+        **switches,
+        hidden_act=ACTIVATIONS[act],
     )
 
 
-def _check_sliding_window(raw: dict[str, Any], family: str, max_pos: int) -> None:
-    """Sliding-window attention is not implemented: refuse checkpoints where it is active."""
+def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: global; () when every layer is global), as transformers
+    reads the config:
+
+    - mistral (and phi3): every layer slides when `sliding_window` is set (Mistral v0.1:
+      4096), whatever `max_position_embeddings` says;
+    - qwen2 / qwen3: only with `use_sliding_window`; then `layer_types` if given, else the
+      layers from `max_window_layers` on;
+    - gemma2 / gemma3_text: `layer_types`, else Gemma 2 alternates (sliding first) and Gemma
+      3 makes every `sliding_window_pattern`-th layer (default 6) global;
+    - llama: transformers' Llama has no sliding window; a window shorter than the context is
+      refused (the checkpoint was probably trained with one).
+    """
     window = raw.get("sliding_window")
-    layer_types = raw.get("layer_types") or []
+    layer_types = raw.get("layer_types")
+    if family in ("gemma2", "gemma3_text") and layer_types is None:
+        # transformers' defaults: Gemma 2 alternates, sliding first; Gemma 3 makes every
+        # `sliding_window_pattern`-th layer global (6: five sliding, then one global).
+        every = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                       for i in range(num_layers)]  # fmt: skip
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise ConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    unknown = set(layer_types or ()) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ConfigError(f"layer_types has unknown kind(s) {sorted(unknown)}")
+    if family in ("gemma2", "gemma3_text"):
+        if "sliding_attention" in layer_types and window is None:
+            raise ConfigError(f"{family} config has sliding layers but no sliding_window")
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
     if family in ("qwen2", "qwen3"):
-        active = bool(raw.get("use_sliding_window")) or "sliding_attention" in layer_types
-    else:
-        active = window is not None and int(window) < max_pos
-    if active:
+        if not raw.get("use_sliding_window") or window is None:
+            return ()
+        if layer_types is None:
+            first = int(raw.get("max_window_layers", num_layers))
+            layer_types = ["sliding_attention" if i >= first else "full_attention"
+                           for i in range(num_layers)]  # fmt: skip
+        return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
+    if family in ("mistral", "phi3"):
+        if layer_types is not None and set(layer_types) != {"full_attention"}:
+            raise ConfigError(f"{family} with per-layer layer_types is not supported")
+        return () if window is None else (int(window),) * num_layers
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    if window is not None and int(window) < max_pos or "sliding_attention" in (layer_types or ()):
         raise ConfigError(
-            f"sliding_window={window} is active in this {family} config (use_sliding_window / "
-            "layer_types); sliding-window attention is not implemented"
+            f"sliding_window={window} is active in this {family} config, but {family} "
+            "(as transformers runs it) has no sliding window; loading stops here"
         )
+    return ()

@@ -1,7 +1,9 @@
 """The shared llama-like decoder: parameters, forward pass, and the checkpoint key table.
 
-Llama, Mistral, Qwen2 and Qwen3 differ only by switches in `ModelConfig` (q/k/v bias, q/k
-norm, explicit head_dim, tied head), so one forward serves them all. Layer parameters are
+Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 differ only by switches in `ModelConfig`
+(q/k/v bias, q/k norm, explicit head_dim, tied head; Gemma's scaled embeddings, (1 + w)
+norms, norms after attention and the MLP, GeGLU, logit scale and soft caps; sliding-window
+layers with their own RoPE), so one forward serves them all. Layer parameters are
 stacked on a leading [L] axis and the layers run under `lax.scan` over each layer group of the
 cache (`dge_jax.runtime.cache`): compile time stays flat as models get deeper.
 """
@@ -19,6 +21,7 @@ import numpy as np
 
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardOutput, group_layers
+from dge_jax.runtime.attention import ScoreSpec
 from dge_jax.runtime.cache import KVCache, LayerGroup
 from dge_jax.runtime.layer_attention import cache_layer_attention
 from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
@@ -48,6 +51,8 @@ class LayerParams:
     b_gate: jax.Array | None = None  # [L, F]
     b_up: jax.Array | None = None  # [L, F]
     b_down: jax.Array | None = None  # [L, D]
+    post_attn_norm: jax.Array | None = None  # [L, D] Gemma: on attention's output
+    post_mlp_norm: jax.Array | None = None  # [L, D] Gemma: on the MLP's output
 
 
 @jax.tree_util.register_dataclass
@@ -68,8 +73,10 @@ class Weight:
     name: the field ("layers.wq": stacked on a leading [L] axis); axes: its logical axes
     (`dge_jax.runtime.sharding` maps them onto a mesh); hf_key: the Hugging Face tensor name pattern
     (a captured group is the layer index); transform: "keep", or "transpose" for torch's
-    [out, in] linear weights (we keep [in, out]); shape and present: from the config;
-    init: "ones" (norms) or "normal" (random init for tests and benchmarks).
+    [out, in] linear weights (we keep [in, out]); shape and present: from the config (a
+    field may have two rows, one per checkpoint layout, present for different configs);
+    init: "norm" (a norm's identity weight: 1, or 0 for Gemma's (1 + w)) or "normal"
+    (random init for tests and benchmarks).
     """
 
     name: str
@@ -94,14 +101,25 @@ WEIGHTS: tuple[Weight, ...] = (
     Weight("embed", ("vocab", "embed"), r"model\.embed_tokens\.weight", "keep",
            lambda c: (c.vocab_size, c.hidden_size)),
     Weight("final_norm", ("embed",), r"model\.norm\.weight", "keep",
-           lambda c: (c.hidden_size,), init="ones"),
+           lambda c: (c.hidden_size,), init="norm"),
     Weight("lm_head", ("embed", "vocab"), r"lm_head\.weight", "transpose",
            lambda c: (c.hidden_size, c.vocab_size), lambda c: not c.tie_word_embeddings),
     Weight("layers.attn_norm", ("layers", "embed"), _LAYER + r"input_layernorm\.weight", "keep",
-           lambda c: _dims(c)[:2], init="ones"),
+           lambda c: _dims(c)[:2], init="norm"),
     Weight("layers.mlp_norm", ("layers", "embed"),
            _LAYER + r"post_attention_layernorm\.weight", "keep", lambda c: _dims(c)[:2],
-           init="ones"),
+           lambda c: not c.sandwich_norms, init="norm"),
+    # Gemma: the norm before the MLP has its own name, and post_attention_layernorm normalises
+    # attention's output before the residual add.
+    Weight("layers.mlp_norm", ("layers", "embed"),
+           _LAYER + r"pre_feedforward_layernorm\.weight", "keep", lambda c: _dims(c)[:2],
+           lambda c: c.sandwich_norms, init="norm"),
+    Weight("layers.post_attn_norm", ("layers", "embed"),
+           _LAYER + r"post_attention_layernorm\.weight", "keep", lambda c: _dims(c)[:2],
+           lambda c: c.sandwich_norms, init="norm"),
+    Weight("layers.post_mlp_norm", ("layers", "embed"),
+           _LAYER + r"post_feedforward_layernorm\.weight", "keep", lambda c: _dims(c)[:2],
+           lambda c: c.sandwich_norms, init="norm"),
     Weight("layers.wq", ("layers", "embed", "heads"), _LAYER + r"self_attn\.q_proj\.weight",
            "transpose", lambda c: (_dims(c)[0], _dims(c)[1], _dims(c)[3])),
     Weight("layers.wk", ("layers", "embed", "kv_heads"), _LAYER + r"self_attn\.k_proj\.weight",
@@ -119,9 +137,9 @@ WEIGHTS: tuple[Weight, ...] = (
     Weight("layers.bo", ("layers", "embed"), _LAYER + r"self_attn\.o_proj\.bias", "keep",
            lambda c: _dims(c)[:2], lambda c: c.o_bias),
     Weight("layers.q_norm", ("layers", "head_dim"), _LAYER + r"self_attn\.q_norm\.weight", "keep",
-           lambda c: (_dims(c)[0], _dims(c)[5]), lambda c: c.qk_norm, init="ones"),
+           lambda c: (_dims(c)[0], _dims(c)[5]), lambda c: c.qk_norm, init="norm"),
     Weight("layers.k_norm", ("layers", "head_dim"), _LAYER + r"self_attn\.k_norm\.weight", "keep",
-           lambda c: (_dims(c)[0], _dims(c)[5]), lambda c: c.qk_norm, init="ones"),
+           lambda c: (_dims(c)[0], _dims(c)[5]), lambda c: c.qk_norm, init="norm"),
     Weight("layers.w_gate", ("layers", "embed", "mlp"), _LAYER + r"mlp\.gate_proj\.weight",
            "transpose", lambda c: _dims(c)[:3]),
     Weight("layers.w_up", ("layers", "embed", "mlp"), _LAYER + r"mlp\.up_proj\.weight",
@@ -136,11 +154,14 @@ WEIGHTS: tuple[Weight, ...] = (
            lambda c: _dims(c)[:2], lambda c: c.mlp_bias),
 )
 # fmt: on
-# Derived views of the table: Hugging Face name -> (field, transform), and logical axes.
-HF_KEY_TABLE: tuple[tuple[str, str, str], ...] = tuple(
-    (w.hf_key, w.name, w.transform) for w in WEIGHTS
-)
+# Derived views of the table: logical axes by field, and (per config) Hugging Face name ->
+# (field, transform).
 PARAM_AXES: dict[str, tuple[str, ...]] = {w.name: w.axes for w in WEIGHTS}
+
+
+def hf_key_table(cfg: ModelConfig) -> tuple[tuple[str, str, str], ...]:
+    """(Hugging Face name pattern, field, transform) of every parameter `cfg` has."""
+    return tuple((w.hf_key, w.name, w.transform) for w in WEIGHTS if w.present(cfg))
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -160,12 +181,12 @@ def params_from_flat(flat: dict[str, jax.Array]) -> Params:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, scale: float = 0.02) -> Params:
-    """Random parameters for tests and benchmarks (norm weights 1, others N(0, scale²))."""
+    """Random parameters for tests and benchmarks (norms the identity, others N(0, scale²))."""
     flat = {}
     inits = {w.name: w.init for w in WEIGHTS}
     for i, (name, shape) in enumerate(sorted(param_shapes(cfg).items())):
-        if inits[name] == "ones":
-            flat[name] = jnp.ones(shape, dtype)
+        if inits[name] == "norm":
+            flat[name] = (jnp.zeros if cfg.norm_offset else jnp.ones)(shape, dtype)
         else:
             noise = jax.random.normal(jax.random.fold_in(key, i), shape)
             flat[name] = (scale * noise).astype(dtype)
@@ -177,10 +198,31 @@ def key_map(cfg: ModelConfig):
     from dge_jax.checkpoints.hf import KeyMap
 
     return KeyMap(
-        rules=tuple((re.compile(p), f, t) for p, f, t in HF_KEY_TABLE),
+        rules=tuple((re.compile(p), f, t) for p, f, t in hf_key_table(cfg)),
         shapes=param_shapes(cfg),
         build=params_from_flat,
     )
+
+
+# A multimodal checkpoint (Gemma 3's Gemma3ForConditionalGeneration) holds the text model
+# under another prefix (transformers 5: model.language_model.*, 4: language_model.model.*)
+# beside a vision tower and projector, which the text model does not run.
+_TEXT_PREFIX = r"(?:model\.language_model\.|language_model\.model\.)"
+_NOT_TEXT = (r"(?:model\.)?vision_tower\..*", r"(?:model\.)?multi_modal_projector\..*")
+
+
+def multimodal_key_map(cfg: ModelConfig):
+    """`key_map` for the text model inside a multimodal checkpoint; vision weights skipped."""
+    from dge_jax.checkpoints.hf import KeyMap
+
+    def text(pattern: str) -> str:
+        if pattern.startswith(r"model\."):
+            return _TEXT_PREFIX + pattern[len(r"model\.") :]
+        return r"(?:language_model\.)?" + pattern  # lm_head
+
+    rules = [(re.compile(text(p)), f, t) for p, f, t in hf_key_table(cfg)]
+    rules += [(re.compile(p), "", "skip") for p in _NOT_TEXT]
+    return KeyMap(rules=tuple(rules), shapes=param_shapes(cfg), build=params_from_flat)
 
 
 def out_projection(cfg: ModelConfig, params: Params) -> jax.Array:
@@ -190,11 +232,18 @@ def out_projection(cfg: ModelConfig, params: Params) -> jax.Array:
     return wo.reshape(wo.shape[0], cfg.num_heads, cfg.head_dim, wo.shape[-1])
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in f32, result cast back to x's dtype before the weight (as Hugging Face)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:
+    """RMSNorm in f32, result cast back to x's dtype before the weight (as Hugging Face's
+    Llama). offset (Gemma): times (1 + weight) in f32, cast after (as Gemma's RMSNorm)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
@@ -202,9 +251,11 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
     return y if b is None else y + b
 
 
-def mlp(h: jax.Array, lp: LayerParams) -> jax.Array:
-    """The gated SiLU MLP of one layer: down(silu(gate(h)) * up(h)), h [..., D] -> [..., D]."""
-    gate = jax.nn.silu(_linear(h, lp.w_gate, lp.b_gate))
+def mlp(h: jax.Array, lp: LayerParams, act: str = "silu") -> jax.Array:
+    """The gated MLP of one layer: down(act(gate(h)) * up(h)), h [..., D] -> [..., D]; act
+    "silu" (SwiGLU) or "gelu_tanh" (GeGLU: GELU's tanh approximation, Gemma's)."""
+    gate = _linear(h, lp.w_gate, lp.b_gate)
+    gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
     return _linear(gate * _linear(h, lp.w_up, lp.b_up), lp.w_down, lp.b_down)
 
 
@@ -244,26 +295,38 @@ def forward(
         )
     if layers is None:
         layers = group_layers(params.layers, cache.group_sizes)
-    cos, sin = rope_tables(positions, inverse_frequencies(cfg.rope, cfg.head_dim))
+    # One RoPE table per distinct RoPE of the model's layers (Gemma 3: local and global).
+    ropes = tuple(dict.fromkeys(cfg.rope_of_layers))
+    tables = [rope_tables(positions, inverse_frequencies(r, cfg.head_dim)) for r in ropes]
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t)).astype(jnp.int32)
-    call = _Call(cfg, positions, new_pos, cos, sin, recording, key_block, attention)
+    scores = ScoreSpec(cfg.attn_scale, cfg.attn_softcap)
+    call = _Call(cfg, positions, new_pos, tables, recording, key_block, attention, scores)
+    # Per layer, scanned beside its weights: its sliding window (0: global) and RoPE table.
+    windows = np.asarray([cfg.window(i) for i in range(cfg.num_layers)], np.int32)
+    rope_ids = np.asarray([ropes.index(r) for r in cfg.rope_of_layers], np.int32)
 
     def scanned_layer(carry, scanned):
         # The group's cache rides in the carry and only the T new slots of layer `i` are
         # written, instead of returning every layer as a fresh stacked output, which made each
         # decode step copy the whole cache.
         x, buffers = carry
-        lp, i, slot = scanned
-        x, buffers, recorded = _layer(call, x, lp, buffers, i, slot)
+        lp, i, slot, window, rope_id = scanned
+        x, buffers, recorded = _layer(call, x, lp, buffers, i, slot, window, rope_id)
         return (x, buffers), recorded
 
     x = params.embed[tokens]
+    if cfg.embed_scale:  # Gemma: times sqrt(hidden), rounded to the weights' dtype first
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     groups, recorded = [], []
+    first = 0
     for lp, group in zip(layers, cache.groups, strict=True):
         ids = jnp.arange(group.num_layers, dtype=jnp.int32)
+        span = slice(first, first + group.num_layers)
+        first += group.num_layers
         (x, (k, v, pos)), rec = jax.lax.scan(
-            scanned_layer, (x, (group.k, group.v, group.pos)), (lp, ids, group.index)
-        )
+            scanned_layer, (x, (group.k, group.v, group.pos)),
+            (lp, ids, group.index, jnp.asarray(windows[span]), jnp.asarray(rope_ids[span])),
+        )  # fmt: skip
         groups.append(LayerGroup(k=k, v=v, pos=pos, index=group.index + t))
         recorded.append(rec)
     # Each recorder's value per group, [Lg, ...]: join the groups.
@@ -271,54 +334,73 @@ def forward(
     out = None
     if logits != "none":
         x = x[:, -1] if logits == "last" else x
-        x = rms_norm(x, params.final_norm, cfg.rms_norm_eps)
+        x = _norm(cfg, x, params.final_norm)
         if params.lm_head is None:  # tied: contract with embed [V, D] as stored, no transpose
             out = jnp.einsum("...d,vd->...v", x, params.embed, preferred_element_type=jnp.float32)
         else:
             out = jnp.dot(x, params.lm_head, preferred_element_type=jnp.float32)
+        if cfg.final_softcap:  # Gemma 2: logits -> cap * tanh(logits / cap)
+            out = jnp.tanh(out / cfg.final_softcap) * cfg.final_softcap
     return ForwardOutput(out, KVCache(tuple(groups)), recorded)
 
 
 class _Call(NamedTuple):
     """What every layer of one forward call shares: the config, the new tokens' positions
-    [B, T] (and per kv head [B, Hkv, T]), their RoPE tables, what to record and the prefill
-    key block (0: decode and draft steps) and its attention implementation."""
+    [B, T] (and per kv head [B, Hkv, T]), their RoPE tables (cos, sin per distinct RoPE of
+    the layers), what to record, the prefill key block (0: decode and draft steps), its
+    attention implementation and the model's logit scale and soft cap."""
 
     cfg: ModelConfig
     positions: jax.Array
     new_pos: jax.Array
-    cos: jax.Array
-    sin: jax.Array
+    rope_tables: list[tuple[jax.Array, jax.Array]]
     recording: Recording
     key_block: int
     attention: str = "auto"
+    scores: ScoreSpec = ScoreSpec()
+
+    def rope(self, rope_id: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos, sin [B, T, hd] of the layer whose RoPE is table `rope_id` (traced)."""
+        if len(self.rope_tables) == 1:
+            return self.rope_tables[0]
+        cos = jnp.stack([c for c, _ in self.rope_tables])[rope_id]
+        sin = jnp.stack([s for _, s in self.rope_tables])[rope_id]
+        return cos, sin
 
 
-def _layer(call: _Call, x, lp, buffers, i, slot):
+def _layer(call: _Call, x, lp, buffers, i, slot, window, rope_id):
     """Layer i of a group on x [B, T, D]: writes slots [slot, slot + T) of layer i of the
-    group's buffers (k, v [Lg, B, Hkv, S, D], pos [Lg, B, Hkv, S]; in place under jit).
+    group's buffers (k, v [Lg, B, Hkv, S, D], pos [Lg, B, Hkv, S]; in place under jit);
+    window: its sliding window (0: global), rope_id: its RoPE table.
     Returns (x, buffers, the recording's values for this layer)."""
     cfg, positions = call.cfg, call.positions
     b, t = positions.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    h = rms_norm(x, lp.attn_norm, cfg.rms_norm_eps)
+    h = _norm(cfg, x, lp.attn_norm)
     q = _linear(h, lp.wq, lp.bq).reshape(b, t, hq, hd)
     k = _linear(h, lp.wk, lp.bk).reshape(b, t, hkv, hd)
     v = _linear(h, lp.wv, lp.bv).reshape(b, t, hkv, hd)
     if cfg.qk_norm:
-        q = rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-    rotated = apply_rope(q, call.cos, call.sin)
-    k = apply_rope(k, call.cos, call.sin)
+        q = _norm(cfg, q, lp.q_norm)
+        k = _norm(cfg, k, lp.k_norm)
+    cos, sin = call.rope(rope_id)
+    rotated = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
 
     attn, probs_sum, *buffers = cache_layer_attention(
         rotated, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), call.new_pos, positions,
         *buffers, i, slot, key_block=call.key_block,
         record_attn=call.recording.reads_probs_sum, attention=call.attention,
+        window=window if cfg.layer_windows else None, scores_spec=call.scores,
     )  # fmt: skip
     recorded = call.recording.layer(LayerView(x, q, rotated, positions, probs_sum))
-    x = x + _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
-    x = x + mlp(rms_norm(x, lp.mlp_norm, cfg.rms_norm_eps), lp)
+    out = _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
+    if cfg.sandwich_norms:  # Gemma: attention's and the MLP's outputs are normalised too
+        x = x + _norm(cfg, out, lp.post_attn_norm)
+        return x + _norm(cfg, mlp(_norm(cfg, x, lp.mlp_norm), lp, cfg.hidden_act),
+                         lp.post_mlp_norm), tuple(buffers), recorded  # fmt: skip
+    x = x + out
+    x = x + mlp(_norm(cfg, x, lp.mlp_norm), lp, cfg.hidden_act)
     return x, tuple(buffers), recorded
 
 

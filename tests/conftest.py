@@ -12,6 +12,11 @@ folder. Variants cover every family, RoPE kind, head layout and config style the
     mistral_old       mistral  4/2         untied default, theta 1e6        old (rope_theta)
     qwen2             qwen2    4/2         tied   default, q/k/v biases     new
     qwen3             qwen3    4/2, hd 32  untied default, q/k norms        new
+    mistral_sliding   mistral  4/2         untied every layer a window of 8 new
+    qwen2_sliding     qwen2    4/2         tied   layer 1 a window of 8     new
+    gemma2            gemma2   4/2         tied   window 8 on layer 0, soft caps, scalar 24
+    gemma3            gemma3   4/2         tied   window 8 on layer 0 (rope theta 100),
+                                                  global linear x2, q/k norms, scalar 24
     llama_sharded     llama    = llama, saved as several shards + model.safetensors.index.json
     llama_chat        llama    = llama's sizes, with tokenizer.json + chat template (text/CLI)
 
@@ -99,6 +104,26 @@ VARIANTS: dict[str, Variant] = {
     ),
     "qwen2": Variant("qwen2", dict(tie_word_embeddings=True), seed=5),
     "qwen3": Variant("qwen3", dict(head_dim=32), seed=6),
+    # Sliding windows of 8 keys: every parity prompt (13 to 91 tokens) runs past them.
+    "mistral_sliding": Variant("mistral", dict(sliding_window=8), seed=8),
+    "qwen2_sliding": Variant(
+        "qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), seed=9
+    ),
+    "gemma2": Variant(
+        "gemma2",
+        dict(sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+             final_logit_softcapping=3.0, head_dim=16),
+        seed=10,
+    ),  # fmt: skip
+    "gemma3": Variant(
+        "gemma3_text",
+        dict(sliding_window=8, query_pre_attn_scalar=24, head_dim=16,
+             layer_types=["sliding_attention", "full_attention"],
+             rope_parameters={
+                 "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+        seed=11,
+    ),  # fmt: skip
     "llama_sharded": Variant("llama", max_shard_size="20KB"),  # same seed: same weights as llama
     "llama_chat": Variant("llama", seed=7, tokenizer=True),
 }
@@ -181,6 +206,8 @@ def build_checkpoint(variant: Variant, folder: pathlib.Path) -> pathlib.Path:
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }[variant.model_type]
     transformers.utils.logging.disable_progress_bar()  # keeps captured stderr clean
     torch.manual_seed(variant.seed)

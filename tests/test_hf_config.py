@@ -384,9 +384,22 @@ def test_config_rewritten_by_transformers_parses_alike(name, tmp_path):
     assert parse_config(rewritten)[1] == parse_config(raw)[1]
 
 
-def test_active_sliding_window_is_refused():
-    with pytest.raises(ConfigError, match=r"sliding_window=4096 is active.*not implemented"):
-        parse_config(json.loads(MISTRAL_7B_V01))
+def test_sliding_windows_as_transformers_reads_them():
+    """Mistral v0.1: every layer slides (4096); Qwen2 only with use_sliding_window, from
+    max_window_layers on; Llama has no sliding window in transformers, so an active one is
+    refused."""
+    raw = json.loads(MISTRAL_7B_V01)
+    cfg = parse_config(raw)[1]
+    assert cfg.layer_windows == (4096,) * 32 and cfg.sliding_layers == tuple(range(32))
+    assert parse_config(raw | {"sliding_window": None})[1].layer_windows == ()
+    qwen = {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 4, "num_attention_heads": 2, "sliding_window": 16,
+            "max_window_layers": 2}  # fmt: skip
+    assert parse_config(qwen)[1].layer_windows == ()
+    assert parse_config(qwen | {"use_sliding_window": True})[1].layer_windows == (0, 0, 16, 16)
+    llama = qwen | {"model_type": "llama", "max_position_embeddings": 64}
+    with pytest.raises(ConfigError, match=r"sliding_window=16 is active.*no sliding window"):
+        parse_config(llama)
 
 
 def test_interleaved_rope_is_refused():

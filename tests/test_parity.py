@@ -41,6 +41,10 @@ PARITY_VARIANTS = [
     "mistral_old",
     "qwen2",
     "qwen3",
+    "mistral_sliding",
+    "qwen2_sliding",
+    "gemma2",
+    "gemma3",
 ]
 LOGITS_TOL = 1e-4  # f32 on both sides: observed max |Δ| ~1e-6
 NEW_TOKENS = 32
@@ -65,6 +69,13 @@ EXPECTED_CONFIG = {
     "mistral_old": dict(num_kv_heads=2, rope_kind="default", rope_theta=1e6),
     "qwen2": dict(qkv_bias=True, o_bias=False, tie_word_embeddings=True, qk_norm=False),
     "qwen3": dict(head_dim=32, num_heads=4, qk_norm=True, qkv_bias=False),
+    "mistral_sliding": dict(layer_windows=(8, 8)),
+    "qwen2_sliding": dict(layer_windows=(0, 8), qkv_bias=True),
+    "gemma2": dict(layer_windows=(8, 0), attn_scale=24**-0.5, attn_softcap=1.5,
+                   final_softcap=3.0, tie_word_embeddings=True, qk_norm=False,
+                   local_theta=None),  # fmt: skip
+    "gemma3": dict(layer_windows=(8, 0), attn_scale=24**-0.5, attn_softcap=None, qk_norm=True,
+                   rope_kind="linear", rope_factor=2.0, local_theta=100.0),  # fmt: skip
 }
 
 
@@ -201,11 +212,17 @@ def test_config_parses_to_the_intended_variant(variant):
         rope_factor=cfg.rope.factor,
         rope_theta=cfg.rope.theta,
         rope_original_max=cfg.rope.original_max_position_embeddings,
+        layer_windows=cfg.layer_windows,
+        attn_scale=cfg.attn_scale,
+        attn_softcap=cfg.attn_softcap,
+        final_softcap=cfg.final_softcap,
+        local_theta=cfg.local_rope and cfg.local_rope.theta,
     )
     want = EXPECTED_CONFIG[name]
     assert {k: got[k] for k in want} == want
-    # transformers read the same rope kind from the same file
+    # transformers read the same rope kind from the same file (Gemma 3: the global layers')
     hf_rope = _hf_model(folder).config.rope_parameters
+    hf_rope = hf_rope.get("full_attention", hf_rope)
     assert hf_rope["rope_type"] == cfg.rope.kind
     assert (model.params.lm_head is None) == cfg.tie_word_embeddings
 

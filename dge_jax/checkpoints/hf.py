@@ -35,7 +35,9 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class KeyMap:
-    """rules: (name pattern, field, "keep" | "transpose"); a captured group is the layer index.
+    """rules: (name pattern, field, "keep" | "transpose" | "skip"); a captured group is the
+    layer index; "skip": a tensor the model does not run (a multimodal checkpoint's vision
+    tower), read past.
 
     shapes: the field -> shape table for the config (stacked fields carry the [L] axis);
     build: turns {field: array} into the family's parameter pytree.
@@ -170,9 +172,11 @@ def _match(name: str, key_map: KeyMap) -> tuple[re.Match, str, str]:
 
 
 def _expected_match(name: str, key_map: KeyMap, cfg: ModelConfig):
-    """`_match`, then: None for a tied head saved anyway (the embedding is the head), and an
-    error for a tensor of a field this config does not have."""
+    """`_match`, then: None for a tied head saved anyway (the embedding is the head) or a
+    skipped tensor, and an error for a tensor of a field this config does not have."""
     m, field, transform = _match(name, key_map)
+    if transform == "skip":
+        return None
     if field not in key_map.shapes:
         if field == "lm_head" and cfg.tie_word_embeddings:
             return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -10,6 +12,38 @@ from dge_jax.runtime import platform
 # Finite stand-in for -inf: a query whose every slot is masked (a padding query) then gets a
 # uniform, finite distribution that `probs * mask` turns into zeros, instead of NaNs.
 _MASKED = -1e30
+
+
+class ScoreSpec(NamedTuple):
+    """How a model turns q . k into attention logits (static under jit): scale (None:
+    head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5) and Gemma 2's soft cap
+    (logits -> cap * tanh(logits / cap), before the mask)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    def scale_for(self, head_dim: int) -> float:
+        return head_dim**-0.5 if self.scale is None else self.scale
+
+    def cap(self, scores: jax.Array) -> jax.Array:
+        """Scaled f32 scores, soft-capped if the model caps them."""
+        if self.softcap is None:
+            return scores
+        return jnp.tanh(scores / self.softcap) * self.softcap
+
+
+DEFAULT_SCORES = ScoreSpec()
+
+
+def visible(slot_pos: jax.Array, query_pos: jax.Array, window: jax.Array | int | None) -> jax.Array:
+    """Which slots a query sees: 0 <= slot pos <= query pos, and on a sliding layer (window >
+    0) only the last `window` positions, query pos - slot pos < window (transformers'
+    sliding mask: a window of 4 shows the query and the 3 keys before it). Arrays broadcast;
+    window None (no layer of the model slides) or 0 (a global layer) adds nothing."""
+    mask = (slot_pos >= 0) & (slot_pos <= query_pos)
+    if window is None:
+        return mask
+    return mask & ((window <= 0) | (query_pos - slot_pos < window))
 
 
 def cached_attention(
@@ -23,6 +57,8 @@ def cached_attention(
     keys_major: bool | None = None,
     new: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     new_slot: jax.Array | int = 0,
+    window: jax.Array | int | None = None,
+    scores_spec: ScoreSpec = DEFAULT_SCORES,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Softmax attention of q over the cache layer; returns (out, per-slot prob sums or None).
 
@@ -38,6 +74,9 @@ def cached_attention(
     counts them there. Reading the cache before the write lets the write happen in place:
     when attention read the written buffer, XLA:CPU copied every batch-1 cache buffer
     several times per decode step.
+
+    window: the layer's sliding window (`visible`); scores_spec: the model's logit scale and
+    soft cap.
     """
     b, t, hq, d = q.shape
     hkv = k.shape[1]
@@ -50,7 +89,7 @@ def cached_attention(
     # the 5-D grouped einsum (benchmarks/RESULTS.md, "Measured design choices"). Row r is
     # query head r // T, query r % T, hence the tiled positions.
     qg = _group_queries(q, hkv)
-    scale = d**-0.5
+    scale = scores_spec.scale_for(d)
     if keys_major:
         # Computed as [B, Hkv, S, G*T] and scaled there, then the small score array is
         # transposed to the common layout (scaled after the transpose instead, it ran as
@@ -72,9 +111,8 @@ def cached_attention(
         new_scores = jnp.einsum("bkrd,bktd->bkrt", qg, k_new, preferred_element_type=jnp.float32)
         scores = jnp.concatenate([scores, new_scores * scale], axis=-1)
         slot_pos = jnp.concatenate([slot_pos, pos_new], axis=-1)
-    sp = slot_pos[:, :, None, :]
-    mask = (sp >= 0) & (sp <= row_pos)
-    scores = jnp.where(mask, scores, _MASKED)
+    mask = visible(slot_pos[:, :, None, :], row_pos, window)
+    scores = jnp.where(mask, scores_spec.cap(scores), _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     if return_probs_sum:
         probs = probs * mask  # padding queries (all slots masked) contribute nothing
@@ -111,6 +149,8 @@ def written_slot_attention(
     *,
     block: int,
     return_probs_sum: bool = False,
+    window: jax.Array | int | None = None,
+    scores_spec: ScoreSpec = DEFAULT_SCORES,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`cached_attention` over slots [0, num_slots) only, in key blocks with an online softmax.
 
@@ -127,7 +167,7 @@ def written_slot_attention(
     hkv, s_len = k.shape[1], k.shape[2]
     g = hq // hkv
     block = min(block, s_len)
-    qg = _group_queries(q, hkv) * jnp.asarray(d**-0.5, q.dtype)
+    qg = _group_queries(q, hkv) * jnp.asarray(scores_spec.scale_for(d), q.dtype)
     row_pos = jnp.tile(query_pos, (1, g))[:, None, :, None]  # [B, 1, G*T, 1]
     num_blocks = (num_slots + block - 1) // block
 
@@ -137,9 +177,9 @@ def written_slot_attention(
         kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
         pb = jax.lax.dynamic_slice_in_dim(slot_pos, start, block, axis=2)[:, :, None, :]
         fresh = start + jnp.arange(block) >= j * block  # not already seen by block j - 1
-        mask = (pb >= 0) & (pb <= row_pos) & fresh
+        mask = visible(pb, row_pos, window) & fresh
         s = jnp.einsum("bkqd,bksd->bkqs", qg, kb, preferred_element_type=jnp.float32)
-        return start, jnp.where(mask, s, _MASKED), mask
+        return start, jnp.where(mask, scores_spec.cap(s), _MASKED), mask
 
     def online(j, carry):
         # Running max m, normaliser norm and unnormalised output acc: rescaled by exp(m - m_new)

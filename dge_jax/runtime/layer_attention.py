@@ -16,7 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.runtime import platform
-from dge_jax.runtime.attention import cached_attention, written_slot_attention
+from dge_jax.runtime.attention import (
+    DEFAULT_SCORES,
+    ScoreSpec,
+    cached_attention,
+    visible,
+    written_slot_attention,
+)
 from dge_jax.runtime.platform import Backend
 from dge_jax.runtime.sharding import attention_specs
 
@@ -36,6 +42,8 @@ def cache_layer_attention(
     key_block: int = 0,
     record_attn: bool = False,
     attention: str = "auto",
+    window: jax.Array | None = None,
+    scores_spec: ScoreSpec = DEFAULT_SCORES,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
     """Layer i's attention over its layer group's cache, with this step's T entries written.
 
@@ -44,6 +52,9 @@ def cache_layer_attention(
     group's buffers, layer i written at slots [slot, slot + T). Returns (attention output
     [B, T, Hq, D], per-slot attention sums [B, Hq, S] or None, k_all, v_all, pos_all).
     attention: the prefill implementation (`platform.ATTENTION`; "auto": the platform's).
+    window: layer i's sliding window (traced; 0 = global), None when no layer of the model
+    slides; scores_spec: the model's logit scale and soft cap (`kernel_backend` says which
+    kernels take them).
 
     key_block > 0 (a prefill chunk of that many tokens): the entries are written first and
     the chunk attends over the written slots [0, slot + T) (`prefill_attention`).
@@ -55,7 +66,7 @@ def cache_layer_attention(
     zero is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a. Every model family
     calls this one function, so none has to repeat the trick.
     """
-    backend = platform.current(attention)
+    backend = kernel_backend(platform.current(attention), attention, window, scores_spec)
     t = q.shape[1]
 
     def write(buf, new):
@@ -67,17 +78,44 @@ def cache_layer_attention(
         k_all, v_all, pos_all = write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
         attn, probs_sum = prefill_attention(
             backend, q, k_all, v_all, pos_all, positions, slot + t, i,
-            block=backend.key_block or key_block, return_probs_sum=record_attn,
+            block=backend.key_block or key_block, return_probs_sum=record_attn, window=window,
+            scores_spec=scores_spec,
         )  # fmt: skip
         return attn, probs_sum, k_all, v_all, pos_all
     attn, probs_sum = decode_step_attention(
         backend, q, k_all, v_all, pos_all[i], positions, i, new=(k_new, v_new, new_pos),
-        new_slot=slot, return_probs_sum=record_attn,
+        new_slot=slot, return_probs_sum=record_attn, window=window, scores_spec=scores_spec,
     )  # fmt: skip
     if backend.write_after_attention:
         after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
         k_new, v_new = k_new + after, v_new + after
     return attn, probs_sum, write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
+
+
+def kernel_backend(
+    backend: Backend, attention: str, window: jax.Array | None, scores_spec: ScoreSpec
+) -> Backend:
+    """`backend`, unless its kernel cannot run this model's attention: the Pallas kernels
+    take neither sliding windows nor soft caps (nor a logit scale other than head_dim ** -0.5)
+    and cuDNN's takes no soft cap. Asked for by name, such a kernel is a ValueError saying
+    what to use; chosen by "auto", the XLA path runs instead (it is exact for all of them)."""
+    kernel = backend.attention
+    refused = []
+    if kernel == "pallas":
+        refused = [what for what, used in (("sliding windows", window is not None),
+                                           ("soft-capped logits", scores_spec.softcap),
+                                           ("a logit scale", scores_spec.scale is not None))
+                   if used]  # fmt: skip
+    elif kernel == "cudnn" and scores_spec.softcap:
+        refused = ["soft-capped logits"]
+    if not refused:
+        return backend
+    if attention != "auto":
+        raise ValueError(
+            f"attention={attention!r} does not take this model's {' and '.join(refused)}: use "
+            "attention='xla' (or 'auto', which picks it for such models)"
+        )
+    return platform.current("xla")
 
 
 def decode_step_attention(
@@ -92,6 +130,8 @@ def decode_step_attention(
     new: tuple[jax.Array, jax.Array, jax.Array],
     new_slot: jax.Array | int,
     return_probs_sum: bool = False,
+    window: jax.Array | None = None,
+    scores_spec: ScoreSpec = DEFAULT_SCORES,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`cached_attention` over layer i of the stacked k_all, v_all [Lg, B, Hkv, S, D]
     (slot_pos: layer i's [B, Hkv, S]), with the step's entries `new` beside the cache.
@@ -106,6 +146,7 @@ def decode_step_attention(
     return cached_attention(
         q, k_all[i], v_all[i], slot_pos, query_pos, return_probs_sum=return_probs_sum,
         keys_major=rows <= backend.keys_major_max_rows, new=new, new_slot=new_slot,
+        window=window, scores_spec=scores_spec,
     )  # fmt: skip
 
 
@@ -150,6 +191,8 @@ def prefill_attention(
     *,
     block: int,
     return_probs_sum: bool = False,
+    window: jax.Array | None = None,
+    scores_spec: ScoreSpec = DEFAULT_SCORES,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`attention.written_slot_attention`'s contract over layer i of the stacked k_all, v_all
     [Lg, B, Hkv, S, D] and pos_all [Lg, B, Hkv, S], run by `backend.attention`.
@@ -172,10 +215,13 @@ def prefill_attention(
                               return_probs_sum)  # fmt: skip
     k, v, slot_pos = k_all[i], v_all[i], pos_all[i]
     if backend.attention == "cudnn" and not return_probs_sum:
-        return cudnn_attention(q, k, v, slot_pos, query_pos, num_slots), None
+        out = cudnn_attention(q, k, v, slot_pos, query_pos, num_slots, window=window,
+                              scale=scores_spec.scale)  # fmt: skip
+        return out, None
     return written_slot_attention(
-        q, k, v, slot_pos, query_pos, num_slots, block=block, return_probs_sum=return_probs_sum
-    )
+        q, k, v, slot_pos, query_pos, num_slots, block=block, return_probs_sum=return_probs_sum,
+        window=window, scores_spec=scores_spec,
+    )  # fmt: skip
 
 
 def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_probs_sum: bool):
@@ -221,6 +267,8 @@ def cudnn_attention(
     num_slots: jax.Array | int,
     *,
     implementation: str = "cudnn",
+    window: jax.Array | None = None,
+    scale: float | None = None,
 ) -> jax.Array:
     """out [B, T, Hq, D] of `jax.nn.dot_product_attention` over the slots [0, num_slots)
     visible by position (slot s to query t iff 0 <= slot_pos[s] <= query_pos[t]).
@@ -231,7 +279,8 @@ def cudnn_attention(
     additive bias: B * Hkv * T * S elements per call, bounded by the prefill chunk T).
     Scores are scaled by D^-1/2 inside the kernel. cuDNN needs bf16 or f16 inputs on a GPU;
     ``implementation="xla"`` runs the same call through XLA (how CPU tests check the
-    regrouping and the mask).
+    regrouping and the mask). A sliding window joins the mask (`attention.visible`); scale:
+    the logits' scale (None: D^-1/2).
     """
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
@@ -245,8 +294,9 @@ def cudnn_attention(
     km, vm = (x.reshape(b * hkv, s_len, 1, d) for x in (k, v))
     sp = slot_pos[:, :, None, :]  # [B, Hkv, 1, S] against query positions [B, 1, T, 1]
     written = jnp.arange(s_len) < num_slots
-    mask = (sp >= 0) & (sp <= query_pos[:, None, :, None]) & written
+    mask = visible(sp, query_pos[:, None, :, None], window) & written
     out = jax.nn.dot_product_attention(
-        qm, km, vm, mask=mask.reshape(b * hkv, 1, t, s_len), implementation=implementation
-    )
+        qm, km, vm, mask=mask.reshape(b * hkv, 1, t, s_len), scale=scale,
+        implementation=implementation,
+    )  # fmt: skip
     return out.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
