@@ -118,7 +118,7 @@ def generate_grid(
         chat=cfg.chat, chunk=chunk, extra_eos_ids=cfg.extra_eos_ids, granule=granule,
         attention=cfg.attention,
     )  # fmt: skip
-    cells = check_cells(cells, cfg.max_new_tokens)
+    cells = check_cells(cells, cfg.max_new_tokens, model.config.layer_windows)
     recording = GridRecording.of(cells)
     prefilled = prefill(
         model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells)

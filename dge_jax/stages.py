@@ -244,6 +244,7 @@ def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None)
         masks = _call(
             hook, "keep_masks", keep_masks,
             first.state.cache, obs, drafts, [plans[i].eviction for i in members],
+            model.config.layer_windows,
         )  # fmt: skip
         for i, keep in zip(members, masks, strict=True):
             plans[i] = dataclasses.replace(plans[i], keep=keep)

@@ -237,7 +237,8 @@ class SelectionSpec:
     allocator and each head's floor (`Eviction.head_budget`, `alpha`); ties: the tie rule;
     head_cap: no head keeps more than this many entries, whatever an allocator gives it
     (decode-time compression's fixed-capacity cache); slide: DGE's sliding observation window
-    (`Timing.slide`).
+    (`Timing.slide`); windows: each layer's sliding window (the model's
+    `ModelConfig.layer_windows`; () or 0: global), see `select_for_budgets`.
     """
 
     rule: Rule | tuple[Rule, ...]
@@ -246,6 +247,7 @@ class SelectionSpec:
     ties: str = "later"
     head_cap: int | None = None
     slide: bool = False
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, spec: SelectionSpec | None, fields: dict) -> SelectionSpec:
@@ -254,11 +256,15 @@ class SelectionSpec:
 
     @classmethod
     def for_eviction(
-        cls, ev: Eviction, rule: Rule | tuple[Rule, ...] | None = None, head_cap: int | None = None
+        cls,
+        ev: Eviction,
+        rule: Rule | tuple[Rule, ...] | None = None,
+        head_cap: int | None = None,
+        windows: tuple[int, ...] = (),
     ) -> SelectionSpec:
         """The selection `ev` makes: its head budgets, alpha, ties and its timing's sliding
         window (read only where draft queries join a prompt window), with its rule (or
-        ``rule``: one per budget of a sweep) and ``head_cap``."""
+        ``rule``: one per budget of a sweep), ``head_cap`` and the model's layer windows."""
         return cls(
             rule=ev.rule if rule is None else rule,
             head_budget=ev.head_budget,
@@ -266,6 +272,7 @@ class SelectionSpec:
             ties=ev.ties,
             head_cap=head_cap,
             slide=ev.timing.slide,
+            windows=windows if any(windows) else (),
         )
 
 
@@ -312,7 +319,15 @@ def select_for_budgets(
     per budget, all with the same `scorer` (SnapKV and PyramidKV cells share a scoring).
     head_cap (static): no head keeps more than this many entries, whatever an allocator
     gives it (decode-time compression's fixed-capacity cache,
-    `dge_jax.eviction.decode_compression`)."""
+    `dge_jax.eviction.decode_compression`).
+
+    Sliding layers (spec.windows): the budget applies to the global layers only. A sliding
+    layer keeps exactly the entries its window will still show a later query, whatever the
+    budget: the next query is at each row's last written position + 1, so an entry at pos p
+    stays visible iff p >= next - window + 1 (older ones no query can see again; keeping them
+    only costs memory, evicting a newer one would change the model). A budget smaller than
+    the window therefore does not shrink a sliding layer; the global allocator pools over the
+    global layers only (AdaKV's pools per layer, so over its heads as before)."""
     nl, b, hkv, _ = cache.pos.shape
     head_budget, alpha, ties, head_cap = spec.head_budget, spec.alpha, spec.ties, spec.head_cap
     rules = spec.rule if isinstance(spec.rule, tuple) else (spec.rule,) * len(budgets)
@@ -324,6 +339,10 @@ def select_for_budgets(
     scores = rules[0].scorer.score(cache, obs)
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
+    window_keep, sliding = _window_keep(cache, spec.windows)
+    if window_keep is not None and head_budget == "global":
+        # the global pool: only the global layers' entries (drafts too) compete
+        scores = jnp.where(sliding, -jnp.inf, scores)
     # Only prompt entries count towards "fits" below: drafts are answer tokens, kept on top
     # of a whole prompt.
     prompt_entries = jnp.sum(cache.valid() & ~is_draft, axis=-1, dtype=jnp.int32)
@@ -340,6 +359,10 @@ def select_for_budgets(
         if head_budget == "adakv":
             per_head = adakv_budgets(scores, budget, alpha, ties)
         elif head_budget == "global":
+            if window_keep is not None:  # the pool: the global layers' budgets only
+                budget = jnp.asarray(budget)
+                budget = jnp.broadcast_to(budget, (nl, *budget.shape[1:]) if budget.ndim else (nl,))
+                budget = jnp.where(sliding.reshape(nl, *(1,) * (budget.ndim - 1)), 0, budget)
             per_head = global_budgets(scores, budget, alpha, ties)
         else:
             per_head = expand_budgets(budget, nl, b, hkv)
@@ -347,8 +370,26 @@ def select_for_budgets(
             per_head = jnp.minimum(per_head, head_cap)
         ranked = rule.refine(scores, per_head, cache, obs, ties)  # two-stage rules re-rank
         keep = selection.select_slots(ranked, per_head, ties=ties, positions=cache.pos)
-        masks.append(jnp.where(fits[None, :, None, None], cache.valid(), keep))
+        keep = jnp.where(fits[None, :, None, None], cache.valid(), keep)
+        if window_keep is not None:
+            keep = jnp.where(sliding, window_keep, keep)
+        masks.append(keep)
     return tuple(masks)
+
+
+def _window_keep(
+    cache: KVCache, windows: tuple[int, ...]
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """(keep [L, B, Hkv, S], sliding [L, 1, 1, 1]) for a model with sliding layers: on those,
+    the entries a later query can still see (`select_for_budgets`); (None, None) without."""
+    if not any(windows):
+        return None, None
+    pos = cache.pos
+    window = jnp.asarray(windows, jnp.int32)[:, None, None, None]  # [L, 1, 1, 1]
+    # Each row's next query position: its last written position + 1 (every layer holds it).
+    next_pos = jnp.max(pos, axis=(0, 2, 3)) + 1  # [B]
+    keep = (pos >= 0) & (pos >= next_pos[None, :, None, None] - window + 1)
+    return keep, window > 0
 
 
 compact = jax.jit(kv.compact, static_argnames=("capacity",))
@@ -388,10 +429,15 @@ def layer_capacities(
 
 
 def keep_mask(
-    cache: KVCache, prompt_obs: Observation, drafts: DraftRecord | None, ev: Eviction
+    cache: KVCache,
+    prompt_obs: Observation,
+    drafts: DraftRecord | None,
+    ev: Eviction,
+    windows: tuple[int, ...] = (),
 ) -> jax.Array:
-    """[L, B, Hkv, S] bool: what `ev` keeps of `cache` (the cache at its eviction point)."""
-    return keep_masks(cache, prompt_obs, drafts, [ev])[0]
+    """[L, B, Hkv, S] bool: what `ev` keeps of `cache` (the cache at its eviction point);
+    windows: the model's layer windows (`ModelConfig.layer_windows`)."""
+    return keep_masks(cache, prompt_obs, drafts, [ev], windows)[0]
 
 
 def scoring_key(ev: Eviction) -> tuple:
@@ -403,7 +449,11 @@ def scoring_key(ev: Eviction) -> tuple:
 
 
 def keep_masks(
-    cache: KVCache, prompt_obs: Observation, drafts: DraftRecord | None, evs: list[Eviction]
+    cache: KVCache,
+    prompt_obs: Observation,
+    drafts: DraftRecord | None,
+    evs: list[Eviction],
+    windows: tuple[int, ...] = (),
 ) -> list[jax.Array]:
     """`keep_mask` of each eviction in `evs`, which must share a `scoring_key` (a budget
     sweep, SnapKV and PyramidKV cells together): the cache is scored once for all of them."""
@@ -423,7 +473,9 @@ def keep_masks(
             jnp.asarray(ev.timing.observes_drafts),
             jnp.asarray(ev.timing.draft_weight, jnp.float32),
             # one rule when all agree, so that a plain sweep shares select_for's compilation
-            spec=SelectionSpec.for_eviction(ev, rules[0] if len(set(rules)) == 1 else rules),
+            spec=SelectionSpec.for_eviction(
+                ev, rules[0] if len(set(rules)) == 1 else rules, windows=windows
+            ),
         )
     )
 

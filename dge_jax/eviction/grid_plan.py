@@ -41,8 +41,11 @@ class CellPlan:
     positions: jax.Array | None = None
 
 
-def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[Eviction | None]:
-    """The cells with FullKV as None, each eviction checked (clear errors before compiling)."""
+def check_cells(
+    cells: Sequence[Eviction | None], max_new_tokens: int, windows: tuple[int, ...] = ()
+) -> list[Eviction | None]:
+    """The cells with FullKV as None, each eviction checked (clear errors before compiling);
+    windows: the model's layer windows (decode-time compression does not take them yet)."""
     if isinstance(cells, Eviction):
         raise TypeError("cells must be a list of Eviction / None; for one eviction pass [ev]")
     for i, ev in enumerate(cells):
@@ -56,6 +59,12 @@ def check_cells(cells: Sequence[Eviction | None], max_new_tokens: int) -> list[E
     for ev in cells:
         if ev is not None:
             check_eviction(ev, max_new_tokens)
+            if ev.decode is not None and any(windows):
+                raise ValueError(
+                    "decode-time compression (Eviction.decode) does not take a model with "
+                    "sliding-window layers yet (its fixed-capacity loop holds no window): "
+                    "evict once (timing prefill, dge or dge_w) instead"
+                )
     return cells
 
 
