@@ -24,9 +24,9 @@ def parse_llama(raw: dict[str, Any]) -> ModelConfig:
 
 
 def parse_mistral(raw: dict[str, Any]) -> ModelConfig:
-    """Mistral: Llama without biases (a true bias flag is refused); an active sliding window
-    is refused."""
-    return parse_llama_like(raw, "mistral")
+    """Mistral: Llama without biases (a true bias flag is refused); `sliding_window`, when
+    set, is every layer's window (`layer_windows`), as transformers' Mistral masks it."""
+    return parse_llama_like(raw, "mistral", sliding_window=True)
 
 
 def parse_qwen2(raw: dict[str, Any]) -> ModelConfig:

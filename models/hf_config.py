@@ -10,6 +10,7 @@ than a clear refusal.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dge_jax.config import ConfigError, ModelConfig, RopeConfig
@@ -125,10 +126,12 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
             "high_freq_factor",
             "original_max_position_embeddings",
         }
+    elif kind == "longrope":
+        return _parse_longrope(raw, params, theta)
     else:
         raise ConfigError(
             f"rope type {kind!r} (config rope_parameters/rope_scaling) is not supported; "
-            "supported: default, linear, llama3"
+            "supported: default, linear, llama3, longrope"
         )
     unknown = set(params) - expected
     if unknown:
@@ -143,6 +146,49 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=theta, kind=kind, **fields)
 
 
+def _parse_longrope(raw: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """LongRoPE as transformers' `_compute_longrope_parameters` reads it: both factor lists;
+    `original_max_position_embeddings` from the rope parameters, else the config's top level;
+    `factor` default max_position_embeddings / original; `attention_factor` default
+    sqrt(1 + log(factor) / log(original)) (1 when factor <= 1)."""
+    known = {"short_factor", "long_factor", "factor", "attention_factor",
+             "original_max_position_embeddings"}  # fmt: skip
+    unknown = set(params) - known
+    if unknown:
+        raise ConfigError(f"unknown rope parameter(s) {sorted(unknown)} for rope type 'longrope'")
+    missing = {"short_factor", "long_factor"} - set(params)
+    if missing:
+        raise ConfigError(f"rope type 'longrope' needs {sorted(missing)} in rope_parameters")
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        original = raw.get("original_max_position_embeddings")
+    if original is None:
+        raise ConfigError("rope type 'longrope' needs original_max_position_embeddings")
+    original = int(original)
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(_require(raw, "max_position_embeddings")) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = params[name]
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in value
+        ):
+            raise ConfigError(f"longrope {name} must be a list of numbers, got {value!r}")
+        factors[name] = tuple(float(x) for x in value)
+    return RopeConfig(
+        theta=theta,
+        kind="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        **factors,
+    )
+
+
 def parse_llama_like(
     raw: dict[str, Any],
     family: str,
@@ -152,11 +198,16 @@ def parse_llama_like(
     qk_norm: bool = False,
     bias_keys: frozenset[str] = frozenset(),
     extra_inert: frozenset[str] = frozenset(),
+    sliding_window: bool = False,
 ) -> ModelConfig:
     """The common part of every family's parser; families pass their fixed switches.
 
     bias_keys: the `BIAS_KEYS` this family honours (its parser reads `attention_bias` itself;
     `mlp_bias` is read here when listed); a true value of any other is refused.
+    sliding_window: the family applies the config's `sliding_window` to every layer whenever
+    it is set, as transformers' Mistral and Phi-3 do (`create_sliding_window_causal_mask`:
+    key visible iff query_pos - pos < window): `layer_windows` is that window on every layer;
+    False: an active window is refused (`_check_sliding_window`).
     """
     unknown = set(raw) - INERT_KEYS - READ_KEYS - extra_inert
     if unknown:
@@ -183,7 +234,11 @@ def parse_llama_like(
     hidden = int(_require(raw, "hidden_size"))
     head_dim = raw.get("head_dim") or hidden // heads
     max_pos = int(raw.get("max_position_embeddings", 4096))
-    _check_sliding_window(raw, family, max_pos)
+    windows: tuple[int, ...] = ()
+    if sliding_window:
+        windows = _every_layer_window(raw)
+    else:
+        _check_sliding_window(raw, family, max_pos)
     return ModelConfig(
         family=family,
         vocab_size=int(_require(raw, "vocab_size")),
@@ -201,7 +256,19 @@ def parse_llama_like(
         o_bias=o_bias,
         mlp_bias="mlp_bias" in bias_keys and bool(raw.get("mlp_bias", False)),
         qk_norm=qk_norm,
+        layer_windows=windows,
     )
+
+
+def _every_layer_window(raw: dict[str, Any]) -> tuple[int, ...]:
+    """`sliding_window` on every layer, () when it is null or absent (transformers applies a
+    set window whatever its size; one at least as long as a sequence masks nothing)."""
+    window = raw.get("sliding_window")
+    if window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"sliding_window={window!r}: a window is a positive number of tokens")
+    return (window,) * int(_require(raw, "num_hidden_layers"))
 
 
 def _check_sliding_window(raw: dict[str, Any], family: str, max_pos: int) -> None:

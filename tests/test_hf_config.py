@@ -155,8 +155,8 @@ MISTRAL_7B_INSTRUCT_V03 = """{
   "vocab_size": 32768
 }"""
 
-# Mistral 7B v0.1 attends over a 4096-token sliding window (transformers applies it), which
-# this library does not implement: refusing it is the right answer, not a parser gap.
+# Mistral 7B v0.1 attends over a 4096-token sliding window on every layer (transformers applies
+# it): parsed as layer_windows.
 MISTRAL_7B_V01 = """{
   "architectures": ["MistralForCausalLM"],
   "bos_token_id": 1,
@@ -384,9 +384,13 @@ def test_config_rewritten_by_transformers_parses_alike(name, tmp_path):
     assert parse_config(rewritten)[1] == parse_config(raw)[1]
 
 
-def test_active_sliding_window_is_refused():
-    with pytest.raises(ConfigError, match=r"sliding_window=4096 is active.*not implemented"):
-        parse_config(json.loads(MISTRAL_7B_V01))
+def test_mistral_sliding_window_is_every_layers_window():
+    """transformers' Mistral masks with `sliding_window` on every layer whenever it is set."""
+    cfg = parse_config(json.loads(MISTRAL_7B_V01))[1]
+    assert cfg.layer_windows == (4096,) * 32
+    assert parse_config(json.loads(MISTRAL_7B_V01) | {"sliding_window": None})[1].layer_windows == ()
+    with pytest.raises(ConfigError, match=r"sliding_window=0: a window is a positive number"):
+        parse_config(json.loads(MISTRAL_7B_V01) | {"sliding_window": 0})
 
 
 def test_interleaved_rope_is_refused():

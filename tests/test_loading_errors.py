@@ -179,14 +179,12 @@ def test_old_style_yarn_rope_scaling_is_refused(checkpoint_copy):
         load_hf_checkpoint(folder)
 
 
-def test_active_sliding_window_is_refused(checkpoint_copy):
+def test_mistral_sliding_window_is_read(checkpoint_copy):
+    """Mistral's window (transformers masks with it on every layer) becomes layer_windows."""
     folder = checkpoint_copy("mistral_old")
     edit_config(folder, sliding_window=16)  # < max_position_embeddings = 256
-    with pytest.raises(ConfigError, match=r"sliding_window=16 is active.*not implemented"):
-        load_hf_checkpoint(folder)
-    # A window at least as long as the context never slides: accepted.
-    edit_config(folder, sliding_window=256)
-    load_hf_checkpoint(folder)
+    _, cfg, _ = load_hf_checkpoint(folder)
+    assert cfg.layer_windows == (16,) * cfg.num_layers
 
 
 def test_qwen2_sliding_window_flag_is_refused(checkpoint_copy):
