@@ -1,6 +1,7 @@
 """Ported model families. Importing this package registers them with `dge_jax.families`.
 
-Each family is a config parser with its fixed switches; they all share the llama-like core.
+Each family is a config parser with its fixed switches; they all share the llama-like core
+(Phi-3 with its own key table, `models/phi3.py`, splitting its fused tensors).
 To add a family, write its parser here and register it (see WORKSPACE.md).
 """
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from dge_jax.config import ModelConfig
 from dge_jax.families import ModelFamily, register_family
-from models import llama_like
+from models import llama_like, phi3
 from models.hf_config import BIAS_KEYS, parse_llama_like
 
 
@@ -41,17 +42,18 @@ def parse_qwen3(raw: dict[str, Any]) -> ModelConfig:
     return parse_llama_like(raw, "qwen3", qkv_bias=bias, o_bias=bias, qk_norm=True, bias_keys=keys)
 
 
-for _name, _parse in [
-    ("llama", parse_llama),
-    ("mistral", parse_mistral),
-    ("qwen2", parse_qwen2),
-    ("qwen3", parse_qwen3),
+for _name, _parse, _key_map in [
+    ("llama", parse_llama, llama_like.key_map),
+    ("mistral", parse_mistral, llama_like.key_map),
+    ("qwen2", parse_qwen2, llama_like.key_map),
+    ("qwen3", parse_qwen3, llama_like.key_map),
+    ("phi3", phi3.parse_phi3, phi3.key_map),
 ]:
     register_family(
         ModelFamily(
             model_type=_name,
             parse_config=_parse,
-            key_map=llama_like.key_map,
+            key_map=_key_map,
             forward=llama_like.forward,
             init_params=llama_like.init_params,
             param_axes=llama_like.PARAM_AXES,
