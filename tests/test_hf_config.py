@@ -388,7 +388,8 @@ def test_mistral_sliding_window_is_every_layers_window():
     """transformers' Mistral masks with `sliding_window` on every layer whenever it is set."""
     cfg = parse_config(json.loads(MISTRAL_7B_V01))[1]
     assert cfg.layer_windows == (4096,) * 32
-    assert parse_config(json.loads(MISTRAL_7B_V01) | {"sliding_window": None})[1].layer_windows == ()
+    unset = json.loads(MISTRAL_7B_V01) | {"sliding_window": None}
+    assert parse_config(unset)[1].layer_windows == ()
     with pytest.raises(ConfigError, match=r"sliding_window=0: a window is a positive number"):
         parse_config(json.loads(MISTRAL_7B_V01) | {"sliding_window": 0})
 
