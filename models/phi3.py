@@ -44,7 +44,9 @@ def parse_phi3(raw: dict[str, Any]) -> ModelConfig:
     (Phi3Model picks `create_sliding_window_causal_mask` when `config.sliding_window` is not
     None; key visible iff query_pos - pos < window), so it is every layer's `layer_windows`
     entry here (Phi-3-mini-4k: 2047 of 4096 positions; the 128k models and Phi-3.5 set
-    262144, longer than any sequence they take, which masks nothing).
+    262144, longer than any sequence they take, which masks nothing). kvpress runs
+    transformers' own Phi3ForCausalLM (its presses hook the attention modules), so it masks
+    the same way.
     """
     raw = dict(raw)
     for key in ("rope_scaling", "rope_parameters"):
