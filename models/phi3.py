@@ -37,8 +37,8 @@ PHI3_KEYS = frozenset({"original_max_position_embeddings", "auto_map"})
 def parse_phi3(raw: dict[str, Any]) -> ModelConfig:
     """Phi-3 / Phi-3.5: Llama without biases (a true bias flag is refused), silu, RoPE default
     or longrope ("su" and "yarn", Phi-3's early names of longrope, are read as longrope as
-    transformers' Phi3Config does; `original_max_position_embeddings` defaults to 4096 as
-    there).
+    transformers' Phi3Config does; `original_max_position_embeddings` defaults to 4096 and
+    `rms_norm_eps` to 1e-5, as there).
 
     `sliding_window`: transformers 5 applies it to every layer whenever it is set
     (Phi3Model picks `create_sliding_window_causal_mask` when `config.sliding_window` is not
@@ -58,6 +58,7 @@ def parse_phi3(raw: dict[str, Any]) -> ModelConfig:
                     params[name] = "longrope"
             raw[key] = params
     raw.setdefault("original_max_position_embeddings", 4096)
+    raw.setdefault("rms_norm_eps", 1e-5)  # Phi3Config's default (the shared parser's is 1e-6)
     return parse_llama_like(raw, "phi3", extra_inert=PHI3_KEYS, sliding_window=True)
 
 

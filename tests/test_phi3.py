@@ -321,6 +321,8 @@ def test_windows_and_defaults():
     assert parse_config(PHI3_CONFIG | {"sliding_window": None})[1].layer_windows == ()
     no_original = {k: v for k, v in PHI3_CONFIG.items() if k != "original_max_position_embeddings"}
     assert parse_config(no_original)[1].rope.original_max_position_embeddings == 4096
+    no_eps = {k: v for k, v in PHI3_CONFIG.items() if k != "rms_norm_eps"}
+    assert parse_config(no_eps)[1].rms_norm_eps == 1e-5
 
 
 @pytest.mark.parametrize(
