@@ -18,8 +18,11 @@ class ConfigError(ValueError):
 class RopeConfig:
     """Rotary embedding parameters (split-halves layout, as in Hugging Face).
 
-    kind: "default", "linear" (positions divided by `factor`) or "llama3" (frequency-dependent
-    scaling with `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`).
+    kind: "default", "linear" (positions divided by `factor`), "llama3" (frequency-dependent
+    scaling with `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`) or
+    "longrope" (Phi-3 / Phi-3.5: each frequency divided by `short_factor[i]` while the
+    sequence fits in `original_max_position_embeddings`, by `long_factor[i]` beyond it; cos
+    and sin multiplied by `attention_factor`; see `dge_jax.runtime.rope`).
     """
 
     theta: float = 10000.0
@@ -28,6 +31,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,4 +118,3 @@ def with_fields(cls: type, base: Any, fields: dict[str, Any], what: str) -> Any:
     if unknown:
         raise TypeError(f"unknown {what} field(s) {unknown}; known: {', '.join(known)}")
     return cls(**fields) if base is None else dataclasses.replace(base, **fields)
-

@@ -1,6 +1,7 @@
 """Ported model families. Importing this package registers them with `dge_jax.families`.
 
-Each family is a config parser with its fixed switches; they all share the llama-like core.
+Each family is a config parser with its fixed switches; they all share the llama-like core
+(Phi-3 with its own key table, `models/phi3.py`, splitting its fused tensors).
 To add a family, write its parser here and register it (see WORKSPACE.md).
 """
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from dge_jax.config import ModelConfig
 from dge_jax.families import ModelFamily, register_family
-from models import llama_like
+from models import llama_like, phi3
 from models.gemma import parse_gemma2, parse_gemma3, parse_gemma3_text
 from models.hf_config import BIAS_KEYS, parse_llama_like
 
@@ -25,8 +26,8 @@ def parse_llama(raw: dict[str, Any]) -> ModelConfig:
 
 
 def parse_mistral(raw: dict[str, Any]) -> ModelConfig:
-    """Mistral: Llama without biases (a true bias flag is refused); `sliding_window` (v0.1:
-    4096) makes every layer slide."""
+    """Mistral: Llama without biases (a true bias flag is refused); `sliding_window`, when
+    set, is every layer's window (`layer_windows`), as transformers' Mistral masks it."""
     return parse_llama_like(raw, "mistral")
 
 
@@ -50,6 +51,7 @@ for _name, _parse, _key_map in [
     ("gemma2", parse_gemma2, llama_like.key_map),
     ("gemma3_text", parse_gemma3_text, llama_like.key_map),
     ("gemma3", parse_gemma3, llama_like.multimodal_key_map),
+    ("phi3", phi3.parse_phi3, phi3.key_map),
 ]:
     register_family(
         ModelFamily(

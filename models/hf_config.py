@@ -10,6 +10,7 @@ than a clear refusal.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dge_jax.config import ConfigError, ModelConfig, RopeConfig
@@ -128,10 +129,12 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
             "high_freq_factor",
             "original_max_position_embeddings",
         }
+    elif kind == "longrope":
+        return _parse_longrope(raw, params, theta)
     else:
         raise ConfigError(
             f"rope type {kind!r} (config rope_parameters/rope_scaling) is not supported; "
-            "supported: default, linear, llama3"
+            "supported: default, linear, llama3, longrope"
         )
     unknown = set(params) - expected
     if unknown:
@@ -144,6 +147,49 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
         for k, v in params.items()
     }
     return RopeConfig(theta=theta, kind=kind, **fields)
+
+
+def _parse_longrope(raw: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """LongRoPE as transformers' `_compute_longrope_parameters` reads it: both factor lists;
+    `original_max_position_embeddings` from the rope parameters, else the config's top level;
+    `factor` default max_position_embeddings / original; `attention_factor` default
+    sqrt(1 + log(factor) / log(original)) (1 when factor <= 1)."""
+    known = {"short_factor", "long_factor", "factor", "attention_factor",
+             "original_max_position_embeddings"}  # fmt: skip
+    unknown = set(params) - known
+    if unknown:
+        raise ConfigError(f"unknown rope parameter(s) {sorted(unknown)} for rope type 'longrope'")
+    missing = {"short_factor", "long_factor"} - set(params)
+    if missing:
+        raise ConfigError(f"rope type 'longrope' needs {sorted(missing)} in rope_parameters")
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        original = raw.get("original_max_position_embeddings")
+    if original is None:
+        raise ConfigError("rope type 'longrope' needs original_max_position_embeddings")
+    original = int(original)
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(_require(raw, "max_position_embeddings")) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = params[name]
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in value
+        ):
+            raise ConfigError(f"longrope {name} must be a list of numbers, got {value!r}")
+        factors[name] = tuple(float(x) for x in value)
+    return RopeConfig(
+        theta=theta,
+        kind="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        **factors,
+    )
 
 
 def parse_llama_like(
@@ -230,6 +276,9 @@ def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[i
       refused (the checkpoint was probably trained with one).
     """
     window = raw.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):  # fmt: skip
+        raise ConfigError(f"sliding_window={window!r}: a window is a positive number of tokens")
     layer_types = raw.get("layer_types")
     if family in ("gemma2", "gemma3_text") and layer_types is None:
         # transformers' defaults: Gemma 2 alternates, sliding first; Gemma 3 makes every

@@ -160,8 +160,14 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {w.name: w.axes for w in WEIGHTS}
 
 
 def hf_key_table(cfg: ModelConfig) -> tuple[tuple[str, str, str], ...]:
-    """(Hugging Face name pattern, field, transform) of every parameter `cfg` has."""
-    return tuple((w.hf_key, w.name, w.transform) for w in WEIGHTS if w.present(cfg))
+    """(Hugging Face name pattern, field, transform) of every row, less those a present row
+    of `cfg` reads the same name with (Gemma's post_attention_layernorm is not Llama's MLP
+    norm). Absent fields keep their rows, so a tensor of one (a bias the config has none
+    of) is named as unexpected rather than unknown."""
+    present = [w for w in WEIGHTS if w.present(cfg)]
+    claimed = {w.hf_key for w in present}
+    rows = [w for w in WEIGHTS if w in present or w.hf_key not in claimed]
+    return tuple((w.hf_key, w.name, w.transform) for w in rows)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

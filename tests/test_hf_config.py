@@ -155,8 +155,8 @@ MISTRAL_7B_INSTRUCT_V03 = """{
   "vocab_size": 32768
 }"""
 
-# Mistral 7B v0.1 attends over a 4096-token sliding window (transformers applies it), which
-# this library does not implement: refusing it is the right answer, not a parser gap.
+# Mistral 7B v0.1 attends over a 4096-token sliding window on every layer (transformers applies
+# it): parsed as layer_windows.
 MISTRAL_7B_V01 = """{
   "architectures": ["MistralForCausalLM"],
   "bos_token_id": 1,
@@ -400,6 +400,8 @@ def test_sliding_windows_as_transformers_reads_them():
     llama = qwen | {"model_type": "llama", "max_position_embeddings": 64}
     with pytest.raises(ConfigError, match=r"sliding_window=16 is active.*no sliding window"):
         parse_config(llama)
+    with pytest.raises(ConfigError, match=r"sliding_window=0: a window is a positive number"):
+        parse_config(raw | {"sliding_window": 0})
 
 
 def test_interleaved_rope_is_refused():

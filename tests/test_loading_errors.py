@@ -133,7 +133,7 @@ def test_unsupported_dtype(checkpoint):
 @pytest.mark.parametrize(
     "changes, error",
     [
-        (dict(model_type="gpt2"), r"unknown model_type 'gpt2'.*supported: llama, mistral"),
+        (dict(model_type="gpt2"), r"unknown model_type 'gpt2'.*supported: gemma2, .*llama, mistral, phi3, qwen2"),
         (dict(model_type=_DROP), r"no 'model_type'"),
         (
             dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
@@ -179,21 +179,19 @@ def test_old_style_yarn_rope_scaling_is_refused(checkpoint_copy):
         load_hf_checkpoint(folder)
 
 
-def test_active_sliding_window_is_refused(checkpoint_copy):
+def test_mistral_sliding_window_is_read(checkpoint_copy):
+    """Mistral's window (transformers masks with it on every layer) becomes layer_windows."""
     folder = checkpoint_copy("mistral_old")
     edit_config(folder, sliding_window=16)  # < max_position_embeddings = 256
-    with pytest.raises(ConfigError, match=r"sliding_window=16 is active.*not implemented"):
-        load_hf_checkpoint(folder)
-    # A window at least as long as the context never slides: accepted.
-    edit_config(folder, sliding_window=256)
-    load_hf_checkpoint(folder)
+    _, cfg, _ = load_hf_checkpoint(folder)
+    assert cfg.layer_windows == (16,) * cfg.num_layers
 
 
-def test_qwen2_sliding_window_flag_is_refused(checkpoint_copy):
+def test_qwen2_sliding_window_flag_slides_from_max_window_layers(checkpoint_copy):
     folder = checkpoint_copy("qwen2")
-    edit_config(folder, use_sliding_window=True, sliding_window=16)
-    with pytest.raises(ConfigError, match=r"sliding_window=16 is active"):
-        load_hf_checkpoint(folder)
+    edit_config(folder, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    _, cfg, _ = load_hf_checkpoint(folder)
+    assert cfg.layer_windows == (0, 16)
 
 
 # ---------------------------------------------------------------------------------------------

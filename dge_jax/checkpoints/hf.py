@@ -1,9 +1,10 @@
 """Loading Hugging Face checkpoint folders (config.json + safetensors) into parameter pytrees.
 
 Conversion is a table (`KeyMap`): a regular expression from the checkpoint's tensor name to a
-parameter field, plus a transform. Every converted tensor's shape is checked against the
-config; a tensor that matches no rule, or a field no tensor filled, is an error. Only
-safetensors are read: pickled checkpoints can run code and are refused.
+parameter field (or to several: a fused tensor split along its last axis), plus a transform.
+Every converted tensor's shape is checked against the config; a tensor that matches no rule,
+or a field no tensor filled, is an error. Only safetensors are read: pickled checkpoints can
+run code and are refused.
 """
 
 from __future__ import annotations
@@ -35,15 +36,19 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class KeyMap:
-    """rules: (name pattern, field, "keep" | "transpose" | "skip"); a captured group is the
+    """rules: (name pattern, target, "keep" | "transpose" | "skip"); a captured group is the
     layer index; "skip": a tensor the model does not run (a multimodal checkpoint's vision
     tower), read past.
 
+    target: one field, or a tuple of fields that one fused tensor fills (Phi-3's qkv_proj ->
+    wq, wk, wv): the tensor, after its transform, is cut along its last axis into the fields
+    in order, each as wide as the last dimension of its shape in `shapes` (so the sizes come
+    from the config, and a fused tensor of another width is an error naming it).
     shapes: the field -> shape table for the config (stacked fields carry the [L] axis);
     build: turns {field: array} into the family's parameter pytree.
     """
 
-    rules: tuple[tuple[re.Pattern, str, str], ...]
+    rules: tuple[tuple[re.Pattern, str | tuple[str, ...], str], ...]
     shapes: dict[str, tuple[int, ...]]
     build: Callable[[dict[str, Any]], Any]
 
@@ -162,29 +167,45 @@ def iter_tensors(files: list[pathlib.Path]):
             raise damaged(file.parent, file, e) from e
 
 
-def _match(name: str, key_map: KeyMap) -> tuple[re.Match, str, str]:
-    """The first rule whose pattern matches `name` in full: (match, field, transform)."""
-    for pattern, field, transform in key_map.rules:
+def _match(name: str, key_map: KeyMap) -> tuple[re.Match, tuple[str, ...], str]:
+    """The first rule whose pattern matches `name` in full: (match, fields, transform)."""
+    for pattern, target, transform in key_map.rules:
         m = pattern.fullmatch(name)
         if m:
-            return m, field, transform
+            return m, (target,) if isinstance(target, str) else tuple(target), transform
     raise CheckpointError(f"checkpoint tensor {name!r} matches no parameter of the model")
 
 
 def _expected_match(name: str, key_map: KeyMap, cfg: ModelConfig):
     """`_match`, then: None for a tied head saved anyway (the embedding is the head) or a
     skipped tensor, and an error for a tensor of a field this config does not have."""
-    m, field, transform = _match(name, key_map)
+    m, fields, transform = _match(name, key_map)
     if transform == "skip":
         return None
-    if field not in key_map.shapes:
-        if field == "lm_head" and cfg.tie_word_embeddings:
+    absent = [f for f in fields if f not in key_map.shapes]
+    if absent:
+        if fields == ("lm_head",) and cfg.tie_word_embeddings:
             return None
         raise CheckpointError(
-            f"checkpoint tensor {name!r} ({field}) is not expected by this config "
+            f"checkpoint tensor {name!r} ({', '.join(absent)}) is not expected by this config "
             "(check attention_bias, qk-norm, tie_word_embeddings)"
         )
-    return m, field, transform
+    return m, fields, transform
+
+
+def _split_points(name: str, fields: tuple[str, ...], width: int, key_map: KeyMap) -> list[int]:
+    """Where a fused tensor's last axis (`width` wide, after its transform) starts each of
+    `fields`, its last entry the end: the widths come from `key_map.shapes`."""
+    points = [0]
+    for field in fields:
+        points.append(points[-1] + key_map.shapes[field][-1])
+    if points[-1] != width:
+        widths = ", ".join(f"{f} {key_map.shapes[f][-1]}" for f in fields)
+        raise CheckpointError(
+            f"tensor {name!r} is {width} wide on its split axis, but config.json implies "
+            f"{points[-1]} ({widths})"
+        )
+    return points
 
 
 def convert(tensors, key_map: KeyMap, cfg: ModelConfig, dtype) -> Any:
@@ -195,12 +216,17 @@ def convert(tensors, key_map: KeyMap, cfg: ModelConfig, dtype) -> Any:
         matched = _expected_match(name, key_map, cfg)
         if matched is None:
             continue
-        m, field, transform = matched
+        m, fields, transform = matched
         value = array.T if transform == "transpose" else array
-        if m.groups():
-            per_layer.setdefault(field, {})[int(m.group(1))] = value
-        else:
-            flat[field] = value
+        points = [0, value.shape[-1]]
+        if len(fields) > 1:
+            points = _split_points(name, fields, value.shape[-1], key_map)
+        for field, start, stop in zip(fields, points, points[1:], strict=False):
+            piece = value[..., start:stop] if len(fields) > 1 else value
+            if m.groups():
+                per_layer.setdefault(field, {})[int(m.group(1))] = piece
+            else:
+                flat[field] = piece
     for field, layers in per_layer.items():
         missing = sorted(set(range(cfg.num_layers)) - set(layers))
         if missing or len(layers) != cfg.num_layers:
@@ -252,11 +278,13 @@ def load_hf_checkpoint(path: str | pathlib.Path, dtype: str = "float32", mesh=No
 
 @dataclasses.dataclass(frozen=True)
 class TensorSource:
-    """Where one parameter (or one layer of a stacked one) lives in the checkpoint files."""
+    """Where one parameter (or one layer of a stacked one) lives in the checkpoint files;
+    offset: where it starts on the last axis of a fused tensor (after the transform)."""
 
     file: pathlib.Path
     name: str
     transpose: bool
+    offset: int = 0
 
 
 def plan_tensors(
@@ -279,19 +307,24 @@ def plan_tensors(
             matched = _expected_match(name, key_map, cfg)
             if matched is None:
                 continue
-            m, field, transform = matched
-            source = TensorSource(file, name, transform == "transpose")
-            shape = shape[::-1] if source.transpose else shape
-            want = key_map.shapes[field][1:] if m.groups() else key_map.shapes[field]
-            if shape != tuple(want):
-                raise CheckpointError(
-                    f"tensor {name!r} for {field} has shape {shape} (after {transform}), but "
-                    f"config.json implies {tuple(want)}"
-                )
-            if m.groups():
-                per_layer.setdefault(field, {})[int(m.group(1))] = source
-            else:
-                plan[field] = (False, [source])
+            m, fields, transform = matched
+            shape = shape[::-1] if transform == "transpose" else shape
+            points = [0, shape[-1] if shape else 0]
+            if len(fields) > 1:
+                points = _split_points(name, fields, shape[-1] if shape else 0, key_map)
+            for field, start, stop in zip(fields, points, points[1:], strict=False):
+                source = TensorSource(file, name, transform == "transpose", start)
+                got = (*shape[:-1], stop - start) if len(fields) > 1 else shape
+                want = key_map.shapes[field][1:] if m.groups() else key_map.shapes[field]
+                if got != tuple(want):
+                    raise CheckpointError(
+                        f"tensor {name!r} for {field} has shape {got} (after {transform}), "
+                        f"but config.json implies {tuple(want)}"
+                    )
+                if m.groups():
+                    per_layer.setdefault(field, {})[int(m.group(1))] = source
+                else:
+                    plan[field] = (False, [source])
     for field, layers in per_layer.items():
         missing = sorted(set(range(cfg.num_layers)) - set(layers))
         extra = sorted(set(layers) - set(range(cfg.num_layers)))
@@ -335,9 +368,14 @@ def load_sharded(
                 handles[file, framework] = stack.enter_context(safe_open(file, framework))
             return handles[file, framework]
 
-        def read(source: TensorSource, index: tuple[slice, ...]) -> np.ndarray:
-            # index: this device's block of the converted tensor; a transposed tensor reads
-            # the mirrored block of the stored one.
+        def read(source: TensorSource, index: tuple[slice, ...], width: int) -> np.ndarray:
+            # index: this device's block of the converted tensor (its last axis `width` wide,
+            # starting at `source.offset` of a fused one); a transposed tensor reads the
+            # mirrored block of the stored one.
+            if index:
+                last = index[-1]
+                start, stop = last.start or 0, width if last.stop is None else last.stop
+                index = (*index[:-1], slice(start + source.offset, stop + source.offset))
             stored_index = index[::-1] if source.transpose else index
             stored = handle(source.file, "numpy").get_slice(source.name)
             if stored.get_dtype() in _NOT_NUMPY:  # numpy has no bfloat16: read it via jax,
@@ -350,10 +388,11 @@ def load_sharded(
 
         def block(index, field: str) -> np.ndarray:
             stacked, sources = plan[field]
+            width = key_map.shapes[field][-1]
             if not stacked:
-                return np.asarray(read(sources[0], index), dtype=np_dtype)
+                return np.asarray(read(sources[0], index, width), dtype=np_dtype)
             layers = range(cfg.num_layers)[index[0]]
-            return np.stack([read(sources[i], index[1:]) for i in layers]).astype(np_dtype)
+            return np.stack([read(sources[i], index[1:], width) for i in layers]).astype(np_dtype)
 
         flat = {
             field: jax.make_array_from_callback(

@@ -48,7 +48,7 @@ from dge_jax.runtime.cache import KVCache, compact_heads, regroup
 from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
-from dge_jax.runtime.rope import inverse_frequencies
+from dge_jax.runtime.rope import fixed_frequencies
 from dge_jax.runtime.sharding import constrain_cache
 
 
@@ -87,7 +87,7 @@ def _observation(
             total=jnp.zeros((nl, b, hq, hd), jnp.float32),
             outer=jnp.zeros((nl, b, hq, hd, hd), jnp.float32),
             count=jnp.zeros((b,), jnp.float32),
-            inv_freq=jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
+            inv_freq=jnp.asarray(fixed_frequencies(cfg.rope, cfg.head_dim, "ExpectedAttention")),
         )
     reads_q = rule.needs.window > 0
     base = Observation(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats, Records
-from dge_jax.runtime.rope import inverse_frequencies
+from dge_jax.runtime.rope import fixed_frequencies
 
 
 class LayerView(NamedTuple):
@@ -215,7 +215,7 @@ class QueryStatistics(Recorder):
             total=jnp.zeros((nl, b, hq, hd), jnp.float32),
             outer=jnp.zeros((nl, b, hq, hd, hd), jnp.float32),
             count=jnp.maximum(lengths - self.first, 0).astype(jnp.float32),
-            inv_freq=jnp.asarray(inverse_frequencies(cfg.rope, cfg.head_dim)),
+            inv_freq=jnp.asarray(fixed_frequencies(cfg.rope, cfg.head_dim, "ExpectedAttention")),
         )
 
     def add(self, record: QueryStats, value, positions) -> QueryStats:
