@@ -189,7 +189,9 @@ def test_mistral_sliding_window_is_read(checkpoint_copy):
 
 def test_qwen2_sliding_window_flag_slides_from_max_window_layers(checkpoint_copy):
     folder = checkpoint_copy("qwen2")
-    edit_config(folder, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    # layer_types null: transformers derives them (the saved ones say "full" on every layer)
+    edit_config(folder, use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                layer_types=None)  # fmt: skip
     _, cfg, _ = load_hf_checkpoint(folder)
     assert cfg.layer_windows == (0, 16)
 
