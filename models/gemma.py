@@ -50,6 +50,10 @@ def _gemma(raw: dict[str, Any], family: str, rope: RopeConfig, local: RopeConfig
                           "supported: this library decodes causally")  # fmt: skip
     bias = bool(raw.get("attention_bias", False))
     plain = {k: v for k, v in raw.items() if k not in ROPE_KEYS}
+    # transformers' Gemma reads `hidden_activation` (default GELU-tanh) and ignores
+    # `hidden_act`, which Gemma 2 configs carry beside it
+    plain.pop("hidden_act", None)
+    plain.setdefault("hidden_activation", "gelu_pytorch_tanh")
     cfg = parse_llama_like(
         plain, family, qkv_bias=bias, o_bias=bias, bias_keys=frozenset({"attention_bias"}),
         extra_inert=GEMMA_KEYS, activations=frozenset({"gelu_pytorch_tanh"}), **switches,
