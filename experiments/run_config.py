@@ -35,8 +35,8 @@ flags.DEFINE_list("datasets", None, "datasets/tasks to run (default: synthetic "
                   "--data_dir; ruler: all eleven, or those present in --data_dir; kvpress: "
                   "every task in --data_dir; loogle: those present in --data_dir)")
 flags.DEFINE_string("metric", None, "--suite kvpress: score every task with this metric "
-                    "instead of the one its task name picks (the list: --suite kvpress "
-                    "--metric help)")
+                    "instead of the one its task name picks (an unknown name is refused with "
+                    "the list)")
 DEFAULT_RULES = ["full", "snapkv"]
 flags.DEFINE_list("rules", DEFAULT_RULES, f"scoring rules: {', '.join(RULES)}, "
                   "<wrapper>_<rule> (criticalkv_expectedattention), adakv_<rule> (AdaKV head "

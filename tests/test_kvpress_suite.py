@@ -230,8 +230,9 @@ def test_unknown_task_is_one_line_naming_the_option(kvpress_dir):
     [
         ({"max_new_tokens": "4"}, "field 'max_new_tokens' must be a positive integer, got str"),
         ({"max_new_tokens": 0}, "field 'max_new_tokens' must be a positive integer, got int 0"),
-        ({"answer": None}, "field 'answer' must be a non-empty string or a non-empty list"),
-        ({"answer": []}, "field 'answer' must be a non-empty string or a non-empty list"),
+        ({"answer": None}, "field 'answer' must be a non-empty string, a non-negative integer"),
+        ({"answer": []}, "field 'answer' must be a non-empty string, a non-negative integer"),
+        ({"answer": True}, "field 'answer' must be a non-empty string, a non-negative integer"),
         ({"context": ""}, "field 'context' must be a non-empty string"),
         ({"answers": ["x"]}, "fields 'answer' and 'answers' both given"),
         ({"colour": "red"}, "field 'colour' is not in the kvpress schema"),
@@ -245,6 +246,14 @@ def test_bad_jsonl_row_names_file_line_and_field(tmp_path, change, where):
         kvpress.read_file(path)
     assert str(e.value).startswith(f"{path} line 2: {where}"), str(e.value)
     assert str(e.value).endswith(kvpress.FIX)
+
+
+def test_an_integer_answer_is_read_as_its_text(tmp_path):
+    """kvpress scores AIME with `str(true_answer)`: an integer answer is its decimal text."""
+    path = write_jsonl(tmp_path / "aime25.jsonl", [{**JSONL_ROWS[0], "answer": 70}])
+    (row,) = kvpress.read_file(path)["aime25"]
+    assert row["answers"] == ["70"]
+    assert suites.row_score("kvpress/aime25", "\\boxed{70}", row["answers"], None) == 1.0
 
 
 def test_other_bad_files(tmp_path):

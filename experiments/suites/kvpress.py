@@ -86,6 +86,8 @@ _TASK = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def _answer_ok(value: object) -> bool:
+    if rows.COUNT.accepts(value):  # AIME's answers may be stored as integers (kvpress: str())
+        return True
     return (isinstance(value, str) and value != "") or (
         isinstance(value, list)
         and len(value) > 0
@@ -93,7 +95,10 @@ def _answer_ok(value: object) -> bool:
     )
 
 
-ANSWER = rows.Kind("a non-empty string or a non-empty list of non-empty strings", _answer_ok)
+ANSWER = rows.Kind(
+    "a non-empty string, a non-negative integer or a non-empty list of non-empty strings",
+    _answer_ok,
+)
 POSITIVE = rows.Kind("a positive integer", lambda v: rows.COUNT.accepts(v) and v > 0)
 TASK = rows.Kind(
     "a task name (letters, digits, '_', '.', '-')",
@@ -363,7 +368,7 @@ def read_file(path: str | os.PathLike) -> dict[str, list[dict]]:
                 "context": row["context"],
                 "question": row["question"],
                 "answer_prefix": row["answer_prefix"],
-                "answers": [answer] if isinstance(answer, str) else list(answer),
+                "answers": list(answer) if isinstance(answer, list) else [str(answer)],
                 "all_classes": row.get("all_classes"),
                 "max_new_tokens": row["max_new_tokens"],
             }
