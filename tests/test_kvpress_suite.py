@@ -468,3 +468,39 @@ def test_loogle_bad_lines(tmp_path):
         ("1.1", "q1?", {}),
         ("1.2", "q2?", {"S": ["s"]}),
     ]
+
+
+@pytest.mark.parametrize(
+    "suite, metric, message",
+    [
+        (
+            "ruler",
+            "string_match_all",
+            "error: --metric string_match_all: RULER tasks have fixed metrics; leave --metric out",
+        ),
+        ("kvpress", "nope", "error: --metric 'nope' is not a kvpress metric; known: "),
+    ],
+)
+def test_metric_flag_is_checked_before_anything_loads(suite, metric, message, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.longbench",
+            "--suite",
+            suite,
+            "--metric",
+            metric,
+            "--datasets",
+            "vt",
+            "--model",
+            str(tmp_path / "no_model"),
+        ],
+        cwd=REPO,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith(message), proc.stderr[-2000:]
