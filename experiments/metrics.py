@@ -142,22 +142,39 @@ def _lcs_words(x: Sequence[str], y: Sequence[str]) -> set[str]:
     return words
 
 
-def rouge_l(prediction: str, ground_truth: str) -> float:
-    """ROUGE-L F of pltrdy/rouge 1.0.1 (summary level, unique words); 0.0 when either is empty.
-
-    F = 2PR / (P + R + 1e-8), P = |U| / |words(pred)|, R = |U| / |words(ref)|, where U is the
-    union over reference sentences r and predicted sentences c of the words of LCS(r, c).
-    """
+def _rouge_l_pr(prediction: str, ground_truth: str) -> tuple[float, float] | None:
+    """(P, R) of pltrdy/rouge 1.0.1's ROUGE-L, or None when either text is empty."""
     hyp, ref = _sentences(prediction), _sentences(ground_truth)
     if not hyp or not ref:
-        return 0.0  # the package raises ValueError; the official wrapper returns 0.0
+        return None  # the package raises ValueError
     union: set[str] = set()
     for r in ref:
         for c in hyp:
             union |= _lcs_words(r, c)
     precision = len(union) / len({w for s in hyp for w in s})
     recall = len(union) / len({w for s in ref for w in s})
+    return precision, recall
+
+
+def rouge_l(prediction: str, ground_truth: str) -> float:
+    """ROUGE-L F of pltrdy/rouge 1.0.1 (summary level, unique words); 0.0 when either is empty.
+
+    F = 2PR / (P + R + 1e-8), P = |U| / |words(pred)|, R = |U| / |words(ref)|, where U is the
+    union over reference sentences r and predicted sentences c of the words of LCS(r, c).
+    """
+    pr = _rouge_l_pr(prediction, ground_truth)
+    if pr is None:
+        return 0.0  # the official wrapper returns 0.0
+    precision, recall = pr
     return 2.0 * (precision * recall / (precision + recall + 1e-8))
+
+
+def rouge_l_recall(prediction: str, ground_truth: str) -> float:
+    """ROUGE-L R of pltrdy/rouge 1.0.1 (`get_scores(hyps=[prediction], refs=[ground_truth])
+    [0]["rouge-l"]["r"]`, LooGLE's automatic metric); 0.0 when either is empty (LooGLE's
+    wrapper in kvpress scores a failing pair 0)."""
+    pr = _rouge_l_pr(prediction, ground_truth)
+    return 0.0 if pr is None else pr[1]
 
 
 def rouge_score(prediction: str, ground_truth: str, all_classes=None) -> float:

@@ -95,10 +95,16 @@ def answer_prefix(dataset: str, row: dict | None = None) -> str:
     return suites.for_dataset(dataset).answer_prefix(dataset, row)
 
 
-def max_new_tokens(dataset: str) -> int:
+def max_new_tokens(dataset: str, row: dict | None = None) -> int:
     """Generation length: dataset2maxlen for LongBench, the task's own for synthetic tasks,
-    RULER's tokens_to_generate for RULER tasks."""
-    return suites.for_dataset(dataset).max_new_tokens(dataset)
+    RULER's tokens_to_generate for RULER tasks, the row's own where a suite's rows carry one
+    (kvpress's `max_new_tokens` column; then `row` is needed)."""
+    suite = suites.for_dataset(dataset)
+    if suite.row_max_new_tokens is not None:
+        if row is None:
+            raise ValueError(f"{dataset}: the generation length belongs to a row; pass it")
+        return suite.row_max_new_tokens(row)
+    return suite.max_new_tokens(dataset)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,16 +63,17 @@ class Schema:
     """The fields of one suite's rows: all `required`, some `optional`, no others.
 
     `id_field` names the required field whose values must be unique within a file or suite (the
-    store keys predictions by it, so a repeat would be computed and then silently dropped).
+    store keys predictions by it, so a repeat would be computed and then silently dropped);
+    None for rows without an id of their own (kvpress's: the suite numbers them by place).
     """
 
     name: str
     required: Mapping[str, Kind]
-    id_field: str
+    id_field: str | None
     optional: Mapping[str, Kind] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.id_field not in self.required:
+        if self.id_field is not None and self.id_field not in self.required:
             raise ValueError(f"{self.name}: id field {self.id_field!r} is not a required field")
 
 
@@ -159,13 +160,14 @@ def check_rows(
     checked = []
     for label, row in rows:
         problem = field_problem(row, schema)
-        row_id = None if problem else row[schema.id_field]
-        if problem is None and row_id in seen:
+        row_id = None if problem or schema.id_field is None else row[schema.id_field]
+        if row_id is not None and row_id in seen:
             problem = (f"field {schema.id_field!r} {preview(row_id)} repeats the id of "
                        f"{seen[row_id]} (ids must be unique)")
         if problem is not None:
             raise RowError(f"{source} {label}: {problem}; {fix}")
-        seen[row_id] = label
+        if row_id is not None:
+            seen[row_id] = label
         checked.append(row)
     return checked
 

@@ -27,10 +27,16 @@ flags.DEFINE_enum("suite", suites.DEFAULT, list(suites.SUITES), "task suite")
 flags.DEFINE_string("data_dir", None, "folder of LongBench {dataset}.jsonl files "
                     f"(default: ${longbench.DATA_DIR_ENV}); for --suite ruler, of RULER "
                     "{task}_{length}.jsonl files to read instead of generating the rows "
-                    f"(default: ${ruler.DATA_DIR_ENV}'s file where it holds one, else generated)")
+                    f"(default: ${ruler.DATA_DIR_ENV}'s file where it holds one, else generated); "
+                    "for --suite kvpress, of *.parquet / *.jsonl files in kvpress's schema; for "
+                    "--suite loogle, of LooGLE {task}.jsonl files")
 flags.DEFINE_list("datasets", None, "datasets/tasks to run (default: synthetic "
                   f"{','.join(synthetic.MAIN_JOB_TASKS)}; longbench: those present in "
-                  "--data_dir; ruler: all eleven, or those present in --data_dir)")
+                  "--data_dir; ruler: all eleven, or those present in --data_dir; kvpress: "
+                  "every task in --data_dir; loogle: those present in --data_dir)")
+flags.DEFINE_string("metric", None, "--suite kvpress: score every task with this metric "
+                    "instead of the one its task name picks (an unknown name is refused with "
+                    "the list)")
 DEFAULT_RULES = ["full", "snapkv"]
 flags.DEFINE_list("rules", DEFAULT_RULES, f"scoring rules: {', '.join(RULES)}, "
                   "<wrapper>_<rule> (criticalkv_expectedattention), adakv_<rule> (AdaKV head "
@@ -208,13 +214,15 @@ class RunConfig:
         check_scalar_flags(values, suite)
         named = list_flag(values, "datasets")
         try:
-            datasets = None if named is None else tuple(suite.resolve(named))
+            if values.metric is not None:
+                suite.check_metric(values.metric)
+            datasets = None if named is None else tuple(suite.resolve(named, values.metric))
         except ValueError as e:
             raise UsageError(str(e)) from e
         return cls(
             model=str(values.model), dtype=values.dtype, suite=suite,
             rows=RowSettings(values.data_dir, values.seed, values.synthetic_length,
-                             values.ruler_length),
+                             values.ruler_length, values.metric),
             datasets=datasets, cells=tuple(cells),
             num_samples=values.num_samples or suite.num_samples,
             max_length=values.max_length, answer_prefix=values.answer_prefix,

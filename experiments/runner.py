@@ -211,8 +211,14 @@ def error_line(e: BaseException, state: dict) -> tuple[int | None, str]:
     return None, ""
 
 
-def grid_evictions(config: RunConfig, identity: dict, datasets: list[str]) -> dict:
-    """Each cell's `Eviction`, checked against every dataset's generation length (a budget
+def generation_lengths(rows: dict[str, list[dict]]) -> dict[str, list[int]]:
+    """Each dataset's distinct generation lengths, ascending (one, unless its rows carry
+    their own: kvpress's)."""
+    return {d: sorted({protocol.max_new_tokens(d, row) for row in r}) for d, r in rows.items()}
+
+
+def grid_evictions(config: RunConfig, identity: dict, lengths: dict[str, list[int]]) -> dict:
+    """Each cell's `Eviction`, checked against every dataset's generation lengths (a budget
     under the protected window, k over max_new_tokens) before anything is written."""
     from dge_jax.eviction.evict import check_eviction
 
@@ -223,9 +229,10 @@ def grid_evictions(config: RunConfig, identity: dict, datasets: list[str]) -> di
         try:
             evictions[c] = ev = c.eviction(identity[RULE_OPTIONS_KEY], adaptive,
                                            config.draft_weight, config.ties)
-            for d in datasets if ev is not None else ():
+            for d, ns in lengths.items() if ev is not None else ():
                 where = f" on {d}"
-                check_eviction(ev, config.suite.max_new_tokens(d))
+                for n in ns:
+                    check_eviction(ev, n)
         except (ValueError, TypeError) as e:
             raise UsageError(f"cell {c.id}{where}: {e} (--window, --kernel, --pooling, --gqa, "
                              "--budgets and --k set these)") from e
@@ -253,7 +260,7 @@ def evaluate(config: RunConfig, state: dict) -> int:
     datasets = list(config.datasets) if config.datasets is not None else None
     if datasets is None:
         try:
-            datasets = suite.resolve(suite.default_datasets(config.rows))
+            datasets = suite.resolve(suite.default_datasets(config.rows), config.rows.metric)
         except ValueError as e:
             raise UsageError(str(e)) from e
     rows = suite_rows(model, suite, config.rows, datasets, config.num_samples)  # strict
@@ -263,7 +270,7 @@ def evaluate(config: RunConfig, state: dict) -> int:
                          f"positions) leaves no room for prompts of {', '.join(datasets)} "
                          "once their answers fit; use a model with a longer context")
     identity = run_identity(config, model, max_length)
-    evictions = grid_evictions(config, identity, datasets)
+    evictions = grid_evictions(config, identity, generation_lengths(rows))
     data = data_checksums(config, datasets)
     extent = {"datasets": datasets, "cells": [c.id for c in config.cells],
               "num_samples": config.num_samples}
@@ -321,9 +328,9 @@ def default_max_length(model, suite: dict[str, list[dict]]) -> int:
     prompt the runner feeds, with its answer, fits the context."""
     tok = model.tokenizer
     wrap = len(tok.encode(tok.apply_chat_template("")))  # the template around an empty turn
-    need = max(protocol.max_new_tokens(d) + wrap + max(
-        (len(tok.encode(protocol.answer_prefix(d, row))) for row in rows), default=0)
-        for d, rows in suite.items())
+    need = max((protocol.max_new_tokens(d, row) + wrap
+                + len(tok.encode(protocol.answer_prefix(d, row)))
+                for d, rows in suite.items() for row in rows), default=0)
     return model.config.max_position_embeddings - need
 
 
@@ -366,13 +373,17 @@ class Grid:
 
 def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, pending: list,
                 store: PredictionStore, bar) -> None:
-    """Predicts the pending (row, cells) of one dataset, a batch of samples at a time."""
+    """Predicts the pending (row, cells) of one dataset, a batch of samples at a time; a
+    batch holds rows of one generation length (kvpress's rows carry their own)."""
     tok = model.tokenizer
     stop = protocol.stop_rule(dataset)
     extra_eos = stop.extra_eos_ids(tok)
-    max_new = protocol.max_new_tokens(dataset)
-    for start in range(0, len(pending), config.batch_size):
-        batch = pending[start:start + config.batch_size]
+    by_length: dict[int, list] = {}
+    for item in pending:
+        by_length.setdefault(protocol.max_new_tokens(dataset, item[0]), []).append(item)
+    batches = [(n, group[start:start + config.batch_size]) for n, group in by_length.items()
+               for start in range(0, len(group), config.batch_size)]
+    for max_new, batch in batches:
         # Rows of one batch share one grid: the union of what any of them still misses.
         todo: list[Cell] = [c for c in grid.cells if any(c in m for _, m in batch)]
         samples = [protocol.prepare_sample(row, dataset, tok, grid.max_length,

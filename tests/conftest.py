@@ -288,7 +288,8 @@ def tokenizer_dir(tmp_path_factory) -> pathlib.Path:
 
 
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
-DATA_VARIABLES = {"DGE_LONGBENCH_DIR": "longbench", "DGE_RULER_DIR": "ruler"}
+DATA_VARIABLES = {"DGE_LONGBENCH_DIR": "longbench", "DGE_RULER_DIR": "ruler",
+                  "DGE_LOOGLE_DIR": "loogle"}
 for _variable, _folder in DATA_VARIABLES.items():
     # Set for the library and the runner subprocesses too, so nothing needs exporting.
     if not os.environ.get(_variable) and (SHARED_DATA / _folder).is_dir():
@@ -317,6 +318,12 @@ def shared_data_dir(variable: str) -> pathlib.Path:
 def data_dir() -> pathlib.Path:
     """The shared LongBench rows folder (`shared_data_dir`)."""
     return shared_data_dir("DGE_LONGBENCH_DIR")
+
+
+@pytest.fixture(scope="session")
+def loogle_dir() -> pathlib.Path:
+    """The shared LooGLE rows folder (`shared_data_dir`)."""
+    return shared_data_dir("DGE_LOOGLE_DIR")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ TESTS = pathlib.Path(__file__).resolve().parent
 def test_data_folders_are_found_beside_the_checkout_without_variables():
     env = {k: v for k, v in os.environ.items() if k not in conftest.DATA_VARIABLES}
     code = ("import os, conftest; "
-            "print(os.environ.get('DGE_LONGBENCH_DIR'), os.environ.get('DGE_RULER_DIR'))")
+            "print(*(os.environ.get(v) for v in conftest.DATA_VARIABLES))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=TESTS, env=env,
                           capture_output=True, text=True, timeout=120, check=True)
     expected = [str(conftest.SHARED_DATA / folder) if (conftest.SHARED_DATA / folder).is_dir()

@@ -11,8 +11,10 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from experiments.suites.base import Suite
+from experiments.suites.kvpress import SUITE as KVPRESS  # noqa: F401 (registered below)
 from experiments.suites.longbench import SUITE as LONGBENCH  # noqa: F401 (registered below)
 from experiments.suites.longbench import average_scores as longbench_averages
+from experiments.suites.loogle import SUITE as LOOGLE  # noqa: F401 (registered below)
 from experiments.suites.ruler import SUITE as RULER  # noqa: F401 (registered below)
 from experiments.suites.synthetic import SUITE as SYNTHETIC
 
@@ -54,21 +56,36 @@ def get(name: str) -> Suite:
     return SUITES[name]
 
 
+def _by_prefix(dataset: str) -> Suite | None:
+    """The suite whose `dataset_prefix` names `dataset` (`kvpress/<task>`), or None."""
+    prefix, slash, _ = dataset.partition("/")
+    if not slash:
+        return None
+    return next((s for s in SUITES.values() if s.dataset_prefix == prefix), None)
+
+
 def for_dataset(dataset: str) -> Suite:
-    """The suite a dataset belongs to; an unknown dataset raises naming every suite's."""
-    if dataset not in DATASETS:
-        known = ", ".join(f"{s.title}: {list(s.tasks)}" for s in SUITES.values())
+    """The suite a dataset belongs to (its task list, else its name's prefix); an unknown
+    dataset raises naming every suite's."""
+    suite = DATASETS.get(dataset) or _by_prefix(dataset)
+    if suite is None:
+        known = ", ".join(f"{s.title}: {list(s.tasks)}" if s.tasks else
+                          f"{s.title}: {s.dataset_prefix}/<task>" for s in SUITES.values())
         raise ValueError(f"unknown dataset {dataset!r}; {known}")
-    return DATASETS[dataset]
+    return suite
+
+
+def _known(dataset: str) -> bool:
+    return dataset in DATASETS or _by_prefix(dataset) is not None
 
 
 def row_score(dataset: str, prediction: str, answers: Sequence[str],
               all_classes: Sequence[str] | None) -> float:
     """One row's score in [0, 1] by its suite's metric (LongBench's max over answers, the
     synthetic and RULER row metrics that see all of a row's answers at once)."""
-    if dataset not in DATASETS:
+    if not _known(dataset):
         raise ValueError(f"no metric for dataset {dataset!r}")
-    return DATASETS[dataset].score_row(dataset, prediction, answers, all_classes)
+    return for_dataset(dataset).score_row(dataset, prediction, answers, all_classes)
 
 
 def score_dataset(
@@ -92,16 +109,17 @@ def summary(scores: Mapping[str, float]) -> dict:
     """The suites' own averages over `scores` (dataset -> score), e.g. LongBench's official
     ones when all 16 English tasks are there; {} when no suite has any."""
     out: dict = {}
-    for suite in {DATASETS[d].name: DATASETS[d] for d in scores if d in DATASETS}.values():
+    for suite in {for_dataset(d).name: for_dataset(d) for d in scores if _known(d)}.values():
         if suite.summary is not None:
-            out.update(suite.summary({d: s for d, s in scores.items() if d in suite.tasks}))
+            out.update(suite.summary({d: s for d, s in scores.items()
+                                      if _known(d) and for_dataset(d) is suite}))
     return out
 
 
 def average_scores(scores: Mapping[str, float]) -> dict:
     """LongBench's two English averages over the tasks present (`suites.longbench`); other
     suites' tasks are ignored, a name no suite knows raises."""
-    unknown = sorted(set(scores) - set(DATASETS))
+    unknown = sorted(d for d in scores if not _known(d))
     if unknown:
         raise ValueError(f"unknown tasks in scores: {unknown}")
     return longbench_averages(scores)

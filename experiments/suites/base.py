@@ -47,12 +47,13 @@ class StopRule:
 @dataclasses.dataclass(frozen=True)
 class RowSettings:
     """The runner's settings rows are made or read with (each suite reads the ones it uses):
-    --data_dir, --seed, --synthetic_length, --ruler_length."""
+    --data_dir, --seed, --synthetic_length, --ruler_length, --metric."""
 
     data_dir: str | None = None
     seed: int = 0
     synthetic_length: int = 512
     ruler_length: int = 4096
+    metric: str | None = None
 
 
 Chat = Callable[[str], str]
@@ -84,7 +85,14 @@ class Suite:
     what earlier run folders recorded); dataset_name: maps a command-line name to ours (None:
     names are taken as given and checked against `tasks`); num_samples: --num_samples'
     default (None: all rows); has_answer_prefix: whether --noanswer_prefix applies;
-    summary(scores by dataset): extra averages for report (None: only the plain mean).
+    summary(scores by dataset): extra averages for report (None: only the plain mean);
+    dataset_prefix: datasets named `<prefix>/<task>` are this suite's though not in `tasks`
+    (a suite whose tasks are whatever its data folder holds: kvpress); metrics: the names
+    --metric accepts, one metric for every task (empty: the suite refuses --metric);
+    with_metric(dataset, metric): the dataset's name under --metric (the metric travels in
+    the name, so a report scores the run folder without the command line);
+    row_max_new_tokens(row): a row's own generation length where rows carry one (None: the
+    dataset's `max_new_tokens`).
     """
 
     name: str
@@ -105,14 +113,33 @@ class Suite:
     num_samples: int | None = None
     has_answer_prefix: bool = True
     summary: Callable[[Mapping[str, float]], dict] | None = None
+    dataset_prefix: str | None = None
+    metrics: tuple[str, ...] = ()
+    with_metric: Callable[[str, str], str] | None = None
+    row_max_new_tokens: Callable[[dict], int] | None = None
 
-    def resolve(self, names: Sequence[str]) -> list[str]:
-        """The datasets named on the command line, as this suite names them; unknown ones
-        raise ValueError naming the known ones."""
+    def resolve(self, names: Sequence[str], metric: str | None = None) -> list[str]:
+        """The datasets named on the command line, as this suite names them (under --metric
+        `metric`, where the suite takes one); unknown ones raise ValueError naming the known
+        ones."""
+        if metric is not None:
+            self.check_metric(metric)
         if self.dataset_name is not None:
-            return [self.dataset_name(d) for d in names]
-        unknown = [d for d in names if d not in self.tasks]
-        if unknown:
-            raise ValueError(f"unknown {self.name} tasks {unknown} in --datasets; known: "
-                             f"{sorted(self.tasks)}")
-        return list(names)
+            names = [self.dataset_name(d) for d in names]
+        else:
+            unknown = [d for d in names if d not in self.tasks]
+            if unknown:
+                raise ValueError(f"unknown {self.name} tasks {unknown} in --datasets; known: "
+                                 f"{sorted(self.tasks)}")
+        if metric is None or self.with_metric is None:
+            return list(names)
+        return [self.with_metric(d, metric) for d in names]
+
+    def check_metric(self, metric: str) -> None:
+        """Refuses a --metric this suite does not take (ValueError naming what it takes)."""
+        if not self.metrics:
+            raise ValueError(f"--metric {metric}: {self.title} tasks have fixed metrics; "
+                             "leave --metric out")
+        if metric not in self.metrics:
+            raise ValueError(f"--metric {metric!r} is not a {self.title} metric; known: "
+                             f"{', '.join(self.metrics)}")
