@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.eviction.selection import top_mask
+from dge_jax.eviction.sliding import global_pool
 
 
 def _floor_times(n: jax.Array, alpha: float) -> jax.Array:
@@ -176,3 +177,27 @@ class PyramidSchedule:
         cumulative = layers * max_num - (span * layers * (layers - 1)) // (2 * (num_layers - 1))
         pyramid = self.window + cumulative[1:] - cumulative[:-1]
         return jnp.where(budget > self.window, pyramid, budget).astype(jnp.int32)
+
+
+def head_budgets(
+    mode: str,
+    scores: jax.Array,
+    budget: jax.Array | int,
+    alpha: float,
+    ties: str,
+    head_cap: int | None = None,
+    sliding: jax.Array | None = None,
+) -> jax.Array:
+    """Per-head budgets [L, B, Hkv] of `budget` under head-budget `mode` ("uniform",
+    "adakv", "global"), capped at head_cap. sliding [L, 1, 1, 1] (None: no layer slides):
+    the sliding layers, left out of the global pool (`dge_jax.eviction.sliding`)."""
+    nl, b, hkv, _ = scores.shape
+    if mode == "adakv":
+        per_head = adakv_budgets(scores, budget, alpha, ties)
+    elif mode == "global":
+        if sliding is not None:
+            budget = global_pool(budget, sliding, nl)
+        per_head = global_budgets(scores, budget, alpha, ties)
+    else:
+        per_head = expand_budgets(budget, nl, b, hkv)
+    return per_head if head_cap is None else jnp.minimum(per_head, head_cap)

@@ -19,7 +19,8 @@ import numpy as np
 
 from dge_jax.config import with_fields
 from dge_jax.eviction import selection
-from dge_jax.eviction.budgets import adakv_budgets, expand_budgets, global_budgets
+from dge_jax.eviction import sliding as sliding_layers
+from dge_jax.eviction.budgets import expand_budgets, head_budgets
 from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_rule
 from dge_jax.eviction.observation import with_drafts
 from dge_jax.eviction.timing import Timing
@@ -321,15 +322,9 @@ def select_for_budgets(
     gives it (decode-time compression's fixed-capacity cache,
     `dge_jax.eviction.decode_compression`).
 
-    Sliding layers (spec.windows): the budget applies to the global layers only. A sliding
-    layer keeps exactly the entries its window will still show a later query, whatever the
-    budget: the next query is at each row's last written position + 1, so an entry at pos p
-    stays visible iff p >= next - window + 1 (older ones no query can see again; keeping them
-    only costs memory, evicting a newer one would change the model). A budget smaller than
-    the window therefore does not shrink a sliding layer; the global allocator pools over the
-    global layers only (AdaKV's pools per layer, so over its heads as before)."""
+    Sliding layers (spec.windows): the budget applies to the global layers; a sliding layer
+    keeps what its window still shows (`dge_jax.eviction.sliding`)."""
     nl, b, hkv, _ = cache.pos.shape
-    head_budget, alpha, ties, head_cap = spec.head_budget, spec.alpha, spec.ties, spec.head_cap
     rules = spec.rule if isinstance(spec.rule, tuple) else (spec.rule,) * len(budgets)
     if len(rules) != len(budgets) or len({p.scorer for p in rules}) != 1:
         raise ValueError(
@@ -339,8 +334,8 @@ def select_for_budgets(
     scores = rules[0].scorer.score(cache, obs)
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
-    window_keep, sliding = _window_keep(cache, spec.windows)
-    if window_keep is not None and head_budget == "global":
+    window_keep, sliding = sliding_layers.window_keep(cache, spec.windows)
+    if window_keep is not None and spec.head_budget == "global":
         # the global pool: only the global layers' entries (drafts too) compete
         scores = jnp.where(sliding, -jnp.inf, scores)
     # Only prompt entries count towards "fits" below: drafts are answer tokens, kept on top
@@ -356,40 +351,15 @@ def select_for_budgets(
         fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
         if schedule is not None:
             budget = schedule.layer_budgets(budget, nl)
-        if head_budget == "adakv":
-            per_head = adakv_budgets(scores, budget, alpha, ties)
-        elif head_budget == "global":
-            if window_keep is not None:  # the pool: the global layers' budgets only
-                budget = jnp.asarray(budget)
-                budget = jnp.broadcast_to(budget, (nl, *budget.shape[1:]) if budget.ndim else (nl,))
-                budget = jnp.where(sliding.reshape(nl, *(1,) * (budget.ndim - 1)), 0, budget)
-            per_head = global_budgets(scores, budget, alpha, ties)
-        else:
-            per_head = expand_budgets(budget, nl, b, hkv)
-        if head_cap is not None:
-            per_head = jnp.minimum(per_head, head_cap)
-        ranked = rule.refine(scores, per_head, cache, obs, ties)  # two-stage rules re-rank
-        keep = selection.select_slots(ranked, per_head, ties=ties, positions=cache.pos)
+        per_head = head_budgets(spec.head_budget, scores, budget, spec.alpha, spec.ties,
+                                spec.head_cap, sliding)  # fmt: skip
+        ranked = rule.refine(scores, per_head, cache, obs, spec.ties)  # two-stage re-rank
+        keep = selection.select_slots(ranked, per_head, ties=spec.ties, positions=cache.pos)
         keep = jnp.where(fits[None, :, None, None], cache.valid(), keep)
         if window_keep is not None:
             keep = jnp.where(sliding, window_keep, keep)
         masks.append(keep)
     return tuple(masks)
-
-
-def _window_keep(
-    cache: KVCache, windows: tuple[int, ...]
-) -> tuple[jax.Array | None, jax.Array | None]:
-    """(keep [L, B, Hkv, S], sliding [L, 1, 1, 1]) for a model with sliding layers: on those,
-    the entries a later query can still see (`select_for_budgets`); (None, None) without."""
-    if not any(windows):
-        return None, None
-    pos = cache.pos
-    window = jnp.asarray(windows, jnp.int32)[:, None, None, None]  # [L, 1, 1, 1]
-    # Each row's next query position: its last written position + 1 (every layer holds it).
-    next_pos = jnp.max(pos, axis=(0, 2, 3)) + 1  # [B]
-    keep = (pos >= 0) & (pos >= next_pos[None, :, None, None] - window + 1)
-    return keep, window > 0
 
 
 compact = jax.jit(kv.compact, static_argnames=("capacity",))

@@ -67,6 +67,7 @@ def cached_attention(
     summed over the T queries (H2O's accumulated attention), padding queries contributing 0.
     Scores and softmax are f32 whatever the parameter dtype. keys_major: K @ Q^T scores, not
     Q @ K^T (None: the platform's `Backend.keys_major_max_rows`); same numbers either way.
+    window: the layer's sliding window (`visible`); scores_spec: logit scale and soft cap.
 
     new: (k_new, v_new [B, Hkv, T, D], pos_new [B, Hkv, T]), this call's own entries, not yet
     written: the attention is the one the cache would give with them written at slots
@@ -74,14 +75,10 @@ def cached_attention(
     counts them there. Reading the cache before the write lets the write happen in place:
     when attention read the written buffer, XLA:CPU copied every batch-1 cache buffer
     several times per decode step.
-
-    window: the layer's sliding window (`visible`); scores_spec: the model's logit scale and
-    soft cap.
     """
     b, t, hq, d = q.shape
-    hkv = k.shape[1]
+    hkv, s_len = k.shape[1], k.shape[2]
     g = hq // hkv
-    s_len = k.shape[2]
     if keys_major is None:
         keys_major = g * t <= platform.current().keys_major_max_rows
     # Group the G query heads of each kv head into one [G*T] row block, so both products are
