@@ -122,6 +122,23 @@ def write_checkpoint(folder: pathlib.Path, config: dict, seed: int = 0) -> pathl
     return folder
 
 
+def write_gemma3(folder: pathlib.Path) -> pathlib.Path:
+    """A tiny random Gemma 3 text checkpoint saved by transformers: 4 query heads over 1 kv
+    head (Gemma 3 1B's layout), layer 0 sliding over 8 keys, layer 1 global."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+        initializer_range=0.1,
+    )  # fmt: skip
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
 def write_tokenizer(folder: pathlib.Path) -> None:
     """A word-level tokenizer.json (ids 0..vocab-1), so the tokenizer's travel can be checked."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -378,6 +395,21 @@ def main(out_path: str, dump_dir: str) -> None:
         "exists_error": error_of(lambda: orbax_io.convert(folder, out)),
     }
     facts["seconds"]["orbax"] = time.time() - t0
+
+    # A model with sliding layers and Gemma 3 1B's head layout (4 query heads over 1 kv head):
+    # the kv heads cannot split, so attention is data-parallel; tokens and kept sets as on one
+    # device.
+    t0 = time.time()
+    gemma_folder = write_gemma3(tmp / "gemma3")
+    gemma_cells = CELLS[:2]
+    gemma = dge_jax.load(gemma_folder)
+    facts["gemma3"] = {"reference": results(generate_grid(gemma, ids, gemma_cells,
+                                                          max_new_tokens=MAX_NEW), CELL_NAMES[:2])}
+    for data, model_axis in ((2, 4), (1, 4)):
+        sharded = dge_jax.load(gemma_folder, mesh=sh.make_mesh(data, model_axis))
+        res = generate_grid(sharded, ids, gemma_cells, max_new_tokens=MAX_NEW)
+        facts["gemma3"][f"{data}x{model_axis}"] = results(res, CELL_NAMES[:2])
+    facts["seconds"]["gemma3"] = time.time() - t0
 
     # Bad meshes: clear errors before anything compiles.
     four_heads = write_checkpoint(tmp / "hf4", CONFIG | {"num_attention_heads": 4})

@@ -273,6 +273,13 @@ def test_orbax_round_trip_restores_sharded_with_identical_logits(facts):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["2x4", "1x4"])
+def test_sliding_layers_and_one_kv_head_on_a_mesh(facts, mesh):
+    """A tiny Gemma 3 (sliding and global layers, 4 query heads over 1 kv head): the same
+    tokens and kept positions on a mesh as on one device."""
+    assert facts["gemma3"][mesh] == facts["gemma3"]["reference"]
+
+
 def test_bad_meshes_get_clear_errors(facts):
     errors = facts["errors"]
     assert "does not divide the 8 available devices" in errors["not_dividing"]
