@@ -77,7 +77,7 @@ def run_grid(model: Model, prompt: list[int], cells, new: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
