@@ -389,7 +389,9 @@ def _decode_compressed(
         state = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=None))
         state = dataclasses.replace(state, cache=cache)
     history = decode_compression.max_compressions(request.buffer, spec.interval) if record else 0
-    selection = SelectionSpec.for_eviction(ev, head_cap=spec.head_cap(spread))
+    selection = SelectionSpec.for_eviction(
+        ev, head_cap=spec.head_cap(spread), windows=model.config.layer_windows
+    )
     loop = decode_compression.CompressionLoop(
         model.forward, model.config, sampler, request.eos_ids, selection, spec.interval,
         spec.capacity(spread), min_new_tokens=request.min_new_tokens,

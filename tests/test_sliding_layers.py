@@ -7,7 +7,8 @@ window still shows a later query (`evict.select_for_budgets`), so:
   the sliding layers drop what their window no longer shows;
 - every head of a global layer keeps the budget, every sliding layer the last window - 1
   positions before the next query;
-- compacted, a sliding layer's capacity follows its window, a global layer's the budget.
+- compacted, a sliding layer's capacity follows its window, a global layer's the budget;
+- compressing while decoding, every compression keeps the window on sliding layers.
 
 The tiny Gemma 3 checkpoint (conftest "gemma3": window 8 on layer 0, layer 1 global) is a
 transformers model saved to disk; its parity is tests/test_parity.py's.
@@ -100,9 +101,30 @@ def test_compacted_capacities_follow_the_window_and_the_budget():
     assert [len(h) for h in result.kept[0][1]] == [budget] * cfg.num_kv_heads
 
 
-def test_decode_time_compression_refuses_sliding_layers(gemma3):
+def test_decode_time_compression_keeps_the_window_on_sliding_layers(gemma3):
+    """Every compression keeps, on the sliding layer, the last window - 1 positions before the
+    next query and, on the global layer, at most the budget; a budget over everything the
+    answer writes reproduces FullKV. A budget under the window is refused by name."""
     from dge_jax.eviction.decode_spec import DecodeCompression
 
+    prompts, window, new = _prompts(gemma3.config.vocab_size), gemma3.config.window(0), 24
     ev = Eviction(SnapKV(window=4), budget=16, decode=DecodeCompression(budget=16, interval=4))
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        dge_jax.generate_grid(gemma3, _prompts(gemma3.config.vocab_size), [ev], max_new_tokens=4)
+    (result,) = dge_jax.generate_grid(gemma3, prompts, [ev], max_new_tokens=new,
+                                      min_new_tokens=new, record_compressions=True)  # fmt: skip
+    for row, prompt in enumerate(prompts):
+        events = result.compressions[row]
+        assert len(events) >= 4
+        for event in events:
+            next_pos = len(prompt) + event["step"] - 1  # the step-th answer token pending
+            sliding, global_ = event["kept"]
+            assert all(h == list(range(next_pos - window + 1, next_pos)) for h in sliding)
+            assert all(len(h) <= 16 for h in global_)
+    wide = DecodeCompression(budget=128, interval=4)
+    cells = [None, Eviction(SnapKV(window=4), budget=128, decode=wide)]
+    full, compressed = dge_jax.generate_grid(gemma3, prompts, cells, max_new_tokens=new)
+    assert compressed.tokens == full.tokens
+    wide_window = jax_model(jax_config(layer_windows=(64, 0)))
+    small = Eviction(StreamingLLM(sinks=1), budget=16,
+                     decode=DecodeCompression(budget=16, interval=4))  # fmt: skip
+    with pytest.raises(ValueError, match="keeps at most 16 entries per head .* last 63"):
+        dge_jax.generate_grid(wide_window, prompts, [small], max_new_tokens=4)

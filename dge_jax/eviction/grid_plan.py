@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from dge_jax.eviction.evict import Eviction, check_eviction, round_up_slots
+from dge_jax.eviction.evict import Eviction, check_eviction, round_up_slots, spreads_budget
 from dge_jax.rules.base import Needs
 from dge_jax.rules.full import is_full
 from dge_jax.runtime.decoding import DecodeState
@@ -45,7 +45,7 @@ def check_cells(
     cells: Sequence[Eviction | None], max_new_tokens: int, windows: tuple[int, ...] = ()
 ) -> list[Eviction | None]:
     """The cells with FullKV as None, each eviction checked (clear errors before compiling);
-    windows: the model's layer windows (decode-time compression does not take them yet)."""
+    windows: the model's layer windows (a compressing decode loop must hold a window)."""
     if isinstance(cells, Eviction):
         raise TypeError("cells must be a list of Eviction / None; for one eviction pass [ev]")
     for i, ev in enumerate(cells):
@@ -59,11 +59,13 @@ def check_cells(
     for ev in cells:
         if ev is not None:
             check_eviction(ev, max_new_tokens)
-            if ev.decode is not None and any(windows):
+            cap = ev.decode.head_cap(spreads_budget(ev)) if ev.decode is not None else None
+            if cap is not None and max(windows, default=0) - 1 > cap:
                 raise ValueError(
-                    "decode-time compression (Eviction.decode) does not take a model with "
-                    "sliding-window layers yet (its fixed-capacity loop holds no window): "
-                    "evict once (timing prefill, dge or dge_w) instead"
+                    f"decode-time compression keeps at most {cap} entries per head "
+                    f"(DecodeCompression.budget {ev.decode.budget}), but a sliding layer keeps "
+                    f"its window's last {max(windows) - 1}: raise the budget to at least that, "
+                    "or evict once (timing prefill, dge or dge_w)"
                 )
     return cells
 
