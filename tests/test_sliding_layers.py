@@ -128,3 +128,36 @@ def test_decode_time_compression_keeps_the_window_on_sliding_layers(gemma3):
                      decode=DecodeCompression(budget=16, interval=4))  # fmt: skip
     with pytest.raises(ValueError, match="keeps at most 16 entries per head .* last 63"):
         dge_jax.generate_grid(wide_window, prompts, [small], max_new_tokens=4)
+
+
+def test_every_rule_keeps_the_window_and_the_budget(gemma3, tmp_path):
+    """Every registered rule on the tiny Gemma 3, DGE k=2, one grid: a budget over the prompt
+    gives FullKV's tokens; a small one keeps the budget per global head (PyramidKV's
+    schedule runs over the global layers: one here, so the whole budget) and the window on
+    the sliding layer. (With the tests' word-level tokenizer:
+    KVzip encodes its repeat instruction.)"""
+    import dataclasses
+
+    from conftest import write_tokenizer
+
+    from dge_jax.rules.registry import RULES, make_rule, rule_fields
+    from dge_jax.runtime.tokenizer import Tokenizer
+
+    write_tokenizer(tmp_path)
+    gemma3 = dataclasses.replace(gemma3, tokenizer=Tokenizer.from_folder(tmp_path, {}))
+
+    names = [n for n in sorted(RULES) if n != "full"]
+    rules = [make_rule(n, **({"window": 4} if "window" in rule_fields(n) else {}))
+             for n in names]  # fmt: skip
+    prompts, budget = _prompts(gemma3.config.vocab_size), 12
+    cells = [None] + [Eviction(r, budget=b, timing=dge(2)) for b in (64, budget) for r in rules]
+    out = dge_jax.generate_grid(gemma3, prompts, cells, max_new_tokens=NEW, chunk=8)
+    wide, small = out[1 : 1 + len(rules)], out[1 + len(rules) :]
+    for name, result in zip(names, wide, strict=True):
+        assert result.tokens == out[0].tokens, name
+    for name, result in zip(names, small, strict=True):
+        for row, prompt in enumerate(prompts):
+            next_pos = len(prompt) + result.k[row] - 1
+            sliding, global_ = result.kept[row]
+            assert all(h == list(range(next_pos - 7, next_pos)) for h in sliding), name
+            assert [len(h) for h in global_] == [budget] * len(global_), name

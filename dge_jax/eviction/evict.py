@@ -349,7 +349,9 @@ def select_for_budgets(
         # longer than the budget is never compressed.
         nominal = expand_budgets(budget, nl, b, hkv)
         fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
-        if schedule is not None:
+        if schedule is not None and any(spec.windows):
+            budget = sliding_layers.scheduled_over_global_layers(schedule, budget, spec.windows)
+        elif schedule is not None:
             budget = schedule.layer_budgets(budget, nl)
         per_head = head_budgets(spec.head_budget, scores, budget, spec.alpha, spec.ties,
                                 spec.head_cap, sliding)  # fmt: skip

@@ -7,7 +7,8 @@ p >= next - window + 1. Older entries no query can see again (keeping them only 
 memory); evicting a newer one would change the model's answer. So a budget smaller than the
 window does not shrink a sliding layer, and compacted (`evict.apply_eviction`) its capacity
 follows its window. The global head-budget allocator pools over the global layers' heads
-only; AdaKV pools within each layer, so its global layers are unchanged.
+only; AdaKV pools within each layer, so its global layers are unchanged; a layer schedule
+(PyramidKV's budgets falling with depth) runs over the global layers, bottom to top.
 """
 
 from __future__ import annotations
@@ -41,3 +42,15 @@ def global_pool(budget: jax.Array | int, sliding: jax.Array, num_layers: int) ->
     shape = (num_layers, *budget.shape[1:]) if budget.ndim else (num_layers,)
     budget = jnp.broadcast_to(budget, shape)
     return jnp.where(sliding.reshape(num_layers, *(1,) * (budget.ndim - 1)), 0, budget)
+
+
+def scheduled_over_global_layers(schedule, budget: jax.Array | int, windows: tuple[int, ...]):
+    """[L] budgets: `schedule.layer_budgets` over the global layers only, in their order (a
+    sliding layer's entry is the plain budget, unused: it keeps its window)."""
+    global_layers = [i for i, w in enumerate(windows) if not w]
+    budget = jnp.asarray(budget, jnp.int32)
+    per_layer = jnp.broadcast_to(budget, (len(windows),))
+    if not global_layers:
+        return per_layer
+    on_global = schedule.layer_budgets(budget, len(global_layers))
+    return per_layer.at[jnp.asarray(global_layers)].set(on_global)
