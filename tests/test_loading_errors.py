@@ -133,7 +133,8 @@ def test_unsupported_dtype(checkpoint):
 @pytest.mark.parametrize(
     "changes, error",
     [
-        (dict(model_type="gpt2"), r"unknown model_type 'gpt2'.*supported: gemma2, .*llama, mistral, phi3, qwen2"),
+        (dict(model_type="gpt2"),
+         r"unknown model_type 'gpt2'.*supported: gemma2, .*llama, mistral, phi3, qwen2"),
         (dict(model_type=_DROP), r"no 'model_type'"),
         (
             dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
