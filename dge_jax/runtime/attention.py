@@ -78,15 +78,18 @@ def cached_attention(
     window: the layer's sliding window (`visible`); scores_spec: the model's logit scale and
     soft cap.
     """
-    (b, t, hq, d), (hkv, s_len) = q.shape, k.shape[1:3]
+    b, t, hq, d = q.shape
+    hkv = k.shape[1]
     g = hq // hkv
+    s_len = k.shape[2]
     if keys_major is None:
         keys_major = g * t <= platform.current().keys_major_max_rows
     # Group the G query heads of each kv head into one [G*T] row block, so both products are
     # plain 4-D batched matmuls over (B, Hkv): XLA:CPU runs those several times faster than
     # the 5-D grouped einsum (benchmarks/RESULTS.md, "Measured design choices"). Row r is
     # query head r // T, query r % T, hence the tiled positions.
-    qg, scale = _group_queries(q, hkv), scores_spec.scale_for(d)
+    qg = _group_queries(q, hkv)
+    scale = scores_spec.scale_for(d)
     if keys_major:
         # Computed as [B, Hkv, S, G*T] and scaled there, then the small score array is
         # transposed to the common layout (scaled after the transpose instead, it ran as
