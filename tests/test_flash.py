@@ -5,7 +5,10 @@ NaN, so the masking of the last partial key tile is exercised). Compared against
 `written_slot_attention` and `cached_attention` on hand-made caches: left padding, evicted
 slots, slots past num_slots, GQA groups 1/3/4/8, several query and key tiles with T and S
 multiples of neither, f32 and bf16; and the stacked cache [Lg, B, Hkv, S, D] read at a
-layer in place gives that layer's results. Rows that see no slot are finite (zero) in the kernel and
+layer in place gives that layer's results; sliding windows (a traced scalar: one compile for
+all), soft caps and a logit scale as `attention.ScoreSpec` gives them to the XLA paths, with
+the skip tables dropping the key tiles older than every query's window. Rows that see no
+slot are finite (zero) in the kernel and
 a mean of values in the XLA path, so outputs are compared on real rows only; the probs sums
 are compared everywhere.
 
@@ -28,14 +31,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.runtime.attention import cached_attention, written_slot_attention
+from dge_jax.runtime.attention import (
+    DEFAULT_SCORES,
+    ScoreSpec,
+    cached_attention,
+    visible,
+    written_slot_attention,
+)
 from dge_jax.runtime.flash import _skip_tables, flash_attention
 
 D = 16
 # Jitted, so each shape compiles once (eager calls re-trace the interpreter every time).
-FLASH = jax.jit(flash_attention, static_argnames=("return_probs_sum", "block_q", "block_k"))
-WRITTEN = jax.jit(written_slot_attention, static_argnames=("block", "return_probs_sum"))
-DENSE = jax.jit(cached_attention, static_argnames=("return_probs_sum",))
+STATIC = ("return_probs_sum", "block_q", "block_k", "scores_spec")
+FLASH = jax.jit(flash_attention, static_argnames=STATIC)
+WRITTEN = jax.jit(written_slot_attention,
+                  static_argnames=("block", "return_probs_sum", "scores_spec"))  # fmt: skip
+DENSE = jax.jit(cached_attention, static_argnames=("return_probs_sum", "scores_spec"))
 
 
 def make_inputs(b, t, hq, hkv, s, dtype=np.float32, seed=0, d=D):
@@ -61,26 +72,40 @@ F32 = {"out": (2e-5, 0), "sums": (2e-6, 0)}
 BF16 = {"out": (1e-2, 1e-2), "sums": (2e-3, 2e-3)}
 
 
-def check(q, k, v, pos, query_pos, num_slots, *, tol=F32, **blocks):
-    """flash_attention equals written_slot_attention (block 64) and cached_attention; returns
-    its (out, sums) as numpy."""
+def check(q, k, v, pos, query_pos, num_slots, *, tol=F32, window=None, spec=DEFAULT_SCORES,
+          **blocks):  # fmt: skip
+    """flash_attention equals written_slot_attention (block 64) and cached_attention, with the
+    same window (traced when given) and ScoreSpec; returns its (out, sums) as numpy."""
     pos, query_pos, num_slots = jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(num_slots)
-    out, sums = FLASH(q, k, v, pos, query_pos, num_slots, return_probs_sum=True, **blocks)
-    ref, ref_sums = WRITTEN(q, k, v, pos, query_pos, num_slots, block=64, return_probs_sum=True)
-    dense, dense_sums = DENSE(q, k, v, pos, query_pos, return_probs_sum=True)
+    scores = dict(scores_spec=spec, window=None if window is None else jnp.int32(window))
+    out, sums = FLASH(q, k, v, pos, query_pos, num_slots, return_probs_sum=True, **blocks,
+                      **scores)  # fmt: skip
+    ref, ref_sums = WRITTEN(q, k, v, pos, query_pos, num_slots, block=64, return_probs_sum=True,
+                            **scores)  # fmt: skip
+    dense, dense_sums = DENSE(q, k, v, pos, query_pos, return_probs_sum=True, **scores)
     assert out.shape == ref.shape and out.dtype == ref.dtype and sums.shape == ref_sums.shape
     out, ref, dense, sums = (np.asarray(x, np.float32) for x in (out, ref, dense, sums))
     assert np.isfinite(out).all() and np.isfinite(sums).all()
-    real = np.asarray(query_pos >= 0)[:, :, None, None]
+    seen = _sees_a_slot(pos, query_pos, num_slots, window, q.shape[2])  # [B, T, Hq]
+    real = seen[..., None]
     (atol, rtol), (sum_atol, sum_rtol) = tol["out"], tol["sums"]
     np.testing.assert_allclose(out * real, ref * real, atol=atol, rtol=rtol)
     np.testing.assert_allclose(out * real, dense * real, atol=atol, rtol=rtol)
     np.testing.assert_allclose(sums, np.asarray(ref_sums), atol=sum_atol, rtol=sum_rtol)
     np.testing.assert_allclose(sums, np.asarray(dense_sums), atol=sum_atol, rtol=sum_rtol)
-    # Each real query's attention sums to one; padding queries add nothing.
-    per_head = np.asarray(query_pos >= 0).sum(-1)[:, None]
-    np.testing.assert_allclose(sums.sum(-1), np.broadcast_to(per_head, sums.shape[:2]), rtol=1e-3)
+    # Each query that sees a slot gives attention summing to one; the others add nothing.
+    np.testing.assert_allclose(sums.sum(-1), seen.sum(1), rtol=1e-3)
     return out, sums
+
+
+def _sees_a_slot(pos, query_pos, num_slots, window, hq):
+    """[B, T, Hq] bool: whether the query sees any slot of its kv head (padding queries, and
+    with a window real ones whose window holds only evicted slots, see none: outputs differ
+    there, zero in the kernel, a mean of values in the XLA paths)."""
+    written = np.asarray(pos)[:, :, : int(num_slots)]
+    mask = visible(written[:, :, None, :], np.asarray(query_pos)[:, None, :, None], window)
+    any_slot = np.asarray(mask).any(-1).transpose(0, 2, 1)  # [B, T, Hkv]
+    return np.repeat(any_slot, hq // any_slot.shape[-1], axis=-1)
 
 
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (8, 2), (8, 1)])  # G = 1, 3, 4, 8
@@ -185,6 +210,62 @@ def test_skip_tables_of_a_causal_prompt():
     np.testing.assert_array_equal(tab.kend, [2])  # the sums kernel loads no tile past it
 
 
+SLIDING = [
+    ScoreSpec(),
+    ScoreSpec(softcap=1.5),  # well inside the scores' range (~N(0, 1)): the cap bends them
+    ScoreSpec(scale=0.4, softcap=3.0),
+    ScoreSpec(scale=0.1),
+]
+
+
+@pytest.mark.parametrize("spec", SLIDING, ids=["plain", "softcap", "scale+softcap", "scale"])
+def test_sliding_windows_softcaps_and_scales(spec):
+    """Windows 1, 5 (inside one 128 tile), 128, 200 (spanning tiles) and 0 (global) on
+    several tiles (T = 300, S = 700, G = 4; row 0 left-padded by 140, row 1 with an evicted
+    key tile on one kv head), and on a later chunk (queries at 400..699 over 700 slots, so
+    the first key tiles are older than every window), with a soft cap and / or a logit
+    scale; probs sums included. The window is traced: one compile serves them all."""
+    q, k, v, pos, query_pos = make_inputs(2, 300, 8, 2, 700)
+    blocks = dict(block_q=128, block_k=128)
+    left_pad(pos, query_pos, 0, 140)
+    pos[1, 1, 120:270] = -1
+    chunk_pos = np.tile(np.arange(700, dtype=np.int32), (2, 2, 1))
+    chunk_pos[0, 0, 500:530] = -1
+    chunk_query_pos = np.tile(np.arange(400, 700, dtype=np.int32), (2, 1))
+    for window in (1, 5, 128, 200, 0):
+        check(q, k, v, pos, query_pos, 300, window=window, spec=spec, **blocks)
+        check(q, k, v, chunk_pos, chunk_query_pos, 700, window=window, spec=spec, **blocks)
+
+
+def test_bf16_gqa_with_a_window():
+    """bf16, D = 128, G = 3, window 37 and a soft cap, padding and evictions, against the XLA
+    paths in bf16."""
+    q, k, v, pos, query_pos = make_inputs(2, 150, 6, 2, 300, jnp.bfloat16, seed=8, d=128)
+    left_pad(pos, query_pos, 1, 20)
+    pos[0, 0, 10:30] = -1
+    check(q, k, v, pos, query_pos, 150, tol=BF16, window=37, spec=ScoreSpec(0.1, 2.0),
+          block_q=128, block_k=128)  # fmt: skip
+
+
+def test_skip_tables_of_a_sliding_window():
+    """T = S = 512 in 128-wide tiles: a window of 128 needs key tiles i - 1..i for query tile
+    i (tile i - 1's last slot is 1 before tile i's first query); a window of 1 only the
+    diagonal; padding queries do not widen a tile's reach."""
+    pos = jnp.tile(jnp.arange(512, dtype=jnp.int32), (1, 2, 1))
+    qpos = jnp.arange(512, dtype=jnp.int32)[None]
+    tab = _skip_tables(pos, qpos, jnp.int32(512), 128, 128, window=128)
+    np.testing.assert_array_equal(tab.kfirst, [0, 0, 1, 2])
+    np.testing.assert_array_equal(tab.klast, [0, 1, 2, 3])
+    np.testing.assert_array_equal(tab.qfirst, [0, 1, 2, 3])
+    np.testing.assert_array_equal(tab.qlast, [1, 2, 3, 3])
+    tab = _skip_tables(pos, qpos, jnp.int32(512), 128, 128, window=1)
+    np.testing.assert_array_equal(tab.kfirst, [0, 1, 2, 3])
+    np.testing.assert_array_equal(tab.qlast, [0, 1, 2, 3])
+    padded = qpos.at[0, 256:383].set(-1)  # query tile 2: padding, then position 383 only
+    tab = _skip_tables(pos, padded, jnp.int32(512), 128, 128, window=128)
+    np.testing.assert_array_equal(tab.kfirst, [0, 0, 2, 2])
+
+
 def test_tiles_must_be_lane_multiples():
     q, k, v, pos, query_pos = make_inputs(1, 8, 2, 2, 16)
     with pytest.raises(ValueError, match="block_k must be a positive multiple of 128"):
@@ -192,8 +273,9 @@ def test_tiles_must_be_lane_multiples():
 
 
 def test_compiles_for_tpu_without_one():
-    """Deviceless AOT: the kernels lower through Mosaic for a v5e chip (interpret=None picks
-    the compiled kernel because the computation is compiled for a TPU)."""
+    """Deviceless AOT: the kernels, with a traced window, a soft cap and a logit scale, lower
+    through Mosaic for a v5e chip (interpret=None picks the compiled kernel because the
+    computation is compiled for a TPU)."""
     # libtpu takes a machine-wide lock file by default, so a second process using it (another
     # test run, a benchmark) would make this one fail; deviceless compiling shares no chip.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -213,8 +295,11 @@ def test_compiles_for_tpu_without_one():
         cache = (b, hkv, s, d)
         args = (spec((b, t, hq, d), jnp.bfloat16), spec(cache, jnp.bfloat16),
                 spec(cache, jnp.bfloat16), spec(cache[:3], jnp.int32), spec((b, t), jnp.int32),
-                spec((), jnp.int32))  # fmt: skip
-        fn = jax.jit(lambda *a: flash_attention(*a, return_probs_sum=True, block_k=256))
+                spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
+        # a traced window (scalar-prefetched), Gemma 2's soft cap and a logit scale
+        spec_of = ScoreSpec(scale=0.0625, softcap=50.0)
+        fn = jax.jit(lambda *a: flash_attention(*a[:6], window=a[6], scores_spec=spec_of,
+                                                return_probs_sum=True, block_k=256))  # fmt: skip
         return fn.lower(*args).compile().as_text()
 
     for d in (128, 64):  # an 8B model's head, and a small model's (not a lane multiple)

@@ -12,7 +12,9 @@ hand-made caches:
 - a masked (uncompacted) cache: left padding, evicted holes, whole evicted key blocks, one
   head with no visible slot at all;
 - GQA groups 1, 3, 4, 8 (T = 1 and T = 3 draft steps), f32 and bf16; the stacked
-  [Lg, B, Hkv, S, D] layout read at layer i equals the plain layer.
+  [Lg, B, Hkv, S, D] layout read at layer i equals the plain layer;
+- sliding windows (traced; smaller than a draft step, inside a block, spanning blocks),
+  soft caps and logit scales, on both caches, the step's own entries included.
 
 Rows that see nothing (padding queries) are zero in the kernel and a mean of values in the
 XLA path: outputs are compared on real rows only.
@@ -37,12 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.runtime.attention import cached_attention
+from dge_jax.runtime.attention import DEFAULT_SCORES, ScoreSpec, cached_attention
 from dge_jax.runtime.flash_decode import block_table, decode_attention
 
 D = 16
-DECODE = jax.jit(decode_attention, static_argnames=("block_k", "slots_minor"))
-DENSE = jax.jit(cached_attention)
+DECODE = jax.jit(decode_attention, static_argnames=("block_k", "slots_minor", "scores_spec"))
+DENSE = jax.jit(cached_attention, static_argnames=("scores_spec",))
 F32 = (2e-5, 0)
 BF16 = (1e-2, 1e-2)
 
@@ -72,17 +74,19 @@ def step_inputs(b, t, hq, hkv, s, dtype, seed=0, d=D):
     return q, k, v, k_new, v_new
 
 
-def check(q, k, v, pos, query_pos, new, new_slot, *, tol=F32, block_k=128):
-    """decode_attention equals cached_attention on the rows whose query is real, reading the
-    cache row-major and slots-minor (the same numbers); returns the kernel's output as f32
-    numpy."""
+def check(q, k, v, pos, query_pos, new, new_slot, *, tol=F32, block_k=128, window=None,
+          spec=DEFAULT_SCORES):  # fmt: skip
+    """decode_attention equals cached_attention (same window, traced when given, and
+    ScoreSpec) on the rows whose query is real, reading the cache row-major and slots-minor
+    (the same numbers); returns the kernel's output as f32 numpy."""
     pos, query_pos, new_slot = jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(new_slot)
+    scores = dict(scores_spec=spec, window=None if window is None else jnp.int32(window))
     out, transposed = (DECODE(q, k, v, pos, query_pos, new=new, new_slot=new_slot,
-                              block_k=block_k, slots_minor=minor)
+                              block_k=block_k, slots_minor=minor, **scores)
                        for minor in (False, True))  # fmt: skip
     np.testing.assert_allclose(np.asarray(transposed, np.float32), np.asarray(out, np.float32),
                                atol=1e-6 if tol is F32 else 1e-2)  # fmt: skip
-    ref, _ = DENSE(q, k, v, pos, query_pos, new=new, new_slot=new_slot)
+    ref, _ = DENSE(q, k, v, pos, query_pos, new=new, new_slot=new_slot, **scores)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
     assert np.isfinite(out).all()
@@ -135,6 +139,50 @@ def test_masked_cache_with_holes_and_padding(hq, hkv):
     pos_new = jnp.asarray(np.broadcast_to(query_pos[:, None, :], (b, hkv, t)))
     out = check(q, k, v, pos, query_pos, (k_new, v_new, pos_new), prompt)
     assert not np.abs(out[0, 0]).any()
+
+
+SPECS = [ScoreSpec(), ScoreSpec(softcap=1.5), ScoreSpec(scale=0.4, softcap=3.0)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["plain", "softcap", "scale+softcap"])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
+def test_sliding_windows_softcaps_and_scales(spec, hq, hkv):
+    """The compacted cache with ragged heads (prompt positions scattered over 0..999, 5
+    decoded tokens) and the masked cache with left padding, evicted holes and an empty head,
+    T = 1 and 3 steps, under windows 2 (under a draft step: its first query sees only its
+    own entries), 40 (inside a block), 300 (spanning blocks), 1000 and 0 (global)."""
+    b, s = 2, 700
+    kept = [[3, 300][:hkv], [256, 128][:hkv]]
+    compact = compacted(kept, 300, 5, s)
+    masked = np.full((b, hkv, s), -1, np.int32)
+    masked[:, :, :600] = np.arange(600) + 405
+    masked[0, :, :20] = -1
+    masked[0, 0, 50:60] = -1
+    masked[1, :, 128:256] = -1
+    masked[1, hkv - 1] = -1
+    for t in (1, 3):
+        q, k, v, k_new, v_new = step_inputs(b, t, hq, hkv, s, jnp.float32, seed=10 + t)
+        query_pos = np.tile(1005 + np.arange(t, dtype=np.int32), (b, 1))
+        if t == 3:
+            query_pos[0, 0] = -1  # padding: sees nothing
+        pos_new = jnp.asarray(np.broadcast_to(query_pos[:, None, :], (b, hkv, t)))
+        new = (k_new, v_new, pos_new)
+        for window in (2, 40, 300, 1000, 0):
+            check(q, k, v, compact, query_pos, new, 305, window=window, spec=spec)
+            check(q, k, v, masked, query_pos, new, 600, window=window, spec=spec)
+
+
+def test_the_block_table_drops_blocks_older_than_the_window():
+    """Blocks of 4 slots: with queries at 11 and 12 and a window of 4, only slots at 8..12
+    are visible to some query (11 - pos < 4 for the earliest); a padding query (-1) does not
+    widen the reach; window 0 is global."""
+    pos = np.arange(20, dtype=np.int32).reshape(1, 1, 20)
+    query_pos = np.array([[-1, 11, 12]], np.int32)
+    blocks, counts = block_table(jnp.asarray(pos), jnp.asarray(query_pos), 4, jnp.int32(4))
+    np.testing.assert_array_equal(counts, [[2]])
+    np.testing.assert_array_equal(blocks, [[[2, 3, 3, 3, 3]]])
+    blocks, counts = block_table(jnp.asarray(pos), jnp.asarray(query_pos), 4, jnp.int32(0))
+    np.testing.assert_array_equal(counts, [[4]])
 
 
 def test_the_stacked_layout_reads_its_layer_in_place():
@@ -208,6 +256,11 @@ def test_the_kernel_compiles_for_tpu_without_one(tpu_devices):
         return decode_attention(q, k, v, pos, qpos, new=new, new_slot=new_slot, layer=layer,
                                 slots_minor=minor)  # fmt: skip
 
+    def sliding(q, k, v, pos, qpos, new, new_slot, layer, minor, window):
+        return decode_attention(q, k, v, pos, qpos, new=new, new_slot=new_slot, layer=layer,
+                                slots_minor=minor, window=window,
+                                scores_spec=ScoreSpec(scale=0.0625, softcap=50.0))  # fmt: skip
+
     cases = ((24, 8, 1, 64, True), (24, 8, 1, 64, False), (8, 1, 3, 128, False))
     for hq, hkv, t, d, minor in cases:
         b, s, lg = 2, 1000, 3
@@ -217,6 +270,10 @@ def test_the_kernel_compiles_for_tpu_without_one(tpu_devices):
                 spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
         hlo = jax.jit(step, static_argnums=8).lower(*args, minor).compile().as_text()
         assert hlo.count('custom_call_target="tpu_custom_call"') == 1, (hq, hkv, t, d, minor)
+        # a traced window (scalar-prefetched), a soft cap and a logit scale
+        window = spec((), jnp.int32)
+        hlo = jax.jit(sliding, static_argnums=8).lower(*args, minor, window).compile().as_text()
+        assert hlo.count('custom_call_target="tpu_custom_call"') == 1, ("window", hq, d, minor)
 
 
 def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):

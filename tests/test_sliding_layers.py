@@ -161,3 +161,21 @@ def test_every_rule_keeps_the_window_and_the_budget(gemma3, tmp_path):
             sliding, global_ = result.kept[row]
             assert all(h == list(range(next_pos - 7, next_pos)) for h in sliding), name
             assert [len(h) for h in global_] == [budget] * len(global_), name
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_pallas_gives_the_xla_tokens_on_sliding_layers(checkpoint, name):
+    """The Pallas kernels (prefill flash with its probs sums, decode) take the layers' windows
+    (traced: one compile for the scanned group) and Gemma's logit scale (and Gemma 2's soft
+    cap): FullKV, a DGE(2)-SnapKV eviction and a prefill H2O eviction (the probs-sums kernel)
+    give attention='xla''s tokens and kept sets."""
+    model = dge_jax.load(checkpoint(name))
+    prompts = _prompts(model.config.vocab_size)
+    cells = [None, Eviction(SnapKV(window=4), budget=12, timing=dge(2)),
+             Eviction(H2O(window=4), budget=12, timing=prefill())]  # fmt: skip
+    xla, pallas = (dge_jax.generate_grid(model, prompts, cells, max_new_tokens=NEW, chunk=16,
+                                         attention=a)
+                   for a in ("xla", "pallas"))  # fmt: skip
+    for cell, want, got in zip(cells, xla, pallas, strict=True):
+        assert got.tokens == want.tokens, cell
+        assert got.kept == want.kept, cell

@@ -24,15 +24,23 @@ layer at 8k compiled for v5e holds 65 MiB of temporaries this way). Reading q in
 layouts make the [B, T, Hq, D] <-> [B, T, Hq * D] reshapes copies.
 
 Masking is by position only: slot s is visible to row r iff 0 <= slot_pos[s] <= the row's
-query position and s < num_slots. Left padding (query or slot position -1), evicted slots
-(-1 anywhere) and causality all follow from that one rule, with no index arithmetic.
+query position and s < num_slots, and on a sliding layer (window > 0) query position -
+slot_pos[s] < window (`attention.visible`). Left padding (query or slot position -1),
+evicted slots (-1 anywhere), causality and the window all follow from that one rule, with no
+index arithmetic. The window is a traced scalar, scalar-prefetched with the layer index, so
+one compilation serves every layer of a scanned group, sliding or global. Scores are q
+scaled in q's dtype (by `ScoreSpec.scale_for(D)`) times k, in f32, soft-capped when the
+model caps them, then masked: `written_slot_attention`'s order.
 
 Skipping. A key tile whose smallest visible position exceeds a row tile's largest query
 position can be seen by no row of it (the upper causal triangle, left padding, unwritten
-slots past num_slots): the kernel skips its compute with `pl.when`, and the index maps clamp
-its block index to the nearest needed tile so its DMA is not issued either (Pallas skips the
-copy when a block index repeats). The tables behind this are scalar-prefetched (SMEM), per
-batch row (min over kv heads: conservative, so exact whatever the heads hold).
+slots past num_slots), nor, with a window, one whose largest position is window or more
+below the row tile's smallest real query position (older than every row's window: a sliding
+layer's prefill then computes O(T * window) tiles, not O(T^2)): the kernel skips its compute
+with `pl.when`, and the index maps clamp its block index into the range of needed tiles so
+its DMA is not issued either (Pallas skips the copy when a block index repeats). The tables
+behind this are scalar-prefetched (SMEM), per batch row (min / max over kv heads:
+conservative, so exact whatever the heads hold).
 
 Rows that see no slot at all (padding queries) get a zero output and a log-sum-exp of
 -1e30; `written_slot_attention` gives them a finite mean of values instead. Both are finite
@@ -48,43 +56,27 @@ f32 score tiles in HBM per step and could not skip causal tiles.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dge_jax.runtime.attention import _MASKED
-
-_LANES = 128  # TPU vector lane count: tile sizes are multiples of it
-_NEVER = jnp.iinfo(jnp.int32).max  # a key tile's smallest visible position when it has none
-_NT = (((1,), (1,)), ((), ()))  # dot_general numbers of A @ B^T (contract both last dims)
-
-
-class _Tables(NamedTuple):
-    """The scalar-prefetched tables (jax arrays in the wrapper, SMEM refs in kernels).
-
-    layer [1] (the stacked cache's layer the k / v index maps read); num_slots [1]; per batch
-    row b: kmin [B * nk] (key tile j's smallest visible position),
-    qmax [B * nq] (query tile i's largest position), kfirst / klast [B * nq] (query tile i's
-    first / last needed key tile), qfirst / qlast [B * nk] (key tile j's first / last needed
-    query tile), kend [B] (the last key tile any query tile needs). Key tile j is needed by
-    query tile i iff kmin[j] <= qmax[i].
-    """
-
-    layer: jax.Array
-    num_slots: jax.Array
-    kmin: jax.Array
-    qmax: jax.Array
-    kfirst: jax.Array
-    klast: jax.Array
-    qfirst: jax.Array
-    qlast: jax.Array
-    kend: jax.Array
-
-
-_NUM_TABLES = len(_Tables._fields)
+from dge_jax.runtime.attention import _MASKED, DEFAULT_SCORES, ScoreSpec
+from dge_jax.runtime.flash_tiles import (
+    _NT,
+    _NUM_TABLES,
+    _clamp,
+    _column,
+    _Dims,
+    _head_and_tile,
+    _row,
+    _skip_tables,
+    _Tables,
+    _tile,
+    _tile_needed,
+    _visible,
+)
 
 
 def flash_attention(
@@ -96,6 +88,8 @@ def flash_attention(
     num_slots: jax.Array | int,
     *,
     layer: jax.Array | int | None = None,
+    window: jax.Array | int | None = None,
+    scores_spec: ScoreSpec = DEFAULT_SCORES,
     return_probs_sum: bool = False,
     block_q: int = 512,
     block_k: int = 512,
@@ -106,9 +100,10 @@ def flash_attention(
     q: [B, T, Hq, D]; k, v: [B, Hkv, S, D] and slot_pos: [B, Hkv, S], or with layer= the
     stacked k, v [Lg, B, Hkv, S, D] and slot_pos [Lg, B, Hkv, S] of which layer `layer` (an
     int32, may be traced) is read in place; query_pos: [B, T]; num_slots: slots at or past it
-    are never read. out: [B, T, Hq, D] in v's dtype; probs
-    sum: [B, Hq, S] f32 summed over the T queries, padding queries contributing 0. block_q /
-    block_k: row and key tile sizes (multiples of 128; shrunk to the padded T / S when
+    are never read; window: the layer's sliding window (an int32, may be traced; 0 or None:
+    global); scores_spec: the logits' scale and soft cap (static). out: [B, T, Hq, D] in v's
+    dtype; probs sum: [B, Hq, S] f32 summed over the T queries, padding queries contributing
+    0. block_q / block_k: row and key tile sizes (multiples of 128; shrunk to the padded T / S when
     larger). interpret: None runs Mosaic when compiled for TPU and interpret mode on any
     other platform (decided at lowering, from where the computation is compiled); True /
     False force it.
@@ -123,13 +118,15 @@ def flash_attention(
     slot_pos = jax.lax.dynamic_index_in_dim(slot_pos, layer, keepdims=False)
     bq, t_pad = _tile(t, block_q, "block_q")
     bk, s_pad = _tile(s_len, block_k, "block_k")
-    dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len)
+    dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len,
+                 softcap=scores_spec.softcap)  # fmt: skip
     qpos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
     spos = jnp.pad(
         slot_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1
     )
-    tables = _skip_tables(spos, qpos, jnp.asarray(num_slots, jnp.int32), bq, bk, layer)
-    rows = _rows_in(q, hkv, dims)
+    window = jnp.asarray(0 if window is None else window, jnp.int32)
+    tables = _skip_tables(spos, qpos, jnp.asarray(num_slots, jnp.int32), bq, bk, layer, window)
+    rows = _rows_in(q, hkv, dims, scores_spec.scale_for(d))
     # [B, 1, L] layouts: a tile's positions are a legal (1, tile) block, lanes along L.
     qpos, spos = qpos[:, None, :], spos[:, :, None, :]
 
@@ -152,30 +149,11 @@ def flash_attention(
     return out, results[1].reshape(b, hq, s_pad)[:, :, :s_len]
 
 
-def _tile(n: int, block: int, name: str) -> tuple[int, int]:
-    """(tile, padded length): `block` shrunk to n rounded up to 128 when n is smaller."""
-    if block <= 0 or block % _LANES:
-        raise ValueError(f"{name} must be a positive multiple of {_LANES}, got {block}")
-    tile = min(block, -(-n // _LANES) * _LANES)
-    return tile, -(-n // tile) * tile
-
-
-class _Dims(NamedTuple):
-    """Static sizes: G query heads per kv head, nq / nk query / key tiles of bq / bk, S."""
-
-    g: int
-    nq: int
-    nk: int
-    bq: int
-    bk: int
-    s_len: int
-
-
-def _rows_in(q: jax.Array, hkv: int, dims: _Dims) -> jax.Array:
+def _rows_in(q: jax.Array, hkv: int, dims: _Dims, scale: float) -> jax.Array:
     """q [B, T, Hq, D] -> [B, Hkv, G * T', D], row g * T' + t = query head g's query t, scaled
-    by D^-1/2 in q's dtype before the product as written_slot_attention does (same rounding)."""
+    by `scale` in q's dtype before the product as written_slot_attention does (same rounding)."""
     b, t, hq, d = q.shape
-    q = q * jnp.asarray(d**-0.5, q.dtype)
+    q = q * jnp.asarray(scale, q.dtype)
     qg = q.reshape(b, t, hkv, dims.g, d).transpose(0, 2, 3, 1, 4)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, dims.nq * dims.bq - t), (0, 0)))
     return qg.reshape(b, hkv, dims.g * dims.nq * dims.bq, d)
@@ -200,60 +178,6 @@ def _rows_spec(dims: _Dims, d: int, tile_of) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, dims.bq, d), index)
 
 
-def _skip_tables(
-    spos: jax.Array, qpos: jax.Array, num_slots: jax.Array, bq: int, bk: int,
-    layer: jax.Array | int = 0,
-) -> _Tables:
-    """The tables (see `_Tables`) from padded slot [B, Hkv, S'] and query [B, T'] positions
-    (the layer's) and the stacked cache's layer index.
-
-    A tile pair nothing in common is skipped; a query tile needing no key tile (all padding)
-    gets kfirst = nk - 1, klast = 0, so its clamped index min(max(j, kfirst), klast) is 0 for
-    every j: one DMA, no compute (and likewise for key tiles no query tile needs).
-    """
-    b, _, s_pad = spos.shape
-    nk, nq = s_pad // bk, qpos.shape[1] // bq
-    readable = (spos >= 0) & (jnp.arange(s_pad) < num_slots)
-    kmin = jnp.where(readable, spos, _NEVER).reshape(b, -1, nk, bk).min(axis=(1, 3))  # [B, nk]
-    qmax = qpos.reshape(b, nq, bq).max(axis=2)  # [B, nq]
-    needed = kmin[:, None, :] <= qmax[:, :, None]  # [B, nq, nk]
-    kj, qi = jnp.arange(nk), jnp.arange(nq)[:, None]
-    kfirst = jnp.min(jnp.where(needed, kj, nk - 1), axis=2)
-    klast = jnp.max(jnp.where(needed, kj, 0), axis=2)
-    qfirst = jnp.min(jnp.where(needed, qi, nq - 1), axis=1)
-    qlast = jnp.max(jnp.where(needed, qi, 0), axis=1)
-    kend = klast.max(axis=1)  # every key tile past it is unwritten or seen by no query
-    tables = (kmin, qmax, kfirst, klast, qfirst, qlast, kend)
-    flat = [x.reshape(-1).astype(jnp.int32) for x in tables]
-    return _Tables(jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
-                   jnp.reshape(num_slots, (1,)), *flat)  # fmt: skip
-
-
-def _column(row: jax.Array) -> jax.Array:
-    """[1, n] -> [n, 1] (through a lane-wide transpose, the form Mosaic lowers)."""
-    return jnp.broadcast_to(row, (_LANES, row.shape[1])).T[:, :1]
-
-
-def _row(col: jax.Array) -> jax.Array:
-    """[n, 1] -> [1, n] (the inverse of `_column`)."""
-    return jnp.broadcast_to(col, (col.shape[0], _LANES)).T[:1, :]
-
-
-def _head_and_tile(i: jax.Array, nq: int) -> tuple[jax.Array, jax.Array]:
-    """Row tile i -> (query head i // nq, query tile i % nq) of its kv head's group.
-
-    Truncating lax.div / lax.rem (grid indices are >= 0): jnp's floor division lowers
-    through `sign`, whose Mosaic rule asks the local device for its TPU generation and so
-    fails when compiling for a TPU from a machine without one.
-    """
-    return jax.lax.div(i, nq), jax.lax.rem(i, nq)
-
-
-def _clamp(i: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:
-    """Block index i moved into [first, last]: a skipped tile reuses a needed one's DMA."""
-    return jnp.minimum(jnp.maximum(i, first), last)
-
-
 def _forward_kernel(*refs, dims: _Dims) -> None:
     """One (batch, kv head, row tile, key tile) step of the online softmax.
 
@@ -273,13 +197,13 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
         rowpos_ref[...] = _column(qpos_ref[...])
 
-    @pl.when(tab.kmin[b * dims.nk + j] <= tab.qmax[b * dims.nq + qi])
+    @pl.when(_tile_needed(tab, b, qi, j, dims))
     def _step():
         s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
         slot = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (1, dims.bk), 1)
         sp = spos_ref[...]  # [1, bk] against the rows' positions [bq, 1]
-        visible = (sp >= 0) & (sp <= rowpos_ref[...]) & (slot < tab.num_slots[0])
-        s = jnp.where(visible, s, _MASKED)  # also drops NaN read past S in the last tile
+        visible = _visible(sp, rowpos_ref[...], tab.window[0]) & (slot < tab.num_slots[0])
+        s = jnp.where(visible, dims.cap(s), _MASKED)  # also drops NaN read past S in the last tile
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         # Zero, not exp(0) = 1, where masked: a row that saw nothing keeps l = 0 and acc = 0.
@@ -395,15 +319,13 @@ def _sums_kernel(*refs, dims: _Dims) -> None:
         colpos_ref[...] = _column(jnp.where(slot < tab.num_slots[0], spos_ref[...], -1))
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(tab.kmin[b * dims.nk + j] <= tab.qmax[b * dims.nq + qi])
+    @pl.when(_tile_needed(tab, b, qi, j, dims))
     def _step():
-        st = jax.lax.dot_general(
-            k_ref[...], q_ref[...], _NT, preferred_element_type=jnp.float32
-        )
-        cp = colpos_ref[...]  # [bk, 1] against the rows' positions [1, bq]
-        visible = (cp >= 0) & (cp <= qpos_ref[...])
+        st = jax.lax.dot_general(k_ref[...], q_ref[...], _NT, preferred_element_type=jnp.float32)
+        # [bk, 1] slot positions against the rows' positions [1, bq]
+        visible = _visible(colpos_ref[...], qpos_ref[...], tab.window[0])
         # A row that sees nothing has lse = -1e30 and no visible entry: the where keeps it 0.
-        p = jnp.where(visible, jnp.exp(st - lse_ref[...]), 0.0)
+        p = jnp.where(visible, jnp.exp(dims.cap(st) - lse_ref[...]), 0.0)
         acc_ref[head] += p.sum(axis=1, keepdims=True)
 
     @pl.when(i == dims.g * dims.nq - 1)

@@ -16,11 +16,15 @@ the rows of one tile (`attention._group_queries`'s order, padded to a multiple o
 rows at position -1), resident across the steps. A block table, computed in XLA outside the
 kernel from the slot positions (4 bytes a slot, against 2 * D * itemsize for k and v), lists
 per (row, kv head) the key blocks holding at least one slot with 0 <= pos <= the row's
-largest query position, in order, with their count; it is scalar-prefetched (SMEM). Step j
+largest query position (and, on a sliding layer, inside the window of its smallest real
+query position), in order, with their count; it is scalar-prefetched (SMEM). Step j
 loads the j-th listed block; steps past the count repeat the last listed block index, so
 Pallas issues no DMA for them, and `pl.when` skips their compute. An empty head repeats
 block 0 and computes nothing. The online softmax is f32 across the listed blocks; scores are
-scaled by D^-1/2 in f32 after the product, as `cached_attention` does.
+scaled (`ScoreSpec.scale_for(D)`) in f32 after the product, as `cached_attention` does,
+soft-capped when the model caps them, then masked by `attention.visible`'s rule with the
+layer's window: a traced scalar, scalar-prefetched with the layer index, so one compilation
+serves every layer of a scanned group.
 
 The stacked cache. A decode loop holds a layer group's cache as [Lg, B, Hkv, S, D] and
 layer i inside a scan is a slice of it. Passed to a custom call, that slice would be
@@ -61,8 +65,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dge_jax.runtime.attention import _MASKED, _group_queries
-from dge_jax.runtime.flash import _LANES, _NT, _tile
+from dge_jax.runtime.attention import _MASKED, DEFAULT_SCORES, ScoreSpec, _group_queries
+from dge_jax.runtime.flash_tiles import _LANES, _NT, _tile, _visible
 
 _SUBLANES = 8  # rows of a tile are padded to a multiple of it
 
@@ -77,6 +81,8 @@ def decode_attention(
     new: tuple[jax.Array, jax.Array, jax.Array] | None = None,
     new_slot: jax.Array | int = 0,
     layer: jax.Array | int | None = None,
+    window: jax.Array | int | None = None,
+    scores_spec: ScoreSpec = DEFAULT_SCORES,
     slots_minor: bool = False,
     block_k: int = 512,
     interpret: bool | None = None,
@@ -86,7 +92,9 @@ def decode_attention(
 
     q: [B, T, Hq, D]; k, v: [B, Hkv, S, D], or with layer= the stacked [Lg, B, Hkv, S, D] of
     which layer `layer` is read in place; slot_pos: [B, Hkv, S] (that layer's); query_pos:
-    [B, T]; new / new_slot: as in `cached_attention`; slots_minor: read k and v through
+    [B, T]; new / new_slot: as in `cached_attention`; window: the layer's sliding window (an
+    int32, may be traced; 0 or None: global); scores_spec: the logits' scale and soft cap
+    (static); slots_minor: read k and v through
     their [.., D, S] view (module docstring; same results). block_k: keys per block (a multiple of
     128, shrunk to S rounded up to 128 when larger). interpret: None runs Mosaic when
     compiled for TPU and interpret mode elsewhere; True / False force it.
@@ -104,15 +112,17 @@ def decode_attention(
         slots = jnp.arange(s_len)
         spos = jnp.where((slots >= new_slot) & (slots < new_slot + new[0].shape[2]), -1, spos)
     spos = jnp.pad(spos, ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1)
-    blocks, counts = block_table(spos, query_pos, bk)
+    window = jnp.asarray(0 if window is None else window, jnp.int32)
+    blocks, counts = block_table(spos, query_pos, bk, window)
     qg = jnp.pad(_group_queries(q, hkv), ((0, 0), (0, 0), (0, r_pad - rows), (0, 0)))
     row_pos = jnp.pad(jnp.tile(query_pos.astype(jnp.int32), (1, g)), ((0, 0), (0, r_pad - rows)),
                       constant_values=-1)  # fmt: skip
     # Lane-wide copies of the rows' positions: a [rows, 1] column is then a lane slice.
     row_pos = jnp.broadcast_to(row_pos[:, :, None], (b, r_pad, _LANES))
-    tables = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+    tables = (jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), jnp.reshape(window, (1,)),
               blocks.reshape(-1), counts.reshape(-1))  # fmt: skip
-    call = _decode_call(bk=bk, s_len=s_len, scale=d**-0.5, slots_minor=slots_minor)
+    scores_spec = ScoreSpec(scores_spec.scale_for(d), scores_spec.softcap)
+    call = _decode_call(bk=bk, s_len=s_len, scores_spec=scores_spec, slots_minor=slots_minor)
     if slots_minor:
         k, v = jnp.swapaxes(k, -1, -2), jnp.swapaxes(v, -1, -2)
     args = (*tables, row_pos, qg, k, v, spos[:, :, None, :])
@@ -124,22 +134,25 @@ def decode_attention(
         out, lse = call(interpret, *args)
     out, lse = out[:, :, :rows], lse[:, :, :rows, 0]
     if new is not None:
-        out = _fold_new(out, lse, qg[:, :, :rows], new, row_pos[:, :rows, 0], d**-0.5)
+        out = _fold_new(out, lse, qg[:, :, :rows], new, row_pos[:, :rows, 0], window, scores_spec)
     out = out.astype(v.dtype).reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
     return out.reshape(b, t, hq, d)
 
 
 def block_table(
-    slot_pos: jax.Array, query_pos: jax.Array, block: int
+    slot_pos: jax.Array, query_pos: jax.Array, block: int, window: jax.Array | int = 0
 ) -> tuple[jax.Array, jax.Array]:
     """(blocks [B, Hkv, nk], counts [B, Hkv]) int32 from slot positions [B, Hkv, nk * block]
     and query positions [B, T]: per (row, kv head) the key blocks holding a slot visible to
-    some query of the row (0 <= pos <= the row's largest query position), in order, then the
-    last listed one repeated (0 when none is listed), and how many are listed."""
+    some query of the row (0 <= pos <= the row's largest query position and, with a window >
+    0, its smallest real query position - pos < window), in order, then the last listed one
+    repeated (0 when none is listed), and how many are listed."""
     b, hkv, s_pad = slot_pos.shape
     nk = s_pad // block
     latest = query_pos.max(axis=1)[:, None, None]
+    earliest = jnp.where(query_pos >= 0, query_pos, latest[:, :, 0]).min(axis=1)[:, None, None]
     visible = (slot_pos >= 0) & (slot_pos <= latest)
+    visible &= (window <= 0) | (earliest - slot_pos < window)
     needed = visible.reshape(b, hkv, nk, block).any(axis=-1)
     counts = needed.sum(axis=-1, dtype=jnp.int32)
     kj = jnp.arange(nk, dtype=jnp.int32)
@@ -148,19 +161,19 @@ def block_table(
     return jnp.take_along_axis(listed, jnp.minimum(kj, last), axis=-1), counts
 
 
-def _fold_new(out, lse, qg, new, row_pos, scale):
+def _fold_new(out, lse, qg, new, row_pos, window, scores_spec):
     """The cache's normalised output [B, Hkv, R, D] f32 and log-sum-exp [B, Hkv, R] joined
-    with the step's own entries (k, v [B, Hkv, T, D], pos [B, Hkv, T]) in one softmax.
+    with the step's own entries (k, v [B, Hkv, T, D], pos [B, Hkv, T]) in one softmax, their
+    scores scaled, capped and masked (window) as the kernel's.
 
     With m the joint max, the cache's part weighs exp(lse - m) (its normaliser) and each new
     entry exp(s - m). A row that saw no slot has lse = -1e30 (weight 0 once m is a real
     score); a row that sees nothing at all keeps the cache's zero output (weight 1, m = lse).
     """
     k_new, v_new, pos_new = new
-    s = jnp.einsum("bkrd,bktd->bkrt", qg, k_new, preferred_element_type=jnp.float32) * scale
-    sp = pos_new[:, :, None, :]
-    visible = (sp >= 0) & (sp <= row_pos[:, None, :, None])
-    s = jnp.where(visible, s, _MASKED)
+    s = jnp.einsum("bkrd,bktd->bkrt", qg, k_new, preferred_element_type=jnp.float32)
+    visible = _visible(pos_new[:, :, None, :], row_pos[:, None, :, None], window)
+    s = jnp.where(visible, scores_spec.cap(s * scores_spec.scale), _MASKED)
     m = jnp.maximum(lse, s.max(axis=-1))
     cached = jnp.exp(lse - m)
     p = jnp.where(visible, jnp.exp(s - m[..., None]), 0.0)
@@ -170,9 +183,9 @@ def _fold_new(out, lse, qg, new, row_pos, scale):
     return (out * cached[..., None] + pv) / norm[..., None]
 
 
-def _decode_kernel(layer_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref, v_ref, spos_ref,
-                   out_ref, lse_ref, m_ref, l_ref, acc_ref, *, nk, bk, s_len, scale,
-                   slots_minor):  # fmt: skip
+def _decode_kernel(layer_ref, window_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref,
+                   v_ref, spos_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref, *, nk, bk, s_len,
+                   scores_spec, slots_minor):  # fmt: skip
     """One (batch, kv head, step) of the online softmax over the listed key blocks.
 
     Scratch: running max m [R, 1], normaliser l [R, 1], unnormalised output acc [R, D] (f32).
@@ -195,10 +208,10 @@ def _decode_kernel(layer_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref, 
             s = jax.lax.dot_general(
                 q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32
             )
-        s = s * scale
-        sp = spos_ref[...]  # [1, bk] against the rows' positions [R, 1]
-        visible = (sp >= 0) & (sp <= rowpos_ref[:, :1])
-        s = jnp.where(visible, s, _MASKED)  # also drops NaN read past S in the last block
+        # [1, bk] slot positions against the rows' positions [R, 1]
+        visible = _visible(spos_ref[...], rowpos_ref[:, :1], window_ref[0])
+        # The where also drops NaN read past S in the last block.
+        s = jnp.where(visible, scores_spec.cap(s * scores_spec.scale), _MASKED)
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
@@ -228,31 +241,31 @@ def _decode_kernel(layer_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref, 
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
-def _decode_call(*, bk: int, s_len: int, scale: float, slots_minor: bool):
-    """The pallas_call: (interpret, layer [1], blocks [B*Hkv*nk], counts [B*Hkv], row
+def _decode_call(*, bk: int, s_len: int, scores_spec: ScoreSpec, slots_minor: bool):
+    """The pallas_call: (interpret, layer [1], window [1], blocks [B*Hkv*nk], counts [B*Hkv], row
     positions [B, R, 128], q rows [B, Hkv, R, D], k, v [Lg, B, Hkv, S, D] (slots_minor:
     [Lg, B, Hkv, D, S]), slot positions
     [B, Hkv, 1, nk * bk]) -> (out [B, Hkv, R, D] f32, lse [B, Hkv, R, 128] f32)."""
 
-    def call(interpret, layer, blocks, counts, row_pos, q_rows, k, v, spos):
+    def call(interpret, layer, window, blocks, counts, row_pos, q_rows, k, v, spos):
         _, b, hkv = k.shape[:3]
         d = q_rows.shape[-1]
         kv_block = (None, None, None, d, bk) if slots_minor else (None, None, None, bk, d)
         r_pad = q_rows.shape[2]
         nk = spos.shape[-1] // bk
 
-        def kv_map(bi, h, j, layer_ref, blocks_ref, counts_ref):
+        def kv_map(bi, h, j, layer_ref, window_ref, blocks_ref, counts_ref):
             block = blocks_ref[(bi * hkv + h) * nk + j]
             return (layer_ref[0], bi, h) + ((0, block) if slots_minor else (block, 0))
 
-        def spos_map(bi, h, j, layer_ref, blocks_ref, counts_ref):
+        def spos_map(bi, h, j, layer_ref, window_ref, blocks_ref, counts_ref):
             return bi, h, 0, blocks_ref[(bi * hkv + h) * nk + j]
 
         def rows_map(bi, h, j, *_):
             return bi, h, 0, 0
 
         grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(b, hkv, nk),
             in_specs=[
                 pl.BlockSpec((None, r_pad, _LANES), lambda bi, h, j, *_: (bi, 0, 0)),
@@ -273,8 +286,8 @@ def _decode_call(*, bk: int, s_len: int, scale: float, slots_minor: bool):
         )
         flops = 4 * b * hkv * r_pad * nk * bk * d  # dense bound: skipped blocks not counted off
         layer_bytes = 2 * b * hkv * s_len * d * k.dtype.itemsize
-        kernel = functools.partial(_decode_kernel, nk=nk, bk=bk, s_len=s_len, scale=scale,
-                                   slots_minor=slots_minor)  # fmt: skip
+        kernel = functools.partial(_decode_kernel, nk=nk, bk=bk, s_len=s_len,
+                                   scores_spec=scores_spec, slots_minor=slots_minor)  # fmt: skip
         return pl.pallas_call(
             kernel,
             grid_spec=grid_spec,
@@ -289,6 +302,6 @@ def _decode_call(*, bk: int, s_len: int, scale: float, slots_minor: bool):
                 flops=flops, transcendentals=flops // (4 * d), bytes_accessed=layer_bytes
             ),
             interpret=interpret,
-        )(layer, blocks, counts, row_pos, q_rows, k, v, spos)
+        )(layer, window, blocks, counts, row_pos, q_rows, k, v, spos)
 
     return call

@@ -53,8 +53,8 @@ def cache_layer_attention(
     [B, T, Hq, D], per-slot attention sums [B, Hq, S] or None, k_all, v_all, pos_all).
     attention: the prefill implementation (`platform.ATTENTION`; "auto": the platform's).
     window: layer i's sliding window (traced; 0 = global), None when no layer of the model
-    slides; scores_spec: the model's logit scale and soft cap (`kernel_backend` says which
-    kernels take them).
+    slides; scores_spec: the model's logit scale and soft cap (every kernel takes them but
+    cuDNN's, which takes no soft cap: `kernel_backend`).
 
     key_block > 0 (a prefill chunk of that many tokens): the entries are written first and
     the chunk attends over the written slots [0, slot + T) (`prefill_attention`).
@@ -95,24 +95,16 @@ def cache_layer_attention(
 def kernel_backend(
     backend: Backend, attention: str, window: jax.Array | None, scores_spec: ScoreSpec
 ) -> Backend:
-    """`backend`, unless its kernel cannot run this model's attention: the Pallas kernels
-    take neither sliding windows nor soft caps (nor a logit scale other than head_dim ** -0.5)
-    and cuDNN's takes no soft cap. Asked for by name, such a kernel is a ValueError saying
-    what to use; chosen by "auto", the XLA path runs instead (it is exact for all of them)."""
-    kernel = backend.attention
-    refused = []
-    if kernel == "pallas":
-        refused = [what for what, used in (("sliding windows", window is not None),
-                                           ("soft-capped logits", scores_spec.softcap),
-                                           ("a logit scale", scores_spec.scale is not None))
-                   if used]  # fmt: skip
-    elif kernel == "cudnn" and scores_spec.softcap:
-        refused = ["soft-capped logits"]
-    if not refused:
+    """`backend`, unless its kernel cannot run this model's attention: cuDNN's takes no soft
+    cap (the Pallas kernels and the XLA path take sliding windows, soft caps and any logit
+    scale). Asked for by name, such a kernel is a ValueError saying what to use; chosen by
+    "auto", the XLA path runs instead (it is exact for all of them)."""
+    del window  # every kernel takes sliding windows
+    if backend.attention != "cudnn" or not scores_spec.softcap:
         return backend
     if attention != "auto":
         raise ValueError(
-            f"attention={attention!r} does not take this model's {' and '.join(refused)}: use "
+            f"attention={attention!r} does not take this model's soft-capped logits: use "
             "attention='xla' (or 'auto', which picks it for such models)"
         )
     return platform.current("xla")
@@ -137,11 +129,14 @@ def decode_step_attention(
     (slot_pos: layer i's [B, Hkv, S]), with the step's entries `new` beside the cache.
 
     "pallas" without probs sums: `flash_decode.decode_attention` on the stacked buffers (the
-    layer picked by its index maps, so no slice of the cache is materialised), in a
-    shard_map under a mesh. Everything else, and steps that record probs sums (H2O's draft
-    and decode-time steps; the kernel computes none), run the XLA path."""
+    layer picked by its index maps, so no slice of the cache is materialised; the window
+    scalar-prefetched likewise), in a shard_map under a mesh. Everything else, and steps that
+    record probs sums (H2O's draft and decode-time steps; the kernel computes none), run the
+    XLA path."""
     if backend.attention == "pallas" and not return_probs_sum:
-        return _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot), None
+        out = _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot, window,
+                              scores_spec)  # fmt: skip
+        return out, None
     rows = q.shape[2] // k_all.shape[2] * q.shape[1]  # query rows per kv head
     return cached_attention(
         q, k_all[i], v_all[i], slot_pos, query_pos, return_probs_sum=return_probs_sum,
@@ -150,31 +145,34 @@ def decode_step_attention(
     )  # fmt: skip
 
 
-def _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot):
-    """`decode_attention` of layer i; under a (data, model) mesh one call per device on its
-    own rows and kv heads, as `_sharded_flash` (imported here for the same reason). A head
+def _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot, window,
+                    scores_spec):  # fmt: skip
+    """`decode_attention` of layer i (its window: a replicated scalar, 0 when None); under a
+    (data, model) mesh one call per device on its own rows and kv heads, as `_sharded_flash`
+    (imported here for the same reason). A head
     under 128 reads the cache slots-minor, the layout the TPU gives such a cache (see
     `flash_decode`), so the kernel's reads need no layout copy of it."""
     from dge_jax.runtime.flash_decode import decode_attention
 
     slots_minor = k_all.shape[-1] < 128
 
-    def fn(q, k_all, v_all, slot_pos, query_pos, k_new, v_new, pos_new, new_slot, i):
+    def fn(q, k_all, v_all, slot_pos, query_pos, k_new, v_new, pos_new, new_slot, i, window):
         new = (k_new, v_new, pos_new)
         return decode_attention(
             q, k_all, v_all, slot_pos, query_pos, new=new, new_slot=new_slot, layer=i,
-            slots_minor=slots_minor,
+            window=window, scores_spec=scores_spec, slots_minor=slots_minor,
         )  # fmt: skip
 
     args = (q, k_all, v_all, slot_pos, query_pos, *new, jnp.asarray(new_slot, jnp.int32),
-            jnp.asarray(i, jnp.int32))  # fmt: skip
+            jnp.asarray(i, jnp.int32), _window(window))  # fmt: skip
     specs = attention_specs(q.shape[0], k_all.shape[2])
     if specs is None:
         return fn(*args)
     rows, keys, slots, qpos, _ = specs
     stacked, scalar = jax.sharding.PartitionSpec(None, *keys), jax.sharding.PartitionSpec()
     return jax.shard_map(
-        fn, in_specs=(rows, stacked, stacked, slots, qpos, keys, keys, slots, scalar, scalar),
+        fn, in_specs=(rows, stacked, stacked, slots, qpos, keys, keys, slots, scalar, scalar,
+                      scalar),
         out_specs=rows, check_vma=False,
     )(*args)  # fmt: skip
 
@@ -200,9 +198,10 @@ def prefill_attention(
     "xla": `written_slot_attention` in key blocks of `block`. "pallas": `flash_attention`
     (Mosaic on TPU, interpret mode elsewhere) on the stacked buffers, its index maps picking
     layer i, so no slice of the layer's capacity is materialised (under a layer scan it would
-    be a copy per chunk and layer); under a mesh inside a shard_map over rows and kv heads
-    (`_sharded_flash`). "cudnn": `cudnn_attention`; its kernel returns no per-slot
-    sums, so a chunk that records them (H2O) runs the XLA path.
+    be a copy per chunk and layer), and the window scalar-prefetched beside it (one
+    compilation for the group's sliding and global layers); under a mesh inside a shard_map
+    over rows and kv heads (`_sharded_flash`). "cudnn": `cudnn_attention`; its kernel
+    returns no per-slot sums, so a chunk that records them (H2O) runs the XLA path.
 
     Rows that see no slot (padding queries) differ: zeros from the flash kernel, a mean of
     values from the others. Nothing reads them: such a row's key and value are written at
@@ -212,7 +211,7 @@ def prefill_attention(
     """
     if backend.attention == "pallas":
         return _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i,
-                              return_probs_sum)  # fmt: skip
+                              return_probs_sum, window, scores_spec)  # fmt: skip
     k, v, slot_pos = k_all[i], v_all[i], pos_all[i]
     if backend.attention == "cudnn" and not return_probs_sum:
         out = cudnn_attention(q, k, v, slot_pos, query_pos, num_slots, window=window,
@@ -224,8 +223,10 @@ def prefill_attention(
     )  # fmt: skip
 
 
-def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_probs_sum: bool):
-    """`flash_attention` of layer i of the stacked buffers; under a (data, model) mesh, one
+def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_probs_sum: bool,
+                   window, scores_spec):  # fmt: skip
+    """`flash_attention` of layer i of the stacked buffers (its window: a replicated scalar, 0
+    when None); under a (data, model) mesh, one
     call per device on its own rows and kv heads (jax.shard_map with the cache's layout:
     `sharding.attention_specs`, the layer axis unsplit). Each (row, kv head) pair is
     independent, so nothing crosses devices; a Pallas call cannot be partitioned by XLA
@@ -233,12 +234,13 @@ def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_pro
     (xla) need not pay."""
     from dge_jax.runtime.flash import flash_attention
 
-    def fn(q, k_all, v_all, pos_all, query_pos, num_slots, i):
+    def fn(q, k_all, v_all, pos_all, query_pos, num_slots, i, window):
         return flash_attention(q, k_all, v_all, pos_all, query_pos, num_slots, layer=i,
+                               window=window, scores_spec=scores_spec,
                                return_probs_sum=return_probs_sum)  # fmt: skip
 
     args = (q, k_all, v_all, pos_all, query_pos, jnp.asarray(num_slots, jnp.int32),
-            jnp.asarray(i, jnp.int32))  # fmt: skip
+            jnp.asarray(i, jnp.int32), _window(window))  # fmt: skip
     specs = attention_specs(q.shape[0], k_all.shape[2])
     if specs is None:
         return fn(*args)
@@ -252,10 +254,15 @@ def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_pro
 
     out = jax.shard_map(
         local, in_specs=(rows, stacked, stacked, jax.sharding.PartitionSpec(None, *slots), qpos,
-                         scalar, scalar),
+                         scalar, scalar, scalar),
         out_specs=(rows, sums) if return_probs_sum else rows, check_vma=False,
     )(*args)  # fmt: skip
     return out if return_probs_sum else (out, None)
+
+
+def _window(window: jax.Array | None) -> jax.Array:
+    """The layer's window as the kernels' int32 scalar (None, no sliding layer: 0, global)."""
+    return jnp.asarray(0 if window is None else window, jnp.int32)
 
 
 def cudnn_attention(
