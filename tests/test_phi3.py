@@ -37,22 +37,13 @@ from dge_jax.config import ConfigError, RopeConfig
 from dge_jax.runtime import decoding
 from dge_jax.runtime.prompts import pad_left
 from dge_jax.runtime.rope import LongRopeFrequencies, inverse_frequencies, rope_tables
-from tests.conftest import to_old_keys
+from tests.conftest import BASE_CONFIG, VOCAB, to_old_keys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-VOCAB = 128
 LOGITS_TOL = 1e-4
 HEAD_DIM = 16
 ORIGINAL = 32
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    initializer_range=0.1,
+BASE = BASE_CONFIG | dict(
     sliding_window=1024,  # longer than every sequence here: masks nothing
     pad_token_id=0,
     bos_token_id=1,
