@@ -29,13 +29,13 @@ from dge_jax.eviction.evict import (
     SelectionSpec,
     apply_eviction,
     keep_masks,
-    kept_positions,
     layer_capacities,
     round_up_slots,
     scoring_key,
     spreads_budget,
 )
 from dge_jax.eviction.grid_plan import CellPlan, GridRecording
+from dge_jax.eviction.selection import kept_positions
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, stacking
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput

@@ -75,10 +75,10 @@ class Cell:
 
     def eviction(
         self, rule_options: dict[str, Any], adaptive: Adaptive | None = None,
-        draft_weight: float = 1.0, ties: str = "later",
+        draft_weight: float = 1.0, ties: str = "later", sliding: str = "window",
     ) -> Eviction | None:
         """The `Eviction` of this cell; options a rule does not take are left out. `ties`:
-        which of equal scores is kept (`Eviction.ties`)."""
+        which of equal scores is kept (`Eviction.ties`); `sliding`: `Eviction.sliding`."""
         if self.rule == "full":
             return None
         options = self.rule_options(rule_options)
@@ -93,6 +93,7 @@ class Cell:
             head_budget=head_budget,
             alpha=alpha,
             ties=ties,
+            sliding=sliding,
             decode=DecodeCompression(self.decode_budget, self.interval) if self.decode_budget
             else None,
         )

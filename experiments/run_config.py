@@ -83,6 +83,10 @@ flags.DEFINE_bool("gqa_before_pool", False, "SnapKV/PyramidKV: aggregate the kv 
                   "order)")
 flags.DEFINE_enum("ties", "later", ["later", "earlier"], "which of equal scores is kept: the "
                   "later slot (default) or the earlier position")
+flags.DEFINE_enum("sliding", "window", ["window", "evict"], "models with sliding-window "
+                  "layers (Gemma 2/3, Mistral v0.1, Phi-3): a sliding layer keeps what its "
+                  "window still shows (window, default) or is held to the budget too (evict); "
+                  "recorded in the run identity when evict")
 flags.DEFINE_integer("chunk", None, "prefill chunk (tokens; default: the platform's, 512 on "
                      "CPU, 8192 on TPU and GPU)")
 flags.DEFINE_enum("attention", "auto", list(ATTENTION), "prefill's attention: auto (the "
@@ -198,6 +202,7 @@ class RunConfig:
     adaptive_threshold: float
     k_max: int
     attention: str = "auto"
+    sliding: str = "window"
 
     @classmethod
     def from_flags(cls, values: flags.FlagValues) -> RunConfig:
@@ -231,7 +236,7 @@ class RunConfig:
             rule_options={k: getattr(values, k) for k in RULE_OPTIONS},
             draft_weight=values.draft_weight, ties=values.ties,
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
-            k_max=values.k_max, attention=values.attention)
+            k_max=values.k_max, attention=values.attention, sliding=values.sliding)
 
     def adaptive(self) -> Adaptive | None:
         """The adaptive-k rule of the grid's adaptive cells (None without --adaptive_rule)."""

@@ -89,6 +89,7 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         "draft_weight": config.draft_weight, "ties": config.ties,
         "adaptive": config.adaptive_identity,
         **({} if backend.attention == "xla" else {"attention": backend.attention}),
+        **({} if config.sliding == "window" else {"sliding": config.sliding}),
     }
 
 
@@ -228,7 +229,7 @@ def grid_evictions(config: RunConfig, identity: dict, lengths: dict[str, list[in
         where = ""
         try:
             evictions[c] = ev = c.eviction(identity[RULE_OPTIONS_KEY], adaptive,
-                                           config.draft_weight, config.ties)
+                                           config.draft_weight, config.ties, config.sliding)
             for d, ns in lengths.items() if ev is not None else ():
                 where = f" on {d}"
                 for n in ns:

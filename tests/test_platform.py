@@ -283,6 +283,9 @@ def test_the_run_identity_keeps_earlier_folders(tmp_path):
                     "draft_weight", "ties", "adaptive"}  # fmt: skip
     assert set(auto) == earlier_keys and auto["chunk"] == 512 and auto == xla
     assert pallas == {**auto, "attention": "pallas"}
+    # --sliding evict (sliding-window models) is another configuration; the default is not
+    assert identity("--sliding", "evict") == {**auto, "sliding": "evict"}
+    assert identity("--sliding", "window") == auto
     extent = {"datasets": ["passkey"], "cells": ["full"], "num_samples": 1}
     folder = tmp_path / "run"
     open_run(folder, auto, {}, extent, "before --attention")

@@ -163,6 +163,25 @@ def test_every_rule_keeps_the_window_and_the_budget(gemma3, tmp_path):
             assert [len(h) for h in global_] == [budget] * len(global_), name
 
 
+def test_the_option_to_evict_sliding_layers_too(gemma3):
+    """Eviction(sliding="evict"): the sliding layer keeps the budget as well, chosen by the
+    rule among the entries its window still shows; a budget over the prompt still gives
+    FullKV's tokens."""
+    prompts, budget, window = _prompts(gemma3.config.vocab_size), 5, gemma3.config.window(0)
+    cells = [None, Eviction(SnapKV(window=2), budget=64, timing=dge(2), sliding="evict"),
+             Eviction(SnapKV(window=2), budget=budget, timing=dge(2), sliding="evict")]  # fmt: skip
+    full, wide, small = dge_jax.generate_grid(gemma3, prompts, cells, max_new_tokens=NEW, chunk=8)
+    assert wide.tokens == full.tokens
+    for row, prompt in enumerate(prompts):
+        next_pos = len(prompt) + small.k[row] - 1
+        sliding, global_ = small.kept[row]
+        for head in sliding:
+            assert len(head) == budget and min(head) >= next_pos - window + 1
+        assert [len(h) for h in global_] == [budget] * len(global_)
+    with pytest.raises(ValueError, match="sliding"):
+        Eviction(SnapKV(), sliding="keep")
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gemma2"])
 def test_pallas_gives_the_xla_tokens_on_sliding_layers(checkpoint, name):
     """The Pallas kernels (prefill flash with its probs sums, decode) take the layers' windows

@@ -56,6 +56,11 @@ class Eviction:
     Worked example, one head, max-pooled scores by position ``[.2, .5, .5, .5, .1]`` (a
     plateau), budget 2: "later" keeps positions 2 and 3, "earlier" positions 1 and 2.
 
+    sliding: on a model with sliding-window layers (`dge_jax.eviction.sliding`), "window"
+    keeps on each of them what its window still shows, whatever the budget, and the budget
+    is the global layers'; "evict" holds them to the budget too, chosen by the rule among the
+    entries their window still shows.
+
     decode: compression while decoding as well (`dge_jax.eviction.decode_compression`): every
     ``decode.interval`` new tokens the same rule brings each head back to ``decode.budget``.
     With timing "decode" nothing is evicted before decoding (``budget`` must then equal
@@ -71,6 +76,7 @@ class Eviction:
     capacity: int | None = None
     ties: str = "later"
     decode: DecodeCompression | None = None
+    sliding: str = "window"
 
     def __new__(cls, *args, **fields):
         """The rule field's earlier name says what to write instead (the generated __init__
@@ -93,8 +99,9 @@ class Eviction:
         if isinstance(self.budget, numbers.Integral):
             object.__setattr__(self, "budget", int(self.budget))
         check_fields(
-            self, choices={"head_budget": HEAD_BUDGETS, "ties": selection.TIES}, bools=("compact",)
-        )
+            self, choices={"head_budget": HEAD_BUDGETS, "ties": selection.TIES,
+                           "sliding": ("window", "evict")}, bools=("compact",)
+        )  # fmt: skip
         if self.capacity is not None:
             check_fields(self, ints={"capacity": 1})
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real):
@@ -239,7 +246,8 @@ class SelectionSpec:
     head_cap: no head keeps more than this many entries, whatever an allocator gives it
     (decode-time compression's fixed-capacity cache); slide: DGE's sliding observation window
     (`Timing.slide`); windows: each layer's sliding window (the model's
-    `ModelConfig.layer_windows`; () or 0: global), see `select_for_budgets`.
+    `ModelConfig.layer_windows`; () or 0: global), see `select_for_budgets`; evict_sliding:
+    `Eviction.sliding` == "evict".
     """
 
     rule: Rule | tuple[Rule, ...]
@@ -249,6 +257,7 @@ class SelectionSpec:
     head_cap: int | None = None
     slide: bool = False
     windows: tuple[int, ...] = ()
+    evict_sliding: bool = False
 
     @classmethod
     def of(cls, spec: SelectionSpec | None, fields: dict) -> SelectionSpec:
@@ -274,6 +283,7 @@ class SelectionSpec:
             head_cap=head_cap,
             slide=ev.timing.slide,
             windows=windows if any(windows) else (),
+            evict_sliding=ev.sliding == "evict",
         )
 
 
@@ -335,6 +345,9 @@ def select_for_budgets(
     is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
     window_keep, sliding = sliding_layers.window_keep(cache, spec.windows)
+    if window_keep is not None and spec.evict_sliding:  # the rule picks within the window
+        scores = jnp.where(sliding & ~window_keep, -jnp.inf, scores)
+        window_keep = sliding = None
     if window_keep is not None and spec.head_budget == "global":
         # the global pool: only the global layers' entries (drafts too) compete
         scores = jnp.where(sliding, -jnp.inf, scores)
@@ -349,7 +362,7 @@ def select_for_budgets(
         # longer than the budget is never compressed.
         nominal = expand_budgets(budget, nl, b, hkv)
         fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
-        if schedule is not None and any(spec.windows):
+        if schedule is not None and any(spec.windows) and not spec.evict_sliding:
             budget = sliding_layers.scheduled_over_global_layers(schedule, budget, spec.windows)
         elif schedule is not None:
             budget = schedule.layer_budgets(budget, nl)
@@ -417,7 +430,7 @@ def scoring_key(ev: Eviction) -> tuple:
     at most by budget, or by a rule that selects from the same scores (SnapKV and PyramidKV)."""
     t = ev.timing
     return (ev.rule.scorer, t.observes_drafts, t.draft_weight, t.slide, ev.head_budget,
-            ev.alpha, ev.ties)  # fmt: skip
+            ev.alpha, ev.ties, ev.sliding)  # fmt: skip
 
 
 def keep_masks(
@@ -471,21 +484,3 @@ def apply_eviction(
     capacity = capacity or layer_capacities(counts, new_tokens)
     kv.check_capacity(counts, capacity, new_tokens)
     return compact(masked, capacity=capacity)
-
-
-def kept_positions(cache: KVCache | jax.Array, keep: jax.Array) -> list[list[list[list[int]]]]:
-    """Per row, layer and kv head: the sorted original positions kept (for analysis/plots).
-
-    cache.pos (or `cache` itself, the positions): [L, B, Hkv, S] int32 and keep: [L, B, Hkv,
-    S] bool -> nested lists [B][L][Hkv].
-    """
-    pos = np.asarray(cache.pos if isinstance(cache, KVCache) else cache)
-    mask = np.asarray(keep)
-    nl, b, h, _ = pos.shape
-    return [
-        [
-            [sorted(pos[layer, r, i][mask[layer, r, i]].tolist()) for i in range(h)]
-            for layer in range(nl)
-        ]
-        for r in range(b)
-    ]

@@ -60,6 +60,7 @@ def check_cells(
         if ev is not None:
             check_eviction(ev, max_new_tokens)
             cap = ev.decode.head_cap(spreads_budget(ev)) if ev.decode is not None else None
+            cap = None if ev.sliding == "evict" else cap  # then the budget holds every layer
             if cap is not None and max(windows, default=0) - 1 > cap:
                 raise ValueError(
                     f"decode-time compression keeps at most {cap} entries per head "

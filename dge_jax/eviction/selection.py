@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dge_jax.runtime.cache import INT32_MAX, KVCache
 
@@ -172,3 +173,21 @@ def apply_keep(cache: KVCache, keep: jax.Array) -> KVCache:
     keep: [L, B, Hkv, S] bool. Masking mode: shapes (and the compiled decode) do not change.
     """
     return cache.with_pos(jnp.where(keep, cache.pos, -1))
+
+
+def kept_positions(cache: KVCache | jax.Array, keep: jax.Array) -> list[list[list[list[int]]]]:
+    """Per row, layer and kv head: the sorted original positions kept (for analysis/plots).
+
+    cache.pos (or `cache` itself, the positions): [L, B, Hkv, S] int32 and keep: [L, B, Hkv,
+    S] bool -> nested lists [B][L][Hkv].
+    """
+    pos = np.asarray(cache.pos if isinstance(cache, KVCache) else cache)
+    mask = np.asarray(keep)
+    nl, b, h, _ = pos.shape
+    return [
+        [
+            [sorted(pos[layer, r, i][mask[layer, r, i]].tolist()) for i in range(h)]
+            for layer in range(nl)
+        ]
+        for r in range(b)
+    ]

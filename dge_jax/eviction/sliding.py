@@ -9,6 +9,10 @@ window does not shrink a sliding layer, and compacted (`evict.apply_eviction`) i
 follows its window. The global head-budget allocator pools over the global layers' heads
 only; AdaKV pools within each layer, so its global layers are unchanged; a layer schedule
 (PyramidKV's budgets falling with depth) runs over the global layers, bottom to top.
+
+`Eviction(sliding="evict")` holds the sliding layers to the budget too: the rule ranks the
+entries their window still shows (older ones are never candidates), every allocator and
+schedule then spans every layer as on a model without windows.
 """
 
 from __future__ import annotations
