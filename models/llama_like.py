@@ -304,6 +304,8 @@ def forward(
     # One RoPE table per distinct RoPE of the model's layers (Gemma 3: local and global).
     ropes = tuple(dict.fromkeys(cfg.rope_of_layers))
     tables = [rope_tables(positions, inverse_frequencies(r, cfg.head_dim)) for r in ropes]
+    # stacked once here, [R, B, T, hd] each, so a layer only indexes its table
+    tables = tuple(jnp.stack(t) for t in zip(*tables, strict=True))
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t)).astype(jnp.int32)
     scores = ScoreSpec(cfg.attn_scale, cfg.attn_softcap)
     call = _Call(cfg, positions, new_pos, tables, recording, key_block, attention, scores)
@@ -352,14 +354,14 @@ def forward(
 
 class _Call(NamedTuple):
     """What every layer of one forward call shares: the config, the new tokens' positions
-    [B, T] (and per kv head [B, Hkv, T]), their RoPE tables (cos, sin per distinct RoPE of
-    the layers), what to record, the prefill key block (0: decode and draft steps), its
-    attention implementation and the model's logit scale and soft cap."""
+    [B, T] (and per kv head [B, Hkv, T]), their RoPE tables (cos, sin [R, B, T, hd]: one per
+    distinct RoPE of the layers), what to record, the prefill key block (0: decode and draft
+    steps), its attention implementation and the model's logit scale and soft cap."""
 
     cfg: ModelConfig
     positions: jax.Array
     new_pos: jax.Array
-    rope_tables: list[tuple[jax.Array, jax.Array]]
+    rope_tables: tuple[jax.Array, jax.Array]
     recording: Recording
     key_block: int
     attention: str = "auto"
@@ -367,11 +369,10 @@ class _Call(NamedTuple):
 
     def rope(self, rope_id: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos, sin [B, T, hd] of the layer whose RoPE is table `rope_id` (traced)."""
-        if len(self.rope_tables) == 1:
-            return self.rope_tables[0]
-        cos = jnp.stack([c for c, _ in self.rope_tables])[rope_id]
-        sin = jnp.stack([s for _, s in self.rope_tables])[rope_id]
-        return cos, sin
+        cos, sin = self.rope_tables
+        if cos.shape[0] == 1:
+            return cos[0], sin[0]
+        return cos[rope_id], sin[rope_id]
 
 
 def _layer(call: _Call, x, lp, buffers, i, slot, window, rope_id):
