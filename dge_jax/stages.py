@@ -39,6 +39,7 @@ from dge_jax.eviction.selection import kept_positions
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, stacking
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
+from dge_jax.runtime.multihost import fetch
 from dge_jax.runtime.prompts import Request, cut_at_eos
 from dge_jax.runtime.records import DraftRecord
 from dge_jax.runtime.sampling import Greedy
@@ -175,8 +176,8 @@ def draft(
         min_new_tokens=request.min_new_tokens, attention=request.attention,
     )  # fmt: skip
     e1, p1 = decoding.next_token_stats(prefilled.pre.logits)
-    entropy = np.concatenate([np.asarray(e1)[:, None], np.asarray(record.entropy)], 1)
-    top1 = np.concatenate([np.asarray(p1)[:, None], np.asarray(record.top1)], 1)
+    entropy = np.concatenate([fetch(e1)[:, None], fetch(record.entropy)], 1)
+    top1 = np.concatenate([fetch(p1)[:, None], fetch(record.top1)], 1)
     return Drafted(state=state, record=record, entropy=entropy, top1=top1)
 
 
@@ -267,14 +268,14 @@ def evict(
     loop's capacity, or, if it kept more, to what it kept plus one interval, one capacity for
     all layers (the loop compacts that to its own at the first compression).
     """
-    counts = [None if p.keep is None else np.asarray(jnp.sum(p.keep, axis=-1)) for p in plans]
+    counts = [None if p.keep is None else fetch(jnp.sum(p.keep, axis=-1)) for p in plans]
     kept = [c for c, p in zip(counts, plans, strict=True) if c is not None and not _decodes(p)]
     room = round_up_slots(request.max_new_tokens)
     shared = layer_capacities(np.max(kept, axis=0), room) if kept else None
     out = []
     for plan, count in zip(plans, counts, strict=True):
         state, ev, attn = plan.state, plan.eviction, None
-        remaining = request.max_new_tokens - int(np.min(np.asarray(state.step)))
+        remaining = request.max_new_tokens - int(np.min(fetch(state.step)))
         capacity = shared if ev is None or ev.capacity is None else ev.capacity
         if _decodes(plan):
             spec = ev.decode
@@ -358,7 +359,7 @@ def decode(
         )  # fmt: skip
         # Only the tokens come back (splitting the whole state would copy every cell's final
         # cache for nothing), and the final cache goes before the next stack is made.
-        parts, state = stacking.split_rows(np.asarray(state.tokens), len(members)), None
+        parts, state = stacking.split_rows(fetch(state.tokens), len(members)), None
         for i, part in zip(members, parts, strict=True):
             tokens[i] = part
     return tokens, logs
@@ -406,7 +407,7 @@ def _decode_compressed(
             state, jnp.asarray(spec.budget, jnp.int32), plan.attn,
             out_projection(model) if ev.rule.needs.out_proj else None, history=history,
         )  # fmt: skip
-    return np.asarray(state.tokens), log
+    return fetch(state.tokens), log
 
 
 def results(

@@ -37,7 +37,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
@@ -46,6 +45,7 @@ from dge_jax.families import ForwardFn, group_layers
 from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, compact_heads, regroup
 from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
+from dge_jax.runtime.multihost import fetch
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import fixed_frequencies
@@ -332,7 +332,7 @@ def _grown(state: DecodeState, attn, capacity: int):
 def kept_over_time(log: Compressions) -> list[list[dict]]:
     """Per row, one {"step", "kept"} per compression that ran: the answer tokens generated
     by then and, per layer and kv head, the sorted positions the cache held right after."""
-    pos, step = np.asarray(log.pos), np.asarray(log.step)
+    pos, step = fetch(log.pos), fetch(log.step)
     out = []
     for r in range(pos.shape[2]):
         events = []

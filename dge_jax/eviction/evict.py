@@ -29,6 +29,7 @@ from dge_jax.rules.full import is_full
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.multihost import fetch
 from dge_jax.runtime.records import DraftRecord, Observation
 
 HEAD_BUDGETS = ("uniform", "adakv", "global")
@@ -408,7 +409,7 @@ def layer_capacities(
     gives the bottom layer 968 entries per head and the top one 56: one capacity would give
     every layer 1,024 slots (+ new tokens); per layer they fall with the budgets.
     """
-    counts = np.asarray(kept_counts)
+    counts = fetch(kept_counts)
     caps = tuple(capacity_for(c, new_tokens, multiple) for c in counts)
     return caps[0] if len(set(caps)) == 1 else caps
 
@@ -480,7 +481,7 @@ def apply_eviction(
     masked = selection.apply_keep(cache, keep)
     if not ev.compact:
         return masked
-    counts = np.asarray(jnp.sum(keep, axis=-1)) if counts is None else counts
+    counts = fetch(jnp.sum(keep, axis=-1)) if counts is None else counts
     capacity = capacity or layer_capacities(counts, new_tokens)
     kv.check_capacity(counts, capacity, new_tokens)
     return compact(masked, capacity=capacity)

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dge_jax.runtime.cache import INT32_MAX, KVCache
+from dge_jax.runtime.multihost import fetch
 
 TIES = ("later", "earlier")
 
@@ -181,8 +181,8 @@ def kept_positions(cache: KVCache | jax.Array, keep: jax.Array) -> list[list[lis
     cache.pos (or `cache` itself, the positions): [L, B, Hkv, S] int32 and keep: [L, B, Hkv,
     S] bool -> nested lists [B][L][Hkv].
     """
-    pos = np.asarray(cache.pos if isinstance(cache, KVCache) else cache)
-    mask = np.asarray(keep)
+    pos = fetch(cache.pos if isinstance(cache, KVCache) else cache)
+    mask = fetch(keep)
     nl, b, h, _ = pos.shape
     return [
         [

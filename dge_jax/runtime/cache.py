@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dge_jax.runtime.multihost import fetch
+
 INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -397,9 +399,9 @@ def check_capacity(
     or one per layer (then each layer is checked against its own).
     """
     if isinstance(kept, KVCache):
-        counts = np.asarray(kept.num_kept())
+        counts = fetch(kept.num_kept())
     else:
-        arr = np.asarray(kept)
+        arr = fetch(kept)
         counts = arr.sum(axis=-1) if arr.dtype == np.bool_ else arr
     per_layer = counts.reshape(counts.shape[0], -1).max(axis=1, initial=0) + int(new_tokens)
     if np.ndim(capacity) and len(capacity) != len(per_layer):
