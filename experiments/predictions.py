@@ -19,12 +19,14 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 PREDICTIONS_FILE = "predictions.jsonl"
 QUARANTINE_FILE = "predictions.quarantine.jsonl"
+_PROCESS_FILE = re.compile(r"predictions\.p(\d+)\.jsonl")
 # What every prediction line must hold for the runner and the report to use it.
 REQUIRED_FIELDS = ("key", "config_hash", "dataset", "sample_id", "cell", "pred", "answers")
 
@@ -103,6 +105,35 @@ def read_predictions(path: str | os.PathLike, warn: Callable[[str], None] | None
     return [row for _, row in good]
 
 
+def process_file(index: int | None) -> str:
+    """The prediction file a process writes: predictions.jsonl (None: the only writer), or
+    predictions.p<index>.jsonl for process `index` of a data-parallel run."""
+    return PREDICTIONS_FILE if index is None else f"predictions.p{index}.jsonl"
+
+
+def prediction_files(out_dir: str | os.PathLike) -> list[pathlib.Path]:
+    """Every prediction file of a folder: predictions.jsonl, then the processes' by index."""
+    out_dir = pathlib.Path(out_dir)
+    found = sorted((int(m.group(1)), p) for p in out_dir.glob("predictions.p*.jsonl")
+                   if (m := _PROCESS_FILE.fullmatch(p.name)))
+    main = out_dir / PREDICTIONS_FILE
+    return [main] * main.is_file() + [p for _, p in found]
+
+
+def read_folder(out_dir: str | os.PathLike, warn: Callable[[str], None] | None = None
+                ) -> list[dict]:
+    """The usable lines of every prediction file of a folder as one set (a key's first line
+    wins: a key is written once, so a repeat is a copy), in file order."""
+    seen: set[str] = set()
+    rows = []
+    for path in prediction_files(out_dir):
+        for row in read_predictions(path, warn):
+            if row["key"] not in seen:
+                seen.add(row["key"])
+                rows.append(row)
+    return rows
+
+
 def _fsync_dir(folder: pathlib.Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -118,29 +149,61 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def quarantine_of(path: pathlib.Path) -> pathlib.Path:
+    """Where a prediction file's unusable lines go: predictions.quarantine.jsonl beside
+    predictions.jsonl, predictions.p1.quarantine.jsonl beside predictions.p1.jsonl."""
+    return path.with_name(path.name.removesuffix(".jsonl") + ".quarantine.jsonl")
+
+
 def _warn_stderr(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
 class PredictionStore:
-    """The prediction file of one output folder: done keys, and durable appends."""
+    """The prediction files of one output folder: done keys (of every file), and durable
+    appends to this writer's own file.
+
+    process: None for the folder's only writer (predictions.jsonl), else this process's
+    index in a data-parallel run (predictions.p<index>.jsonl). `tidy` also quarantines the
+    bad lines of files no process of this run writes (those of a run with more processes),
+    which the first process does; a file another process of this run owns is only read.
+    writes=False: a reader only (the other processes of a model sharded across processes,
+    which compute what the first one writes)."""
 
     def __init__(self, out_dir: str | os.PathLike,
-                 warn: Callable[[str], None] = _warn_stderr):
-        self.path = pathlib.Path(out_dir) / PREDICTIONS_FILE
-        self.quarantine_path = self.path.with_name(QUARANTINE_FILE)
+                 warn: Callable[[str], None] = _warn_stderr, process: int | None = None,
+                 processes: int = 1, tidy: bool = True, writes: bool = True):
+        out_dir = pathlib.Path(out_dir)
+        self.path = out_dir / process_file(process)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._warn = warn
+        owned = {out_dir / process_file(i) for i in range(processes)} if process is not None \
+            else {self.path}
         self.rows: list[dict] = []
-        if self.path.is_file():
-            good, bad = parse_lines(self.path.read_bytes())
-            if bad:
-                self._quarantine(good, bad)
-            self.rows = [row for _, row in good]
-        self.done = {row["key"] for row in self.rows}
+        seen: set[str] = set()
+        for path in prediction_files(out_dir):
+            ours = writes and (path == self.path or tidy and path not in owned)
+            good, bad = parse_lines(path.read_bytes())
+            if bad and ours:
+                self._quarantine(path, good, bad)
+            elif bad:
+                for b in bad:
+                    self._warn(f"{path} line {b.number} is not used: {b.reason} (its own "
+                               "process moves it to quarantine)")
+            for _, row in good:
+                if row["key"] not in seen:
+                    seen.add(row["key"])
+                    self.rows.append(row)
+        self.done = seen
 
-    def _quarantine(self, good: list[tuple[bytes, dict]], bad: list[BadLine]) -> None:
-        """Appends `bad` to the quarantine file, then atomically rewrites the file as `good`.
+    @property
+    def quarantine_path(self) -> pathlib.Path:
+        return quarantine_of(self.path)
+
+    def _quarantine(self, path: pathlib.Path, good: list[tuple[bytes, dict]],
+                    bad: list[BadLine]) -> None:
+        """Appends `bad` to `path`'s quarantine file, then atomically rewrites `path` as
+        `good`.
 
         Killed between the two steps, a line is in both files, never in neither.
         """
@@ -150,22 +213,23 @@ class PredictionStore:
                         # surrogateescape keeps bytes that are not UTF-8, so it loses nothing
                         "raw": b.raw.decode("utf-8", "surrogateescape")}).encode() + b"\n"
             for b in bad)
-        fd = os.open(self.quarantine_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        quarantine = quarantine_of(path)
+        fd = os.open(quarantine, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             _write_all(fd, records)
             os.fsync(fd)
         finally:
             os.close(fd)
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = path.with_name(path.name + ".tmp")
         with tmp.open("wb") as f:
             f.write(b"".join(raw for raw, _ in good))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
         for b in bad:
-            self._warn(f"{self.path} line {b.number} is unusable ({b.reason}); moved to "
-                       f"{self.quarantine_path.name}, every other line kept; what it held is "
+            self._warn(f"{path} line {b.number} is unusable ({b.reason}); moved to "
+                       f"{quarantine.name}, every other line kept; what it held is "
                        "recomputed if this run needs it")
 
     def append(self, rows: Iterable[dict]) -> None:

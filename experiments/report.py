@@ -4,7 +4,8 @@
     python -m experiments.report OUT_DIR OUT_DIR [...]   # which claims replicate across suites
     python -m experiments.report OUT_DIR OUT_DIR [...] --out DIR   # and write DIR/results.md
 
-Reads OUT_DIR/predictions.jsonl, scores every (dataset, cell) with the official metrics,
+Reads OUT_DIR/predictions.jsonl (and the per-process predictions.p<i>.jsonl of a
+distributed run, merged), scores every (dataset, cell) with the official metrics,
 and writes scores.json, results.md (a header naming the model, suite, n, run id, dates,
 dge_jax version and commands; n for every cell, paired McNemar comparisons against the
 prefill baseline with Holm-corrected p, and a plain-language summary), score_vs_budget.png,
@@ -25,7 +26,7 @@ from collections import defaultdict
 
 from experiments import plots, suites
 from experiments.cells import cell_order, parse_cell_id
-from experiments.predictions import PREDICTIONS_FILE, read_predictions
+from experiments.predictions import read_folder
 from experiments.replication import (
     SIGNIFICANT,
     Evidence,
@@ -325,15 +326,21 @@ PAIRED_INTRO = (
     "lower with an exact sign test):\n\n")
 
 
+def folder_rows(out_dir: pathlib.Path) -> list[dict]:
+    """Every prediction of a folder, the files of all its processes merged (one
+    configuration: checked)."""
+    rows = read_folder(out_dir, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
+    if not rows:
+        raise FileNotFoundError(f"no predictions in {out_dir} (predictions*.jsonl)")
+    check_lines(rows, str(out_dir))
+    return rows
+
+
 def write_report(out_dir: str | pathlib.Path) -> dict:
     """Scores the run in `out_dir` and writes scores.json, the plots and results.md (which
     opens with the run's `header`); says on stderr, in one line, what it wrote."""
     out_dir = pathlib.Path(out_dir)
-    path = out_dir / PREDICTIONS_FILE
-    rows = read_predictions(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
-    if not rows:
-        raise FileNotFoundError(f"no predictions in {path}")
-    check_lines(rows, str(path))
+    rows = folder_rows(out_dir)
     config = read_config(out_dir)
     if config is not None and "identity" not in config:
         config = None  # a folder of the first runner: no identity to title the plots with
@@ -364,11 +371,7 @@ def folder_comparisons(out_dir: str | pathlib.Path) -> Evidence:
     if config is None or "identity" not in config:
         raise RunFolderError(f"{out_dir} has no config.json of this runner: its suite is "
                              "unknown, so it cannot count as evidence for a replication")
-    path = out_dir / PREDICTIONS_FILE
-    rows = read_predictions(path, warn=lambda m: print(f"warning: {m}", file=sys.stderr))
-    if not rows:
-        raise FileNotFoundError(f"no predictions in {path}")
-    check_lines(rows, str(path))
+    rows = folder_rows(out_dir)
     identity = config["identity"]
     return Evidence(str(out_dir), identity["suite"], identity, paired_comparisons(rows))
 

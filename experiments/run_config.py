@@ -96,6 +96,12 @@ flags.DEFINE_enum("attention", "auto", list(ATTENTION), "prefill's attention: au
 flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
                     "sharded, and each batch of --batch_size samples is spread over the data "
                     "axis (--batch_size must then be a multiple of it)")
+flags.DEFINE_bool("distributed", False, "one of several processes (JAX's multi-controller "
+                  "runtime: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or "
+                  "detected on a TPU pod / GPU cluster; `python -m experiments.launch` starts "
+                  "them locally): without --mesh, or with one of a process's own devices, the "
+                  "processes split the batches; with a --mesh of every process's devices, one "
+                  "model is sharded across them")
 flags.DEFINE_enum("adaptive_rule", None, ["entropy", "top1"], "also run adaptive-k DGE cells "
                   "that stop drafting when the next-token entropy rises above / top-1 "
                   "probability falls below --adaptive_threshold")
@@ -203,6 +209,7 @@ class RunConfig:
     k_max: int
     attention: str = "auto"
     sliding: str = "window"
+    distributed: bool = False
 
     @classmethod
     def from_flags(cls, values: flags.FlagValues) -> RunConfig:
@@ -236,7 +243,8 @@ class RunConfig:
             rule_options={k: getattr(values, k) for k in RULE_OPTIONS},
             draft_weight=values.draft_weight, ties=values.ties,
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
-            k_max=values.k_max, attention=values.attention, sliding=values.sliding)
+            k_max=values.k_max, attention=values.attention, sliding=values.sliding,
+            distributed=values.distributed)
 
     def adaptive(self) -> Adaptive | None:
         """The adaptive-k rule of the grid's adaptive cells (None without --adaptive_rule)."""

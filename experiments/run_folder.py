@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from experiments.predictions import PREDICTIONS_FILE, config_hash
+from experiments.predictions import config_hash, prediction_files
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = ".lock"  # flock'ed by the runner that writes the folder; holds its pid
@@ -263,7 +263,7 @@ def open_run(out_dir: str | os.PathLike, identity: dict[str, Any], data: dict[st
     """
     out_dir = pathlib.Path(out_dir)
     old = read_config(out_dir)
-    has_lines = (out_dir / PREDICTIONS_FILE).is_file()
+    has_lines = bool(prediction_files(out_dir))
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     entry = {"command": command, "at": now, "extent": extent}
     if old is None and has_lines or old is not None and old.get("format") != FORMAT:

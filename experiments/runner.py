@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from absl import app, flags
 from absl import logging as absl_logging
 
-from experiments import protocol, suites
+from experiments import distributed, protocol, suites
 from experiments.cells import Cell
 from experiments.predictions import PredictionStore, config_hash, prediction_key
 from experiments.run_config import FLAGS, RunConfig, UsageError
@@ -33,7 +33,6 @@ from experiments.run_folder import (
     RunFolderBusy,
     default_out_dir,
     files_fingerprint,
-    locked,
     open_run,
     run_id,
 )
@@ -184,7 +183,7 @@ def interrupted(state: dict) -> str:
 def error_line(e: BaseException, state: dict) -> tuple[int | None, str]:
     """(exit status, the `error:` line's text) of a user mistake or environment fault; (None,
     "") for anything else (a bug: its traceback is kept)."""
-    if isinstance(e, RunFolderBusy):
+    if isinstance(e, RunFolderBusy | distributed.PeerFailed):
         return ENVIRONMENT, str(e)
     if isinstance(e, OSError) and e.errno is not None:  # from the operating system
         where = e.filename or "a file"
@@ -250,11 +249,7 @@ def evaluate(config: RunConfig, state: dict) -> int:
     import dge_jax
 
     started = time.time()
-    mesh = None
-    if config.mesh:
-        from dge_jax.runtime.sharding import parse_mesh
-
-        mesh = parse_mesh(config.mesh)
+    share, mesh = distributed.start(config.distributed, config.mesh)  # before any device use
     model = dge_jax.load(config.model, dtype=config.dtype, mesh=mesh)
     check_model(config, model, mesh)
     suite = config.suite
@@ -280,46 +275,64 @@ def evaluate(config: RunConfig, state: dict) -> int:
     state["out_dir"] = out_dir
     # the command as typed (sys.argv[0] is the module's file path under `python -m`)
     command = ("python -m experiments.longbench " + shlex.join(sys.argv[1:])).rstrip()
-    with locked(out_dir):
-        open_run(out_dir, identity, data, extent, command, extend=config.extend)
+    def open_folder():
+        return open_run(out_dir, identity, data, extent, command, extend=config.extend)
+
+    with distributed.claimed(share, out_dir, open_folder, run_id(identity)):
         return predict(config, state, out_dir, model, rows, identity, evictions, max_length,
-                       started)
+                       started, share)
 
 
 def predict(config: RunConfig, state: dict, out_dir: pathlib.Path, model, rows: dict,
-            identity: dict, evictions: dict, max_length: int, started: float) -> int:
-    """Predicts every (sample, cell) the folder lacks, then writes the report."""
+            identity: dict, evictions: dict, max_length: int, started: float,
+            share: distributed.Share = distributed.ALONE) -> int:
+    """Predicts every (sample, cell) the folder lacks (this process's batches of them),
+    then writes the report (the first process, once every process is done)."""
     from dge_jax.generation import generate_grid
     from experiments.report import write_report
 
     cells = config.cells
     tag = {"run_id": run_id(identity)}
     cell_hash = {c: config_hash(cell_config(identity, c)) for c in cells}
-    store = state["store"] = PredictionStore(out_dir)
+    store = state["store"] = share.store(out_dir)
     state["saved_before"] = len(store.rows)
     pending = {d: missing_cells(r, d, cells, cell_hash, store) for d, r in rows.items()}
+    distributed.all_read(share)  # every process has read the folder: writing may start
+    work = assign(pending, config.batch_size, share)
     total = sum(map(len, rows.values()))
     todo = sum(map(len, pending.values()))
+    mine = sum(len(b) for batches in work.values() for _, b in batches)
     options = config.rule_options
-    print(f"{len(cells)} cells x {total} samples -> {out_dir} ({total - todo} samples done; "
-          f"SnapKV family: window {options['window']}, kernel {options['kernel']}, "
+    where = "" if share.mode != "data" else (
+        f"; process {share.index} of {share.count} predicts {mine} of them")
+    print(f"{len(cells)} cells x {total} samples -> {out_dir} ({total - todo} samples done"
+          f"{where}; SnapKV family: window {options['window']}, kernel {options['kernel']}, "
           f"{options['pooling']}-pool)")
 
     from tqdm import tqdm
 
     # initial= counts the samples already done without timing them, so the rate on resume is
     # the rate of this run's own samples.
-    bar = tqdm(total=total, initial=total - todo, unit="sample", dynamic_ncols=True)
+    bar = (tqdm(total=total, initial=total - todo, unit="sample", dynamic_ncols=True)
+           if share.mode != "data" else tqdm(total=mine, unit="sample", dynamic_ncols=True))
     grid = Grid(generate_grid, cells, cell_hash, evictions, max_length, tag)
     try:
         for dataset in rows:
-            run_dataset(config, model, grid, dataset, pending[dataset], store, bar)
-            bar.write(summary_line(dataset, store, cells, cell_hash))
+            run_dataset(config, model, grid, dataset, work[dataset], store, bar, share.writes)
+            if share.writes:
+                bar.write(summary_line(dataset, store, cells, cell_hash))
     finally:
         bar.close()
+    distributed.all_done(share)
+    if not share.first:
+        print(f"process {share.index}: " + (
+            f"{saved(state)}" if share.writes else "every batch computed with process 0, "
+            "which writes the predictions") + "; process 0 writes the report")
+        return 0
     write_report(out_dir)
     print((out_dir / "results.md").read_text(), end="")
-    print(f"wall time {time.time() - started:.0f} s; predictions in {store.path}")
+    where = store.path if share.count == 1 else f"{out_dir}/predictions*.jsonl"
+    print(f"wall time {time.time() - started:.0f} s; predictions in {where}")
     return 0
 
 
@@ -372,18 +385,38 @@ class Grid:
     tag: dict
 
 
-def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, pending: list,
-                store: PredictionStore, bar) -> None:
-    """Predicts the pending (row, cells) of one dataset, a batch of samples at a time; a
-    batch holds rows of one generation length (kvpress's rows carry their own)."""
-    tok = model.tokenizer
-    stop = protocol.stop_rule(dataset)
-    extra_eos = stop.extra_eos_ids(tok)
+def batches_of(dataset: str, pending: list, batch_size: int) -> list[tuple[int, list]]:
+    """(generation length, up to batch_size pending (row, cells)) in run order; a batch
+    holds rows of one generation length (kvpress's rows carry their own)."""
     by_length: dict[int, list] = {}
     for item in pending:
         by_length.setdefault(protocol.max_new_tokens(dataset, item[0]), []).append(item)
-    batches = [(n, group[start:start + config.batch_size]) for n, group in by_length.items()
-               for start in range(0, len(group), config.batch_size)]
+    return [(n, group[start:start + batch_size]) for n, group in by_length.items()
+            for start in range(0, len(group), batch_size)]
+
+
+def assign(pending: dict[str, list], batch_size: int,
+           share: distributed.Share) -> dict[str, list[tuple[int, list]]]:
+    """Each dataset's batches this process predicts: one process's batches, numbered across
+    datasets in run order, every `share.count`-th of them (data-parallel), so every batch
+    is the one a single process would run."""
+    work, number = {}, 0
+    for dataset, items in pending.items():
+        work[dataset] = []
+        for batch in batches_of(dataset, items, batch_size):
+            if share.owns(number):
+                work[dataset].append(batch)
+            number += 1
+    return work
+
+
+def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: list,
+                store: PredictionStore, bar, writes: bool = True) -> None:
+    """Predicts one dataset's `batches` (`batches_of`) and appends their lines to the store
+    (`writes`; False: another process writes what this one computed)."""
+    tok = model.tokenizer
+    stop = protocol.stop_rule(dataset)
+    extra_eos = stop.extra_eos_ids(tok)
     for max_new, batch in batches:
         # Rows of one batch share one grid: the union of what any of them still misses.
         todo: list[Cell] = [c for c in grid.cells if any(c in m for _, m in batch)]
@@ -411,7 +444,8 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, pending: lis
                     "k": None if result.k is None else result.k[i],
                 })
         with sigint_deferred():  # a sample's lines are written whole, or not at all
-            store.append(lines)
+            if writes:
+                store.append(lines)
         bar.update(len(batch))
 
 
