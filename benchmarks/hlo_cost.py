@@ -102,6 +102,7 @@ class Cost:
     hbm_bytes: float = 0.0
     kernel_boundary_bytes: float = 0.0  # Pallas kernels' operands and results (in hbm_bytes)
     kernel_declared_bytes: float = 0.0  # what those kernels declare they access
+    collective_bytes: float = 0.0  # what cross-device ops deliver to this device (results)
 
     def add(self, other: Cost, times: float = 1.0) -> None:
         for field in dataclasses.fields(self):
@@ -375,6 +376,8 @@ def _walk(comps, comp, scalars, depth, assume, loops) -> Cost:
                 f, t = instr_flops(comp, ins)
             cost.flops, cost.transcendentals = cost.flops + f, cost.transcendentals + t
             cost.hbm_bytes += boundary_bytes(comps, comp, ins)
+            if op.removesuffix("-start") in COLLECTIVES:  # an async pair counts at its start
+                cost.collective_bytes += sum(r.nbytes for r in ins.arrays)
     return cost
 
 

@@ -215,6 +215,7 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
         "pallas_kernel": counted.pallas,
         "kv_collectives": kv,
         "collectives": len(counted.collectives),
+        "collective_bytes": cost.collective_bytes,  # per device, loops times their trips
         "loops": [dataclasses.asdict(loop) for loop in counted.loops],
         "xla_cost_analysis": {"flops": xla.get("flops"),
                               "bytes_accessed": xla.get("bytes accessed")},

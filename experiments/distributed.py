@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from experiments import protocol
 from experiments.predictions import PredictionStore
 from experiments.run_folder import locked
 
@@ -160,3 +161,28 @@ def all_done(share: Share) -> None:
 
     if share.count > 1:
         multihost.barrier("dge_jax.runner.predictions_written")
+
+
+def batches_of(dataset: str, pending: list, batch_size: int) -> list[tuple[int, list]]:
+    """(generation length, up to batch_size pending (row, cells)) in run order; a batch
+    holds rows of one generation length (kvpress's rows carry their own)."""
+    by_length: dict[int, list] = {}
+    for item in pending:
+        by_length.setdefault(protocol.max_new_tokens(dataset, item[0]), []).append(item)
+    return [(n, group[start:start + batch_size]) for n, group in by_length.items()
+            for start in range(0, len(group), batch_size)]
+
+
+def assign(pending: dict[str, list], batch_size: int,
+           share: Share) -> dict[str, list[tuple[int, list]]]:
+    """Each dataset's batches this process predicts: one process's batches, numbered across
+    datasets in run order, every `share.count`-th of them (data-parallel), so every batch
+    is the one a single process would run."""
+    work, number = {}, 0
+    for dataset, items in pending.items():
+        work[dataset] = []
+        for batch in batches_of(dataset, items, batch_size):
+            if share.owns(number):
+                work[dataset].append(batch)
+            number += 1
+    return work

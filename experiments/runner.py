@@ -298,7 +298,7 @@ def predict(config: RunConfig, state: dict, out_dir: pathlib.Path, model, rows: 
     state["saved_before"] = len(store.rows)
     pending = {d: missing_cells(r, d, cells, cell_hash, store) for d, r in rows.items()}
     distributed.all_read(share)  # every process has read the folder: writing may start
-    work = assign(pending, config.batch_size, share)
+    work = distributed.assign(pending, config.batch_size, share)
     total = sum(map(len, rows.values()))
     todo = sum(map(len, pending.values()))
     mine = sum(len(b) for batches in work.values() for _, b in batches)
@@ -383,31 +383,6 @@ class Grid:
     evictions: dict
     max_length: int
     tag: dict
-
-
-def batches_of(dataset: str, pending: list, batch_size: int) -> list[tuple[int, list]]:
-    """(generation length, up to batch_size pending (row, cells)) in run order; a batch
-    holds rows of one generation length (kvpress's rows carry their own)."""
-    by_length: dict[int, list] = {}
-    for item in pending:
-        by_length.setdefault(protocol.max_new_tokens(dataset, item[0]), []).append(item)
-    return [(n, group[start:start + batch_size]) for n, group in by_length.items()
-            for start in range(0, len(group), batch_size)]
-
-
-def assign(pending: dict[str, list], batch_size: int,
-           share: distributed.Share) -> dict[str, list[tuple[int, list]]]:
-    """Each dataset's batches this process predicts: one process's batches, numbered across
-    datasets in run order, every `share.count`-th of them (data-parallel), so every batch
-    is the one a single process would run."""
-    work, number = {}, 0
-    for dataset, items in pending.items():
-        work[dataset] = []
-        for batch in batches_of(dataset, items, batch_size):
-            if share.owns(number):
-                work[dataset].append(batch)
-            number += 1
-    return work
 
 
 def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: list,

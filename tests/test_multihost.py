@@ -27,8 +27,8 @@ from tiny_model import build_tiny_llama
 
 from dge_jax.runtime import multihost
 from experiments import distributed, launch
+from experiments.distributed import assign, batches_of
 from experiments.predictions import PredictionStore, read_folder
-from experiments.runner import assign, batches_of
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 600
