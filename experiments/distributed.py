@@ -88,7 +88,10 @@ def start(distributed: bool, mesh_spec: str | None):
 
     if not distributed:
         return ALONE, None if mesh_spec is None else parse_mesh(mesh_spec)
-    processes = multihost.initialize()
+    try:
+        processes = multihost.initialize()
+    except ValueError as e:
+        raise ValueError(f"--distributed: {e}") from e
     if processes.count == 1:
         return ALONE, None if mesh_spec is None else parse_mesh(mesh_spec)
     local, every = jax.local_devices(), jax.devices()

@@ -54,6 +54,19 @@ def test_initialize_refuses_incomplete_or_bad_variables(env, needle):
         multihost.initialize(env)
 
 
+def test_distributed_without_a_cluster_is_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.longbench", "--distributed", "--out_dir",
+         str(tmp_path / "out")], cwd=REPO, env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "--distributed: no cluster to join" in done.stderr
+    assert "python -m experiments.launch" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_fetch_and_broadcast_on_one_process():
     import jax.numpy as jnp
 

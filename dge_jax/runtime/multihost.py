@@ -71,7 +71,15 @@ def initialize(environ: Mapping[str, str] | None = None) -> Processes:
     if jax.distributed.is_initialized():
         return current()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
+    try:
+        jax.distributed.initialize(**kwargs)
+    except ValueError as e:  # no variables, and no cluster JAX knows how to join
+        if given:
+            raise
+        raise ValueError(
+            f"no cluster to join: {', '.join(names)} are not set and JAX detected no TPU pod "
+            f"or GPU cluster ({e}); set the three on every process (python -m "
+            "experiments.launch --processes N -- COMMAND sets them locally)") from e
     return current()
 
 
