@@ -73,7 +73,17 @@ def _cap(raw: dict[str, Any], key: str) -> float | None:
 
 
 def parse_gemma2(raw: dict[str, Any]) -> ModelConfig:
-    """Gemma 2: one RoPE (`rope_theta`), soft caps, alternating sliding and global layers."""
+    """Gemma 2: one RoPE (`rope_theta`), soft caps, alternating sliding and global layers.
+
+    gemma-2-9b-it's config.json also carries `sliding_window_size`, an early name that
+    transformers never reads; it is accepted when it says what `sliding_window` says."""
+    raw = dict(raw)
+    legacy = raw.pop("sliding_window_size", None)
+    if legacy is not None and legacy != raw.get("sliding_window"):
+        raise ConfigError(
+            f"sliding_window_size={legacy} differs from sliding_window="
+            f"{raw.get('sliding_window')}: transformers reads only sliding_window; make them "
+            "equal or drop sliding_window_size")
     return _gemma(raw, "gemma2", parse_rope(raw), None)
 
 
