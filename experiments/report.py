@@ -24,7 +24,7 @@ import pathlib
 import sys
 from collections import defaultdict
 
-from experiments import plots, suites
+from experiments import heatmaps, plots, suites
 from experiments.cells import cell_order, parse_cell_id
 from experiments.predictions import read_folder
 from experiments.replication import (
@@ -352,7 +352,8 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     per_sample = sample_scores(rows)
     written = [plots.score_vs_budget(scores, per_sample, title, out_dir),
                plots.dge_delta(comparisons, title, out_dir),
-               plots.accuracy_vs_k(scores, title, out_dir)]
+               plots.accuracy_vs_k(scores, title, out_dir),
+               heatmaps.niah_heatmap(rows, title, out_dir)]
     plot_files = [p.name for p in written if p is not None]
     text = header(scores, config, rows, plot_files) + markdown_table(scores)
     if comparisons:

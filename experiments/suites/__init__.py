@@ -15,6 +15,7 @@ from experiments.suites.kvpress import SUITE as KVPRESS  # noqa: F401 (registere
 from experiments.suites.longbench import SUITE as LONGBENCH  # noqa: F401 (registered below)
 from experiments.suites.longbench import average_scores as longbench_averages
 from experiments.suites.loogle import SUITE as LOOGLE  # noqa: F401 (registered below)
+from experiments.suites.niah import SUITE as NIAH  # noqa: F401 (registered below)
 from experiments.suites.ruler import SUITE as RULER  # noqa: F401 (registered below)
 from experiments.suites.synthetic import SUITE as SYNTHETIC
 

@@ -372,7 +372,7 @@ def build_context(
     return context, size
 
 
-def _only_in_needles(context: str, needles: Needles) -> bool:
+def only_in_needles(context: str, needles: Needles) -> bool:
     """Whether every protected string occurs in the context only where the needles put it."""
     text, planted = context.lower(), " ".join(needles.sentences).lower()
     return all(text.count(p.lower()) == planted.count(p.lower()) for p in needles.protected)
@@ -402,7 +402,7 @@ def make_row(
         depths = sorted(rng.random() for _ in needles.sentences)  # needles keep their order
         context, size = build_context(task, needles, depths, tokenizer, sentences, counts, start,
                                       length_tokens)
-        if _only_in_needles(context, needles):
+        if only_in_needles(context, needles):
             break
     else:  # pragma: no cover - needs 100 colliding draws in a row
         raise RuntimeError(f"{task}: could not draw needles absent from the haystack")
