@@ -72,8 +72,13 @@ def make_rows(tokenizer: Tokenizer, num_samples: int, length_tokens: int, seed: 
     sentences = tuple(sentences) if sentences is not None else load_haystack()
     counts = sentence_token_counts(tokenizer, sentences)
     cells = [(n, d) for n in lengths(length_tokens) for d in DEPTHS]
-    made = [make_row(tokenizer, *cells[i % len(cells)], seed, i // len(cells), sentences,
-                     counts) for i in range(num_samples)]
+    try:
+        made = [make_row(tokenizer, *cells[i % len(cells)], seed, i // len(cells), sentences,
+                         counts) for i in range(num_samples)]
+    except ValueError as e:  # the shortest length cannot hold the prompt around the haystack
+        raise ValueError(f"--suite niah --synthetic_length {length_tokens}: the grid's "
+                         f"shortest prompts ({lengths(length_tokens)[0]} tokens, a quarter) "
+                         f"are too short ({e}); raise --synthetic_length") from e
     return rows.check_rows(((f"row {i}", r) for i, r in enumerate(made)), row_schema(DATASET),
                            "needle-in-a-haystack grid", "a bug in experiments/suites/niah.py's "
                            "generator: report it")
