@@ -56,7 +56,8 @@ def differences(cells: dict[str, np.ndarray]) -> dict[str, tuple[str, np.ndarray
     return out
 
 
-def _panel(ax, m: np.ndarray, lengths, depths, title: str, cmap: str, limits) -> object:
+def _panel(ax, m: np.ndarray, lengths, depths, title: str, cmap: str, limits,
+           first: bool) -> object:
     image = ax.imshow(m, cmap=cmap, vmin=limits[0], vmax=limits[1], aspect="auto",
                       origin="upper")
     for (i, j), v in np.ndenumerate(m):
@@ -66,7 +67,8 @@ def _panel(ax, m: np.ndarray, lengths, depths, title: str, cmap: str, limits) ->
             ax.text(j, i, f"{v:+.0f}" if diverging else f"{v:.0f}", ha="center",
                     va="center", fontsize=6, color="white" if dark else "black")
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-    ax.set_yticks(range(len(depths)), [f"{d} %" for d in depths], fontsize=7)
+    ax.set_yticks(range(len(depths)), [f"{d} %" for d in depths] if first else [],
+                  fontsize=7)
     ax.set_xlabel("prompt length (tokens)", fontsize=8)
     ax.set_title(title, fontsize=8)
     return image
@@ -84,17 +86,18 @@ def niah_heatmap(rows: list[dict], title_text: str, out_dir: pathlib.Path,
     plt = _pyplot()
     cols = max(len(cells), 1)
     nrows = 2 if diffs else 1
-    fig, axes = plt.subplots(nrows, cols, figsize=(2.3 * cols + 1.2, 3.4 * nrows),
-                             squeeze=False)
-    for ax, (cell, m) in zip(axes[0], cells.items(), strict=False):
-        image = _panel(ax, m, lengths, depths, cell, "viridis", (0, 100))
+    fig, axes = plt.subplots(nrows, cols, figsize=(2.6 * cols + 1.4, 4.0 * nrows),
+                             squeeze=False, gridspec_kw={"wspace": 0.12, "hspace": 0.42})
+    for i, (ax, (cell, m)) in enumerate(zip(axes[0], cells.items(), strict=False)):
+        image = _panel(ax, m, lengths, depths, cell, "viridis", (0, 100), i == 0)
     fig.colorbar(image, ax=list(axes[0]), label="score (key in the answer, %)", shrink=0.8)
     axes[0][0].set_ylabel("needle depth", fontsize=8)
     for ax in axes[0][len(cells):]:
         ax.axis("off")
     if diffs:
-        for ax, (cell, (base, m)) in zip(axes[1], diffs.items(), strict=False):
-            image = _panel(ax, m, lengths, depths, f"{cell}\n− {base}", "RdBu", (-100, 100))
+        for i, (ax, (cell, (base, m))) in enumerate(zip(axes[1], diffs.items(), strict=False)):
+            image = _panel(ax, m, lengths, depths, f"{cell}\n− {base}", "RdBu", (-100, 100),
+                           i == 0)
         fig.colorbar(image, ax=list(axes[1]), label="difference (points)", shrink=0.8)
         axes[1][0].set_ylabel("needle depth", fontsize=8)
         for ax in axes[1][len(diffs):]:
@@ -109,7 +112,7 @@ def niah_heatmap(rows: list[dict], title_text: str, out_dir: pathlib.Path,
 
 def main(argv: list[str] | None = None) -> int:
     from experiments.predictions import read_folder
-    from experiments.run_folder import check_lines
+    from experiments.run_folder import check_lines, read_config
 
     parser = argparse.ArgumentParser(prog="python -m experiments.heatmaps",
                                      description="The NIAH heatmaps of a --suite niah run.")
@@ -119,8 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = read_folder(args.out_dir)
     check_lines(rows, str(args.out_dir))
+    config = read_config(args.out_dir)
+    per_cell = {r["cell"]: 0 for r in rows}
+    for r in rows:
+        per_cell[r["cell"]] += 1
+    n = sorted(set(per_cell.values()))
+    title = (f"{config['identity']['model']} on {config['identity']['suite']}, "
+             if config and "identity" in config else "")
+    title += f"n = {'-'.join(map(str, n[:1] + n[-1:] if len(n) > 1 else n))} samples per cell"
     target = args.out or args.out_dir / "niah_heatmap.png"
-    path = niah_heatmap(rows, str(args.out_dir), target.parent, target.name)
+    path = niah_heatmap(rows, title, target.parent, target.name)
     if path is None:
         parser.error(f"{args.out_dir} holds no niah rows: run it with --suite niah")
     print(f"wrote {path}")
