@@ -111,18 +111,25 @@ def start(distributed: bool, mesh_spec: str | None):
 
 
 def _agree(share: Share, ok: bool, run_id: str) -> None:
-    """Process 0's verdict and run id to every process; a process whose id differs stops."""
+    """Process 0's verdict (it opened the folder) and run id to every process, then every
+    process's check of that id to every process: all go on, or all stop (process 0 with its
+    own error when it could not open the folder)."""
     from dge_jax.runtime import multihost
 
     mine = np.frombuffer(run_id.encode().ljust(64)[:64], np.uint8)
     sent = multihost.broadcast(np.concatenate([np.array([ok], np.uint8), mine]))
-    if not share.first and not sent[0]:
-        raise PeerFailed("process 0 could not open the run folder; its output says why")
     theirs = bytes(sent[1:]).decode().strip()
-    if not share.first and theirs != run_id:
-        raise PeerFailed(f"process {share.index}'s run identity {run_id} differs from "
-                         f"process 0's {theirs}: every process must see the same checkpoint, "
-                         "data and flags (check the files on each host)")
+    votes = multihost.gather(np.array([theirs == run_id], np.uint8))[:, 0]
+    if not sent[0]:
+        if share.first:
+            return  # the error that stopped it goes on
+        raise PeerFailed("process 0 could not open the run folder; its output says why")
+    differ = [i for i, same in enumerate(votes) if not same]
+    if differ:
+        raise PeerFailed(
+            f"the run identity of process(es) {differ} differs from process 0's {theirs} "
+            f"(this process's: {run_id}): every process must see the same checkpoint, data "
+            "and flags (check the files on each host)")
 
 
 @contextlib.contextmanager

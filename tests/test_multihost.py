@@ -329,3 +329,29 @@ def test_the_runner_with_a_model_sharded_across_processes(model_dir, tmp_path):
     # one writer: process 0, into the folder's one file
     assert sorted(p.name for p in two.glob("predictions*.jsonl")) == ["predictions.jsonl"]
     assert predictions(two) == predictions(one) and len(predictions(one)) == 18
+
+
+@pytest.mark.slow
+def test_every_process_stops_on_a_busy_folder_or_another_identity(model_dir, tmp_path):
+    from experiments.run_folder import locked
+
+    env = env_for(tmp_path)
+    out = tmp_path / "busy"
+    command = launched(2, tmp_path, runner_args(model_dir, out, "--distributed"))
+    with locked(out):  # another runner holds the folder
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=TIMEOUT)
+    assert done.returncode == 1, done.stderr[-3000:]
+    # process 0's own line, or process 1's (in the launcher's tail of its log) if it ended first
+    assert ("is in use by another runner" in done.stderr
+            or "process 0 could not open the run folder" in done.stderr), done.stderr[-3000:]
+    assert not list(out.glob("predictions*"))
+    # process 1 sees other weights (another host's files): every process stops, naming it
+    other = build_tiny_llama(tmp_path / "other", seed=1)
+    pick = f"$( [ $JAX_PROCESS_ID = 0 ] && echo {model_dir} || echo {other} )"
+    shell = " ".join(runner_args(pathlib.Path(pick), tmp_path / "mixed", "--distributed"))
+    done = subprocess.run(launched(2, tmp_path, ["sh", "-c", shell]), cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "the run identity of process(es) [1] differs from process 0's" in done.stderr
+    assert not list((tmp_path / "mixed").glob("predictions*"))

@@ -105,6 +105,15 @@ def broadcast(value: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
 
 
+def gather(value: np.ndarray) -> np.ndarray:
+    """Every process's `value` (the same shape on each), stacked by process index."""
+    if jax.process_count() == 1:
+        return np.asarray(value)[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(value)))
+
+
 def barrier(name: str) -> None:
     """Waits until every process reaches the barrier of this name (no-op on one process)."""
     if jax.process_count() > 1:
