@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 import dge_jax
@@ -91,8 +92,14 @@ def record() -> dict:
 
 
 def _predictions(path: str) -> dict:
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    """A prediction file's lines, or a run folder's (every process's file, merged)."""
+    if pathlib.Path(path).is_dir():
+        from experiments.predictions import read_folder
+
+        rows = read_folder(path)
+    else:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
     return {(r["dataset"], r["cell"], r["sample_id"]): (r["pred"], r.get("k")) for r in rows}
 
 
@@ -116,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["record", "compare"])
     parser.add_argument("path", nargs="?", help="the JSON of `record`")
     parser.add_argument("--predictions", nargs=2, metavar=("OLD", "NEW"),
-                        help="compare two runs' predictions.jsonl instead")  # fmt: skip
+                        help="compare two runs' predictions.jsonl (or run folders) "
+                        "instead")  # fmt: skip
     args = parser.parse_args(argv)
     if args.predictions:
         old, new = map(_predictions, args.predictions)
