@@ -300,6 +300,9 @@ def test_a_model_sharded_across_two_processes_gives_one_process_tokens(tmp_path)
                           env=env_for(tmp_path), capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     one = json.loads((tmp_path / "one.p0.json").read_text())
+    # one process reads each block its devices hold once, however many devices hold it: on
+    # data=2, model=4 the weights are replicated twice, and read once
+    assert one["read_2x4"] <= one["checkpoint_bytes"]
     for i in range(2):
         two = json.loads((tmp_path / f"two.p{i}.json").read_text())
         assert two["processes"] == 2

@@ -395,9 +395,24 @@ def load_sharded(
             return np.stack([read(sources[i], index[1:], width) for i in layers]).astype(np_dtype)
 
         flat = {
-            field: jax.make_array_from_callback(
-                tuple(shape), shardings[field], functools.partial(block, field=field)
-            )
+            field: place(tuple(shape), shardings[field], functools.partial(block, field=field))
             for field, shape in key_map.shapes.items()
         }
     return key_map.build(flat)
+
+
+def place(shape: tuple[int, ...], sharding, read) -> jax.Array:
+    """The global array of `shape` laid out by `sharding`, its blocks from `read(index)`:
+    each distinct block this process's devices hold is read once and copied to every one of
+    them (`jax.make_array_from_callback` reads it once per device, so a mesh whose data
+    axis replicates the weights over 2 devices read the checkpoint twice), one block at a
+    time."""
+    blocks: dict[tuple, tuple[tuple[slice, ...], list]] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop, s.step) for s in index)  # slices are not hashable
+        blocks.setdefault(key, (index, []))[1].append(device)
+    arrays = []
+    for index, devices in blocks.values():
+        data = read(index)
+        arrays += [jax.device_put(data, d) for d in devices]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
