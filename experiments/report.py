@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 
 from experiments import heatmaps, plots, suites
-from experiments.cells import cell_order, parse_cell_id
+from experiments.cells import Cell, cell_order, parse_cell_id
 from experiments.predictions import read_folder
 from experiments.replication import (
     SIGNIFICANT,
@@ -125,7 +125,9 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     cell of the same k and budget (the drafted queries' own effect, timing held fixed). A cell
     that also compresses while decoding is compared with FullKV and with its prefill-only
     form (the same cell without it; for timing "decode", the prefill cell at its budget), and
-    a DGE one with its DGE-W twin. All on the samples both have: a sample is correct when
+    a DGE one with its DGE-W twin; each DGE / DGE-W cell also against the `decode` timing at
+    interval k and its budget (`<rule>/decode/b<B>/d<B>/i<k>`), where the run has it. All on
+    the samples both have: a sample is correct when
     its row score >=
     `correct_at`; wins are samples only the cell gets right, losses those only the other.
     For graded metrics (ROUGE, the fraction of answers found), where the threshold can hide a
@@ -170,8 +172,12 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
                     if c.rule != "full" and c.timing in ("prefill", "decode")]
     prefill_only = [pair(cell, f"{c.rule}/prefill/b{c.budget}" if c.timing == "decode"
                          else c.without_decode.id) for cell, c in decoding]  # fmt: skip
+    # the nearest mechanism (kvpress's DecodingPress at compression_interval = k): compress
+    # after k decode steps with their queries, to the same budget, and every k after that
+    against_decode = [pair(cell, Cell(c.rule, "decode", 1, c.budget, False, c.budget, c.k).id)
+                      for cell, c in drafted if not c.adaptive]  # fmt: skip
     comparisons = [p for p in against_full + against_prefill + prefill_only + against_dge_w
-                   if p is not None]  # fmt: skip
+                   + against_decode if p is not None]  # fmt: skip
     for c, adjusted in zip(comparisons, holm([c["p"] for c in comparisons]), strict=True):
         c["p_holm"] = adjusted
     for c, adjusted in zip(comparisons, holm([c["p_scores"] for c in comparisons]), strict=True):
@@ -320,7 +326,9 @@ def _command_text(command: str) -> str:
 PAIRED_INTRO = (
     "\nPaired comparisons on the same samples: each `<rule>/prefill/b<budget>` cell against "
     "`full`, each `dge` / `dge_w` cell against the prefill cell of its rule and budget, then "
-    "each `dge` cell against the `dge_w` cell of the same k and budget, and each cell that "
+    "each `dge` cell against the `dge_w` cell of the same k and budget, each `dge` / `dge_w` "
+    "cell against the `decode` timing at interval k and the same budget (kvpress's "
+    "DecodingPress at compression_interval = k) where the run has it, and each cell that "
     "compresses while decoding against `full` and its prefill-only cell (correct = row score "
     ">= 0.5; exact McNemar test; Holm's correction over all rows; and, by row score, higher / "
     "lower with an exact sign test):\n\n")

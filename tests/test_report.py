@@ -418,6 +418,28 @@ def test_dge_is_also_paired_with_dge_w_at_the_same_k_and_budget():
     assert vs_w["p"] == mcnemar_exact(3, 1) == 0.625  # 2 * (1 + 4) / 16
 
 
+def test_dge_and_dge_w_are_paired_with_the_decode_timing_at_interval_k():
+    """DGE(k) against kvpress's DecodingPress at compression_interval = k (timing decode, the
+    same budget): after k decode steps with the full cache, one evicts once with the prompt
+    window and the drafts, the other every k steps with the decode queries."""
+    base, dge2, dge_w2 = "snapkv/prefill/b16", "snapkv/dge/k2/b16", "snapkv/dge_w/k2/b16"
+    dge4, dec2, dec4 = "snapkv/dge/k4/b16", "snapkv/decode/b16/d16/i2", "snapkv/decode/b16/d16/i4"
+    rows = []
+    # DGE k2 right on a b c; DGE-W k2 on a; DGE k4 on a b; decode i2 on a d; decode i4 on d
+    answers = {base: "1xxx", dge2: "111x", dge_w2: "1xxx", dge4: "11xx", dec2: "1xx1",
+               dec4: "xxx1", "full": "1111"}
+    for cell, preds in answers.items():
+        rows += [line("passkey", cell, s, p, ["1"]) for s, p in zip("abcd", preds, strict=True)]
+    pairs = {(p["cell"], p["baseline"]): p for p in report.paired_comparisons(rows)}
+    assert {(dge2, dec2), (dge_w2, dec2), (dge4, dec4)} <= set(pairs)
+    assert not any(b == dec4 and c in (dge2, dge_w2) for c, b in pairs)  # k must match
+    assert (pairs[(dge2, dec2)]["wins"], pairs[(dge2, dec2)]["losses"]) == (2, 1)  # b c / d
+    assert (pairs[(dge4, dec4)]["wins"], pairs[(dge4, dec4)]["losses"]) == (2, 1)  # a b / d
+    assert (pairs[(dge_w2, dec2)]["wins"], pairs[(dge_w2, dec2)]["losses"]) == (0, 1)
+    # every comparison is in one Holm family
+    assert all("p_holm" in p for p in pairs.values())
+
+
 ADAPTIVE_PAIR = ("snapkv/dge/k8/b16", "snapkv/dge/k8a/b16")
 
 
