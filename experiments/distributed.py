@@ -87,15 +87,15 @@ def start(distributed: bool, mesh_spec: str | None):
     from dge_jax.runtime.sharding import parse_mesh
 
     if not distributed:
-        return ALONE, None if mesh_spec is None else parse_mesh(mesh_spec)
+        return ALONE, parse_mesh(mesh_spec) if mesh_spec else None
     try:
         processes = multihost.initialize()
     except ValueError as e:
         raise ValueError(f"--distributed: {e}") from e
     if processes.count == 1:
-        return ALONE, None if mesh_spec is None else parse_mesh(mesh_spec)
+        return ALONE, parse_mesh(mesh_spec) if mesh_spec else None
     local, every = jax.local_devices(), jax.devices()
-    if mesh_spec is None:
+    if not mesh_spec:
         return Share("data", processes.index, processes.count), None
     mesh = parse_mesh(mesh_spec, devices=every)
     size = math.prod(mesh.devices.shape)

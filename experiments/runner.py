@@ -275,6 +275,7 @@ def evaluate(config: RunConfig, state: dict) -> int:
     state["out_dir"] = out_dir
     # the command as typed (sys.argv[0] is the module's file path under `python -m`)
     command = ("python -m experiments.longbench " + shlex.join(sys.argv[1:])).rstrip()
+
     def open_folder():
         return open_run(out_dir, identity, data, extent, command, extend=config.extend)
 
