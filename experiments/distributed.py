@@ -86,12 +86,12 @@ def start(distributed: bool, mesh_spec: str | None):
     from dge_jax.runtime import multihost
     from dge_jax.runtime.sharding import parse_mesh
 
-    if not distributed:
-        return ALONE, parse_mesh(mesh_spec) if mesh_spec else None
-    try:
-        processes = multihost.initialize()
-    except ValueError as e:
-        raise ValueError(f"--distributed: {e}") from e
+    processes = multihost.Processes()
+    if distributed:
+        try:
+            processes = multihost.initialize()
+        except ValueError as e:
+            raise ValueError(f"--distributed: {e}") from e
     if processes.count == 1:
         return ALONE, parse_mesh(mesh_spec) if mesh_spec else None
     local, every = jax.local_devices(), jax.devices()

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = []
     try:
         for i, env in enumerate(envs):
-            out = None if logs[i] is None else open(logs[i], "wb")  # noqa: SIM115
+            out = None if logs[i] is None else open(logs[i], "wb")
             procs.append(subprocess.Popen(args.command, env=env, stdout=out,
                                           stderr=subprocess.STDOUT if out else None,
                                           start_new_session=True))

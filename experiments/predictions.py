@@ -124,14 +124,19 @@ def read_folder(out_dir: str | os.PathLike, warn: Callable[[str], None] | None =
                 ) -> list[dict]:
     """The usable lines of every prediction file of a folder as one set (a key's first line
     wins: a key is written once, so a repeat is a copy), in file order."""
+    return first_by_key(read_predictions(path, warn) for path in prediction_files(out_dir))
+
+
+def first_by_key(files: Iterable[Iterable[dict]]) -> list[dict]:
+    """The rows of several files in order, each key's first row only."""
     seen: set[str] = set()
-    rows = []
-    for path in prediction_files(out_dir):
-        for row in read_predictions(path, warn):
+    out = []
+    for rows in files:
+        for row in rows:
             if row["key"] not in seen:
                 seen.add(row["key"])
-                rows.append(row)
-    return rows
+                out.append(row)
+    return out
 
 
 def _fsync_dir(folder: pathlib.Path) -> None:
@@ -179,8 +184,7 @@ class PredictionStore:
         self._warn = warn
         owned = {out_dir / process_file(i) for i in range(processes)} if process is not None \
             else {self.path}
-        self.rows: list[dict] = []
-        seen: set[str] = set()
+        files = []
         for path in prediction_files(out_dir):
             ours = writes and (path == self.path or tidy and path not in owned)
             good, bad = parse_lines(path.read_bytes())
@@ -190,15 +194,9 @@ class PredictionStore:
                 for b in bad:
                     self._warn(f"{path} line {b.number} is not used: {b.reason} (its own "
                                "process moves it to quarantine)")
-            for _, row in good:
-                if row["key"] not in seen:
-                    seen.add(row["key"])
-                    self.rows.append(row)
-        self.done = seen
-
-    @property
-    def quarantine_path(self) -> pathlib.Path:
-        return quarantine_of(self.path)
+            files.append([row for _, row in good])
+        self.rows: list[dict] = first_by_key(files)
+        self.done = {row["key"] for row in self.rows}
 
     def _quarantine(self, path: pathlib.Path, good: list[tuple[bytes, dict]],
                     bad: list[BadLine]) -> None:

@@ -31,10 +31,6 @@ class Processes:
     index: int = 0
     count: int = 1
 
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
 
 def current() -> Processes:
     """This process's index and the process count (one process: index 0 of 1)."""
