@@ -8,9 +8,12 @@ models: 6 layers, hidden 256, 4 query heads over 1 kv head of 64, vocab 512; the
 with Gemma 3's switches (five sliding layers of `--window` keys, then one global layer; local
 and global RoPE; q/k norms; sandwich norms; GeGLU). A prompt of 8 windows, batch 1, three
 cells, each in its own grid: FullKV, SnapKV at prefill and DGE-SnapKV (k=2), budget
-`--budget`, compacted. Prints each cell's slots per layer after eviction (sliding layers keep
-the window, global layers the budget), the full cache's slots, and per model the warm times
-of the prefill stage and of each cell's decode stage per token, medians of `--runs` grids.
+`--budget`, compacted. The Gemma model runs twice: with its sliding layers at the prompt's
+length (`sliding_cache="full"`) and holding their window plus one prefill step ("bounded",
+`dge_jax.runtime.window_cache`). Prints each cell's slots per layer after eviction (sliding
+layers keep the window, global layers the budget), prefill's cache (slots per layer, MiB),
+and per run the warm times of the prefill stage and of each cell's decode stage per token,
+medians of `--runs` grids.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def models(window: int) -> dict[str, Model]:
     return out
 
 
-def run_grid(model: Model, prompt: list[int], cells, new: int):
+def run_grid(model: Model, prompt: list[int], cells, new: int, layout: str = "auto"):
     """One grid; returns (stage -> [seconds], (slots per layer, most kept per head per
     layer) of each evicted cache, the full cache's slots per layer)."""
     times: dict[str, list[float]] = collections.defaultdict(list)
@@ -66,11 +69,11 @@ def run_grid(model: Model, prompt: list[int], cells, new: int):
         if stage == "apply_eviction":
             evicted.append((out.capacities, np.asarray(out.num_kept()).max(axis=(1, 2))))
         if stage == "prefill":
-            full.append(out.cache.capacities)
+            full.append((out.cache.capacities, out.cache.nbytes()))
         return out
 
     dge_jax.generate_grid(model, [prompt], cells, max_new_tokens=new, min_new_tokens=new,
-                          hook=hook)  # fmt: skip
+                          hook=hook, sliding_cache=layout)  # fmt: skip
     return times, evicted, full[0]
 
 
@@ -89,29 +92,36 @@ def main() -> None:
     print(f"prompt {prompt_len} tokens (8 windows of {args.window}), budget {args.budget}, "
           f"{args.new_tokens} new tokens, batch 1, CPU, medians of {args.runs} warm grids")
     rows = {}
-    for family, model in models(args.window).items():
+    built = models(args.window)
+    gemma = built["gemma3_text"]
+    runs_of = [("llama", built["llama"], "auto"), ("gemma3_text full", gemma, "full"),
+               ("gemma3_text bounded", gemma, "bounded")]  # fmt: skip
+    for label, model, layout in runs_of:
         prefill_s, decode = [], []
         for name, cell in zip(names, cells, strict=True):
             # one grid per cell: cells of one cache shape would decode as one batch
-            run_grid(model, prompt, [cell], args.new_tokens)  # compile
-            runs = [run_grid(model, prompt, [cell], args.new_tokens) for _ in range(args.runs)]
-            _, evicted, full = runs[0]
+            run_grid(model, prompt, [cell], args.new_tokens, layout)  # compile
+            runs = [run_grid(model, prompt, [cell], args.new_tokens, layout)
+                    for _ in range(args.runs)]  # fmt: skip
+            _, evicted, (slots, nbytes) = runs[0]
             if cell is None:
-                print(f"\n{family}: full cache slots per layer {full}")
+                print(f"\n{label}: prefill cache slots per layer {slots}, {nbytes / 2**20:.2f} MiB")
                 prefill_s = statistics.median(t["prefill"][0] for t, _, _ in runs)
             else:
                 slots, kept = evicted[0]
                 print(f"  {name}: slots per layer {slots}, most kept per head {kept.tolist()}")
             decode.append(statistics.median(t["decode"][0] for t, _, _ in runs) / args.new_tokens)
-        rows[family] = (prefill_s, decode)
-    print("\n| model | prefill (s) | " + " | ".join(f"decode {n} (ms/token)" for n in names) + " |")
+        rows[label] = (prefill_s, decode)
+    print("\n| run | prefill (s) | " + " | ".join(f"decode {n} (ms/token)" for n in names) + " |")
     print("|---|---:|" + "---:|" * len(names))
-    for family, (prefill_s, decode) in rows.items():
+    for label, (prefill_s, decode) in rows.items():
         cols = " | ".join(f"{1e3 * d:.2f}" for d in decode)
-        print(f"| {family} | {prefill_s:.3f} | {cols} |")
-    (lp, ld), (gp, gd) = rows["llama"], rows["gemma3_text"]
-    ratios = " | ".join(f"{g / max(x, 1e-12):.2f}" for g, x in zip(gd, ld, strict=True))
-    print(f"| gemma / llama | {gp / lp:.2f} | {ratios} |")
+        print(f"| {label} | {prefill_s:.3f} | {cols} |")
+    lp, ld = rows["llama"]
+    for label in ("gemma3_text full", "gemma3_text bounded"):
+        gp, gd = rows[label]
+        ratios = " | ".join(f"{g / max(x, 1e-12):.2f}" for g, x in zip(gd, ld, strict=True))
+        print(f"| {label} / llama | {gp / lp:.2f} | {ratios} |")
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ from typing import Any
 
 from dge_jax.config import with_fields
 from dge_jax.eviction.evict import Eviction
-from dge_jax.eviction.grid_plan import GridRecording, cache_room, check_cells
+from dge_jax.eviction.grid_plan import GridRecording, bounded_sliding, cache_room, check_cells
 from dge_jax.model import Model
 from dge_jax.runtime import platform
 from dge_jax.runtime.prompts import prepare
 from dge_jax.runtime.sampling import check_sampler
 from dge_jax.runtime.sharding import on_model_mesh
+from dge_jax.runtime.window_cache import LAYOUTS
 from dge_jax.stages import (
     GREEDY,
     STAGES,
@@ -49,7 +50,10 @@ class GenerationConfig:
     keep what each decode-time compression kept (`GenerationResult.compressions`); attention:
     prefill's attention implementation, "auto" (the platform's: pallas on TPU, xla elsewhere),
     "xla", "pallas" (the Pallas flash kernel; interpret mode off TPU, slow) or "cudnn" (GPU
-    only).
+    only); sliding_cache: how prefill's cache holds sliding-window layers, "bounded" (their
+    window plus one prefill step: `dge_jax.runtime.window_cache`), "full" (the prompt's
+    length, like global layers) or "auto" (bounded unless a cell needs the full layout:
+    `grid_plan.bounded_sliding`).
     """
 
     max_new_tokens: int = 64
@@ -61,9 +65,12 @@ class GenerationConfig:
     extra_eos_ids: Sequence[int] = ()
     record_compressions: bool = False
     attention: str = "auto"
+    sliding_cache: str = "auto"
 
     def __post_init__(self) -> None:
         platform.check_attention(self.attention)
+        if self.sliding_cache not in LAYOUTS:
+            raise ValueError(f"sliding_cache must be one of {LAYOUTS}, got {self.sliding_cache!r}")
 
     @classmethod
     def of(cls, config: GenerationConfig | None, options: dict[str, Any]) -> GenerationConfig:
@@ -120,8 +127,9 @@ def generate_grid(
     )  # fmt: skip
     cells = check_cells(cells, cfg.max_new_tokens, model.config.layer_windows)
     recording = GridRecording.of(cells)
+    bounded = bounded_sliding(cells, model.config.layer_windows, cfg.sliding_cache)
     prefilled = prefill(
-        model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells)
+        model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells), bounded
     )
     prefilled = reconstruct(model, request, prefilled, recording, hook)
     # The draft writes into prefill's cache in place, unless a FullKV cell decodes from it.

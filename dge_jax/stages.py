@@ -37,7 +37,7 @@ from dge_jax.eviction.evict import (
 from dge_jax.eviction.grid_plan import CellPlan, GridRecording
 from dge_jax.eviction.selection import kept_positions
 from dge_jax.model import Model
-from dge_jax.runtime import decoding, stacking
+from dge_jax.runtime import decoding, stacking, window_cache
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
 from dge_jax.runtime.multihost import fetch
 from dge_jax.runtime.prompts import Request, cut_at_eos
@@ -103,16 +103,23 @@ def prefill(
     seed: int,
     hook=None,
     room: int | None = None,
+    bounded: bool = False,
 ) -> Prefilled:
     """Prefill once for every cell, recording what any cell's rule reads (the largest
     query window, attention sums, query statistics, rules' own recorders); choose the first
     answer token. room: slots after the prompt (default: the token buffer, room for every
-    new token; `cache_room`)."""
+    new token; `cache_room`); bounded: sliding layers hold their window plus one prefill
+    step, not the prompt (`dge_jax.runtime.window_cache`)."""
+    capacity = request.tokens.shape[1] + (request.buffer if room is None else room)
+    if bounded:
+        capacity = window_cache.layer_capacities(
+            model.config.layer_windows, capacity, request.chunk
+        )
     pre = _call(
         hook, "prefill", decoding.prefill_prompt,
         model.forward, model.config, model.params,
         jnp.asarray(request.tokens), jnp.asarray(request.lengths),
-        capacity=request.tokens.shape[1] + (request.buffer if room is None else room),
+        capacity=capacity,
         attention=request.attention,
         chunk=request.chunk,
         recording=recording.needs.recording,
@@ -295,7 +302,7 @@ def evict(
                 state.cache, plan.keep, ev, capacity, remaining, count,
             )  # fmt: skip
             state = dataclasses.replace(state, cache=cache)
-        positions = None if plan.keep is None else plan.state.cache.pos
+        positions = None if plan.keep is None else plan.state.cache.padded_pos()
         out.append(
             dataclasses.replace(plan, state=None, positions=positions, evicted=state, attn=attn)
         )

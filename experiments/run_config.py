@@ -87,6 +87,11 @@ flags.DEFINE_enum("sliding", "window", ["window", "evict"], "models with sliding
                   "layers (Gemma 2/3, Mistral v0.1, Phi-3): a sliding layer keeps what its "
                   "window still shows (window, default) or is held to the budget too (evict); "
                   "recorded in the run identity when evict")
+flags.DEFINE_enum("sliding_cache", "auto", ["auto", "bounded", "full"], "how prefill's cache "
+                  "holds sliding-window layers: their window plus one prefill step (bounded), "
+                  "the prompt's length (full), or bounded unless a cell needs full (auto, "
+                  "default: KVzip, --sliding evict, decode-time compression); recorded in the "
+                  "run identity unless auto")
 flags.DEFINE_integer("chunk", None, "prefill chunk (tokens; default: the platform's, 512 on "
                      "CPU, 8192 on TPU and GPU)")
 flags.DEFINE_enum("attention", "auto", list(ATTENTION), "prefill's attention: auto (the "
@@ -210,6 +215,7 @@ class RunConfig:
     attention: str = "auto"
     sliding: str = "window"
     distributed: bool = False
+    sliding_cache: str = "auto"
 
     @classmethod
     def from_flags(cls, values: flags.FlagValues) -> RunConfig:
@@ -244,7 +250,7 @@ class RunConfig:
             draft_weight=values.draft_weight, ties=values.ties,
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
             k_max=values.k_max, attention=values.attention, sliding=values.sliding,
-            distributed=values.distributed)
+            distributed=values.distributed, sliding_cache=values.sliding_cache)
 
     def adaptive(self) -> Adaptive | None:
         """The adaptive-k rule of the grid's adaptive cells (None without --adaptive_rule)."""

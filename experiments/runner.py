@@ -89,6 +89,7 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         "adaptive": config.adaptive_identity,
         **({} if backend.attention == "xla" else {"attention": backend.attention}),
         **({} if config.sliding == "window" else {"sliding": config.sliding}),
+        **({} if config.sliding_cache == "auto" else {"sliding_cache": config.sliding_cache}),
     }
 
 
@@ -404,7 +405,8 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: lis
         results = grid.generate_grid(model, ids, [grid.evictions[c] for c in todo],
                                      max_new_tokens=max_new, extra_eos_ids=extra_eos,
                                      min_new_tokens=stop.min_new_tokens, chunk=config.chunk,
-                                     attention=config.attention)
+                                     attention=config.attention,
+                                     sliding_cache=config.sliding_cache)
         seconds = (time.time() - t0) / len(batch)
         lines = []
         for i, (row, _) in enumerate(batch):

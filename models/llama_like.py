@@ -26,6 +26,7 @@ from dge_jax.runtime.cache import KVCache, LayerGroup
 from dge_jax.runtime.layer_attention import cache_layer_attention
 from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables
+from dge_jax.runtime.window_cache import join_layers, make_room
 
 
 @jax.tree_util.register_dataclass
@@ -294,11 +295,6 @@ def forward(
     outside a decode loop), None = grouped here.
     """
     b, t = tokens.shape
-    if recording.reads_probs_sum and cache.ragged:
-        raise ValueError(
-            f"recording attention sums needs one capacity for all layers (per-slot sums are "
-            f"stacked), got {cache.capacities}"
-        )
     if layers is None:
         layers = group_layers(params.layers, cache.group_sizes)
     # One RoPE table per distinct RoPE of the model's layers (Gemma 3: local and global).
@@ -331,14 +327,17 @@ def forward(
         ids = jnp.arange(group.num_layers, dtype=jnp.int32)
         span = slice(first, first + group.num_layers)
         first += group.num_layers
+        if windows[span].min() > 0:  # sliding layers: their window, not the prompt
+            group = make_room(group, int(windows[span].max()), t)
         (x, (k, v, pos)), rec = jax.lax.scan(
             scanned_layer, (x, (group.k, group.v, group.pos)),
             (lp, ids, group.index, jnp.asarray(windows[span]), jnp.asarray(rope_ids[span])),
         )  # fmt: skip
         groups.append(LayerGroup(k=k, v=v, pos=pos, index=group.index + t))
         recorded.append(rec)
-    # Each recorder's value per group, [Lg, ...]: join the groups.
-    recorded = jax.tree.map(lambda *xs: jnp.concatenate(xs), *recorded)
+    # Each recorder's value per group, [Lg, ...]: join the groups (per-slot values of groups
+    # with fewer slots padded with zeros, as `KVCache.padded_pos` pads positions).
+    recorded = jax.tree.map(join_layers, *recorded)
     out = None
     if logits != "none":
         x = x[:, -1] if logits == "last" else x

@@ -334,17 +334,23 @@ def select_for_budgets(
     `dge_jax.eviction.decode_compression`).
 
     Sliding layers (spec.windows): the budget applies to the global layers; a sliding layer
-    keeps what its window still shows (`dge_jax.eviction.sliding`)."""
-    nl, b, hkv, _ = cache.pos.shape
+    keeps what its window still shows (`dge_jax.eviction.sliding`); where those layers hold
+    only their window (`dge_jax.runtime.window_cache`), each global layer group is scored
+    on its own (`sliding.by_group`) and the masks span the global layers' slots."""
+    pos = cache.padded_pos()
+    nl, b, hkv, _ = pos.shape
     rules = spec.rule if isinstance(spec.rule, tuple) else (spec.rule,) * len(budgets)
     if len(rules) != len(budgets) or len({p.scorer for p in rules}) != 1:
         raise ValueError(
             "select_for_budgets: give one rule, or one per budget with the same scorer"
         )
     obs = with_drafts(prompt_obs, drafts, observe_drafts, spec.slide, draft_weight)
-    scores = rules[0].scorer.score(cache, obs)
-    is_draft = cache.pos > prompt_obs.prompt_end[None, :, None, None]
-    scores = jnp.where(is_draft & (cache.pos >= 0), jnp.inf, scores)
+    by_group = functools.partial(sliding_layers.by_group, cache, obs, spec.windows,
+                                 spec.evict_sliding)  # fmt: skip
+    scores = by_group(lambda c, o, a, b: rules[0].scorer.score(c, o))
+    is_draft = pos > prompt_obs.prompt_end[None, :, None, None]
+    scores = jnp.where(is_draft & (pos >= 0), jnp.inf, scores)
+    inside = pos >= 0
     window_keep, sliding = sliding_layers.window_keep(cache, spec.windows)
     if window_keep is not None and spec.evict_sliding:  # the rule picks within the window
         scores = jnp.where(sliding & ~window_keep, -jnp.inf, scores)
@@ -352,15 +358,13 @@ def select_for_budgets(
     if window_keep is not None and spec.head_budget == "global":
         # the global pool: only the global layers' entries (drafts too) compete
         scores = jnp.where(sliding, -jnp.inf, scores)
-    # Only prompt entries count towards "fits" below: drafts are answer tokens, kept on top
-    # of a whole prompt.
-    prompt_entries = jnp.sum(cache.valid() & ~is_draft, axis=-1, dtype=jnp.int32)
+    # Only prompt entries count towards "fits" below (drafts are kept on top of a prompt).
+    prompt_entries = jnp.sum(inside & ~is_draft, axis=-1, dtype=jnp.int32)
     masks = []
     for budget, rule in zip(budgets, rules, strict=True):
         schedule = rule.layer_schedule
-        # A row whose every head holds no more than the nominal budget is not compressed at
-        # all, whatever a schedule or allocator would move between layers/heads: a prompt no
-        # longer than the budget is never compressed.
+        # A row whose every head holds no more than the nominal budget is not compressed,
+        # whatever a schedule or allocator would move: a prompt <= the budget is kept whole.
         nominal = expand_budgets(budget, nl, b, hkv)
         fits = jnp.all(prompt_entries <= nominal, axis=(0, 2))  # [B]
         if schedule is not None and any(spec.windows) and not spec.evict_sliding:
@@ -369,12 +373,13 @@ def select_for_budgets(
             budget = schedule.layer_budgets(budget, nl)
         per_head = head_budgets(spec.head_budget, scores, budget, spec.alpha, spec.ties,
                                 spec.head_cap, sliding)  # fmt: skip
-        ranked = rule.refine(scores, per_head, cache, obs, spec.ties)  # two-stage re-rank
-        keep = selection.select_slots(ranked, per_head, ties=spec.ties, positions=cache.pos)
-        keep = jnp.where(fits[None, :, None, None], cache.valid(), keep)
+        ranked = by_group(lambda c, o, a, z, r=rule, h=per_head, s=scores:
+                          r.refine(s[a:z], h[a:z], c, o, spec.ties))  # two-stage re-rank
+        keep = selection.select_slots(ranked, per_head, ties=spec.ties, positions=pos)
+        keep = jnp.where(fits[None, :, None, None], inside, keep)
         if window_keep is not None:
             keep = jnp.where(sliding, window_keep, keep)
-        masks.append(keep)
+        masks.append(keep & inside)
     return tuple(masks)
 
 

@@ -16,6 +16,7 @@ from dge_jax.rules.full import is_full
 from dge_jax.runtime.decoding import DecodeState
 from dge_jax.runtime.prompts import Request
 from dge_jax.runtime.records import DraftRecord
+from dge_jax.runtime.window_cache import LAYOUTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,3 +104,38 @@ def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
     need = [ev.timing.draft_steps for ev in cells]
     need += [ev.decode.interval for ev in cells if not ev.timing.before_decoding]
     return min(request.buffer, round_up_slots(max(need + [1])))
+
+
+def bounded_sliding(
+    cells: Sequence[Eviction | None], windows: tuple[int, ...], layout: str
+) -> bool:
+    """Whether prefill's cache gives sliding layers the bounded layout
+    (`dge_jax.runtime.window_cache`; `GenerationConfig.sliding_cache`): "full" never, "auto"
+    when the model has sliding layers and every cell can run on it, "bounded" then too, and
+    a clear error naming a cell that cannot. Cells that cannot: sliding="evict" (the rule
+    ranks a sliding layer's entries by what it recorded over the whole prompt), KVzip (its
+    repeat of the prompt reads every layer's prompt) and decode-time compression (its loop
+    scores every layer in one stacked cache)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"sliding_cache must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "full" or not any(windows):
+        return False
+    for i, ev in enumerate(cells):
+        why = None if ev is None else _needs_full_layout(ev)
+        if why and layout == "bounded":
+            raise ValueError(f"sliding_cache='bounded' cannot run cell {i}: {why}; use "
+                             "sliding_cache='auto' (the full layout for such a grid)")  # fmt: skip
+        if why:
+            return False
+    return True
+
+
+def _needs_full_layout(ev: Eviction) -> str | None:
+    """Why `ev` needs every sliding layer at prompt length (None: it does not)."""
+    if ev.sliding == "evict":
+        return "Eviction(sliding='evict') ranks sliding layers by their whole-prompt record"
+    if ev.rule.needs.reconstruction is not None:
+        return f"{type(ev.rule).__name__} repeats the prompt over every layer's prompt entries"
+    if ev.decode is not None or not ev.timing.before_decoding:
+        return "decode-time compression scores every layer in one stacked cache"
+    return None

@@ -9,11 +9,13 @@ rule reads.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow
-from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
+from dge_jax.runtime.records import DraftRecord, Observation, QueryStats, Records
 from dge_jax.runtime.rope import rotate
 
 
@@ -122,3 +124,25 @@ def for_rule(
             records=None if drafts.records is None else drafts.records.only(steps.recorders),
         )
     return obs, drafts
+
+
+def layers_of(obs: Observation, first: int, stop: int) -> Observation:
+    """What ``obs`` holds of layers [first, stop): the layer-major fields (queries,
+    attention sums, output projections, query statistics, reconstruction scores, every rule
+    recorder's record: `Recorder.layer` values stacked on [L]) cut there, the rest as is. How
+    a rule scores one layer group of a cache whose groups differ in capacity."""
+
+    def cut(x):
+        return None if x is None else x[first:stop]
+
+    stats = obs.q_stats
+    if stats is not None:
+        stats = dataclasses.replace(stats, total=stats.total[first:stop],
+                                    outer=stats.outer[first:stop])  # fmt: skip
+    records = obs.records
+    if records is not None:
+        records = Records(records.recorders, jax.tree.map(cut, records.values))
+    return dataclasses.replace(
+        obs, q=cut(obs.q), attn_sum=cut(obs.attn_sum), out_proj=cut(obs.out_proj),
+        recon=cut(obs.recon), q_stats=stats, records=records,
+    )  # fmt: skip

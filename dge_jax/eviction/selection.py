@@ -170,9 +170,10 @@ def select_slots(
 def apply_keep(cache: KVCache, keep: jax.Array) -> KVCache:
     """The same cache with every slot outside ``keep`` emptied (pos = -1).
 
-    keep: [L, B, Hkv, S] bool. Masking mode: shapes (and the compiled decode) do not change.
+    keep: [L, B, Hkv, S] bool (S: the largest layer's slots, `KVCache.padded_pos`). Masking
+    mode: shapes (and the compiled decode) do not change.
     """
-    return cache.with_pos(jnp.where(keep, cache.pos, -1))
+    return cache.with_pos(jnp.where(keep, cache.padded_pos(), -1))
 
 
 def kept_positions(cache: KVCache | jax.Array, keep: jax.Array) -> list[list[list[list[int]]]]:

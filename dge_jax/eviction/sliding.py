@@ -17,10 +17,14 @@ schedule then spans every layer as on a model without windows.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
-from dge_jax.runtime.cache import KVCache
+from dge_jax.eviction.observation import layers_of
+from dge_jax.runtime.cache import KVCache, group_bounds
+from dge_jax.runtime.records import Observation
 
 
 def window_keep(
@@ -28,10 +32,11 @@ def window_keep(
 ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
     """(keep [L, B, Hkv, S], sliding [L, 1, 1, 1]): on each sliding layer the entries a later
     query can still see; (None, None) when no layer slides. windows: the model's
-    `ModelConfig.layer_windows` (0: a global layer)."""
+    `ModelConfig.layer_windows` (0: a global layer). S: the largest layer's slots
+    (`KVCache.padded_pos`)."""
     if not any(windows):
         return None, None
-    pos = cache.pos
+    pos = cache.padded_pos()
     window = jnp.asarray(windows, jnp.int32)[:, None, None, None]  # [L, 1, 1, 1]
     # Each row's next query position: its last written position + 1 (every layer holds it).
     next_pos = jnp.max(pos, axis=(0, 2, 3)) + 1  # [B]
@@ -58,3 +63,33 @@ def scheduled_over_global_layers(schedule, budget: jax.Array | int, windows: tup
         return per_layer
     on_global = schedule.layer_budgets(budget, len(global_layers))
     return per_layer.at[jnp.asarray(global_layers)].set(on_global)
+
+
+def by_group(
+    cache: KVCache, obs: Observation, windows: tuple[int, ...], evict_sliding: bool, fn
+) -> jax.Array:
+    """[L, B, Hkv, S] f32: ``fn(cache, obs, first, stop)`` (a rule's scores, or its re-ranked
+    scores, of layers [first, stop)). On a cache whose sliding layers hold only their window
+    (`dge_jax.runtime.window_cache`), fn sees each group of full-length layers on its own
+    (with its layers of ``obs``), and a bounded sliding group scores -inf: it keeps its
+    window whatever it scores (`window_keep`). windows: the model's layer windows;
+    evict_sliding: `Eviction.sliding` == "evict", which needs one capacity."""
+    if not cache.ragged:
+        return fn(cache, obs, 0, cache.num_layers)
+    if not any(windows) or evict_sliding:
+        raise ValueError(
+            f"a cache whose layers differ in capacity ({cache.capacities}) is scored only in "
+            "the bounded layout of sliding layers under Eviction(sliding='window'); score a "
+            "cache of one capacity (GenerationConfig(sliding_cache='full'))"
+        )
+    full, parts = cache.capacity, []
+    bounds = itertools.pairwise(group_bounds(cache.group_sizes))
+    for group, (a, b) in zip(cache.groups, bounds, strict=True):
+        if group.capacity == full:
+            parts.append(fn(KVCache((group,)), layers_of(obs, a, b), a, b))
+            continue
+        if not all(windows[a:b]):
+            raise ValueError(f"layers {a}..{b - 1} hold fewer slots ({group.capacity}) than "
+                             f"the cache ({full}) but do not all slide: {windows[a:b]}")
+        parts.append(jnp.full((b - a, *group.pos.shape[1:-1], full), -jnp.inf, jnp.float32))
+    return jnp.concatenate(parts)

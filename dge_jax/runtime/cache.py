@@ -14,7 +14,10 @@ a layout choice, never a different code path:
 - `decoding.decode_loop` on CPU regroups it into groups of one layer (XLA:CPU copies the slice of
   a stacked array a layer reads, every step; a one-layer group is read in place);
 - compaction to per-layer capacities (PyramidKV's budgets, AdaKV's) gives one group per run
-  of layers with the same capacity, each holding only the slots its layers need.
+  of layers with the same capacity, each holding only the slots its layers need;
+- sliding-window layers in the bounded layout (`dge_jax.runtime.window_cache`) hold their
+  window plus one prefill step from prefill on: again one group per run of one capacity,
+  and what reads every layer at once pads the smaller ones (`padded_pos`).
 
 A query at position p may attend to slot s of its head iff ``0 <= pos[s] <= p``. That one
 rule covers left padding (padded slots hold -1), eviction (evicted slots get -1) and
@@ -31,6 +34,7 @@ decode step writes slot 5 (``index`` was 5):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -145,9 +149,22 @@ class KVCache:
         """[L] int32: each layer's next slot to write."""
         return jnp.concatenate([g.index for g in self.groups])
 
+    def padded_pos(self) -> jax.Array:
+        """[L, B, Hkv, S] int32: every layer's slot positions, a layer with fewer slots than
+        the largest (`capacity`) padded with empty ones (-1). What selection reads of a cache
+        whose layers differ in capacity (the bounded layout of sliding layers,
+        `dge_jax.runtime.window_cache`): small beside k and v, which are never padded."""
+        if not self.ragged:
+            return self.pos
+        s = self.capacity
+        return jnp.concatenate([
+            jnp.pad(g.pos, ((0, 0),) * 3 + ((0, s - g.capacity),), constant_values=-1)
+            for g in self.groups
+        ])  # fmt: skip
+
     def valid(self) -> jax.Array:
-        """[L, B, Hkv, S] bool: slots holding a token (one capacity for all layers)."""
-        return self.pos >= 0
+        """[L, B, Hkv, S] bool: slots holding a token (`padded_pos` where capacities differ)."""
+        return self.padded_pos() >= 0
 
     def num_kept(self) -> jax.Array:
         """[L, B, Hkv] int32: occupied slots per head (per-layer capacities too)."""
@@ -160,10 +177,11 @@ class KVCache:
         return tuple(x[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
     def with_pos(self, pos: jax.Array) -> KVCache:
-        """The same cache with slot positions ``pos`` [L, B, Hkv, S] (masking: shapes unchanged,
-        one capacity for all layers)."""
+        """The same cache with slot positions ``pos`` [L, B, Hkv, S] (masking: shapes
+        unchanged); where capacities differ, ``pos`` is padded as `padded_pos` is and each
+        group takes its own slots."""
         groups = (
-            dataclasses.replace(g, pos=p)
+            dataclasses.replace(g, pos=p[..., : g.capacity])
             for g, p in zip(self.groups, self.per_group(pos), strict=True)
         )
         return KVCache(tuple(groups))
@@ -186,22 +204,30 @@ def init_cache(
     num_layers: int,
     batch_size: int,
     num_kv_heads: int,
-    capacity: int,
+    capacity: int | Sequence[int],
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
 ) -> KVCache:
-    """An empty one-group cache of static ``capacity`` slots per head.
+    """An empty cache of static ``capacity`` slots per head: one group of every layer, or,
+    given one capacity per layer, one group per run of layers of one capacity.
 
-    k, v: [L, B, Hkv, capacity, D] zeros of `dtype`; pos: [L, B, Hkv, capacity] int32 all -1;
-    index: [L] int32 zeros.
+    k, v: [Lg, B, Hkv, capacity, D] zeros of `dtype`; pos: [Lg, B, Hkv, capacity] int32 all
+    -1; index: [Lg] int32 zeros.
     """
-    shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-    return KVCache.stacked(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
-        pos=jnp.full(shape[:-1], -1, jnp.int32),
-        index=jnp.zeros((num_layers,), jnp.int32),
-    )
+    caps = (capacity,) * num_layers if isinstance(capacity, int | np.integer) else capacity
+    caps = tuple(int(c) for c in caps)
+    if len(caps) != num_layers:
+        raise ValueError(f"{len(caps)} capacities for a cache of {num_layers} layers")
+    groups = []
+    for a, b in itertools.pairwise(group_bounds(runs_of_equal(caps))):
+        shape = (b - a, batch_size, num_kv_heads, caps[a], head_dim)
+        groups.append(LayerGroup(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            pos=jnp.full(shape[:-1], -1, jnp.int32),
+            index=jnp.zeros((b - a,), jnp.int32),
+        ))  # fmt: skip
+    return KVCache(tuple(groups))
 
 
 def runs_of_equal(values: Sequence[int]) -> tuple[int, ...]:

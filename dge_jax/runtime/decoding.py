@@ -62,7 +62,7 @@ def prefill_prompt(
     tokens: jax.Array,
     lengths: jax.Array,
     *,
-    capacity: int,
+    capacity: int | tuple[int, ...],
     chunk: int = 512,
     recording: Recording = NOTHING,
     cache_dtype=None,
@@ -85,11 +85,11 @@ def prefill_prompt(
     c = t // -(-t // chunk)  # min(chunk, t) when T is a multiple of the chunk
     if t % c:
         raise ValueError(f"prompt length {t} does not split into steps of at most {chunk}")
-    if capacity < t:
-        raise ValueError(f"cache capacity {capacity} is smaller than the prompt ({t})")
+    _check_capacity(cfg, capacity, t, c)
     dtype = cache_dtype or params.embed.dtype
     forward = functools.partial(forward, attention=attention)  # every chunk's attention
     cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+    capacity = cache.capacity  # the global layers' (what per-slot records span)
     # Under jax.set_mesh (dge_jax.runtime.sharding): rows over data, kv heads over model;
     # else no-ops.
     tokens, lengths = constrain_rows(cfg, tokens, lengths)
@@ -112,6 +112,20 @@ def prefill_prompt(
     nothing = Observation(q=None, q_pos=None, attn_sum=None, is_draft=None,
                           prompt_end=(lengths - 1).astype(jnp.int32))  # fmt: skip
     return PrefillOutput(logits, cache, recording.observe(nothing, records))
+
+
+def _check_capacity(cfg: ModelConfig, capacity: int | tuple[int, ...], t: int, c: int) -> None:
+    """A cache too small for the prompt: a layer of fewer than T slots is a sliding layer
+    that keeps its window (`window_cache`) and needs room for one step besides it."""
+    caps = (capacity,) * cfg.num_layers if isinstance(capacity, int) else tuple(capacity)
+    for i, cap in enumerate(caps):
+        window = cfg.window(i)
+        if cap < t and not (window and cap >= window - 1 + c):
+            raise ValueError(
+                f"cache capacity {cap} of layer {i} is smaller than the prompt ({t})"
+                + (f" and than its window + one prefill step ({window - 1} + {c})" if window
+                   else "")
+            )  # fmt: skip
 
 
 @jax.tree_util.register_dataclass
@@ -332,7 +346,7 @@ def rewind_state(
     """
     k = drafts.q_pos.shape[1]
     steps = jnp.clip(steps.astype(jnp.int32), 0, k)
-    pos = state.cache.pos
+    pos = state.cache.padded_pos()
     # Draft step j wrote position length + j; keep those with j < steps.
     gone = pos >= (lengths + steps)[None, :, None, None]
     cache = state.cache.with_pos(jnp.where(gone, -1, pos))
