@@ -2,7 +2,13 @@
 
 from importlib import metadata
 
-from dge_jax.generation import GenerationConfig, GenerationResult, generate, generate_grid
+from dge_jax.generation import (
+    GenerationConfig,
+    GenerationResult,
+    generate,
+    generate_for_contexts,
+    generate_grid,
+)
 from dge_jax.model import DEFAULT_MODEL, Model, load
 
 try:
@@ -17,6 +23,7 @@ __all__ = [
     "Model",
     "__version__",
     "generate",
+    "generate_for_contexts",
     "generate_grid",
     "load",
 ]

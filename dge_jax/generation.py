@@ -1,7 +1,35 @@
-"""`generate` and `generate_grid`: text in, text out.
+"""`generate`, `generate_grid` and `generate_for_contexts`: text in, text out.
 
 `generate_grid` runs the stages of `dge_jax.stages` in order; `GenerationConfig` holds the
 settings that are not the prompts or the evictions. ``hook``: see `dge_jax.stages`.
+
+`generate_for_contexts`: one compressed cache per context, every question answered from it.
+What kvpress's default protocol and shared-context serving do (issue 31): the *context* is
+compressed before (or without) its questions, then each question and its answer prefix are
+fed to the compressed cache and answered. Every cell ends with a cache of the context alone
+(its budget, per head, spent on context positions), and every question is then fed to that
+same cache, never to another question's answer:
+
+    cell               prompt it prefills          scores with                  keeps
+    FullKV             context                     -                            every entry
+    prefill timing     context                     the context's own queries    budget
+    DGE-W(k)           context + anchor question   the question's queries       budget
+    DGE(k)             context + anchor question   ... + k drafted tokens'      budget
+
+So in these protocols DGE's eviction waits past the anchor question and k drafted tokens
+(the cache stays full until then), and DGE-W is the same wait without the drafted queries:
+query-aware compression of the context. The anchor question's entries and the drafts are
+then dropped with the evicted ones, and the anchor question is answered from the compressed
+context like every other question (fed again, so its entries see only what was kept): the
+first question and the later ones meet the same cache, and what anchoring costs the later
+ones is their score against the anchor's.
+
+The question tokens of every row are fed in one prefill step over the compressed cache
+(`dge_jax.runtime.extend`); the answer then decodes as in `generate_grid`. Decode-time
+compression is refused (it compresses the answer, not the context), and sliding-window
+layers use the full layout
+(`window_cache`'s bounded one would already have dropped context entries the question
+needs).
 """
 
 from __future__ import annotations
@@ -10,12 +38,23 @@ import dataclasses
 from collections.abc import Sequence, Sized
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from dge_jax.config import with_fields
-from dge_jax.eviction.evict import Eviction
-from dge_jax.eviction.grid_plan import GridRecording, bounded_sliding, cache_room, check_cells
+from dge_jax.eviction.evict import Eviction, round_up_slots
+from dge_jax.eviction.grid_plan import (
+    CellPlan,
+    GridRecording,
+    bounded_sliding,
+    cache_room,
+    check_cells,
+)
 from dge_jax.model import Model
-from dge_jax.runtime import platform
-from dge_jax.runtime.prompts import prepare
+from dge_jax.runtime import decoding, platform
+from dge_jax.runtime.extend import extend, with_room
+from dge_jax.runtime.prompts import Request, as_prompts, pad_left, prepare
 from dge_jax.runtime.sampling import check_sampler
 from dge_jax.runtime.sharding import on_model_mesh
 from dge_jax.runtime.window_cache import LAYOUTS
@@ -34,7 +73,10 @@ from dge_jax.stages import (
     select,
 )
 
-__all__ = ["STAGES", "GenerationConfig", "GenerationResult", "Hook", "generate", "generate_grid"]
+__all__ = [
+    "STAGES", "GenerationConfig", "GenerationResult", "Hook", "generate", "generate_for_contexts",
+    "generate_grid",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +154,23 @@ def generate_grid(
     of `GenerationConfig` by name, over `config`'s.
     """
     cfg = GenerationConfig.of(config, options)
+    request, plans = evicted_plans(model, prompts, cells, cfg, hook)
+    tokens, logs = decode(model, request, plans, cfg.sampler, hook, cfg.record_compressions)
+    return results(model, request, plans, tokens, logs)
+
+
+def evicted_plans(
+    model: Model,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    cells: Sequence[Eviction | None],
+    cfg: GenerationConfig,
+    hook: Hook | None = None,
+    context_end: Sequence[int] | None = None,
+    sliding_cache: str | None = None,
+) -> tuple[Request, list[CellPlan]]:
+    """The grid through its evict stage: the checked request and each cell's plan, its
+    evicted state ready to decode. context_end: per row, the last position a cell may keep
+    (`generate_for_contexts`; None: the whole prompt); sliding_cache: over `cfg.sliding_cache`."""
     sampler = cfg.sampler
     check_sampler(sampler)
     backend = platform.current(cfg.attention)  # the model's mesh is set (on_model_mesh)
@@ -127,7 +186,8 @@ def generate_grid(
     )  # fmt: skip
     cells = check_cells(cells, cfg.max_new_tokens, model.config.layer_windows)
     recording = GridRecording.of(cells)
-    bounded = bounded_sliding(cells, model.config.layer_windows, cfg.sliding_cache)
+    layout = sliding_cache or cfg.sliding_cache
+    bounded = bounded_sliding(cells, model.config.layer_windows, layout)
     prefilled = prefill(
         model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells), bounded
     )
@@ -136,8 +196,125 @@ def generate_grid(
     keep_start = any(ev is None for ev in cells)
     drafted = draft(model, request, prefilled, recording, sampler, hook, keep_start)
     plans = rewind(request, prefilled, drafted, cells, hook)
-    plans = select(model, prefilled, plans, hook)
-    plans = evict(request, prefilled, plans, hook)
-    del prefilled, drafted  # their full caches now live only in the plans that decode in them
-    tokens, logs = decode(model, request, plans, sampler, hook, cfg.record_compressions)
-    return results(model, request, plans, tokens, logs)
+    end = None if context_end is None else jnp.asarray(np.asarray(context_end, np.int32))
+    plans = select(model, prefilled, plans, hook, end)
+    # their full caches now live only in the plans that decode in them
+    return request, evict(request, prefilled, plans, hook)
+
+def _ids(model: Model, items: Sequence, special: bool, what: str) -> list[list[int]]:
+    """Token ids of text (special tokens only where `special`) or ids as given."""
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if model.tokenizer is None:
+                raise ValueError(f"{model.path} has no tokenizer.json; pass token ids as {what}")
+            item = model.tokenizer.encode(item, add_special_tokens=special)
+        ids = [int(t) for t in item]
+        if not ids:
+            raise ValueError(f"{what} {i} is empty: give at least one token")
+        out.append(ids)
+    return out
+
+
+def _check(contexts, questions, cells, anchor: int) -> tuple[list, list[list], int]:
+    contexts = as_prompts(contexts)
+    if isinstance(questions, str) or len(questions) != len(contexts):
+        raise ValueError(
+            f"questions must hold one list of questions per context ({len(contexts)}), got "
+            f"{questions!r:.80}"
+        )
+    counts = {len(q) if not isinstance(q, str) else -1 for q in questions}
+    if len(counts) != 1 or min(counts) < 1:
+        raise ValueError(
+            "every context needs a list of the same number (>= 1) of questions; group "
+            f"contexts by how many questions they have (got counts {sorted(counts)})"
+        )
+    n = counts.pop()
+    if not 0 <= anchor < n:
+        raise ValueError(f"anchor (the question DGE drafts on) must be in [0, {n}), got {anchor}")
+    for i, ev in enumerate(cells):
+        if ev is not None and (ev.decode is not None or ev.timing.kind == "decode"):
+            raise ValueError(
+                f"cell {i} compresses while decoding; generate_for_contexts compresses the "
+                "context once before its questions: use timing prefill, dge or dge_w"
+            )
+    return contexts, list(questions), n
+
+
+@on_model_mesh  # as generate_grid
+def generate_for_contexts(
+    model: Model,
+    contexts: Sequence[str] | Sequence[Sequence[int]],
+    questions: Sequence[Sequence[str]] | Sequence[Sequence[Sequence[int]]],
+    cells: Sequence[Eviction | None],
+    *,
+    anchor: int = 0,
+    config: GenerationConfig | None = None,
+    hook: Hook | None = None,
+    **options: Any,
+) -> list[list[GenerationResult]]:
+    """results[cell][j]: every row's answer to its question j, from the cell's compressed
+    context (module docstring). contexts: text (tokenized with the tokenizer's special
+    tokens) or ids; questions: per context a list of the same number of questions, each the
+    text (or ids) that follows the context, answer prefix included; anchor: the question
+    DGE and DGE-W cells prefill and draft on. chat templates are the caller's (render the
+    turn, then split it after the context); options: `GenerationConfig` fields."""
+    cfg = GenerationConfig.of(config, options)
+    if cfg.chat:
+        raise ValueError(
+            "generate_for_contexts takes the context and questions as they are fed: render the "
+            "chat template yourself and split the text after the context (experiments.protocol "
+            "does), then drop chat=True"
+        )
+    contexts, questions, n = _check(contexts, questions, cells, anchor)
+    checked = check_cells(list(cells), cfg.max_new_tokens, model.config.layer_windows)
+    ctx = _ids(model, contexts, True, "context")
+    asked = [_ids(model, q, False, f"question of context {i}") for i, q in enumerate(questions)]
+    ends = [len(c) - 1 for c in ctx]
+    drafts = [i for i, ev in enumerate(checked) if ev is not None and ev.timing.kind != "prefill"]
+    alone = [i for i in range(len(checked)) if i not in drafts]
+    layout = "full" if any(model.config.layer_windows) else None
+    if layout and cfg.sliding_cache == "bounded":
+        raise ValueError("sliding_cache='bounded' cannot serve shared contexts: use 'auto'")
+    out: list[list[GenerationResult] | None] = [None] * len(checked)
+    with_anchor = [c + q[anchor] for c, q in zip(ctx, asked, strict=True)]
+    for members, prompts in ((alone, ctx), (drafts, with_anchor)):
+        if not members:
+            continue
+        request, plans = evicted_plans(
+            model, prompts, [checked[i] for i in members], cfg, hook,
+            context_end=ends if members is drafts else None, sliding_cache=layout,
+        )  # fmt: skip
+        answers = [_answer(model, cfg, request, plans, ctx, [q[j] for q in asked], hook)
+                   for j in range(n)]  # fmt: skip
+        for m, i in enumerate(members):
+            out[i] = [a[m] for a in answers]
+    return out
+
+
+def _answer(model, cfg, request: Request, plans: list[CellPlan], ctx, asked, hook):
+    """Every cell's answers to one question per row: the question fed to the cell's
+    compressed context, then decoded."""
+    q = round_up_slots(max(map(len, asked)), 16)  # nearby question lengths share a compile
+    tokens, lengths = pad_left(asked, q)
+    start = np.array([len(c) for c in ctx], np.int32)
+    offset = np.arange(q, dtype=np.int32)[None, :] - (q - lengths)[:, None]
+    positions = np.where(offset >= 0, start[:, None] + offset, -1).astype(np.int32)
+    key, first_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
+    states = []
+    for plan in plans:
+        cache = with_room(plan.evicted.cache, q + request.buffer)
+        logits, cache = extend(model.forward, model.config, model.params, cache,
+                               jnp.asarray(tokens), jnp.asarray(positions),
+                               attention=request.attention)  # fmt: skip
+        active = request.min_new_tokens > 0
+        first = cfg.sampler(decoding.suppress_eos(logits, request.eos_ids, active), first_key)
+        states.append(decoding.start_state(
+            cache, first, jnp.asarray(start + lengths), request.max_new_tokens,
+            request.eos_ids, key, buffer=request.buffer,
+        ))  # fmt: skip
+    fed = dataclasses.replace(request, prompt_ids=[c + a for c, a in zip(ctx, asked, strict=True)])
+    ready = [dataclasses.replace(p, evicted=s) for p, s in zip(plans, states, strict=True)]
+    tokens_out, _ = decode(model, fed, ready, cfg.sampler, hook)
+    return results(model, fed, plans, tokens_out)
+

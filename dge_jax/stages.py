@@ -234,10 +234,13 @@ def out_projection(model: Model) -> jax.Array:
     return model.family.out_projection(model.config, model.params)
 
 
-def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None) -> list[CellPlan]:
+def select(
+    model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None, context_end=None
+) -> list[CellPlan]:
     """Every cell's keep mask. Cells at the same eviction point with the same scoring
     (`eviction.scoring_key`: they differ by budget, or are SnapKV and PyramidKV) are scored
-    once for all of them."""
+    once for all of them. context_end [B]: keep only positions up to it
+    (`dge_jax.generation.generate_for_contexts`)."""
     sweeps: dict[tuple, list[int]] = {}
     for i, plan in enumerate(plans):
         if plan.eviction is not None and plan.eviction.timing.before_decoding:
@@ -252,7 +255,7 @@ def select(model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None)
         masks = _call(
             hook, "keep_masks", keep_masks,
             first.state.cache, obs, drafts, [plans[i].eviction for i in members],
-            model.config.layer_windows,
+            model.config.layer_windows, context_end,
         )  # fmt: skip
         for i, keep in zip(members, masks, strict=True):
             plans[i] = dataclasses.replace(plans[i], keep=keep)

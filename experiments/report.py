@@ -366,11 +366,25 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     text = header(scores, config, rows, plot_files) + markdown_table(scores)
     if comparisons:
         text += PAIRED_INTRO + paired_table(comparisons)
-    text += "\n" + summary(scores, comparisons, config)
+    text += "\n" + summary(scores, comparisons, config) + question_order(rows)
     (out_dir / "results.md").write_text(text)
     print(f"wrote {out_dir / 'results.md'}, {', '.join(['scores.json', *plot_files])}",
           file=sys.stderr)
     return scores
+
+
+def question_order(rows: list[dict]) -> str:
+    """A shared-context run's comparisons again on the anchor questions alone (question 0 of
+    each context, the one DGE drafts on) and on the later ones, Holm within each ('' for
+    runs without `question_index`: `experiments.context_protocols`)."""
+    text = ""
+    for title, keep in (("the anchor question of each context (question_index 0)", 0),
+                        ("the later questions (question_index >= 1)", 1)):  # fmt: skip
+        part = [r for r in rows if "question_index" in r and min(r["question_index"], 1) == keep]
+        comparisons = paired_comparisons(part)
+        if comparisons:
+            text += f"\nShared contexts, {title}:\n\n" + paired_table(comparisons)
+    return text
 
 
 def folder_comparisons(out_dir: str | pathlib.Path) -> Evidence:

@@ -92,6 +92,11 @@ flags.DEFINE_enum("sliding_cache", "auto", ["auto", "bounded", "full"], "how pre
                   "the prompt's length (full), or bounded unless a cell needs full (auto, "
                   "default: KVzip, --sliding evict, decode-time compression); recorded in the "
                   "run identity unless auto")
+flags.DEFINE_enum("protocol", "query_aware", ["query_aware", "query_agnostic", "shared_context"],
+                  "when the question is seen: in the prompt before eviction (query_aware, "
+                  "default), after the context is compressed alone (query_agnostic; DGE and "
+                  "DGE-W draft on it first), or one compressed cache per context for all its "
+                  "questions (shared_context); recorded in the run identity unless query_aware")
 flags.DEFINE_integer("chunk", None, "prefill chunk (tokens; default: the platform's, 512 on "
                      "CPU, 8192 on TPU and GPU)")
 flags.DEFINE_enum("attention", "auto", list(ATTENTION), "prefill's attention: auto (the "
@@ -216,6 +221,7 @@ class RunConfig:
     sliding: str = "window"
     distributed: bool = False
     sliding_cache: str = "auto"
+    protocol: str = "query_aware"
 
     @classmethod
     def from_flags(cls, values: flags.FlagValues) -> RunConfig:
@@ -250,7 +256,8 @@ class RunConfig:
             draft_weight=values.draft_weight, ties=values.ties,
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
             k_max=values.k_max, attention=values.attention, sliding=values.sliding,
-            distributed=values.distributed, sliding_cache=values.sliding_cache)
+            distributed=values.distributed, sliding_cache=values.sliding_cache,
+            protocol=values.protocol)
 
     def adaptive(self) -> Adaptive | None:
         """The adaptive-k rule of the grid's adaptive cells (None without --adaptive_rule)."""

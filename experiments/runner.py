@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from absl import app, flags
 from absl import logging as absl_logging
 
-from experiments import distributed, protocol, suites
+from experiments import context_protocols, distributed, protocol, suites
 from experiments.cells import Cell
 from experiments.predictions import PredictionStore, config_hash, prediction_key
 from experiments.run_config import FLAGS, RunConfig, UsageError
@@ -90,6 +90,7 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         **({} if backend.attention == "xla" else {"attention": backend.attention}),
         **({} if config.sliding == "window" else {"sliding": config.sliding}),
         **({} if config.sliding_cache == "auto" else {"sliding_cache": config.sliding_cache}),
+        **({} if config.protocol == "query_aware" else {"context_protocol": config.protocol}),
     }
 
 
@@ -301,6 +302,8 @@ def predict(config: RunConfig, state: dict, out_dir: pathlib.Path, model, rows: 
     pending = {d: missing_cells(r, d, cells, cell_hash, store) for d, r in rows.items()}
     distributed.all_read(share)  # every process has read the folder: writing may start
     work = distributed.assign(pending, config.batch_size, share)
+    if config.protocol == "shared_context":  # one batch per context, all its questions
+        work = context_protocols.assign_contexts(rows, pending, share)
     total = sum(map(len, rows.values()))
     todo = sum(map(len, pending.values()))
     mine = sum(len(b) for batches in work.values() for _, b in batches)
@@ -402,15 +405,22 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: lis
                    for row, _ in batch]
         ids = [tok.encode(s.text) for s in samples]
         t0 = time.time()
-        results = grid.generate_grid(model, ids, [grid.evictions[c] for c in todo],
-                                     max_new_tokens=max_new, extra_eos_ids=extra_eos,
-                                     min_new_tokens=stop.min_new_tokens, chunk=config.chunk,
-                                     attention=config.attention,
-                                     sliding_cache=config.sliding_cache)
+        options = dict(max_new_tokens=max_new, extra_eos_ids=extra_eos, chunk=config.chunk,
+                       min_new_tokens=stop.min_new_tokens, attention=config.attention,
+                       sliding_cache=config.sliding_cache)  # fmt: skip
+        evictions, order = [grid.evictions[c] for c in todo], None
+        if config.protocol == "query_aware":
+            results = grid.generate_grid(model, ids, evictions, **options)
+        else:
+            results, order = context_protocols.generate(
+                model, tok, samples, batch, dataset, evictions, config.protocol, **options)
+            ids = list(results[0].prompt_tokens)
         seconds = (time.time() - t0) / len(batch)
         lines = []
-        for i, (row, _) in enumerate(batch):
+        for i, (row, missing) in enumerate(batch):
             for cell, result in zip(todo, results, strict=True):
+                if order is not None and cell not in missing:  # a context's done rows
+                    continue
                 key_hash = grid.cell_hash[cell]
                 lines.append({
                     "key": prediction_key(key_hash, dataset, row["_id"]),
@@ -420,6 +430,7 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: lis
                     "prompt_tokens": len(ids[i]), "new_tokens": len(result.tokens[i]),
                     "truncated": samples[i].truncated, "grid_seconds": round(seconds, 3),
                     "k": None if result.k is None else result.k[i],
+                    **({} if order is None else {"question_index": order[i]}),
                 })
         with sigint_deferred():  # a sample's lines are written whole, or not at all
             if writes:

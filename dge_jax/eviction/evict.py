@@ -322,6 +322,7 @@ def select_for_budgets(
     budgets: tuple[jax.Array, ...],
     observe_drafts: jax.Array,
     draft_weight: jax.Array | float = 1.0,
+    context_end: jax.Array | None = None,
     *,
     spec: SelectionSpec,
 ) -> tuple[jax.Array, ...]:
@@ -336,7 +337,8 @@ def select_for_budgets(
     Sliding layers (spec.windows): the budget applies to the global layers; a sliding layer
     keeps what its window still shows (`dge_jax.eviction.sliding`); where those layers hold
     only their window (`dge_jax.runtime.window_cache`), each global layer group is scored
-    on its own (`sliding.by_group`) and the masks span the global layers' slots."""
+    on its own (`sliding.by_group`) and the masks span the global layers' slots.
+    context_end [B]: only positions <= it are kept (`generate_for_contexts`; None: all)."""
     pos = cache.padded_pos()
     nl, b, hkv, _ = pos.shape
     rules = spec.rule if isinstance(spec.rule, tuple) else (spec.rule,) * len(budgets)
@@ -350,8 +352,12 @@ def select_for_budgets(
     scores = by_group(lambda c, o, a, b: rules[0].scorer.score(c, o))
     is_draft = pos > prompt_obs.prompt_end[None, :, None, None]
     scores = jnp.where(is_draft & (pos >= 0), jnp.inf, scores)
-    inside = pos >= 0
-    window_keep, sliding = sliding_layers.window_keep(cache, spec.windows)
+    inside = pos >= 0  # past the context end: scored with the rest, then never kept
+    if context_end is not None:
+        inside = inside & (pos <= context_end[None, :, None, None])
+        scores = jnp.where(inside, scores, -jnp.inf)
+        is_draft = is_draft & inside
+    window_keep, sliding = sliding_layers.window_keep(cache, spec.windows, context_end)
     if window_keep is not None and spec.evict_sliding:  # the rule picks within the window
         scores = jnp.where(sliding & ~window_keep, -jnp.inf, scores)
         window_keep = sliding = None
@@ -445,6 +451,7 @@ def keep_masks(
     drafts: DraftRecord | None,
     evs: list[Eviction],
     windows: tuple[int, ...] = (),
+    context_end: jax.Array | None = None,
 ) -> list[jax.Array]:
     """`keep_mask` of each eviction in `evs`, which must share a `scoring_key` (a budget
     sweep, SnapKV and PyramidKV cells together): the cache is scored once for all of them."""
@@ -463,6 +470,7 @@ def keep_masks(
             tuple(jnp.asarray(e.budget, jnp.int32) for e in evs),
             jnp.asarray(ev.timing.observes_drafts),
             jnp.asarray(ev.timing.draft_weight, jnp.float32),
+            context_end,
             # one rule when all agree, so that a plain sweep shares select_for's compilation
             spec=SelectionSpec.for_eviction(
                 ev, rules[0] if len(set(rules)) == 1 else rules, windows=windows

@@ -28,18 +28,19 @@ from dge_jax.runtime.records import Observation
 
 
 def window_keep(
-    cache: KVCache, windows: tuple[int, ...]
+    cache: KVCache, windows: tuple[int, ...], context_end: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array] | tuple[None, None]:
     """(keep [L, B, Hkv, S], sliding [L, 1, 1, 1]): on each sliding layer the entries a later
     query can still see; (None, None) when no layer slides. windows: the model's
     `ModelConfig.layer_windows` (0: a global layer). S: the largest layer's slots
-    (`KVCache.padded_pos`)."""
+    (`KVCache.padded_pos`). context_end [B]: the next query follows it (a shared context's
+    question is fed after eviction), not the last written position."""
     if not any(windows):
         return None, None
     pos = cache.padded_pos()
     window = jnp.asarray(windows, jnp.int32)[:, None, None, None]  # [L, 1, 1, 1]
     # Each row's next query position: its last written position + 1 (every layer holds it).
-    next_pos = jnp.max(pos, axis=(0, 2, 3)) + 1  # [B]
+    next_pos = jnp.max(pos, axis=(0, 2, 3)) + 1 if context_end is None else context_end + 1
     keep = (pos >= 0) & (pos >= next_pos[None, :, None, None] - window + 1)
     return keep, window > 0
 

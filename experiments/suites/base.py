@@ -92,7 +92,8 @@ class Suite:
     with_metric(dataset, metric): the dataset's name under --metric (the metric travels in
     the name, so a report scores the run folder without the command line);
     row_max_new_tokens(row): a row's own generation length where rows carry one (None: the
-    dataset's `max_new_tokens`).
+    dataset's `max_new_tokens`); question(row, dataset): the tail of the raw prompt that is
+    the question (None: what follows the row's `context` text; `experiments.context_protocols`).
     """
 
     name: str
@@ -117,6 +118,7 @@ class Suite:
     metrics: tuple[str, ...] = ()
     with_metric: Callable[[str, str], str] | None = None
     row_max_new_tokens: Callable[[dict], int] | None = None
+    question: Callable[[dict, str], str] | None = None
 
     def resolve(self, names: Sequence[str], metric: str | None = None) -> list[str]:
         """The datasets named on the command line, as this suite names them (under --metric

@@ -85,6 +85,7 @@ from experiments.suites.ruler_tasks import (  # noqa: F401 (the suite's public n
     NEEDLE,
     NOISE,
     RULER_COMMIT,
+    SHARED,
     TASKS,
     WONDERWORDS_INSTALL,
     WONDERWORDS_SHA256,
@@ -173,10 +174,38 @@ def load_suite(tokenizer: Tokenizer, chat: Callable[[str], str], datasets: Seque
         else:
             if num_samples is None:
                 raise ValueError("generated RULER rows need a number of samples")
-            checked = make_rows(dataset, tokenizer, chat, num_samples, length, seed, cache)
+            per = SHARED.get(dataset, 1)  # a shared task's generated row makes `per` rows
+            checked = make_rows(dataset, tokenizer, chat, -(-num_samples // per), length, seed,
+                                cache)  # fmt: skip
             source = f"generated RULER task {TASKS[dataset].name!r}"
         suite[dataset] = runner_rows(dataset, checked, source)
+        if dataset in SHARED:
+            suite[dataset] = one_key_each(suite[dataset])[:num_samples]
     return suite
+
+
+_ASK_ALL = re.compile(r"What are all the special magic (\w+) for (.+) mentioned in the "
+                      r"provided text\?")  # fmt: skip
+
+
+def one_key_each(multiquery: Sequence[dict]) -> list[dict]:
+    """Runner rows of niah_multiquery, each made into one row per queried key, in order:
+    the same context, the question and answer prefix in RULER's one-value form (niah.py's
+    singular template), the key's value the answer. `_id`: `<row id>.<key index>`."""
+    out = []
+    for row in multiquery:
+        head, _, question = row["input"].rpartition("\n")
+        match = _ASK_ALL.fullmatch(question)
+        keys = re.split(r", and |, ", match.group(2)) if match else []
+        if len(keys) != len(row["answers"]):
+            raise rows.RowError(f"RULER row {row['_id']}: no multiquery question in {question!r}")
+        kind = match.group(1)[:-1]  # "numbers" -> "number", as niah.py's str.replace
+        for i, (key, value) in enumerate(zip(keys, row["answers"], strict=True)):
+            asked = f"for {key} mentioned in the provided text"
+            out.append({**row, "_id": f"{row['_id']}.{i}", "answers": [value],
+                        "input": f"{head}\nWhat is the special magic {kind} {asked}?",
+                        "answer_prefix": f" The special magic {kind} {asked} is"})  # fmt: skip
+    return out
 
 
 def generator_definition(dataset: str, length: int) -> dict:
@@ -234,9 +263,10 @@ def _answer_prefix(dataset: str, row: dict | None = None) -> str:
 
 
 def _default_datasets(settings: RowSettings) -> list[str]:
-    """Every task, or those whose {task}_{length}.jsonl is in --data_dir."""
+    """RULER's every task (not the shared ones, which are ours), or those whose
+    {task}_{length}.jsonl is in --data_dir."""
     if settings.data_dir is None:
-        return list(TASKS)
+        return [d for d in TASKS if d not in SHARED]
     length = settings.ruler_length
     present = [d for d, t in TASKS.items()
                if (pathlib.Path(settings.data_dir) / f"{t.name}_{length}.jsonl").is_file()]
@@ -271,4 +301,6 @@ SUITE = Suite(
     checksums=_checksums, default_datasets=_default_datasets,
     identity=lambda s: {"synthetic_length": None, "seed": s.seed, "ruler_length": s.ruler_length},
     dataset_name=dataset_name, num_samples=20,
+    # every RULER template ends its prompt with the question on one line after the context
+    question=lambda row, dataset: row["input"][row["input"].rindex("\n") + 1:],
 )

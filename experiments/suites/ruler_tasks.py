@@ -148,6 +148,12 @@ _TASK_ARGS: tuple[tuple[str, str, dict], ...] = (
     ("fwe", "freq_words_extraction", {"alpha": 2.0, "coded_wordlen": 6, "vocab_size": -1}),
 )
 
+# Not RULER's: niah_multiquery's rows asked once per key, each row one key, the rows of a
+# multiquery row sharing its context (the shared_context protocol's questions; `SHARED`).
+_SHARED_ARGS: tuple[tuple[str, str, dict], ...] = (
+    ("niah_multiquery_shared", "niah", _niah("essay", "words", "numbers", q=4)),
+)
+
 if TYPE_CHECKING:
     from experiments.suites.base import Tokenizer
 
@@ -155,7 +161,11 @@ if TYPE_CHECKING:
 # command line (`dataset_name`); results use ours.
 TASKS: Mapping[str, RulerTask] = MappingProxyType({
     DATASET_PREFIX + name: RulerTask(name, kind, MappingProxyType(args))
-    for name, kind, args in _TASK_ARGS
+    for name, kind, args in _TASK_ARGS + _SHARED_ARGS
+})
+# shared task -> questions per context (one per queried key)
+SHARED: Mapping[str, int] = MappingProxyType({
+    DATASET_PREFIX + name: args["num_needle_q"] for name, _, args in _SHARED_ARGS
 })
 
 

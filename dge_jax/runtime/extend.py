@@ -1,0 +1,52 @@
+"""Feeding tokens to a cache that already holds others: a shared context's questions.
+
+`extend` writes a question (any number of tokens per row, left-padded among the batch with
+position -1, so no query sees the padding) after what a compressed context cache holds, in
+one prefill step, and returns the next-token logits; `with_room` appends the empty slots it
+and the answer need. `dge_jax.generation.generate_for_contexts` is their user.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dge_jax.runtime.cache import KVCache, LayerGroup
+from dge_jax.runtime.multihost import fetch
+
+# Slots appended at a time (nearby question lengths share compilations).
+ROOM_MULTIPLE = 64
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "attention"))
+def extend(
+    forward, cfg, params, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
+    attention: str = "auto",
+) -> tuple[jax.Array, KVCache]:
+    """(next-token logits [B, V] f32, the cache with `tokens` written): tokens [B, Q] fed in
+    one prefill step after what the cache holds, at positions [B, Q] (-1 on left padding).
+    The cache needs Q free slots after each layer's write index (`with_room`)."""
+    out = forward(cfg, params, tokens, positions, cache, key_block=tokens.shape[1],
+                  attention=attention)  # fmt: skip
+    return out.logits, out.cache
+
+
+def with_room(cache: KVCache, slots: int) -> KVCache:
+    """`cache` with at least `slots` free slots after each group's write index (empty slots
+    appended, a multiple of `ROOM_MULTIPLE`, so nearby sizes share compilations)."""
+    groups = []
+    for g in cache.groups:
+        short = int(np.max(fetch(g.index))) + slots - g.capacity
+        if short <= 0:
+            groups.append(g)
+            continue
+        pad = -(-short // ROOM_MULTIPLE) * ROOM_MULTIPLE
+        widths = ((0, 0),) * 3 + ((0, pad),)
+        groups.append(LayerGroup(
+            k=jnp.pad(g.k, widths + ((0, 0),)), v=jnp.pad(g.v, widths + ((0, 0),)),
+            pos=jnp.pad(g.pos, widths, constant_values=-1), index=g.index,
+        ))  # fmt: skip
+    return KVCache(tuple(groups))

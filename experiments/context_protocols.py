@@ -1,0 +1,106 @@
+"""The runner's --protocol: when the question is seen, and how many questions one context serves.
+
+- `query_aware` (default, LongBench's): the prompt, question included, is prefilled and
+  evicted as one (`dge_jax.generate_grid`).
+- `query_agnostic` (kvpress's default): the context is compressed alone, then the question
+  and answer prefix are fed to the compressed cache (`dge_jax.generate_for_contexts`). DGE
+  and DGE-W prefill the question and draft before they compress the context: DGE's natural
+  form here.
+- `shared_context`: the same, one compressed cache per context and every question of it
+  answered from that cache; the context's first row is the anchor DGE drafts on. Rows of a
+  context are the rows whose prompts agree up to their question (a suite's shared tasks
+  give several: the synthetic `multikey_shared`, RULER's `niah_multiquery_shared`); each
+  prediction line records its `question_index` in the context (0: the anchor).
+
+The split: the runner renders each sample as in query_aware (truncation, chat template,
+answer prefix), then cuts the text where the row's question starts (`question_text`); the
+two parts are tokenized apart (the context with the tokenizer's special tokens), as kvpress
+tokenizes its context and question.
+"""
+
+from __future__ import annotations
+
+from dge_jax.generation import generate_for_contexts
+from dge_jax.stages import GenerationResult
+from experiments import protocol, suites
+
+PROTOCOLS = ("query_aware", "query_agnostic", "shared_context")
+
+
+def question_text(row: dict, dataset: str) -> str:
+    """The tail of the row's raw prompt that follows its context: the suite's own split
+    (`Suite.question`), else the prompt after the row's `context` text."""
+    suite = suites.for_dataset(dataset)
+    if suite.question is not None:
+        return suite.question(row, dataset)
+    prompt = protocol.build_prompt(row, dataset)
+    context = row.get("context")
+    if not context or context not in prompt:
+        raise ValueError(
+            f"{dataset}: a row's prompt does not hold its context text, so it cannot be split "
+            "for --protocol query_agnostic / shared_context; use --protocol query_aware"
+        )
+    return prompt[prompt.rindex(context) + len(context):]
+
+
+def split(text: str, question: str, where: str) -> tuple[str, str]:
+    """(context part, question part) of a rendered sample: cut where `question` last starts."""
+    at = text.rfind(question)
+    if not question.strip() or at < 0:
+        raise ValueError(
+            f"{where}: the question was not found in the rendered prompt (truncated away?); "
+            "raise --max_length or use --protocol query_aware"
+        )
+    return text[:at], text[at:]
+
+
+def shared_batches(dataset: str, rows: list[dict], pending: list) -> list[tuple[int, list]]:
+    """One batch per context that still lacks a prediction: every row of that context (in
+    row order, the first the anchor), each with the cells it lacks (possibly none)."""
+    missing = {row["_id"]: cells for row, cells in pending}
+    by_context: dict[str, list[dict]] = {}
+    for row in rows:
+        prompt = protocol.build_prompt(row, dataset)
+        context = prompt[: len(prompt) - len(question_text(row, dataset))]
+        by_context.setdefault(context, []).append(row)
+    return [(protocol.max_new_tokens(dataset, group[0]),
+             [(row, missing.get(row["_id"], ())) for row in group])
+            for group in by_context.values() if any(r["_id"] in missing for r in group)]
+
+
+def assign_contexts(rows: dict[str, list[dict]], pending: dict[str, list],
+                    share) -> dict[str, list[tuple[int, list]]]:
+    """`distributed.assign` for shared contexts: each dataset's `shared_batches`, numbered
+    across datasets in run order, the ones this process predicts (`share.owns`)."""
+    work, number = {}, 0
+    for dataset, items in rows.items():
+        work[dataset] = []
+        for batch in shared_batches(dataset, items, pending[dataset]):
+            if share.owns(number):
+                work[dataset].append(batch)
+            number += 1
+    return work
+
+
+def generate(model, tok, samples, batch, dataset: str, evictions, protocol_name: str,
+             **options) -> tuple[list[GenerationResult], list[int]]:
+    """(one result per eviction over the batch's rows, each row's question index) under
+    `protocol_name`; samples: the batch's rendered samples (`protocol.prepare_sample`)."""
+    parts = [split(s.text, question_text(row, dataset), f"{dataset} row {row['_id']}")
+             for s, (row, _) in zip(samples, batch, strict=True)]
+    contexts = [tok.encode(c) for c, _ in parts]
+    questions = [tok.encode(q, add_special_tokens=False) for _, q in parts]
+    if protocol_name == "query_agnostic":
+        out = generate_for_contexts(model, contexts, [[q] for q in questions], evictions,
+                                    **options)  # fmt: skip
+        return [cell[0] for cell in out], [0] * len(batch)
+    if len({tuple(c) for c in contexts}) != 1:
+        raise ValueError(f"{dataset}: a shared_context batch must hold one context's rows")
+    out = generate_for_contexts(model, contexts[:1], [questions], evictions, **options)
+    merged = [GenerationResult(
+        prompt_tokens=[r.prompt_tokens[0] for r in cell], tokens=[r.tokens[0] for r in cell],
+        texts=[r.texts[0] for r in cell], kept=None,
+        k=None if cell[0].k is None else [r.k[0] for r in cell],
+    ) for cell in out]  # fmt: skip
+    return merged, list(range(len(batch)))
+

@@ -1,0 +1,106 @@
+"""The runner's --protocol (`experiments.context_protocols`): the split of a rendered sample,
+the synthetic shared-context task, one batch per context, and a shared_context run end to
+end on the tiny model (question_index on every line, the identity, the report's breakdown).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from test_runner import env, model_dir, read_rows, run_ok  # noqa: F401 (fixtures)
+
+from experiments import context_protocols as cp
+from experiments import protocol
+from experiments.suites import ruler, synthetic
+
+
+class _Words:
+    """A whitespace tokenizer (lengths only)."""
+
+    def encode(self, text):
+        return list(range(len(text.split())))
+
+    def decode(self, ids):
+        return ""
+
+
+@pytest.fixture(scope="module")
+def shared_rows():
+    return synthetic.make_suite(_Words(), ["multikey_shared"], 8, 300)["multikey_shared"]
+
+
+def test_shared_task_rows_share_a_context_and_ask_each_key(shared_rows):
+    first, second = shared_rows[:4], shared_rows[4:]
+    assert len({r["context"] for r in first}) == 1 and len({r["context"] for r in second}) == 1
+    assert first[0]["context"] != second[0]["context"]
+    assert len({r["input"] for r in first}) == 4  # each row asks another key
+    assert len({r["answers"][0] for r in first}) == 4
+    assert all(r["answers"][0] in r["context"] for r in shared_rows)
+    assert len({r["_id"] for r in shared_rows}) == 8
+
+
+def test_the_question_is_what_follows_the_context(shared_rows):
+    row = shared_rows[1]
+    question = cp.question_text(row, "multikey_shared")
+    assert question == "\n\n" + row["input"] + "\n"
+    text = "<user>" + protocol.build_prompt(row, "multikey_shared") + "</user> The number is"
+    context, rest = cp.split(text, question, "row 1")
+    assert context + rest == text and context.endswith(row["context"])
+    assert rest.startswith(question) and rest.endswith("The number is")
+    ruler_row = {"input": "Memorize it.\nkey 1 is 5.\nWhat is key 1?"}
+    assert ruler.SUITE.question(ruler_row, "niah_single_1") == "What is key 1?"
+    with pytest.raises(ValueError, match="truncated away"):
+        cp.split("a context only", question, "row 1")
+
+
+def test_one_batch_per_context_with_every_row(shared_rows):
+    pending = [(shared_rows[5], ("snapkv",))]  # only a later row of the second context
+    (batch,) = cp.shared_batches("multikey_shared", shared_rows, pending)
+    max_new, items = batch
+    assert max_new == synthetic.max_new_tokens("multikey_shared")
+    assert [r["_id"] for r, _ in items] == [r["_id"] for r in shared_rows[4:]]
+    assert [m for _, m in items] == [(), ("snapkv",), (), ()]  # the anchor is run, not written
+
+
+def test_a_shared_context_run_end_to_end(model_dir, env, tmp_path):  # noqa: F811
+    out = tmp_path / "shared"
+    run_ok([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
+            "--suite", "synthetic", "--datasets", "multikey_shared", "--num_samples", "4",
+            "--synthetic_length", "256", "--rules", "full,snapkv", "--timings", "prefill,dge",
+            "--budgets", "16", "--window", "4", "--protocol", "shared_context",
+            "--out_dir", str(out)], env)  # fmt: skip
+    rows = read_rows(out)
+    assert len(rows) == 4 * 3
+    for cell in ("full", "snapkv/prefill/b16", "snapkv/dge/k2/b16"):
+        assert sorted(r["question_index"] for r in rows if r["cell"] == cell) == [0, 1, 2, 3]
+    identity = json.loads((out / "config.json").read_text())["identity"]
+    assert identity["context_protocol"] == "shared_context"
+    text = (out / "results.md").read_text()
+    assert "Shared contexts, the anchor question" in text and "the later questions" in text
+
+
+def test_ruler_shared_rows_ask_one_key_each():
+    multiquery = [{
+        "_id": "7", "all_classes": None, "length": 99, "answers": ["111", "222"],
+        "input": "Some special magic numbers are hidden.\nOne of the special magic numbers for "
+                 "amber-fox is: 111.\nWhat are all the special magic numbers for amber-fox, "
+                 "and icy-owl mentioned in the provided text?",
+        "answer_prefix": " The special magic numbers for amber-fox, and icy-owl mentioned in "
+                         "the provided text are",
+    }]  # fmt: skip
+    first, second = ruler.one_key_each(multiquery)
+    assert [first["_id"], second["_id"]] == ["7.0", "7.1"]
+    assert first["answers"] == ["111"] and second["answers"] == ["222"]
+    assert second["input"].endswith(
+        "\nWhat is the special magic number for icy-owl mentioned in the provided text?")
+    assert second["answer_prefix"] == (
+        " The special magic number for icy-owl mentioned in the provided text is")
+    head = multiquery[0]["input"].rsplit("\n", 1)[0]
+    assert first["input"].startswith(head) and second["input"].startswith(head)
+    dataset = "ruler_niah_multiquery_shared"
+    (batch,) = cp.shared_batches(dataset, [first, second], [(second, ("full",))])
+    assert [r["_id"] for r, _ in batch[1]] == ["7.0", "7.1"]  # one context: both rows
+    with pytest.raises(Exception, match="no multiquery question"):
+        ruler.one_key_each([{**multiquery[0], "input": "What is it?"}])
