@@ -69,8 +69,9 @@ def write_tokenizer(folder: pathlib.Path) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def build_tiny_llama(folder: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
-    """Builds the tokenizer and a seeded random tiny Llama into `folder` and returns it."""
+def build_tiny_llama(folder: str | pathlib.Path, seed: int = 0, **config) -> pathlib.Path:
+    """Builds the tokenizer and a seeded random tiny Llama into `folder` and returns it;
+    config: LlamaConfig fields over the tiny defaults (another model's layer shape)."""
     import torch
     import transformers
     from tokenizers import Tokenizer
@@ -80,11 +81,13 @@ def build_tiny_llama(folder: str | pathlib.Path, seed: int = 0) -> pathlib.Path:
     eos_id = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(EOS_TOKEN)
     transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
-        initializer_range=0.1, bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id,
-    )
+    config = transformers.LlamaConfig(**{
+        **dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=MAX_POSITIONS, initializer_range=0.1, bos_token_id=None,
+               eos_token_id=eos_id, pad_token_id=eos_id),
+        **config,
+    })
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     return folder
