@@ -13,6 +13,7 @@ atomic rename). The run then recomputes only the predictions that are missing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -20,7 +21,9 @@ import json
 import os
 import pathlib
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -252,3 +255,22 @@ class PredictionStore:
 
     def __iter__(self) -> Iterator[dict]:
         return iter(self.rows)
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Holds Ctrl-C back while in the block: it is acted on (KeyboardInterrupt) right after.
+
+    A Python-level handler, not a signal mask: XLA's threads would take a masked SIGINT and
+    the interpreter would still raise it in the main thread, inside the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])

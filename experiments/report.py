@@ -367,6 +367,7 @@ def write_report(out_dir: str | pathlib.Path) -> dict:
     if comparisons:
         text += PAIRED_INTRO + paired_table(comparisons)
     text += "\n" + summary(scores, comparisons, config) + question_order(rows)
+    text += group_scores(rows)
     (out_dir / "results.md").write_text(text)
     print(f"wrote {out_dir / 'results.md'}, {', '.join(['scores.json', *plot_files])}",
           file=sys.stderr)
@@ -384,6 +385,30 @@ def question_order(rows: list[dict]) -> str:
         comparisons = paired_comparisons(part)
         if comparisons:
             text += f"\nShared contexts, {title}:\n\n" + paired_table(comparisons)
+    return text
+
+
+def group_scores(rows: list[dict]) -> str:
+    """Each cell's mean row score (%, with n) per value of each group the suite records on
+    its lines (`Suite.row_groups`: LongBench v2's difficulty and length); '' without."""
+    grouped = [r for group in latest_rows(rows).values() for r in group if "groups" in r]
+    if not grouped:
+        return ""
+    cells = sorted({r["cell"] for r in grouped}, key=cell_order)
+    text = ""
+    for key in sorted({k for r in grouped for k in r["groups"]}):
+        values = sorted({r["groups"][key] for r in grouped if key in r["groups"]})
+        lines = [f"| cell | {' | '.join(f'{key} = {v}' for v in values)} |",
+                 "|---|" + "---|" * len(values)]
+        for cell in cells:
+            cols = []
+            for v in values:
+                part = [suites.row_score(r["dataset"], r["pred"], r["answers"],
+                                         r.get("all_classes"))
+                        for r in grouped if r["cell"] == cell and r["groups"].get(key) == v]
+                cols.append(f"{100 * sum(part) / len(part):.1f} (n={len(part)})" if part else "-")
+            lines.append(f"| {cell} | " + " | ".join(cols) + " |")
+        text += f"\nBy {key}:\n\n" + "\n".join(lines) + "\n"
     return text
 
 

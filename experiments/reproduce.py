@@ -28,6 +28,7 @@ import pathlib
 import subprocess
 import sys
 
+from experiments.suites import LONGBENCH
 from experiments.suites.longbench import average_scores
 from experiments.suites.longbench_config import ENGLISH_TASKS
 
@@ -41,7 +42,7 @@ TABLE_FILE = "paper_table.md"
 def runner_argv(args: argparse.Namespace) -> list[str]:
     """The `experiments.longbench` command line of the preset."""
     return [
-        "--suite", "longbench", "--model", args.model, "--data_dir", args.data_dir,
+        "--suite", LONGBENCH.name, "--model", args.model, "--data_dir", args.data_dir,
         "--datasets", ",".join(args.datasets), "--rules", ",".join(RULES),
         "--timings", ",".join(TIMINGS), "--k", str(K),
         "--budgets", ",".join(map(str, args.budgets)), "--out_dir", str(args.out_dir),

@@ -8,23 +8,20 @@ them once are `experiments.run_config`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import pathlib
 import shlex
-import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from absl import app, flags
 from absl import logging as absl_logging
 
-from experiments import context_protocols, distributed, protocol, suites
+from experiments import context_protocols, distributed, predictions, protocol, suites
 from experiments.cells import Cell
 from experiments.predictions import PredictionStore, config_hash, prediction_key
 from experiments.run_config import FLAGS, RunConfig, UsageError
@@ -394,7 +391,7 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: lis
                 store: PredictionStore, bar, writes: bool = True) -> None:
     """Predicts one dataset's `batches` (`batches_of`) and appends their lines to the store
     (`writes`; False: another process writes what this one computed)."""
-    tok = model.tokenizer
+    tok, suite = model.tokenizer, suites.for_dataset(dataset)
     stop = protocol.stop_rule(dataset)
     extra_eos = stop.extra_eos_ids(tok)
     for max_new, batch in batches:
@@ -431,30 +428,12 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: lis
                     "truncated": samples[i].truncated, "grid_seconds": round(seconds, 3),
                     "k": None if result.k is None else result.k[i],
                     **({} if order is None else {"question_index": order[i]}),
+                    **({} if suite.row_groups is None else {"groups": suite.row_groups(row)}),
                 })
-        with sigint_deferred():  # a sample's lines are written whole, or not at all
+        with predictions.sigint_deferred():  # a sample's lines are written whole, or not at all
             if writes:
                 store.append(lines)
         bar.update(len(batch))
-
-
-@contextlib.contextmanager
-def sigint_deferred() -> Iterator[None]:
-    """Holds Ctrl-C back while in the block: it is acted on (KeyboardInterrupt) right after.
-
-    A Python-level handler, not a signal mask: XLA's threads would take a masked SIGINT and
-    the interpreter would still raise it in the main thread, inside the block."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list = []
-    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught and callable(previous):
-            previous(*caught[0])
 
 
 def summary_line(dataset: str, store: PredictionStore, cells, cell_hash) -> str:

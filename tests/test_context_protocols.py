@@ -104,3 +104,11 @@ def test_ruler_shared_rows_ask_one_key_each():
     assert [r["_id"] for r, _ in batch[1]] == ["7.0", "7.1"]  # one context: both rows
     with pytest.raises(Exception, match="no multiquery question"):
         ruler.one_key_each([{**multiquery[0], "input": "What is it?"}])
+
+
+def test_loogle_questions_follow_their_document():
+    row = {"input": "The long document.", "Q": "Who wrote it?"}
+    dataset = "loogle_shortdep_qa"
+    question = cp.question_text(row, dataset)
+    assert question == "\nQuestion: Who wrote it?\nAnswer: "
+    assert protocol.build_prompt(row, dataset).endswith("The long document." + question)

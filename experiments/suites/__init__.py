@@ -14,6 +14,7 @@ from experiments.suites.base import Suite
 from experiments.suites.kvpress import SUITE as KVPRESS  # noqa: F401 (registered below)
 from experiments.suites.longbench import SUITE as LONGBENCH  # noqa: F401 (registered below)
 from experiments.suites.longbench import average_scores as longbench_averages
+from experiments.suites.longbench_v2 import SUITE as LONGBENCH_V2  # noqa: F401 (registered below)
 from experiments.suites.loogle import SUITE as LOOGLE  # noqa: F401 (registered below)
 from experiments.suites.niah import SUITE as NIAH  # noqa: F401 (registered below)
 from experiments.suites.ruler import SUITE as RULER  # noqa: F401 (registered below)

@@ -93,7 +93,9 @@ class Suite:
     the name, so a report scores the run folder without the command line);
     row_max_new_tokens(row): a row's own generation length where rows carry one (None: the
     dataset's `max_new_tokens`); question(row, dataset): the tail of the raw prompt that is
-    the question (None: what follows the row's `context` text; `experiments.context_protocols`).
+    the question (None: what follows the row's `context` text; `experiments.context_protocols`);
+    row_groups(row): the row's categories ({"difficulty": "hard", ...}), recorded on its
+    prediction lines, by which the report breaks scores down (None: none).
     """
 
     name: str
@@ -119,6 +121,7 @@ class Suite:
     with_metric: Callable[[str, str], str] | None = None
     row_max_new_tokens: Callable[[dict], int] | None = None
     question: Callable[[dict, str], str] | None = None
+    row_groups: Callable[[dict], dict[str, str]] | None = None
 
     def resolve(self, names: Sequence[str], metric: str | None = None) -> list[str]:
         """The datasets named on the command line, as this suite names them (under --metric

@@ -220,4 +220,7 @@ SUITE = Suite(
     identity=lambda settings: {"synthetic_length": None, "seed": None},
     dataset_name=dataset_name,
     has_answer_prefix=False,
+    # the template's tail after the document (a document's questions share its context)
+    question=lambda row, dataset: TASK2PROMPT[task_of(dataset)].split("{input}", 1)[1].format(
+        Q=row["Q"]),
 )
