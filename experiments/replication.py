@@ -52,7 +52,8 @@ def verdict(entries: list[dict], alpha: float = SIGNIFICANT) -> str:
 
 # Identity keys that change what a cell *is* (its scoring or timing), as opposed to the suite
 # it runs on (lengths, seed, answer prefix, data): folders differing here hold other claims.
-SETTING_KEYS = (RULE_OPTIONS_KEY, "ties", "draft_weight", "adaptive")
+# "context_protocol": a query-agnostic folder's claims are not a query-aware one's
+SETTING_KEYS = (RULE_OPTIONS_KEY, "ties", "draft_weight", "adaptive", "context_protocol")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ def settings(identity: dict[str, Any]) -> dict[str, Any]:
     7, ..., "ties": ...}."""
     out: dict[str, Any] = {}
     for key in SETTING_KEYS:
-        value = identity.get(key)
+        value = identity.get(key, "query_aware" if key == "context_protocol" else None)
         out.update(value if isinstance(value, dict) else {key: value})
     return out
 
