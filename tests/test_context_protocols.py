@@ -132,5 +132,6 @@ def test_two_protocols_paired_on_their_samples(model_dir, env, tmp_path, capsys)
     assert full["accuracy"] == full["other_accuracy"] and full["wins"] == full["losses"] == 0
     assert paired_folders.main([str(folders["query_agnostic"]), str(folders["query_aware"])]) == 0
     out = capsys.readouterr().out
-    assert "context_protocol: 'query_agnostic' vs None" in out and "| snapkv/dge/k2/b16 | 2 |" in out
+    assert "context_protocol: 'query_agnostic' vs None" in out
+    assert "| snapkv/dge/k2/b16 | 2 |" in out
     assert paired_folders.main([str(tmp_path), str(folders["query_aware"])]) == 2
