@@ -66,8 +66,8 @@ def test_runner_suite_choices_are_the_registry():
     flag = FLAGS["suite"]
     assert flag.default == suites.DEFAULT == "synthetic"
     # the default first, then the others by module name (the registry imports them sorted)
-    assert flag.parser.enum_values == ["synthetic", "kvpress", "longbench", "longbench_v2",
-                                         "loogle", "niah", "ruler"]
+    assert flag.parser.enum_values == ["synthetic", "infinitebench", "kvpress", "longbench",
+                                         "longbench_v2", "loogle", "niah", "ruler"]
 
 
 def _string_literals(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -152,7 +152,8 @@ def test_help_lists_the_runner_flags():
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name in ("suite", "datasets", "budgets", "ruler_length", "synthetic_length", "mesh"):
         assert f"  --{name}:" in proc.stdout, name
-    assert "<synthetic|kvpress|longbench|longbench_v2|loogle|niah|ruler>" in proc.stdout
+    assert ("<synthetic|infinitebench|kvpress|longbench|longbench_v2|loogle|niah|ruler>"
+            in proc.stdout)
 
 
 def test_messages_that_list_suites_read_as_before():

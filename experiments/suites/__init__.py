@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
 from experiments.suites.base import Suite
+from experiments.suites.infinitebench import SUITE as INFINITEBENCH  # noqa: F401 (registered)
 from experiments.suites.kvpress import SUITE as KVPRESS  # noqa: F401 (registered below)
 from experiments.suites.longbench import SUITE as LONGBENCH  # noqa: F401 (registered below)
 from experiments.suites.longbench import average_scores as longbench_averages
