@@ -40,6 +40,21 @@ def clopper_pearson(successes: int, failures: int, level: float = 0.95
     return low, high
 
 
+def fisher_exact(a: int, b: int, c: int, d: int) -> float:
+    """Two-sided exact p of the 2x2 table [[a, b], [c, d]] (Fisher: the hypergeometric
+    probabilities of every table with these margins no likelier than the observed one)."""
+    n, row, col = a + b + c + d, a + b, a + c
+    if n == 0:
+        return 1.0
+
+    def prob(x: int) -> float:
+        return math.comb(row, x) * math.comb(n - row, col - x) / math.comb(n, col)
+
+    observed = prob(a)
+    tables = range(max(0, col - (n - row)), min(row, col) + 1)
+    return min(1.0, sum(q for x in tables if (q := prob(x)) <= observed * (1 + 1e-9)))
+
+
 def holm(p_values: Sequence[float]) -> list[float]:
     """Holm-Bonferroni adjusted p-values (same order as given): controls the family-wise
     error over all comparisons of a report, uniformly more powerful than Bonferroni."""

@@ -135,3 +135,27 @@ def test_two_protocols_paired_on_their_samples(model_dir, env, tmp_path, capsys)
     assert "context_protocol: 'query_agnostic' vs None" in out
     assert "| snapkv/dge/k2/b16 | 2 |" in out
     assert paired_folders.main([str(tmp_path), str(folders["query_aware"])]) == 2
+
+
+def test_anchoring_counts_only_what_fullkv_answers():
+    from experiments import anchoring
+    from experiments.stats import fisher_exact
+
+    assert fisher_exact(1, 9, 11, 3) == pytest.approx(0.0027594, abs=1e-6)  # scipy's value
+    assert fisher_exact(3, 3, 3, 3) == pytest.approx(1.0)
+
+    def line(cell, sample, q, right):
+        return {"dataset": "passkey", "cell": cell, "sample_id": sample, "question_index": q,
+                "pred": "12345" if right else "no", "answers": ["12345"], "all_classes": None}
+
+    lines = []
+    for context in range(4):
+        for q in range(3):
+            sample = f"{context}.{q}"
+            lines.append(line("full", sample, q, right=q != 2))  # FullKV misses question 2
+            lines.append(line("dge", sample, q, right=q == 0 or (q == 1 and context == 0)))
+    (entry,) = anchoring.anchoring(lines)
+    assert entry["cell"] == "dge" and entry["anchor"] == (4, 4) and entry["later"] == (1, 4)
+    assert entry["p"] == pytest.approx(fisher_exact(4, 0, 1, 3))
+    with pytest.raises(ValueError, match="FullKV cell"):
+        anchoring.anchoring([r for r in lines if r["cell"] != "full"])
