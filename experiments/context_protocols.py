@@ -9,8 +9,9 @@
 - `shared_context`: the same, one compressed cache per context and every question of it
   answered from that cache; the context's first row is the anchor DGE drafts on. Rows of a
   context are the rows whose prompts agree up to their question (a suite's shared tasks
-  give several: the synthetic `multikey_shared`, RULER's `niah_multiquery_shared`); each
-  prediction line records its `question_index` in the context (0: the anchor).
+  give several: the synthetic `multikey_shared`, RULER's `niah_multiquery_shared`); `--anchor
+  N` drafts on each context's row N instead. Each prediction line records its
+  `question_index`: 0 for the anchor, then the others in row order.
 
 The split: the runner renders each sample as in query_aware (truncation, chat template,
 answer prefix), then cuts the text where the row's question starts (`question_text`); the
@@ -54,28 +55,38 @@ def split(text: str, question: str, where: str) -> tuple[str, str]:
     return text[:at], text[at:]
 
 
-def shared_batches(dataset: str, rows: list[dict], pending: list) -> list[tuple[int, list]]:
-    """One batch per context that still lacks a prediction: every row of that context (in
-    row order, the first the anchor), each with the cells it lacks (possibly none)."""
+def shared_batches(dataset: str, rows: list[dict], pending: list,
+                   anchor: int = 0) -> list[tuple[int, list]]:
+    """One batch per context that still lacks a prediction: every row of that context, the
+    anchor (its row `anchor` in row order) first, then the others in row order, each with the
+    cells it lacks (possibly none); a line's question_index is its place in that order."""
     missing = {row["_id"]: cells for row, cells in pending}
     by_context: dict[str, list[dict]] = {}
     for row in rows:
         prompt = protocol.build_prompt(row, dataset)
         context = prompt[: len(prompt) - len(question_text(row, dataset))]
         by_context.setdefault(context, []).append(row)
-    return [(protocol.max_new_tokens(dataset, group[0]),
-             [(row, missing.get(row["_id"], ())) for row in group])
-            for group in by_context.values() if any(r["_id"] in missing for r in group)]
+    out = []
+    for group in by_context.values():
+        if not any(r["_id"] in missing for r in group):
+            continue
+        if anchor >= len(group):
+            raise ValueError(f"{dataset}: --anchor {anchor}, but a context has only "
+                             f"{len(group)} questions (row {group[0]['_id']} and on)")
+        group = [group[anchor], *group[:anchor], *group[anchor + 1:]]
+        out.append((protocol.max_new_tokens(dataset, group[0]),
+                    [(row, missing.get(row["_id"], ())) for row in group]))
+    return out
 
 
-def assign_contexts(rows: dict[str, list[dict]], pending: dict[str, list],
-                    share) -> dict[str, list[tuple[int, list]]]:
+def assign_contexts(rows: dict[str, list[dict]], pending: dict[str, list], share,
+                    anchor: int = 0) -> dict[str, list[tuple[int, list]]]:
     """`distributed.assign` for shared contexts: each dataset's `shared_batches`, numbered
     across datasets in run order, the ones this process predicts (`share.owns`)."""
     work, number = {}, 0
     for dataset, items in rows.items():
         work[dataset] = []
-        for batch in shared_batches(dataset, items, pending[dataset]):
+        for batch in shared_batches(dataset, items, pending[dataset], anchor):
             if share.owns(number):
                 work[dataset].append(batch)
             number += 1

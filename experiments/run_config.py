@@ -97,6 +97,8 @@ flags.DEFINE_enum("protocol", "query_aware", ["query_aware", "query_agnostic", "
                   "default), after the context is compressed alone (query_agnostic; DGE and "
                   "DGE-W draft on it first), or one compressed cache per context for all its "
                   "questions (shared_context); recorded in the run identity unless query_aware")
+flags.DEFINE_integer("anchor", 0, "shared_context: the question of each context (0: its first "
+                     "row) DGE and DGE-W draft on; recorded in the run identity unless 0")
 flags.DEFINE_integer("chunk", None, "prefill chunk (tokens; default: the platform's, 512 on "
                      "CPU, 8192 on TPU and GPU)")
 flags.DEFINE_enum("attention", "auto", list(ATTENTION), "prefill's attention: auto (the "
@@ -184,6 +186,9 @@ def check_scalar_flags(values: flags.FlagValues, suite: Suite) -> None:
             raise UsageError(f"--{name} must be >= {low}, got {value}; see --help")
     if values.draft_weight < 0:
         raise UsageError(f"--draft_weight must be >= 0, got {values.draft_weight}; see --help")
+    if values.anchor < 0 or (values.anchor and values.protocol != "shared_context"):
+        raise UsageError(f"--anchor {values.anchor}: give a question index >= 0, with "
+                         "--protocol shared_context (the only protocol with several questions)")
     if not values.answer_prefix and not suite.has_answer_prefix:
         others = " and ".join(f"--suite {s.name}" for s in suites.SUITES.values()
                               if s.has_answer_prefix)
@@ -222,6 +227,7 @@ class RunConfig:
     distributed: bool = False
     sliding_cache: str = "auto"
     protocol: str = "query_aware"
+    anchor: int = 0
 
     @classmethod
     def from_flags(cls, values: flags.FlagValues) -> RunConfig:
@@ -257,7 +263,7 @@ class RunConfig:
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
             k_max=values.k_max, attention=values.attention, sliding=values.sliding,
             distributed=values.distributed, sliding_cache=values.sliding_cache,
-            protocol=values.protocol)
+            protocol=values.protocol, anchor=values.anchor)
 
     def adaptive(self) -> Adaptive | None:
         """The adaptive-k rule of the grid's adaptive cells (None without --adaptive_rule)."""

@@ -88,6 +88,7 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         **({} if config.sliding == "window" else {"sliding": config.sliding}),
         **({} if config.sliding_cache == "auto" else {"sliding_cache": config.sliding_cache}),
         **({} if config.protocol == "query_aware" else {"context_protocol": config.protocol}),
+        **({} if config.anchor == 0 else {"anchor": config.anchor}),
     }
 
 
@@ -300,7 +301,7 @@ def predict(config: RunConfig, state: dict, out_dir: pathlib.Path, model, rows: 
     distributed.all_read(share)  # every process has read the folder: writing may start
     work = distributed.assign(pending, config.batch_size, share)
     if config.protocol == "shared_context":  # one batch per context, all its questions
-        work = context_protocols.assign_contexts(rows, pending, share)
+        work = context_protocols.assign_contexts(rows, pending, share, config.anchor)
     total = sum(map(len, rows.values()))
     todo = sum(map(len, pending.values()))
     mine = sum(len(b) for batches in work.values() for _, b in batches)

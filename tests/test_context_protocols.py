@@ -9,7 +9,7 @@ import json
 import sys
 
 import pytest
-from test_runner import env, model_dir, read_rows, run_ok  # noqa: F401 (fixtures)
+from test_runner import env, model_dir, read_rows, run_ok, run_refused  # noqa: F401
 
 from experiments import context_protocols as cp
 from experiments import protocol
@@ -159,3 +159,14 @@ def test_anchoring_counts_only_what_fullkv_answers():
     assert entry["p"] == pytest.approx(fisher_exact(4, 0, 1, 3))
     with pytest.raises(ValueError, match="FullKV cell"):
         anchoring.anchoring([r for r in lines if r["cell"] != "full"])
+
+
+def test_a_chosen_anchor_comes_first(shared_rows, model_dir, env):  # noqa: F811
+    pending = [(r, ("full",)) for r in shared_rows]
+    first, _ = cp.shared_batches("multikey_shared", shared_rows, pending, anchor=2)
+    ids = [r["_id"] for r, _ in first[1]]
+    assert ids == [shared_rows[i]["_id"] for i in (2, 0, 1, 3)]
+    with pytest.raises(ValueError, match="--anchor 4, but a context has only 4 questions"):
+        cp.shared_batches("multikey_shared", shared_rows, pending, anchor=4)
+    run_refused([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
+                 "--anchor", "1"], env, "--anchor 1", "--protocol shared_context")
