@@ -184,6 +184,19 @@ def _number(text: str) -> int | float:
     return float(text) if any(c in text for c in ".eE") else int(text)
 
 
+def _after_prefix(pred: str, prefixes: Sequence[str], targets: Sequence[str]) -> bool | None:
+    """The official answer-prefix rule: at the first of `prefixes` found, whether what
+    follows it (past one character) starts with a target; None when no prefix occurs."""
+    for prefix in prefixes:
+        idx = pred.find(prefix)
+        if idx == -1:
+            continue
+        if len(pred) < idx + len(prefix) + 1:  # the prediction ends with the prefix
+            return False
+        return any(pred[idx + len(prefix) + 1:].startswith(s) for s in targets)
+    return None
+
+
 def _choice(pred: str, label: Sequence[str]) -> bool:
     """get_score_one_longbook_choice_eng."""
     pred = pred.strip()
@@ -194,13 +207,9 @@ def _choice(pred: str, label: Sequence[str]) -> bool:
     if pred in label:
         return True
     pred = " ".join(_words(pred, "\n\"'.,?!{}"))
-    for prefix in ("answer is:", "answer:", "answer is", "option is"):
-        idx = pred.find(prefix)
-        if idx == -1:
-            continue
-        if len(pred) < idx + len(prefix) + 1:
-            return False
-        return any(pred[idx + len(prefix) + 1:].startswith(s) for s in label)
+    found = _after_prefix(pred, ("answer is:", "answer:", "answer is", "option is"), label)
+    if found is not None:
+        return found
     return next((w in label for w in pred.split() if w in "ABCD"), False)
 
 
@@ -214,14 +223,8 @@ def _debug(pred: str, label: Sequence[str]) -> bool:
         pred = pred.replace(c, " ")
     while "  " in pred:
         pred = pred.replace("  ", " ")
-    for prefix in ("answer is:", "is:", "answer:", "correct option is:"):
-        idx = pred.find(prefix)
-        if idx == -1:
-            continue
-        if len(pred) < idx + len(prefix) + 1:
-            return False
-        return any(pred[idx + len(prefix) + 1:].startswith(s) for s in (letter, fn_name))
-    return False
+    prefixes = ("answer is:", "is:", "answer:", "correct option is:")
+    return bool(_after_prefix(pred, prefixes, (letter, fn_name)))
 
 
 def _math_find(pred: str, label: str) -> bool:

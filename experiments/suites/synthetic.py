@@ -56,6 +56,17 @@ class SyntheticTask:
     metric: str
 
 
+_MULTIKEY = SyntheticTask(
+    template=(
+        "Some special magic numbers are hidden within the following text. Make sure to "
+        "memorize them. I will quiz you about the numbers afterwards.\n\n"
+        "{context}\n\n{input}\n"
+    ),
+    answer_prefix="The special magic number is",
+    max_new_tokens=32,
+    metric="match_any",
+)
+
 TASKS: Mapping[str, SyntheticTask] = MappingProxyType(
     {
         "passkey": SyntheticTask(
@@ -67,27 +78,9 @@ TASKS: Mapping[str, SyntheticTask] = MappingProxyType(
             max_new_tokens=16,
             metric="match_any",
         ),
-        "niah_multikey": SyntheticTask(
-            template=(
-                "Some special magic numbers are hidden within the following text. Make sure to "
-                "memorize them. I will quiz you about the numbers afterwards.\n\n"
-                "{context}\n\n{input}\n"
-            ),
-            answer_prefix="The special magic number is",
-            max_new_tokens=32,
-            metric="match_any",
-        ),
+        "niah_multikey": _MULTIKEY,
         # niah_multikey's haystack asked four times, once per key (`SHARED`)
-        "multikey_shared": SyntheticTask(
-            template=(
-                "Some special magic numbers are hidden within the following text. Make sure to "
-                "memorize them. I will quiz you about the numbers afterwards.\n\n"
-                "{context}\n\n{input}\n"
-            ),
-            answer_prefix="The special magic number is",
-            max_new_tokens=32,
-            metric="match_any",
-        ),
+        "multikey_shared": _MULTIKEY,
         "niah_multivalue": SyntheticTask(
             template=(
                 "Some special magic numbers are hidden within the following text. Make sure to "
