@@ -186,9 +186,6 @@ def check_scalar_flags(values: flags.FlagValues, suite: Suite) -> None:
             raise UsageError(f"--{name} must be >= {low}, got {value}; see --help")
     if values.draft_weight < 0:
         raise UsageError(f"--draft_weight must be >= 0, got {values.draft_weight}; see --help")
-    if values.anchor < 0 or (values.anchor and values.protocol != "shared_context"):
-        raise UsageError(f"--anchor {values.anchor}: give a question index >= 0, with "
-                         "--protocol shared_context (the only protocol with several questions)")
     if not values.answer_prefix and not suite.has_answer_prefix:
         others = " and ".join(f"--suite {s.name}" for s in suites.SUITES.values()
                               if s.has_answer_prefix)
@@ -242,6 +239,9 @@ class RunConfig:
                                      may_be_empty=True),
             intervals=list_flag(values, "intervals", integers=True))
         check_scalar_flags(values, suite)
+        if values.anchor < 0 or (values.anchor and values.protocol != "shared_context"):
+            raise UsageError(f"--anchor {values.anchor}: give a question index >= 0, with "
+                             "--protocol shared_context (the one with several questions)")
         named = list_flag(values, "datasets")
         try:
             if values.metric is not None:

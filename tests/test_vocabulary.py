@@ -31,6 +31,10 @@ KEPT = {
     # config.json's identity key, hashed into run ids and prediction keys: earlier folders
     # resume only if it keeps its spelling
     ("experiments/run_folder.py", 'RULE_OPTIONS_KEY = "policy_options"'),
+    # InfiniteBench's code_debug prompt, verbatim (a Python method, not a scoring rule)
+    ("experiments/suites/infinitebench.py",
+     '"code_debug": "Following is a Python code where exactly one of the functions/methods has '
+     'a "'),
 }
 
 
