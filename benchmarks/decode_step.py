@@ -1,7 +1,9 @@
-"""Decode-step cost on CPU: the layer loop (scan vs unrolled) and the score layout.
+"""Decode-step cost on the default device: the layer loop (scan vs unrolled) and the score
+layout.
 
     python -m benchmarks.decode_step            # SmolLM2-135M, the shapes of the cpu suite
     python -m benchmarks.decode_step --quick    # random tiny model, ~30 s smoke run
+    python -m benchmarks.decode_step --llama8b  # random Llama-3.1-8B geometry in bf16 (a GPU)
 
 Why: XLA:CPU copies each layer's slice of a stacked [L, ...] array (weights and cache)
 before a dot reads it, so a `lax.scan` over one group of all layers moves the weights and the
@@ -33,6 +35,7 @@ from dge_jax.runtime.sampling import Greedy
 
 SHAPES = ((1, 320), (4, 4160), (27, 640))  # compacted batch 1, full 4k batch 4, a 27-cell grid
 QUICK_SHAPES = ((1, 64), (4, 256))
+LLAMA8B_SHAPES = ((1, 8224), (8, 8224))  # an 8k prompt's full cache, batch 1 and 8
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,12 +44,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=18, help="decode steps per timed call")
     p.add_argument("--runs", type=int, default=3, help="timed runs (median reported)")
     p.add_argument("--quick", action="store_true", help="tiny random model, small shapes")
+    p.add_argument("--llama8b", action="store_true", help="random weights of Llama-3.1-8B's "
+                   "geometry (hidden 4096, MLP 14336, 32 layers, 32 / 8 heads x 128; vocabulary "
+                   "1024) in bf16, at batch 1 and 8 over 8,224 slots (an accelerator's shapes)")
     return p.parse_args(argv)
 
 
 def load_model(args: argparse.Namespace):
     """(forward, config, params): the named model, or a tiny random llama for --quick."""
-    if not args.quick:
+    if not (args.quick or args.llama8b):
         import dge_jax
 
         m = dge_jax.load(args.model)
@@ -54,18 +60,20 @@ def load_model(args: argparse.Namespace):
     from dge_jax.config import ModelConfig, RopeConfig
     from dge_jax.families import get_family
 
-    cfg = ModelConfig(
-        family="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_layers=4, num_heads=6, num_kv_heads=2, head_dim=32, rope=RopeConfig(theta=1e4),
-        max_position_embeddings=4096,
-    )  # fmt: skip
+    shape = (dict(vocab_size=1024, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                  num_heads=32, num_kv_heads=8, head_dim=128) if args.llama8b else
+             dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4,
+                  num_heads=6, num_kv_heads=2, head_dim=32))  # fmt: skip
+    cfg = ModelConfig(family="llama", rope=RopeConfig(theta=5e5 if args.llama8b else 1e4),
+                      max_position_embeddings=131072 if args.llama8b else 4096, **shape)
     family = get_family("llama")
-    return family.forward, cfg, family.init_params(cfg, jax.random.PRNGKey(0))
+    dtype = jnp.bfloat16 if args.llama8b else jnp.float32
+    return family.forward, cfg, family.init_params(cfg, jax.random.PRNGKey(0), dtype)
 
 
-def full_cache(cfg, batch: int, slots: int) -> KVCache:
+def full_cache(cfg, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
     """A cache whose first slots - 32 slots hold tokens 0, 1, ... (the rest left for decode)."""
-    cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
+    cache = init_cache(cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim, dtype)
     written = slots - 32
     pos = jnp.where(jnp.arange(slots) < written, jnp.arange(slots), -1).astype(jnp.int32)
     k = jax.random.normal(jax.random.PRNGKey(1), cache.k.shape, cache.k.dtype)
@@ -118,15 +126,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     fwd, cfg, params = load_model(args)
     rows = []
-    print(f"# decode step: {'tiny random llama' if args.quick else args.model}, "
+    name = "tiny random llama" if args.quick else "random Llama-3.1-8B geometry, bf16" if \
+        args.llama8b else args.model
+    print(f"# decode step: {name}, "
           f"{jax.default_backend()}, {args.steps}-step calls, median of {args.runs}\n")  # fmt: skip
     print(
         "| batch | slots | scan ms/step | unrolled ms/step | scan / unrolled | compile s "
         "(scan, unrolled) | attention ms rows-major | keys-major | rows / keys |"
     )
     print("| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
-    for b, s in QUICK_SHAPES if args.quick else SHAPES:
-        cache = full_cache(cfg, b, s)
+    for b, s in QUICK_SHAPES if args.quick else LLAMA8B_SHAPES if args.llama8b else SHAPES:
+        cache = full_cache(cfg, b, s, params.embed.dtype)
         scan, scan_first = step_ms(fwd, cfg, params, cache, "scan", args)
         unrolled, unrolled_first = step_ms(fwd, cfg, params, cache, "unrolled", args)
         rows_major = attention_ms(cfg, cache, False, args.runs)
