@@ -10,8 +10,10 @@ device's. To compile for another platform without a mesh, set a 1 x 1 mesh of it
     field                  cpu          tpu            gpu            why
     attention ("auto")     xla          pallas         xla            see ATTENTION
                                                                       (prefill and decode)
-    layer_loop             unrolled     scan           scan           XLA:CPU copies a scanned
-                                                                      layer's slices each step
+    layer_loop             unrolled     scan           unrolled       XLA:CPU copies a scanned
+                                                                      layer's slices each step;
+                                                                      a scan decodes at half
+                                                                      speed on GPU too
     prefill_chunk          512          8192           8192           see below
     prefill_step_tokens    -            8192           8192           batch x chunk, at most
     prompt_bucket          512          512            512            padding past one chunk
@@ -123,7 +125,10 @@ class Backend:
         if name == "cpu":
             return cls(name, attention, "unrolled", CPU_CHUNK, 0, CPU_CHUNK, 0,
                        CPU_KEYS_MAJOR_MAX_ROWS, True)  # fmt: skip
-        return cls(name, attention, "scan", ACCELERATOR_CHUNK, ACCELERATOR_CHUNK, PROMPT_BUCKET,
+        # GPU decode steps run faster in one-layer groups than scanned over the stacked
+        # layers, as on CPU (measured: benchmarks.decode_step --llama8b, benchmarks/RESULTS.md)
+        loop = "unrolled" if name == "gpu" else "scan"
+        return cls(name, attention, loop, ACCELERATOR_CHUNK, ACCELERATOR_CHUNK, PROMPT_BUCKET,
                    512, 0, False)  # fmt: skip
 
     def chunk_for(self, batch: int) -> int:
