@@ -107,13 +107,16 @@ def test_scores_as_compute_scores_gives_them(dataset, pred, answers, score):
 
 
 def test_a_run_end_to_end(model_dir, env, data_dir, tmp_path):  # noqa: F811
-    out = tmp_path / "out"
+    out, run = tmp_path / "out", ("passkey", "longbook_choice_eng")  # two prompt forms
     run_ok([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--suite", "infinitebench", "--data_dir", str(data_dir), "--rules", "full,snapkv",
+            "--datasets", ",".join(run),
             "--timings", "prefill", "--budgets", "16", "--window", "4",
             "--out_dir", str(out)], env)  # fmt: skip
     lines = read_rows(out)
-    assert {r["dataset"] for r in lines} == {ib.DATASET_PREFIX + t for t in ROWS}
-    assert len(lines) == 2 * len(ROWS)
+    assert {r["dataset"] for r in lines} == {ib.DATASET_PREFIX + t for t in run}
+    assert len(lines) == 2 * len(run)
+    choice = [r for r in lines if r["dataset"].endswith("choice_eng")]
+    assert all(r["answers"] == ["North", "B"] for r in choice)  # get_answer's labels
     scores = json.loads((out / "scores.json").read_text())
-    assert set(scores["datasets"]) == {ib.DATASET_PREFIX + t for t in ROWS}
+    assert set(scores["datasets"]) == {ib.DATASET_PREFIX + t for t in run}
