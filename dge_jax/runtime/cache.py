@@ -11,8 +11,8 @@ Every forward runs ``for group in cache.groups: lax.scan(layer, group)``, so the
 a layout choice, never a different code path:
 
 - a fresh cache is one group of all L layers (scanned: compile time flat in depth);
-- `decoding.decode_loop` on CPU regroups it into groups of one layer (XLA:CPU copies the slice of
-  a stacked array a layer reads, every step; a one-layer group is read in place);
+- `decoding.decode_loop` on CPU and GPU regroups it into groups of one layer (XLA:CPU copies
+  the slice of a stacked array a layer reads, every step; a one-layer group is read in place);
 - compaction to per-layer capacities (PyramidKV's budgets, AdaKV's) gives one group per run
   of layers with the same capacity, each holding only the slots its layers need;
 - sliding-window layers in the bounded layout (`dge_jax.runtime.window_cache`) hold their

@@ -373,7 +373,7 @@ def rewind_state(
 def decode_groups(cache: KVCache, layer_loop: str | None = None) -> tuple[int, ...]:
     """Layer group sizes `decode_loop` runs `cache` in: "scan" = one group per run of layers of
     one capacity (one group for a uniform cache); "unrolled" = one layer per group; None:
-    the platform's (`platform.Backend.layer_loop`: unrolled on CPU, scan elsewhere)."""
+    the platform's (`platform.Backend.layer_loop`: unrolled on CPU and GPU, scan on TPU)."""
     layer_loop = layer_loop or platform.current().layer_loop
     if layer_loop not in ("scan", "unrolled"):
         raise ValueError(f"layer_loop must be 'scan' or 'unrolled', got {layer_loop!r}")
@@ -411,8 +411,9 @@ def decode_loop(
     "scan" keeps layers of one capacity in one group, scanned; "unrolled" makes every layer
     its own group. XLA:CPU copies each layer's slice of a stacked array before using it, so
     a scanned step moves the weights and cache several times; one-layer groups are read in
-    place (`python -m benchmarks.decode_step` compares them), for one extra copy of the
-    layer weights while decoding and a longer compile. None: the platform's. The
+    place (`python -m benchmarks.decode_step` compares them; on a GPU the scan ran at half
+    the speed too), for one extra copy of the layer weights while decoding and a longer
+    compile. None: the platform's. The
     cache comes back in the grouping it was given. Same tokens either way. attention: the
     steps' implementation (`platform.ATTENTION`).
     """
