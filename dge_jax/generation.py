@@ -27,9 +27,8 @@ ones is their score against the anchor's.
 The question tokens of every row are fed in one prefill step over the compressed cache
 (`dge_jax.runtime.extend`); the answer then decodes as in `generate_grid`. Decode-time
 compression is refused (it compresses the answer, not the context), and sliding-window
-layers use the full layout
-(`window_cache`'s bounded one would already have dropped context entries the question
-needs).
+layers use the full layout (`window_cache`'s bounded one would already have dropped context
+entries the question needs).
 """
 
 from __future__ import annotations
@@ -201,6 +200,7 @@ def evicted_plans(
     # their full caches now live only in the plans that decode in them
     return request, evict(request, prefilled, plans, hook)
 
+
 def _ids(model: Model, items: Sequence, special: bool, what: str) -> list[list[int]]:
     """Token ids of text (special tokens only where `special`) or ids as given."""
     out = []
@@ -285,6 +285,11 @@ def generate_for_contexts(
             model, prompts, [checked[i] for i in members], cfg, hook,
             context_end=ends if members is drafts else None, sliding_cache=layout,
         )  # fmt: skip
+        # Room for the longest question and the answer, once per cell: every question is fed
+        # to the same grown cache (one host read of the write index, one shape to compile).
+        room = _bucket(max(len(q) for row in asked for q in row)) + request.buffer
+        plans = [dataclasses.replace(p, evicted=dataclasses.replace(
+            p.evicted, cache=with_room(p.evicted.cache, room))) for p in plans]  # fmt: skip
         answers = [_answer(model, cfg, request, plans, ctx, [q[j] for q in asked], hook)
                    for j in range(n)]  # fmt: skip
         for m, i in enumerate(members):
@@ -292,10 +297,15 @@ def generate_for_contexts(
     return out
 
 
+def _bucket(tokens: int) -> int:
+    """A question's fed length: nearby lengths share a compilation."""
+    return round_up_slots(tokens, 16)
+
+
 def _answer(model, cfg, request: Request, plans: list[CellPlan], ctx, asked, hook):
     """Every cell's answers to one question per row: the question fed to the cell's
     compressed context, then decoded."""
-    q = round_up_slots(max(map(len, asked)), 16)  # nearby question lengths share a compile
+    q = _bucket(max(map(len, asked)))
     tokens, lengths = pad_left(asked, q)
     start = np.array([len(c) for c in ctx], np.int32)
     offset = np.arange(q, dtype=np.int32)[None, :] - (q - lengths)[:, None]
@@ -303,8 +313,7 @@ def _answer(model, cfg, request: Request, plans: list[CellPlan], ctx, asked, hoo
     key, first_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
     states = []
     for plan in plans:
-        cache = with_room(plan.evicted.cache, q + request.buffer)
-        logits, cache = extend(model.forward, model.config, model.params, cache,
+        logits, cache = extend(model.forward, model.config, model.params, plan.evicted.cache,
                                jnp.asarray(tokens), jnp.asarray(positions),
                                attention=request.attention)  # fmt: skip
         active = request.min_new_tokens > 0
