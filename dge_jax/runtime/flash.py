@@ -6,9 +6,12 @@ either. On TPU it runs two Mosaic kernels; elsewhere (CPU tests) the same kernel
 Pallas interpret mode.
 
 Layout. q is regrouped as `written_slot_attention` groups it: the G query heads of a kv head
-become rows g * T' + t of one [G * T', D] array (T' = T padded to whole query tiles), so row
-tile i is query tile i % nq of query head i // nq and every key tile a step loads serves bq
-rows of one kv head; the forward grid is (batch, kv head, row tile, key tile). Keys and
+become rows g * T' + t of one [G * T', D] array (T' = T padded to whole query tiles), which
+the forward kernel reads as [G, T', D] (the same memory): its grid is (batch, kv head, query
+tile, key tile) and each step's block holds query tile i of all G heads, so every key and
+value tile a step loads serves G * bq rows. Loading them once per query head instead read a
+layer's keys and values G times as often (the prefill's largest HBM cost at 8k before
+sequence parallelism, compiled for a v5e-8: benchmarks/RESULTS.md). Keys and
 values are read in place (never padded or copied), from the layer group's stacked cache
 [Lg, B, Hkv, S, D] itself: the layer index is scalar-prefetched with the skip tables and
 the k / v index maps pick that layer's tiles (``layer=``), as `flash_decode` does. Passed
@@ -32,10 +35,10 @@ one compilation serves every layer of a scanned group, sliding or global. Scores
 scaled in q's dtype (by `ScoreSpec.scale_for(D)`) times k, in f32, soft-capped when the
 model caps them, then masked: `written_slot_attention`'s order.
 
-Skipping. A key tile whose smallest visible position exceeds a row tile's largest query
+Skipping. A key tile whose smallest visible position exceeds a query tile's largest query
 position can be seen by no row of it (the upper causal triangle, left padding, unwritten
 slots past num_slots), nor, with a window, one whose largest position is window or more
-below the row tile's smallest real query position (older than every row's window: a sliding
+below the query tile's smallest real position (older than every row's window: a sliding
 layer's prefill then computes O(T * window) tiles, not O(T^2)): the kernel skips its compute
 with `pl.when`, and the index maps clamp its block index into the range of needed tiles so
 its DMA is not issued either (Pallas skips the copy when a block index repeats). The tables
@@ -179,16 +182,18 @@ def _rows_spec(dims: _Dims, d: int, tile_of) -> pl.BlockSpec:
 
 
 def _forward_kernel(*refs, dims: _Dims) -> None:
-    """One (batch, kv head, row tile, key tile) step of the online softmax.
+    """One (batch, kv head, query tile, key tile) step of the online softmax, for the G query
+    heads of the kv head at once: the key and value tiles a step loads serve all G heads'
+    rows of the query tile (one DMA of k and v per query tile, not one per query head).
 
-    Scratch: running max m [bq, 1], normaliser l [bq, 1], unnormalised output acc [bq, D]
-    (f32), and the row tile's query positions as a column [bq, 1] (made once, at key tile 0).
+    Scratch: running max m [G, bq, 1], normaliser l [G, bq, 1], unnormalised output acc
+    [G, bq, D] (f32), and the query tile's positions as a column [bq, 1] (made once, at key
+    tile 0).
     """
     tab = _Tables(*refs[:_NUM_TABLES])
     qpos_ref, q_ref, k_ref, v_ref, spos_ref, out_ref, lse_ref, *scratch = refs[_NUM_TABLES:]
     m_ref, l_ref, acc_ref, rowpos_ref = scratch
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    _, qi = _head_and_tile(i, dims.nq)
+    b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _start():
@@ -199,48 +204,50 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
 
     @pl.when(_tile_needed(tab, b, qi, j, dims))
     def _step():
-        s = jax.lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
+        # What the G heads share: the key tile's visibility to the query tile and the value
+        # tile with its rows past S (the last tile's, undefined: maybe NaN) or num_slots
+        # (unwritten) zeroed, as p is 0 there but 0 * NaN would still be NaN in the product.
         slot = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (1, dims.bk), 1)
         sp = spos_ref[...]  # [1, bk] against the rows' positions [bq, 1]
         visible = _visible(sp, rowpos_ref[...], tab.window[0]) & (slot < tab.num_slots[0])
-        s = jnp.where(visible, dims.cap(s), _MASKED)  # also drops NaN read past S in the last tile
-        m_prev = m_ref[...]
-        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        # Zero, not exp(0) = 1, where masked: a row that saw nothing keeps l = 0 and acc = 0.
-        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        # Rows past S (the last tile's, undefined: maybe NaN) or num_slots (unwritten) become
-        # zeros: p is 0 there, but 0 * NaN would still be NaN in the product.
         rows = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (dims.bk, 1), 0)
         v = v_ref[...]
         v = jnp.where(rows < jnp.minimum(tab.num_slots[0], dims.s_len), v, jnp.zeros_like(v))
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + pv
-        m_ref[...] = m_new
+        k = k_ref[...]
+        for g in range(dims.g):  # static: G (1-8) heads, each a [bq, bk] score tile
+            s = jax.lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32)
+            s = jnp.where(visible, dims.cap(s), _MASKED)  # also drops NaN read past S
+            m_prev = m_ref[g]
+            m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+            # Zero, not exp(0) = 1, where masked: a row that saw nothing keeps l = acc = 0.
+            p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            l_ref[g] = alpha * l_ref[g] + p.sum(axis=1, keepdims=True)
+            acc_ref[g] = alpha * acc_ref[g] + pv
+            m_ref[g] = m_new
 
     @pl.when(j == dims.nk - 1)
     def _finish():
-        norm = l_ref[...]
-        seen = norm > 0
-        safe = jnp.where(seen, norm, 1.0)
-        out_ref[...] = jnp.where(seen, acc_ref[...] / safe, 0.0).astype(out_ref.dtype)
-        lse_ref[...] = _row(jnp.where(seen, m_ref[...] + jnp.log(safe), _MASKED))
+        for g in range(dims.g):
+            norm = l_ref[g]
+            seen = norm > 0
+            safe = jnp.where(seen, norm, 1.0)
+            out_ref[g] = jnp.where(seen, acc_ref[g] / safe, 0.0).astype(out_ref.dtype)
+            lse_ref[g : g + 1, :] = _row(jnp.where(seen, m_ref[g] + jnp.log(safe), _MASKED))
 
 
 def _forward_call(dims: _Dims, interpret: bool):
     """The forward pallas_call: (tables, qpos [B,1,T'], q rows (`_rows_in`), k, v
     [Lg,B,Hkv,S,D] (layer tables.layer read), spos [B,Hkv,1,S']) -> (out in q's row layout,
-    lse [B,Hkv,1,G*T'] f32, row tile order)."""
-    nq, bq, bk = dims.nq, dims.bq, dims.bk
-
-    def row_tile(b, h, i, j, *refs):
-        return b, h, *_head_and_tile(i, nq)
+    lse [B,Hkv,1,G*T'] f32, row tile order). The kernel sees q and out as [B, Hkv, G, T', D]
+    and lse as [B, Hkv, G, T'] (the same memory): one block holds the G heads' rows of a
+    query tile."""
+    nq, bq, bk, g = dims.nq, dims.bq, dims.bk, dims.g
 
     def key_tile(b, h, i, j, *refs):
         tab = _Tables(*refs)
-        at = b * nq + _head_and_tile(i, nq)[1]
-        return _clamp(j, tab.kfirst[at], tab.klast[at])
+        return _clamp(j, tab.kfirst[b * nq + i], tab.klast[b * nq + i])
 
     def kv_map(b, h, i, j, *refs):
         return _Tables(*refs).layer[0], b, h, key_tile(b, h, i, j, *refs), 0
@@ -249,41 +256,45 @@ def _forward_call(dims: _Dims, interpret: bool):
         return b, h, 0, key_tile(b, h, i, j, *refs)
 
     def qpos_map(b, h, i, j, *refs):
-        return b, 0, _head_and_tile(i, nq)[1]
+        return b, 0, i
+
+    def heads_map(b, h, i, j, *refs):
+        return b, h, 0, i, 0
 
     def call(tables, qpos, q_rows, k, v, spos):
         _, b, hkv, s_len, d = k.shape
-        rows = dims.g * nq * bq
+        q = q_rows.reshape(b, hkv, g, nq * bq, d)
+        heads = pl.BlockSpec((None, None, g, bq, d), heads_map)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(tables),
-            grid=(b, hkv, rows // bq, dims.nk),
+            grid=(b, hkv, nq, dims.nk),
             in_specs=[
                 pl.BlockSpec((None, 1, bq), qpos_map),
-                _rows_spec(dims, d, row_tile),
+                heads,
                 pl.BlockSpec((None, None, None, bk, d), kv_map),
                 pl.BlockSpec((None, None, None, bk, d), kv_map),
                 pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=[
-                _rows_spec(dims, d, row_tile),
-                pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j, *_: (b, h, 0, i)),
+                heads,
+                pl.BlockSpec((None, None, g, bq), lambda b, h, i, j, *_: (b, h, 0, i)),
             ],
             scratch_shapes=[
-                pltpu.VMEM((bq, 1), jnp.float32),
-                pltpu.VMEM((bq, 1), jnp.float32),
-                pltpu.VMEM((bq, d), jnp.float32),
+                pltpu.VMEM((g, bq, 1), jnp.float32),
+                pltpu.VMEM((g, bq, 1), jnp.float32),
+                pltpu.VMEM((g, bq, d), jnp.float32),
                 pltpu.VMEM((bq, 1), jnp.int32),
             ],
         )
-        flops = 4 * b * hkv * rows * s_len * d  # dense bound: skipped tiles not counted off
+        flops = 4 * b * hkv * g * nq * bq * s_len * d  # dense bound: skipped tiles not counted off
         layer_bytes = b * hkv * s_len * d * k.dtype.itemsize
-        tile_bytes = 2 * layer_bytes * (rows // bq)  # the layer's k and v once per row tile
-        return pl.pallas_call(
+        tile_bytes = 2 * layer_bytes * nq  # the layer's k and v once per query tile (dense)
+        out, lse = pl.pallas_call(
             functools.partial(_forward_kernel, dims=dims),
             grid_spec=grid_spec,
             out_shape=[
-                jax.ShapeDtypeStruct(q_rows.shape, v.dtype),
-                jax.ShapeDtypeStruct((b, hkv, 1, rows), jnp.float32),
+                jax.ShapeDtypeStruct(q.shape, v.dtype),
+                jax.ShapeDtypeStruct((b, hkv, g, nq * bq), jnp.float32),
             ],
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
@@ -293,7 +304,8 @@ def _forward_call(dims: _Dims, interpret: bool):
                 bytes_accessed=2 * q_rows.size * q_rows.dtype.itemsize + tile_bytes,
             ),
             interpret=interpret,
-        )(*tables, qpos, q_rows, k, v, spos)
+        )(*tables, qpos, q, k, v, spos)
+        return out.reshape(q_rows.shape), lse.reshape(b, hkv, 1, g * nq * bq)
 
     return call
 
