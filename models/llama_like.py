@@ -26,6 +26,7 @@ from dge_jax.runtime.cache import KVCache, LayerGroup
 from dge_jax.runtime.layer_attention import cache_layer_attention
 from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables
+from dge_jax.runtime.sharding import constrain_residual
 from dge_jax.runtime.window_cache import join_layers, make_room
 
 
@@ -321,6 +322,9 @@ def forward(
     x = params.embed[tokens]
     if cfg.embed_scale:  # Gemma: times sqrt(hidden), rounded to the weights' dtype first
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+    # Under a mesh: the looked-up rows whole, then split for the layers (a local slice), so
+    # the partitioner sums the vocab-split table's lookups instead of gathering the table.
+    x = constrain_residual(cfg, constrain_residual(cfg, x, split=False))
     groups, recorded = [], []
     first = 0
     for lp, group in zip(layers, cache.groups, strict=True):
@@ -382,7 +386,10 @@ def _layer(call: _Call, x, lp, buffers, i, slot, window, rope_id):
     cfg, positions = call.cfg, call.positions
     b, t = positions.shape
     hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    h = _norm(cfg, x, lp.attn_norm)
+    # The residual stream's tokens stay split over the model axis between blocks under a
+    # mesh (sequence parallelism; a no-op otherwise and for decode steps).
+    x = constrain_residual(cfg, x)
+    h = constrain_residual(cfg, _norm(cfg, x, lp.attn_norm), split=False)
     q = _linear(h, lp.wq, lp.bq).reshape(b, t, hq, hd)
     k = _linear(h, lp.wk, lp.bk).reshape(b, t, hkv, hd)
     v = _linear(h, lp.wv, lp.bv).reshape(b, t, hkv, hd)
@@ -402,12 +409,14 @@ def _layer(call: _Call, x, lp, buffers, i, slot, window, rope_id):
     recorded = call.recording.layer(LayerView(x, q, rotated, positions, probs_sum))
     out = _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
     if cfg.sandwich_norms:  # Gemma: attention's and the MLP's outputs are normalised too
-        x = x + _norm(cfg, out, lp.post_attn_norm)
-        return x + _norm(cfg, mlp(_norm(cfg, x, lp.mlp_norm), lp, cfg.hidden_act),
-                         lp.post_mlp_norm), tuple(buffers), recorded  # fmt: skip
-    x = x + out
-    x = x + mlp(_norm(cfg, x, lp.mlp_norm), lp, cfg.hidden_act)
-    return x, tuple(buffers), recorded
+        x = constrain_residual(cfg, x + _norm(cfg, out, lp.post_attn_norm))
+        h = constrain_residual(cfg, _norm(cfg, x, lp.mlp_norm), split=False)
+        mlp_out = _norm(cfg, mlp(h, lp, cfg.hidden_act), lp.post_mlp_norm)
+    else:
+        x = constrain_residual(cfg, x + out)
+        h = constrain_residual(cfg, _norm(cfg, x, lp.mlp_norm), split=False)
+        mlp_out = mlp(h, lp, cfg.hidden_act)
+    return constrain_residual(cfg, x + mlp_out), tuple(buffers), recorded
 
 
 def check_shapes(cfg: ModelConfig, params: Params) -> None:

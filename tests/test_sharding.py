@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,22 @@ def test_cache_placement_and_no_op_constraints_without_a_mesh():
     assert fresh.pos.sharding == placed.pos.sharding and int(fresh.pos.max()) == -1
 
 
+def test_the_residual_stream_is_left_whole_where_it_cannot_split():
+    """constrain_residual is the identity without a mesh and on a one-device model axis; the
+    rules split the tokens over model, except where the rows take that axis (the 8-device
+    split itself: test_no_step_gathers_the_cache)."""
+    import jax.numpy as jnp
+
+    x = jnp.ones((2, 16, 64))
+    assert sh.constrain_residual(config(), x) is x
+    with jax.set_mesh(sh.make_mesh()):  # data 1 x model 1 on this process's one device
+        assert sh.constrain_residual(config(), x) is x
+    spec = sh.DEFAULT_RULES.fit(config(), {"data": 1, "model": 4}, 2)
+    assert spec.spec(("batch", "residual", "embed")) == jax.P("data", "model", None)
+    wide = {"data": 1, "model": 8}  # 4 kv heads on 8: rows take the model axis, tokens cannot
+    assert "model" in str(sh.DEFAULT_RULES.fit(config(), wide, 8).batch)
+
+
 # --- 8 simulated devices, in a subprocess ----------------------------------------------------
 
 
@@ -253,9 +270,14 @@ def test_no_step_gathers_the_cache(facts, mesh):
             assert module["whole_cache"] == [], f"{name}: {module['whole_cache']}"
             if name in STEPS:
                 assert module["cache_slots"], f"{name}: no sharded cache in {module['caches']}"
-    if mesh == "2x4":  # head-parallel attention: per layer, all-reduces of activations only
+    if mesh == "2x4":
+        # Head-parallel attention with sequence parallelism: only activations of the model's
+        # width (hidden 64) cross devices, among them the all-gather of a block's normed
+        # input [B, T, D] from its token shards; no weight is gathered.
         for module in steps["prefill_prompt"]:  # the xla and the pallas (shard_map) prefill
-            assert all(c.startswith("all-reduce") for c in module["collectives"])
+            found = module["collectives"]
+            assert all(c.endswith(", 64]") for c in found), found
+            assert any(re.fullmatch(r"all-gather f32\[\d+, 16, 64\]", c) for c in found), found
 
 
 @pytest.mark.slow

@@ -11,13 +11,24 @@ maps each logical name to a mesh axis, several mesh axes, or None (replicated), 
     kv_heads   model    wk/wv columns (Hkv·hd), bk/bv; the cache's Hkv axis
     mlp        model    w_gate/w_up columns, w_down rows (F)
     vocab      model    embedding rows, lm_head columns, logits [B, V]
+    residual   model    the token axis of the residual stream [B, T, D] between a layer's
+                        blocks (prefill; sequence parallelism, `constrain_residual`)
     embed, layers, seq, head_dim: never split
 
-Attention runs head-parallel (Megatron-style: an all-reduce after wo and one after w_down per
-layer) and rows data-parallel. Eviction needs no communication for per-head budgets: scores,
+Attention runs head-parallel (Megatron-style: a reduction after wo and one after w_down per
+layer, reduce-scatters under sequence parallelism, below) and rows data-parallel. Eviction needs no communication for per-head budgets: scores,
 top-k and compaction run along the slot axis, which is never split. AdaKV ranks a layer's
 scores across all its heads, so XLA exchanges scores [L, B, Hkv, S] f32 (1/D of the keys)
 between the model devices; keys and values never move.
+
+Sequence parallelism (Megatron's, as MaxText shards activations): between a layer's two
+blocks the residual stream's tokens are split over the model axis (`constrain_residual`), so
+the norms and residual adds run on 1/model of the tokens and each block's closing all-reduce
+becomes a reduce-scatter, its input an all-gather (which XLA:TPU overlaps with the matmuls
+that read it). Each device then holds and rewrites its share of the stream instead of all of
+it (an 8B model's prefill compiled for a v5e-8, before and after: benchmarks/RESULTS.md).
+Decode and draft steps (one token a row) and token counts that do not divide the axis keep
+the stream whole.
 
 `AxisRules.fit` adapts the rules to one model, mesh and batch:
 
@@ -38,9 +49,10 @@ between the model devices; keys and values never move.
 - a batch that does not divide the data axis is replicated over it (use batches that are a
   multiple of data, or of data × model in the case above, as the LongBench runner does).
 
-Meshes use `AxisType.Auto` axes: the model code carries no sharding annotations and JAX's
-partitioner propagates the parameter shardings; `constrain_rows` and `constrain_cache` pin the
-inputs and the cache where the decoding steps create or update them (no-ops without a mesh).
+Meshes use `AxisType.Auto` axes: JAX's partitioner propagates the parameter shardings;
+`constrain_rows` and `constrain_cache` pin the inputs and the cache where the decoding steps
+create or update them, and the model's layers carry one annotation, `constrain_residual`
+(all no-ops without a mesh).
 Errors for meshes that cannot work (`make_mesh`, `AxisRules.fit`) come before anything
 compiles.
 """
@@ -91,6 +103,7 @@ class AxisRules:
     embed: MeshAxes = None
     layers: MeshAxes = None
     seq: MeshAxes = None
+    residual: MeshAxes = "model"
     head_dim: MeshAxes = None
 
     def __post_init__(self):
@@ -410,6 +423,30 @@ def constrain_rows(
         jax.lax.with_sharding_constraint(a, rows_spec(cfg, a.shape[0], a.ndim, mesh, rules))
         for a in arrays
     )
+
+
+def constrain_residual(
+    cfg: ModelConfig, x: jax.Array, *, split: bool = True, rules: AxisRules = DEFAULT_RULES
+) -> jax.Array:
+    """Inside jit, under a (data, model) mesh set by `jax.set_mesh`: the residual stream x
+    [B, T, D] with its tokens split over the `residual` mesh axes (split=True: between
+    blocks), or a block's normed input with its tokens whole again (split=False: the
+    all-gather before the block's projections, placed here rather than left to the
+    partitioner, which may otherwise gather a projection's output, keys included).
+
+    Sequence parallelism (module docstring). A no-op without such a mesh, for one token a row
+    (decode and draft steps), when T does not divide the axes, and when the rows already use
+    them (kv heads fewer than the model axis: rows over data x model)."""
+    mesh = _context_mesh()
+    if mesh is None or x.ndim != 3 or rules.residual is None:
+        return x
+    fitted = rules.fit(cfg, mesh, x.shape[0])
+    size = _size(mesh, fitted.residual)
+    rows = _as_tuple(fitted.batch)
+    if size == 1 or x.shape[1] % size or set(rows) & set(_as_tuple(fitted.residual)):
+        return x
+    tokens = "residual" if split else None
+    return jax.lax.with_sharding_constraint(x, fitted.spec(("batch", tokens, "embed")))
 
 
 def attention_specs(
