@@ -325,6 +325,13 @@ class Analysis:
     loops: list[Loop]
     pallas: bool
     collectives: list[Collective]
+    # HBM bytes by source (`source_of`), loops times their trips, Pallas kernels at what they
+    # declare: where `cost.hbm_bytes_declared` goes (the two sums agree)
+    hbm_by_source: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def top_sources(self, n: int = 10) -> list[tuple[str, float]]:
+        """The n sources moving the most HBM bytes, largest first."""
+        return sorted(self.hbm_by_source.items(), key=lambda kv: -kv[1])[:n]
 
 
 def op_name(ins: Instr) -> str:
@@ -332,7 +339,19 @@ def op_name(ins: Instr) -> str:
     return found.group(1) if found else ""
 
 
-def _walk(comps, comp, scalars, depth, assume, loops) -> Cost:
+def source_of(ins: Instr) -> str:
+    """What an op is, for `Analysis.hbm_by_source`: the JAX primitive it came from (its op
+    name's last part; a Pallas kernel's "pallas_call"; XLA's own ops, such as async copies,
+    by opcode) and its first result's type, e.g. "dot_general -> bf16[8192,1792]"."""
+    name = op_name(ins).rsplit("/", 1)[-1] or ins.opcode
+    first = ins.arrays[0] if ins.arrays else None
+    shape = "" if first is None else f" -> {first.dtype}[{','.join(map(str, first.dims))}]"
+    return name + shape
+
+
+def _walk(comps, comp, scalars, depth, assume, loops, ledger=None, scale=1.0) -> Cost:
+    """The cost of `comp`, loops times their trips; `ledger` (a dict, or None) collects each
+    op's HBM bytes by `source_of`, times `scale` (the trips of the loops around `comp`)."""
     cost = Cost()
     for ins in comp.instrs.values():
         op = ins.opcode
@@ -345,15 +364,16 @@ def _walk(comps, comp, scalars, depth, assume, loops) -> Cost:
                 )
             loops.append(Loop(depth, trips, source, op_name(ins)))
             body = _walk(comps, comps[ins.called("body")], invariant_scalars(comps, ins, scalars),
-                         depth + 1, assume, loops)  # fmt: skip
+                         depth + 1, assume, loops, ledger, scale * trips)  # fmt: skip
             cond = comps[ins.called("condition")]
             cost.add(body, trips)
-            cost.add(_walk(comps, cond, Scalars(comps, cond, {}), depth + 1, assume, loops),
-                     trips + 1)  # fmt: skip
+            cost.add(_walk(comps, cond, Scalars(comps, cond, {}), depth + 1, assume, loops,
+                           ledger, scale * (trips + 1)), trips + 1)  # fmt: skip
         elif op == "call":
             callee = comps[ins.called("to_apply")]
             args = {i: scalars.value(o) for i, o in enumerate(ins.operands)}
-            cost.add(_walk(comps, callee, Scalars(comps, callee, args), depth, assume, loops))
+            cost.add(_walk(comps, callee, Scalars(comps, callee, args), depth, assume, loops,
+                           ledger, scale))  # fmt: skip
         elif op == "conditional":
             names = re.findall(
                 r"%([\w.\-]+)",
@@ -361,9 +381,17 @@ def _walk(comps, comp, scalars, depth, assume, loops) -> Cost:
                     r"(?:branch_computations=\{[^}]*\}|true_computation=.*)", ins.attrs
                 ).group(0),
             )
+            names = [n for n in names if n in comps]
             branches = [_walk(comps, comps[n], Scalars(comps, comps[n], {}), depth, assume, [])
-                        for n in names if n in comps]  # fmt: skip
-            cost.add(max(branches, key=lambda c: (c.flops, c.hbm_bytes), default=Cost()))
+                        for n in names]  # fmt: skip
+            if not branches:
+                continue
+            costliest = max(range(len(branches)),
+                            key=lambda b: (branches[b].flops, branches[b].hbm_bytes))  # fmt: skip
+            cost.add(branches[costliest])
+            if ledger is not None:  # walked again for its sources alone
+                chosen = comps[names[costliest]]
+                _walk(comps, chosen, Scalars(comps, chosen, {}), depth, assume, [], ledger, scale)
         else:
             declared = declared_cost(ins)
             if op == "fusion":
@@ -375,7 +403,12 @@ def _walk(comps, comp, scalars, depth, assume, loops) -> Cost:
             else:
                 f, t = instr_flops(comp, ins)
             cost.flops, cost.transcendentals = cost.flops + f, cost.transcendentals + t
-            cost.hbm_bytes += boundary_bytes(comps, comp, ins)
+            moved = boundary_bytes(comps, comp, ins)
+            cost.hbm_bytes += moved
+            if ledger is not None and (moved or declared):
+                key = source_of(ins)
+                ledger[key] = ledger.get(key, 0.0) + scale * (
+                    declared[2] if declared is not None and op != "fusion" else moved)
             if op.removesuffix("-start") in COLLECTIVES:  # an async pair counts at its start
                 cost.collective_bytes += sum(r.nbytes for r in ins.arrays)
     return cost
@@ -404,6 +437,7 @@ def analyze(text: str, unknown_trips: float | Callable[[int, str], float | None]
     assume = unknown_trips if callable(unknown_trips) else (
         None if unknown_trips is None else (lambda depth, name: unknown_trips))  # fmt: skip
     loops: list[Loop] = []
+    ledger: dict[str, float] = {}
     main = comps[entry]
-    cost = _walk(comps, main, Scalars(comps, main, {}), 0, assume, loops)
-    return Analysis(cost, loops, "tpu_custom_call" in text, collectives(comps))
+    cost = _walk(comps, main, Scalars(comps, main, {}), 0, assume, loops, ledger)
+    return Analysis(cost, loops, "tpu_custom_call" in text, collectives(comps), ledger)

@@ -32,6 +32,9 @@ for that chip. Per stage it prints:
   the counted figures and for the ideal ones (`CHIPS`: Google's published per-chip figures,
   shared by the devices of a chip: v4 topologies give two devices a chip);
 - **Pallas kernel**: whether the program holds a ``tpu_custom_call`` (a Pallas/Mosaic kernel);
+- **where the bytes go** (``hbm_by_source`` in the JSON, the largest first; the table prints
+  prefill's): the counted HBM bytes by the JAX primitive and result type that moved them
+  (`hlo_cost.source_of`), loops times their trips, kernels at what they declare;
 - **kv collectives**: every all-gather / all-to-all / collective-permute / all-reduce /
   reduce-scatter whose operand or result has a cache's slots next to the head dimension
   ([..., S, D], or S·D flattened, S any cache capacity of the stage or the prefill key block)
@@ -80,6 +83,7 @@ from benchmarks import hlo_cost, tpu_stages
 from dge_jax.runtime import platform, sharding
 
 GIB = 2**30
+SOURCES = 12  # sources of HBM bytes reported per stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +217,7 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
         "roofline_s": _seconds(cost.flops, cost.hbm_bytes_declared, chip),
         "ideal_s": _seconds(run.ideal_flops, run.ideal_hbm_bytes, chip),
         "pallas_kernel": counted.pallas,
+        "hbm_by_source": [{"source": k, "bytes": v} for k, v in counted.top_sources(SOURCES)],
         "kv_collectives": kv,
         "collectives": len(counted.collectives),
         "collective_bytes": cost.collective_bytes,  # per device, loops times their trips
@@ -383,6 +388,10 @@ def print_table(rep: dict) -> None:
             f"{s['roofline_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
             "yes" if s["pallas_kernel"] else "no", "; ".join(s["kv_collectives"]) or "none",
         ]))  # fmt: skip
+    for s in rep["stages"]:
+        if s["name"] == "prefill" and s["compiles"]:
+            print("prefill's HBM bytes by source: " + "; ".join(
+                f"{e['source']} {e['bytes'] / 1e9:.2f} GB" for e in s["hbm_by_source"][:8]))
     cell = rep["cell"]
     print(f"DGE cell (budget {cell['budget']}, k {cell['k']}): live peak "
           f"{_gib(cell['peak_bytes_per_device'])} GiB per device at {cell['peak_stage']}; "

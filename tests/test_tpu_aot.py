@@ -107,6 +107,19 @@ def test_counting_rules_on_a_hand_written_program():
     assert counted.cost.hbm_bytes == pytest.approx(reads + rows, abs=200)  # + scalars
 
 
+def test_bytes_by_source_add_up_to_the_total():
+    """The ledger of where the bytes go: each source's bytes times its loop's trips, summing
+    to the program's total; the loop's row read and its in-place row write count 5 trips."""
+    counted = hlo_cost.analyze(HAND_WRITTEN.read_text())
+    ledger = counted.hbm_by_source
+    assert sum(ledger.values()) == pytest.approx(counted.cost.hbm_bytes_declared, rel=1e-9)
+    top = counted.top_sources(3)
+    assert len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] > 0
+    # per trip: a row of 128 f32 read (or the update read) and one written, and the index
+    row = 2 * 128 * 4 + 4
+    assert ledger["fusion -> f32[1,128]"] == ledger["fusion -> f32[16,128]"] == 5 * row, ledger
+
+
 def test_keys_and_values_are_told_from_activations():
     """A collective moving [.., S, D] slots of the cache's dtype moves keys or values; one
     moving activations [B, T, H, D] does not."""
