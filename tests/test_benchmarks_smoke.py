@@ -22,6 +22,7 @@ import dge_jax
 from benchmarks import (
     agreement,
     cpu_kernels,
+    cpu_programs,
     gpu_suite,
     harness,
     machine,
@@ -339,3 +340,28 @@ def test_decode_memory_benchmark_quick(capsys):
     assert cache[("SnapKV w8", 64)] == cache[("StreamingLLM", 64)] < cache[("FullKV", 64)]
     assert cache[("FullKV", 32)] < cache[("FullKV", 64)]
     assert "| kv-dominated | 64 | dge_jax | SnapKV w8 |" in capsys.readouterr().out
+
+
+def test_cpu_program_hashes_ignore_source_locations_only():
+    """Two jits of one computation written on different lines hash the same; another
+    computation (one constant changed) hashes differently."""
+
+    def one(scale):
+        def f(x):
+            return jax.numpy.tanh(x) * scale
+
+        return f
+
+    def other_lines():
+        def f(x):  # the same program, from other source lines
+
+            return jax.numpy.tanh(x) * 2.0
+
+        return f
+
+    x = jax.numpy.ones((4, 4))
+    compiled = [jax.jit(fn).lower(x).compile() for fn in (one(2.0), other_lines(), one(3.0))]
+    same, other, changed = (cpu_programs.digest(c) for c in compiled)
+    assert same == other != changed
+    text = cpu_programs.program_text(compiled[0])
+    assert "tanh" in text and "metadata" not in text and "FileNames" not in text
