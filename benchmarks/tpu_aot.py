@@ -18,7 +18,7 @@ for that chip. Per stage it prints:
 - **FLOPs and HBM bytes**, with every loop body counted once per trip
   (`benchmarks.hlo_cost`: its docstring says how and where the count stops being exact);
   a Pallas kernel counts the FLOPs and bytes it declares (its ``pl.CostEstimate``: the
-  flash kernels declare one layer's keys and values read once per row tile, dense over
+  flash kernels declare one layer's keys and values read once per query tile, dense over
   every slot, so skipped tiles are not taken off) in ``hbm_bytes_declared``, what the
   ratios and roofline use; ``hbm_bytes`` counts each kernel's operands and results instead,
   which for a kernel reading one layer of the stacked cache in place is the whole stack;

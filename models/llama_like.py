@@ -23,10 +23,10 @@ from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardOutput, group_layers
 from dge_jax.runtime.attention import ScoreSpec
 from dge_jax.runtime.cache import KVCache, LayerGroup
+from dge_jax.runtime.constraints import constrain_residual
 from dge_jax.runtime.layer_attention import cache_layer_attention
 from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables
-from dge_jax.runtime.sharding import constrain_residual
 from dge_jax.runtime.window_cache import join_layers, make_room
 
 

@@ -22,6 +22,7 @@ import jax
 import pytest
 
 from dge_jax.config import ModelConfig
+from dge_jax.runtime import constraints
 from dge_jax.runtime import sharding as sh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -131,7 +132,7 @@ def test_cache_placement_and_no_op_constraints_without_a_mesh():
     from dge_jax.runtime.cache import init_cache
 
     cache = init_cache(2, 8, 4, 16, 16)
-    assert sh.constrain_cache(cache, config()) is cache
+    assert constraints.constrain_cache(cache, config()) is cache
     assert sh.mesh_of(cache) is None
     mesh = sh.make_mesh()
     placed = sh.shard_cache(cache, config(), mesh)
@@ -149,9 +150,9 @@ def test_the_residual_stream_is_left_whole_where_it_cannot_split():
     import jax.numpy as jnp
 
     x = jnp.ones((2, 16, 64))
-    assert sh.constrain_residual(config(), x) is x
+    assert constraints.constrain_residual(config(), x) is x
     with jax.set_mesh(sh.make_mesh()):  # data 1 x model 1 on this process's one device
-        assert sh.constrain_residual(config(), x) is x
+        assert constraints.constrain_residual(config(), x) is x
     spec = sh.DEFAULT_RULES.fit(config(), {"data": 1, "model": 4}, 2)
     assert spec.spec(("batch", "residual", "embed")) == jax.P("data", "model", None)
     wide = {"data": 1, "model": 8}  # 4 kv heads on 8: rows take the model axis, tokens cannot

@@ -44,12 +44,12 @@ from dge_jax.eviction.observation import with_drafts
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, compact_heads, regroup
+from dge_jax.runtime.constraints import constrain_cache
 from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
 from dge_jax.runtime.multihost import fetch
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import fixed_frequencies
-from dge_jax.runtime.sharding import constrain_cache
 
 
 class Compressions(NamedTuple):

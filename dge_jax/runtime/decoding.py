@@ -29,9 +29,9 @@ from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardFn, group_layers
 from dge_jax.runtime import platform
 from dge_jax.runtime.cache import KVCache, init_cache, regroup, runs_of_equal
+from dge_jax.runtime.constraints import constrain_cache, constrain_rows
 from dge_jax.runtime.recorders import NOTHING, Recording, Setup
 from dge_jax.runtime.records import DraftRecord, Observation
-from dge_jax.runtime.sharding import constrain_cache, constrain_rows
 
 
 def prompt_positions(lengths: jax.Array, t: int) -> jax.Array:

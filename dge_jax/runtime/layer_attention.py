@@ -23,8 +23,8 @@ from dge_jax.runtime.attention import (
     visible,
     written_slot_attention,
 )
+from dge_jax.runtime.constraints import attention_specs
 from dge_jax.runtime.platform import Backend
-from dge_jax.runtime.sharding import attention_specs
 
 
 def cache_layer_attention(
@@ -228,7 +228,7 @@ def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_pro
     """`flash_attention` of layer i of the stacked buffers (its window: a replicated scalar, 0
     when None); under a (data, model) mesh, one
     call per device on its own rows and kv heads (jax.shard_map with the cache's layout:
-    `sharding.attention_specs`, the layer axis unsplit). Each (row, kv head) pair is
+    `constraints.attention_specs`, the layer axis unsplit). Each (row, kv head) pair is
     independent, so nothing crosses devices; a Pallas call cannot be partitioned by XLA
     itself. Imported here: Pallas's modules take about a second to import, which CPU runs
     (xla) need not pay."""

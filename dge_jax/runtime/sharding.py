@@ -16,16 +16,18 @@ maps each logical name to a mesh axis, several mesh axes, or None (replicated), 
     embed, layers, seq, head_dim: never split
 
 Attention runs head-parallel (Megatron-style: a reduction after wo and one after w_down per
-layer, reduce-scatters under sequence parallelism, below) and rows data-parallel. Eviction needs no communication for per-head budgets: scores,
-top-k and compaction run along the slot axis, which is never split. AdaKV ranks a layer's
-scores across all its heads, so XLA exchanges scores [L, B, Hkv, S] f32 (1/D of the keys)
-between the model devices; keys and values never move.
+layer, reduce-scatters under sequence parallelism, below) and rows data-parallel. Eviction
+needs no communication for per-head budgets: scores, top-k and compaction run along the slot
+axis, which is never split. AdaKV ranks a layer's scores across all its heads, so XLA exchanges
+scores [L, B, Hkv, S] f32 (1/D of the keys) between the model devices; keys and values never
+move.
 
 Sequence parallelism (Megatron's, as MaxText shards activations): between a layer's two
-blocks the residual stream's tokens are split over the model axis (`constrain_residual`), so
-the norms and residual adds run on 1/model of the tokens and each block's closing all-reduce
-becomes a reduce-scatter, its input an all-gather (which XLA:TPU overlaps with the matmuls
-that read it). Each device then holds and rewrites its share of the stream instead of all of
+blocks the residual stream's tokens are split over the model axis
+(`constraints.constrain_residual`), so the norms and residual adds run on 1/model of the
+tokens and each block's closing all-reduce becomes a reduce-scatter (XLA:TPU runs it as a ring
+of collective-permutes beside the matmul that feeds it), its normed input an all-gather. Each
+device then holds and rewrites its share of the stream instead of all of
 it (an 8B model's prefill compiled for a v5e-8, before and after: benchmarks/RESULTS.md).
 Decode and draft steps (one token a row) and token counts that do not divide the axis keep
 the stream whole.
@@ -50,11 +52,10 @@ the stream whole.
   multiple of data, or of data × model in the case above, as the LongBench runner does).
 
 Meshes use `AxisType.Auto` axes: JAX's partitioner propagates the parameter shardings;
-`constrain_rows` and `constrain_cache` pin the inputs and the cache where the decoding steps
-create or update them, and the model's layers carry one annotation, `constrain_residual`
-(all no-ops without a mesh).
-Errors for meshes that cannot work (`make_mesh`, `AxisRules.fit`) come before anything
-compiles.
+`constraints.py` applies these rules inside jit: `constrain_rows` and `constrain_cache` pin the
+inputs and the cache where the decoding steps create or update them, and the model's layers
+carry one annotation, `constrain_residual` (all no-ops without a mesh). Errors for meshes that
+cannot work (`make_mesh`, `AxisRules.fit`) come before anything compiles.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ MeshAxes = str | tuple[str, ...] | None
 Logical = tuple[str | None, ...]
 
 
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def as_axes(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -109,7 +110,7 @@ class AxisRules:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            bad = [a for a in _as_tuple(value) if a not in MESH_AXES]
+            bad = [a for a in as_axes(value) if a not in MESH_AXES]
             if bad or not isinstance(value, str | tuple | type(None)):
                 raise ValueError(
                     f"rule {f.name}={value!r}: use None, one of {MESH_AXES} or a tuple of them"
@@ -127,7 +128,7 @@ class AxisRules:
             if name is not None and name not in names:
                 raise ValueError(f"unknown logical axis {name!r}; known: {sorted(names)}")
             axes.append(None if name is None else getattr(self, name))
-        used = [a for ax in axes for a in _as_tuple(ax)]
+        used = [a for ax in axes for a in as_axes(ax)]
         clash = sorted({a for a in used if used.count(a) > 1})
         if clash:
             raise ValueError(
@@ -145,7 +146,7 @@ class AxisRules:
         vocab that do not divide; when kv heads do not divide, makes attention data-parallel
         and, given the batch, moves its rows onto data × model (see the module docstring).
         """
-        heads = _size(mesh_shape, self.heads)
+        heads = axis_size(mesh_shape, self.heads)
         if heads > cfg.num_heads:
             raise MeshError(
                 f"the mesh axis {self.heads!r} has {heads} devices, more than the "
@@ -160,27 +161,27 @@ class AxisRules:
             )
         changes: dict[str, MeshAxes] = {}
         for name, n in (("mlp", cfg.intermediate_size), ("vocab", cfg.vocab_size)):
-            if n % _size(mesh_shape, getattr(self, name)):
+            if n % axis_size(mesh_shape, getattr(self, name)):
                 changes[name] = None  # replicated: slower, never wrong
-        changes |= self._heads_and_rows(cfg.num_kv_heads, mesh_shape, batch_size)
+        changes |= self.heads_and_rows(cfg.num_kv_heads, mesh_shape, batch_size)
         return dataclasses.replace(self, **changes)
 
-    def _heads_and_rows(
+    def heads_and_rows(
         self, num_kv_heads: int, mesh_shape: Mapping[str, int], batch_size: int | None
     ) -> dict[str, MeshAxes]:
         """`fit`'s changes to heads, kv_heads and batch: what attention's layout depends on
         (`attention_specs` reads them without a config)."""
         changes: dict[str, MeshAxes] = {}
-        kv_split = num_kv_heads % _size(mesh_shape, self.kv_heads) == 0
+        kv_split = num_kv_heads % axis_size(mesh_shape, self.kv_heads) == 0
         if not kv_split:  # data-parallel attention (module docstring)
             changes["kv_heads"] = changes["heads"] = None
         if batch_size is not None:
-            batch = _as_tuple(self.batch)
+            batch = as_axes(self.batch)
             if not kv_split:  # rows take over the mesh axes the kv heads cannot use
-                wide = batch + tuple(a for a in _as_tuple(self.kv_heads) if a not in batch)
-                if batch_size % _size(mesh_shape, wide) == 0:
+                wide = batch + tuple(a for a in as_axes(self.kv_heads) if a not in batch)
+                if batch_size % axis_size(mesh_shape, wide) == 0:
                     batch = wide
-            if batch_size % _size(mesh_shape, batch):
+            if batch_size % axis_size(mesh_shape, batch):
                 batch = ()
             changes["batch"] = batch[0] if len(batch) == 1 else (batch or None)
         return changes
@@ -251,10 +252,10 @@ def row_multiple(cfg: ModelConfig, mesh_shape: Mapping[str, int]) -> int:
     """Batch sizes should be multiples of this to split the cache fully: data, or data ×
     model when the kv heads do not divide the model axis (data-parallel attention)."""
     fitted = DEFAULT_RULES.fit(cfg, mesh_shape)
-    wide = _as_tuple(DEFAULT_RULES.batch)
+    wide = as_axes(DEFAULT_RULES.batch)
     if fitted.kv_heads is None:
-        wide += tuple(a for a in _as_tuple(DEFAULT_RULES.kv_heads) if a not in wide)
-    return _size(mesh_shape, wide)
+        wide += tuple(a for a in as_axes(DEFAULT_RULES.kv_heads) if a not in wide)
+    return axis_size(mesh_shape, wide)
 
 
 def check_mesh(mesh: Mesh) -> None:
@@ -383,19 +384,6 @@ def init_sharded_cache(
     return jax.jit(lambda: init_cache(*dims), out_shardings=shardings)()
 
 
-def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT_RULES):
-    """Inside jit: pins the cache to its mesh layout when a (data, model) mesh is set.
-
-    A no-op without `jax.set_mesh` (one device), so the jitted code is the same either way;
-    called where a cache is created, so that no step has to guess its layout.
-    """
-    mesh = _context_mesh()
-    if mesh is None:
-        return cache
-    specs = cache_specs(cfg, cache.batch_size, mesh, rules, len(cache.groups))
-    return jax.tree.map(jax.lax.with_sharding_constraint, cache, specs)
-
-
 def rows_spec(
     cfg: ModelConfig,
     batch_size: int,
@@ -407,67 +395,6 @@ def rows_spec(
     activations meet the cache on the devices that hold it."""
     fitted = rules.fit(cfg, mesh_shape, batch_size)
     return fitted.spec(("batch",) + (None,) * (ndim - 1))
-
-
-def constrain_rows(
-    cfg: ModelConfig, *arrays: jax.Array, rules: AxisRules = DEFAULT_RULES
-) -> tuple[jax.Array, ...]:
-    """Inside jit: model inputs [B, ...] laid out by `rows_spec` when a mesh is set.
-
-    A no-op without a (data, model) mesh set by `jax.set_mesh`, like `constrain_cache`.
-    """
-    mesh = _context_mesh()
-    if mesh is None:
-        return arrays
-    return tuple(
-        jax.lax.with_sharding_constraint(a, rows_spec(cfg, a.shape[0], a.ndim, mesh, rules))
-        for a in arrays
-    )
-
-
-def constrain_residual(
-    cfg: ModelConfig, x: jax.Array, *, split: bool = True, rules: AxisRules = DEFAULT_RULES
-) -> jax.Array:
-    """Inside jit, under a (data, model) mesh set by `jax.set_mesh`: the residual stream x
-    [B, T, D] with its tokens split over the `residual` mesh axes (split=True: between
-    blocks), or a block's normed input with its tokens whole again (split=False: the
-    all-gather before the block's projections, placed here rather than left to the
-    partitioner, which may otherwise gather a projection's output, keys included).
-
-    Sequence parallelism (module docstring). A no-op without such a mesh, for one token a row
-    (decode and draft steps), when T does not divide the axes, and when the rows already use
-    them (kv heads fewer than the model axis: rows over data x model)."""
-    mesh = _context_mesh()
-    if mesh is None or x.ndim != 3 or rules.residual is None:
-        return x
-    fitted = rules.fit(cfg, mesh, x.shape[0])
-    size = _size(mesh, fitted.residual)
-    rows = _as_tuple(fitted.batch)
-    if size == 1 or x.shape[1] % size or set(rows) & set(_as_tuple(fitted.residual)):
-        return x
-    tokens = "residual" if split else None
-    return jax.lax.with_sharding_constraint(x, fitted.spec(("batch", tokens, "embed")))
-
-
-def attention_specs(
-    batch_size: int, num_kv_heads: int, rules: AxisRules = DEFAULT_RULES
-) -> tuple[P, P, P, P, P] | None:
-    """Inside jit under a (data, model) mesh set by `jax.set_mesh`: the specs of one layer's
-    attention operands as the cache and the q projection lay them out (`AxisRules.fit`):
-    (q and output [B, T, Hq, D], k and v [B, Hkv, S, D], slot positions [B, Hkv, S], query
-    positions [B, T], per-slot sums [B, Hq, S]). None without such a mesh.
-
-    Rows split over the batch axes and kv heads with their query heads over the model axis,
-    so each device holds whole (row, kv head) pairs: what a kernel that knows no mesh needs
-    (`layer_attention`'s shard_map)."""
-    mesh = _context_mesh()
-    if mesh is None:
-        return None
-    fitted = dataclasses.replace(rules, **rules._heads_and_rows(num_kv_heads, mesh, batch_size))
-    logical = (("batch", None, "heads", None), ("batch", "kv_heads", None, None),
-               ("batch", "kv_heads", None), ("batch", None), ("batch", "heads", None))  # fmt: skip
-    q, kv, slots, rows, sums = (fitted.spec(axes) for axes in logical)
-    return q, kv, slots, rows, sums
 
 
 def mesh_context(tree: Any) -> contextlib.AbstractContextManager:
@@ -493,13 +420,6 @@ def on_model_mesh(fn):
     return wrapper
 
 
-def _context_mesh() -> dict[str, int] | None:
-    """Axis sizes of the (data, model) mesh set by `jax.set_mesh`, None when there is none."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or tuple(mesh.axis_names) != MESH_AXES:
-        return None
-    return dict(mesh.shape)
-
-
-def _size(mesh_shape: Mapping[str, int], axes: MeshAxes) -> int:
-    return math.prod(mesh_shape.get(a, 1) for a in _as_tuple(axes))
+def axis_size(mesh_shape: Mapping[str, int], axes: MeshAxes) -> int:
+    """Devices along `axes` (None, one mesh axis or a tuple of them) of a mesh's shape."""
+    return math.prod(mesh_shape.get(a, 1) for a in as_axes(axes))
