@@ -102,6 +102,7 @@ class Cost:
     hbm_bytes: float = 0.0
     kernel_boundary_bytes: float = 0.0  # Pallas kernels' operands and results (in hbm_bytes)
     kernel_declared_bytes: float = 0.0  # what those kernels declare they access
+    kernel_declared_flops: float = 0.0  # and compute (in flops)
     collective_bytes: float = 0.0  # what cross-device ops deliver to this device (results)
 
     def add(self, other: Cost, times: float = 1.0) -> None:
@@ -399,6 +400,7 @@ def _walk(comps, comp, scalars, depth, assume, loops, ledger=None, scale=1.0) ->
             elif declared is not None:
                 f, t, nbytes = declared
                 cost.kernel_declared_bytes += nbytes
+                cost.kernel_declared_flops += f
                 cost.kernel_boundary_bytes += boundary_bytes(comps, comp, ins)
             else:
                 f, t = instr_flops(comp, ins)

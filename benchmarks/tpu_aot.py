@@ -32,6 +32,11 @@ for that chip. Per stage it prints:
   the counted figures and for the ideal ones (`CHIPS`: Google's published per-chip figures,
   shared by the devices of a chip: v4 topologies give two devices a chip);
 - **Pallas kernel**: whether the program holds a ``tpu_custom_call`` (a Pallas/Mosaic kernel);
+- **a causal model of prefill's kernel**: the flash kernel declares dense work (every key
+  tile for every query tile); ``kernel_causal_fraction`` is the share of those tile pairs a
+  causal prompt needs (`tpu_stages.causal_tile_fraction`, what the kernel's skip tables leave
+  it), and ``hbm_bytes_causal`` / ``roofline_causal_s`` scale the kernels' declared bytes
+  (their q and output included: a slight undercount) and FLOPs by it. Modelled, not counted;
 - **where the bytes go** (``hbm_by_source`` in the JSON, the largest first; the table prints
   prefill's): the counted HBM bytes by the JAX primitive and result type that moved them
   (`hlo_cost.source_of`), loops times their trips, kernels at what they declare;
@@ -196,6 +201,7 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
     counted = hlo_cost.analyze(run.compiled.as_text(), run.unknown_trips)
     cost = counted.cost
     xla = run.compiled.cost_analysis() or {}
+    f = run.kernel_fraction
     kv = [
         f"{c.opcode} {a.dtype}{list(a.dims)} ({c.op_name})"
         for c in counted.collectives
@@ -215,6 +221,13 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
         "hbm_over_ideal": (cost.hbm_bytes_declared / run.ideal_hbm_bytes
                            if run.ideal_hbm_bytes else None),
         "roofline_s": _seconds(cost.flops, cost.hbm_bytes_declared, chip),
+        # the kernels' declared work scaled to what a causal prompt needs (prefill's flash
+        # kernel: `tpu_stages.causal_tile_fraction`; 1 elsewhere): a model, said as such
+        "kernel_causal_fraction": f,
+        "hbm_bytes_causal": cost.hbm_bytes_declared - (1 - f) * cost.kernel_declared_bytes,
+        "roofline_causal_s": _seconds(cost.flops - (1 - f) * cost.kernel_declared_flops,
+                                      cost.hbm_bytes_declared
+                                      - (1 - f) * cost.kernel_declared_bytes, chip),
         "ideal_s": _seconds(run.ideal_flops, run.ideal_hbm_bytes, chip),
         "pallas_kernel": counted.pallas,
         "hbm_by_source": [{"source": k, "bytes": v} for k, v in counted.top_sources(SOURCES)],
@@ -392,6 +405,10 @@ def print_table(rep: dict) -> None:
         if s["name"] == "prefill" and s["compiles"]:
             print("prefill's HBM bytes by source: " + "; ".join(
                 f"{e['source']} {e['bytes'] / 1e9:.2f} GB" for e in s["hbm_by_source"][:8]))
+            print(f"prefill with the flash kernel's work scaled to a causal prompt's "
+                  f"({s['kernel_causal_fraction']:.2f} of the tiles it declares; a model): "
+                  f"HBM {s['hbm_bytes_causal'] / 1e9:.2f} GB, roofline "
+                  f"{s['roofline_causal_s'] * 1e3:.1f} ms")  # fmt: skip
     cell = rep["cell"]
     print(f"DGE cell (budget {cell['budget']}, k {cell['k']}): live peak "
           f"{_gib(cell['peak_bytes_per_device'])} GiB per device at {cell['peak_stage']}; "

@@ -130,6 +130,30 @@ class StageRun:
     compile_s: float = 0.0
     held: bool = True  # generate_grid keeps this stage's outputs until the cell is done
     note: str = ""
+    kernel_fraction: float = 1.0  # of its kernels' declared work, what a causal prompt needs
+
+
+def causal_tile_fraction(prompt_len: int, chunks: int, capacity: int, block: int = 512) -> float:
+    """Of the (query tile, key tile) pairs the prefill flash kernel declares (every key tile
+    of the capacity for every query tile of every step: `flash.py`'s dense CostEstimate), the
+    share a causal prompt without padding needs, which is what its skip tables leave it to
+    load and compute: query tile i of step c ends at position c * step + (i + 1) * bq - 1 and
+    needs the key tiles up to it. Tiles as `flash_tiles._tile` cuts them (`block` shrunk to
+    the length rounded up to 128). A model of the kernel, not a count of the program."""
+    step = prompt_len // chunks
+
+    def tile(n: int) -> tuple[int, int]:
+        size = min(block, -(-n // 128) * 128)
+        return size, -(-n // size)
+
+    bq, nq = tile(step)
+    bk, nk = tile(capacity)
+    needed = sum(
+        min(nk, (c * step + min((i + 1) * bq, step) - 1) // bk + 1)
+        for c in range(chunks)
+        for i in range(nq)
+    )
+    return needed / (chunks * nq * nk)
 
 
 def _replicated(mesh, tree):
@@ -281,6 +305,7 @@ class Cell:
             ideal_hbm_bytes=self.sizes.weights + self.sizes.kv_slot * t * 1.0,
             ideal_flops=work.prefill_flops(setup.cfg, t, setup.batch) / setup.devices,
             slots=(self.capacity, step),
+            kernel_fraction=causal_tile_fraction(t, chunks, self.capacity),
         )
         tokens = _rows(setup, (setup.batch, t), jnp.int32)
         lengths = _rows(setup, (setup.batch,), jnp.int32)

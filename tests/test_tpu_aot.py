@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import hlo_cost, tpu_aot
+from benchmarks import hlo_cost, tpu_aot, tpu_stages
 from benchmarks.hlo_text import Array
 
 TOPOLOGY = "v5e:2x4"
@@ -118,6 +118,16 @@ def test_bytes_by_source_add_up_to_the_total():
     # per trip: a row of 128 f32 read (or the update read) and one written, and the index
     row = 2 * 128 * 4 + 4
     assert ledger["fusion -> f32[1,128]"] == ledger["fusion -> f32[16,128]"] == 5 * row, ledger
+
+
+def test_causal_tile_fraction_by_hand():
+    """Query tile i of step c needs the key tiles up to its last position; the kernel declares
+    every key tile of the capacity for every query tile."""
+    f = tpu_stages.causal_tile_fraction
+    assert f(512, 1, 2048) == 1 / 4  # one query tile, the first of 4 key tiles
+    assert f(1024, 1, 1088) == (1 + 2) / (2 * 3)  # 2 query tiles of 512, 3 key tiles
+    assert f(1024, 2, 1088) == (1 + 2) / (2 * 1 * 3)  # the same tiles in 2 steps
+    assert f(300, 1, 700, block=128) == (1 + 2 + 3) / (3 * 6)  # the last query tile partial
 
 
 def test_keys_and_values_are_told_from_activations():
