@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 
 PROMPT, CAPACITY, CHUNK, NEW_TOKENS = 1024, 1088, 512, 16
-# What moves with the source and not with the program (metadata and its tables).
-_METADATA = (r", metadata=\{[^}]*\}", r", stack_frame_id=\d+", r"stack_frame_id=\d+")
-
-
+# What moves with the source and not with the program: each instruction's metadata, and
+# the tables of source files, functions, lines and frames it points into.
+_METADATA = (r", metadata=\{[^}]*\}", r"(?:, )?stack_frame_id=\d+")
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
 

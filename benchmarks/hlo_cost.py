@@ -395,22 +395,22 @@ def _walk(comps, comp, scalars, depth, assume, loops, ledger=None, scale=1.0) ->
                 _walk(comps, chosen, Scalars(comps, chosen, {}), depth, assume, [], ledger, scale)
         else:
             declared = declared_cost(ins)
+            moved = boundary_bytes(comps, comp, ins)
+            counted = moved  # what the ledger books: a kernel's declared bytes in its place
             if op == "fusion":
                 f, t = computation_flops(comps, comps[ins.called("calls")])
             elif declared is not None:
-                f, t, nbytes = declared
-                cost.kernel_declared_bytes += nbytes
+                f, t, counted = declared
+                cost.kernel_declared_bytes += counted
                 cost.kernel_declared_flops += f
-                cost.kernel_boundary_bytes += boundary_bytes(comps, comp, ins)
+                cost.kernel_boundary_bytes += moved
             else:
                 f, t = instr_flops(comp, ins)
             cost.flops, cost.transcendentals = cost.flops + f, cost.transcendentals + t
-            moved = boundary_bytes(comps, comp, ins)
             cost.hbm_bytes += moved
-            if ledger is not None and (moved or declared):
+            if ledger is not None and counted:
                 key = source_of(ins)
-                ledger[key] = ledger.get(key, 0.0) + scale * (
-                    declared[2] if declared is not None and op != "fusion" else moved)
+                ledger[key] = ledger.get(key, 0.0) + scale * counted
             if op.removesuffix("-start") in COLLECTIVES:  # an async pair counts at its start
                 cost.collective_bytes += sum(r.nbytes for r in ins.arrays)
     return cost

@@ -202,6 +202,7 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
     cost = counted.cost
     xla = run.compiled.cost_analysis() or {}
     f = run.kernel_fraction
+    causal_bytes = cost.hbm_bytes_declared - (1 - f) * cost.kernel_declared_bytes
     kv = [
         f"{c.opcode} {a.dtype}{list(a.dims)} ({c.op_name})"
         for c in counted.collectives
@@ -224,10 +225,9 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
         # the kernels' declared work scaled to what a causal prompt needs (prefill's flash
         # kernel: `tpu_stages.causal_tile_fraction`; 1 elsewhere): a model, said as such
         "kernel_causal_fraction": f,
-        "hbm_bytes_causal": cost.hbm_bytes_declared - (1 - f) * cost.kernel_declared_bytes,
+        "hbm_bytes_causal": causal_bytes,
         "roofline_causal_s": _seconds(cost.flops - (1 - f) * cost.kernel_declared_flops,
-                                      cost.hbm_bytes_declared
-                                      - (1 - f) * cost.kernel_declared_bytes, chip),
+                                      causal_bytes, chip),  # fmt: skip
         "ideal_s": _seconds(run.ideal_flops, run.ideal_hbm_bytes, chip),
         "pallas_kernel": counted.pallas,
         "hbm_by_source": [{"source": k, "bytes": v} for k, v in counted.top_sources(SOURCES)],

@@ -45,6 +45,7 @@ from dge_jax.eviction.timing import dge
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding, platform, sharding
 from dge_jax.runtime.cache import init_cache
+from dge_jax.runtime.flash_tiles import _tile
 from dge_jax.runtime.platform import Backend
 from dge_jax.runtime.prompts import Request, bucket_length
 
@@ -138,16 +139,11 @@ def causal_tile_fraction(prompt_len: int, chunks: int, capacity: int, block: int
     of the capacity for every query tile of every step: `flash.py`'s dense CostEstimate), the
     share a causal prompt without padding needs, which is what its skip tables leave it to
     load and compute: query tile i of step c ends at position c * step + (i + 1) * bq - 1 and
-    needs the key tiles up to it. Tiles as `flash_tiles._tile` cuts them (`block` shrunk to
-    the length rounded up to 128). A model of the kernel, not a count of the program."""
+    needs the key tiles up to it. Tiles as the kernel cuts them (`flash_tiles._tile`). A
+    model of the kernel, not a count of the program."""
     step = prompt_len // chunks
-
-    def tile(n: int) -> tuple[int, int]:
-        size = min(block, -(-n // 128) * 128)
-        return size, -(-n // size)
-
-    bq, nq = tile(step)
-    bk, nk = tile(capacity)
+    (bq, q_pad), (bk, k_pad) = _tile(step, block, "block_q"), _tile(capacity, block, "block_k")
+    nq, nk = q_pad // bq, k_pad // bk
     needed = sum(
         min(nk, (c * step + min((i + 1) * bq, step) - 1) // bk + 1)
         for c in range(chunks)

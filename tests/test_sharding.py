@@ -144,19 +144,28 @@ def test_cache_placement_and_no_op_constraints_without_a_mesh():
 
 
 def test_the_residual_stream_is_left_whole_where_it_cannot_split():
-    """constrain_residual is the identity without a mesh and on a one-device model axis; the
-    rules split the tokens over model, except where the rows take that axis (the 8-device
-    split itself: test_no_step_gathers_the_cache)."""
+    """residual_spec splits a prefill chunk's tokens over model (rows over data), gathers
+    them whole for split=False, and leaves the stream alone for one token a row, a token
+    count the axis does not divide, a one-device axis and rows already over model;
+    constrain_residual is the identity without a mesh (the 8-device split itself:
+    test_no_step_gathers_the_cache)."""
     import jax.numpy as jnp
 
+    cfg, mesh4 = config(), {"data": 1, "model": 4}
+    assert constraints.residual_spec(cfg, (2, 16, 64), mesh4) == jax.P("data", "model", None)
+    assert constraints.residual_spec(cfg, (2, 16, 64), mesh4, split=False) == jax.P(
+        "data", None, None
+    )
+    assert constraints.residual_spec(cfg, (2, 1, 64), mesh4) is None  # a decode step
+    assert constraints.residual_spec(cfg, (2, 6, 64), mesh4) is None  # 6 tokens on 4
+    assert constraints.residual_spec(cfg, (2, 16, 64), {"data": 2, "model": 1}) is None
+    # 4 kv heads on a model axis of 8: 8 rows take data x model, so the tokens cannot
+    assert constraints.residual_spec(cfg, (8, 16, 64), {"data": 1, "model": 8}) is None
+    assert constraints.residual_spec(cfg, (2, 16), mesh4) is None  # not a [B, T, D] stream
     x = jnp.ones((2, 16, 64))
-    assert constraints.constrain_residual(config(), x) is x
+    assert constraints.constrain_residual(cfg, x) is x
     with jax.set_mesh(sh.make_mesh()):  # data 1 x model 1 on this process's one device
-        assert constraints.constrain_residual(config(), x) is x
-    spec = sh.DEFAULT_RULES.fit(config(), {"data": 1, "model": 4}, 2)
-    assert spec.spec(("batch", "residual", "embed")) == jax.P("data", "model", None)
-    wide = {"data": 1, "model": 8}  # 4 kv heads on 8: rows take the model axis, tokens cannot
-    assert "model" in str(sh.DEFAULT_RULES.fit(config(), wide, 8).batch)
+        assert constraints.constrain_residual(cfg, x) is x
 
 
 # --- 8 simulated devices, in a subprocess ----------------------------------------------------

@@ -65,6 +65,28 @@ def constrain_rows(
     )
 
 
+def residual_spec(
+    cfg: ModelConfig,
+    shape: tuple[int, ...],
+    mesh_shape: dict[str, int],
+    *,
+    split: bool = True,
+    rules: AxisRules = DEFAULT_RULES,
+) -> P | None:
+    """The spec `constrain_residual` pins a residual stream of `shape` [B, T, D] to on a mesh
+    of `mesh_shape`: tokens over the `residual` axes (split=True) or whole (split=False),
+    rows where the cache's go. None where the stream cannot split, and is left alone: one
+    token a row (decode and draft steps), T not dividing the axes, a one-device axis, or
+    rows already on those axes (kv heads fewer than the model axis: rows over data x model)."""
+    if len(shape) != 3 or rules.residual is None:
+        return None
+    fitted = rules.fit(cfg, mesh_shape, shape[0])
+    size = axis_size(mesh_shape, fitted.residual)
+    if size == 1 or shape[1] % size or set(as_axes(fitted.batch)) & set(as_axes(fitted.residual)):
+        return None
+    return fitted.spec(("batch", "residual" if split else None, "embed"))
+
+
 def constrain_residual(
     cfg: ModelConfig, x: jax.Array, *, split: bool = True, rules: AxisRules = DEFAULT_RULES
 ) -> jax.Array:
@@ -74,19 +96,11 @@ def constrain_residual(
     all-gather before the block's projections, placed here rather than left to the
     partitioner, which may otherwise gather a projection's output, keys included).
 
-    Sequence parallelism (`sharding`'s docstring). A no-op without such a mesh, for one token a row
-    (decode and draft steps), when T does not divide the axes, and when the rows already use
-    them (kv heads fewer than the model axis: rows over data x model)."""
+    Sequence parallelism (`sharding`'s docstring). A no-op without such a mesh and where
+    `residual_spec` says the stream cannot split."""
     mesh = context_mesh()
-    if mesh is None or x.ndim != 3 or rules.residual is None:
-        return x
-    fitted = rules.fit(cfg, mesh, x.shape[0])
-    size = axis_size(mesh, fitted.residual)
-    rows = as_axes(fitted.batch)
-    if size == 1 or x.shape[1] % size or set(rows) & set(as_axes(fitted.residual)):
-        return x
-    tokens = "residual" if split else None
-    return jax.lax.with_sharding_constraint(x, fitted.spec(("batch", tokens, "embed")))
+    spec = None if mesh is None else residual_spec(cfg, x.shape, mesh, split=split, rules=rules)
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
 
 
 def attention_specs(
