@@ -10,6 +10,9 @@ when it is imported, and declares itself as an entry point of the group "dge_jax
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import os
+import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any, NamedTuple
@@ -98,8 +101,44 @@ def _discover() -> None:
     global _DISCOVERED
     if not _DISCOVERED:
         for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            entry.load()
+            _load(entry)
         _DISCOVERED = True
+
+
+def _load(entry: metadata.EntryPoint) -> None:
+    """Imports one family package, past a same-named folder that shadows it.
+
+    A folder without `__init__.py` on `sys.path` (a `./models/` of checkpoints, with the
+    working directory first on the path under `python -m` and in notebooks) is a namespace
+    package to Python's path finder, which is asked before the finder of an editable install:
+    `import models` would then give that folder and register nothing. Such a namespace module
+    is dropped and the package imported again with the folders holding it off the path.
+    """
+    top = entry.module.partition(".")[0]
+    module = importlib.import_module(top)
+    if getattr(module, "__file__", None) is not None:  # a real package (or module)
+        entry.load()
+        return
+    shadows = {os.path.dirname(os.path.abspath(p)) for p in module.__path__}
+    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        del sys.modules[name]
+    kept, sys.path[:] = list(sys.path), [
+        p for p in sys.path if os.path.abspath(p or os.curdir) not in shadows]
+    try:
+        module = importlib.import_module(top)
+    except ImportError:
+        module = None
+    finally:
+        sys.path[:] = kept
+    if module is None or getattr(module, "__file__", None) is None:
+        sys.modules.pop(top, None)
+        raise ConfigError(
+            f"the model families' package {top!r} (entry point {entry.name!r} of "
+            f"{ENTRY_POINT_GROUP!r}) is not installed; only the folder(s) "
+            f"{sorted(shadows)} carry that name: install dge_jax (pip install -e . in a "
+            "checkout)"
+        )
+    entry.load()
 
 
 def get_family(model_type: str) -> ModelFamily:
