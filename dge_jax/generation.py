@@ -249,6 +249,7 @@ def generate_for_contexts(
     cells: Sequence[Eviction | None],
     *,
     anchor: int = 0,
+    answer_lengths: Sequence[int] | None = None,
     config: GenerationConfig | None = None,
     hook: Hook | None = None,
     **options: Any,
@@ -257,8 +258,10 @@ def generate_for_contexts(
     context (module docstring). contexts: text (tokenized with the tokenizer's special
     tokens) or ids; questions: per context a list of the same number of questions, each the
     text (or ids) that follows the context, answer prefix included; anchor: the question
-    DGE and DGE-W cells prefill and draft on. chat templates are the caller's (render the
-    turn, then split it after the context); options: `GenerationConfig` fields."""
+    DGE and DGE-W cells prefill and draft on; answer_lengths: per question j, the
+    max_new_tokens of its answers (None: `max_new_tokens` for every question; given, it
+    replaces that option). chat templates are the caller's (render the turn, then split it
+    after the context); options: `GenerationConfig` fields."""
     cfg = GenerationConfig.of(config, options)
     if cfg.chat:
         raise ValueError(
@@ -267,9 +270,12 @@ def generate_for_contexts(
             "does), then drop chat=True"
         )
     contexts, questions, n = _check(contexts, questions, cells, anchor)
+    lengths = _answer_lengths(answer_lengths, n, cfg)
+    cfg = dataclasses.replace(cfg, max_new_tokens=max(lengths))  # the longest answer's room
     checked = check_cells(list(cells), cfg.max_new_tokens, model.config.layer_windows)
     ctx = _ids(model, contexts, True, "context")
     asked = [_ids(model, q, False, f"question of context {i}") for i, q in enumerate(questions)]
+    _check_positions(model, ctx, asked, lengths)
     ends = [len(c) - 1 for c in ctx]
     drafts = [i for i, ev in enumerate(checked) if ev is not None and ev.timing.kind != "prefill"]
     alone = [i for i in range(len(checked)) if i not in drafts]
@@ -290,11 +296,43 @@ def generate_for_contexts(
         room = _bucket(max(len(q) for row in asked for q in row)) + request.buffer
         plans = [dataclasses.replace(p, evicted=dataclasses.replace(
             p.evicted, cache=with_room(p.evicted.cache, room))) for p in plans]  # fmt: skip
-        answers = [_answer(model, cfg, request, plans, ctx, [q[j] for q in asked], hook)
+        answers = [_answer(model, cfg, dataclasses.replace(request, max_new_tokens=lengths[j]),
+                           plans, ctx, [q[j] for q in asked], hook)
                    for j in range(n)]  # fmt: skip
         for m, i in enumerate(members):
             out[i] = [a[m] for a in answers]
     return out
+
+
+def _answer_lengths(lengths: Sequence[int] | None, n: int, cfg: GenerationConfig) -> list[int]:
+    """Each question's max_new_tokens: `lengths` (one per question, each in
+    [max(1, min_new_tokens), ...]) or the config's for all."""
+    if lengths is None:
+        return [cfg.max_new_tokens] * n
+    if isinstance(lengths, str | bytes) or not isinstance(lengths, Sequence) or len(lengths) != n:
+        raise ValueError(f"answer_lengths must hold one max_new_tokens per question ({n}), got "
+                         f"{lengths!r:.80}")
+    for j, length in enumerate(lengths):
+        if isinstance(length, bool) or not isinstance(length, int | np.integer) or (
+                length < max(1, cfg.min_new_tokens)):
+            raise ValueError(f"answer_lengths[{j}] must be an int >= max(1, min_new_tokens="
+                             f"{cfg.min_new_tokens}), got {length!r}")
+    return [int(length) for length in lengths]
+
+
+def _check_positions(model: Model, ctx: list[list[int]], asked: list[list[list[int]]],
+                     lengths: list[int]) -> None:
+    """Refuses a context, question and answer that together pass the model's context: their
+    positions would run past what its RoPE and training cover (`generate` refuses the same)."""
+    limit = model.config.max_position_embeddings
+    for i, (c, row) in enumerate(zip(ctx, asked, strict=True)):
+        for j, (q, n) in enumerate(zip(row, lengths, strict=True)):
+            if len(c) + len(q) + n > limit:
+                raise ValueError(
+                    f"context {i} ({len(c)} tokens), its question {j} ({len(q)} tokens) and "
+                    f"max_new_tokens={n} need {len(c) + len(q) + n} positions; the model's "
+                    f"context is {limit}: truncate the context or lower max_new_tokens"
+                )
 
 
 def _bucket(tokens: int) -> int:

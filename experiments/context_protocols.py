@@ -55,11 +55,51 @@ def split(text: str, question: str, where: str) -> tuple[str, str]:
     return text[:at], text[at:]
 
 
+def check_rows(rows: dict[str, list[dict]], tok, max_length: int, with_answer_prefix: bool,
+               protocol_name: str, anchor: int = 0) -> None:
+    """Every row rendered and split as `generate` will (before the run folder is claimed, so a
+    fix is not refused as another configuration): a ValueError for an empty question or one
+    truncated away, and under shared_context for a context with no question `anchor` or one
+    whose rows `max_length` cuts differently (they could not share one compressed cache)."""
+    for dataset, items in rows.items():
+        contexts: dict[str, list[tuple[str, str]]] = {}
+        for row in items:
+            where = f"{dataset} row {row['_id']}"
+            question = question_text(row, dataset)
+            if not question.strip():
+                raise ValueError(
+                    f"{where}: its question is empty; --protocol {protocol_name} feeds the "
+                    "question to the compressed context: give the row a question, or use "
+                    "--protocol query_aware")
+            sample = protocol.prepare_sample(row, dataset, tok, max_length,
+                                             tok.apply_chat_template, with_answer_prefix)
+            fed, _ = split(sample.text, question, where)
+            prompt = protocol.build_prompt(row, dataset)
+            contexts.setdefault(prompt[: len(prompt) - len(question)], []).append(
+                (row["_id"], fed, sample.num_prompt_tokens))
+        if protocol_name != "shared_context":
+            continue
+        for group in contexts.values():
+            if anchor >= len(group):
+                raise ValueError(f"{dataset}: --anchor {anchor}, but the context of row "
+                                 f"{group[0][0]} has only {len(group)} question(s): pass an "
+                                 f"--anchor below {len(group)}")
+            cut = [row_id for row_id, fed, _ in group if fed != group[0][1]]
+            if cut:
+                longest = max(tokens for _, _, tokens in group)
+                raise ValueError(
+                    f"{dataset}: --max_length {max_length} cuts the prompts of rows "
+                    f"{group[0][0]} and {cut[0]} (one context) at different places, so they "
+                    f"cannot share one compressed context: raise --max_length to {longest} "
+                    "(their longest prompt), or use --protocol query_agnostic")
+
+
 def shared_batches(dataset: str, rows: list[dict], pending: list,
                    anchor: int = 0) -> list[tuple[int, list]]:
     """One batch per context that still lacks a prediction: every row of that context, the
     anchor (its row `anchor` in row order) first, then the others in row order, each with the
-    cells it lacks (possibly none); a line's question_index is its place in that order."""
+    cells it lacks (possibly none); a line's question_index is its place in that order. A
+    batch's length is its longest answer's (each row is answered to its own: `generate`)."""
     missing = {row["_id"]: cells for row, cells in pending}
     by_context: dict[str, list[dict]] = {}
     for row in rows:
@@ -74,7 +114,7 @@ def shared_batches(dataset: str, rows: list[dict], pending: list,
             raise ValueError(f"{dataset}: --anchor {anchor}, but a context has only "
                              f"{len(group)} questions (row {group[0]['_id']} and on)")
         group = [group[anchor], *group[:anchor], *group[anchor + 1:]]
-        out.append((protocol.max_new_tokens(dataset, group[0]),
+        out.append((max(protocol.max_new_tokens(dataset, row) for row in group),
                     [(row, missing.get(row["_id"], ())) for row in group]))
     return out
 
@@ -107,7 +147,10 @@ def generate(model, tok, samples, batch, dataset: str, evictions, protocol_name:
         return [cell[0] for cell in out], [0] * len(batch)
     if len({tuple(c) for c in contexts}) != 1:
         raise ValueError(f"{dataset}: a shared_context batch must hold one context's rows")
-    out = generate_for_contexts(model, contexts[:1], [questions], evictions, **options)
+    lengths = [protocol.max_new_tokens(dataset, row) for row, _ in batch]  # each row's own
+    options = {**options, "max_new_tokens": max(lengths)}
+    out = generate_for_contexts(model, contexts[:1], [questions], evictions,
+                                answer_lengths=lengths, **options)
     merged = [GenerationResult(
         prompt_tokens=[r.prompt_tokens[0] for r in cell], tokens=[r.tokens[0] for r in cell],
         texts=[r.texts[0] for r in cell], kept=None,

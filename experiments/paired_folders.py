@@ -16,13 +16,48 @@ import json
 import pathlib
 import sys
 
+from experiments import suites
 from experiments.report import folder_rows, sample_scores
 from experiments.run_folder import read_config
 from experiments.stats import format_p, holm, mcnemar_exact
+from experiments.suites.base import RowSettings
+
+
+def check_same_data(first: pathlib.Path, second: pathlib.Path) -> None:
+    """Refuses two folders whose rows may differ under the same ids (a ValueError naming
+    what differs): a dataset both hold read from other data (its sha256 in config.json), a
+    row-making setting of the suite that differs (seed, synthetic or RULER length), or a
+    sample both predicted with other reference answers."""
+    configs = [read_config(f) for f in (first, second)]
+    for folder, config in zip((first, second), configs, strict=True):
+        if config is None:
+            raise ValueError(f"{folder} has no config.json, so the data its rows come from is "
+                             "unknown; pair folders the runner wrote")
+    ids = [c.get("identity", {}) for c in configs]
+    data = [c.get("data", {}) for c in configs]
+    problems = [f"{d} (sha256 {data[0][d][:12]} vs {data[1][d][:12]})" for d in data[0]
+                if d in data[1] and data[0][d] != data[1][d]]
+    for suite in {i.get("suite") for i in ids} & set(suites.SUITES):
+        for key in suites.get(suite).identity(RowSettings()):
+            if ids[0].get(key) != ids[1].get(key):
+                problems.append(f"{key} {ids[0].get(key)!r} vs {ids[1].get(key)!r}")
+    if not problems:
+        answers = {(r["dataset"], r["sample_id"]): r["answers"] for r in folder_rows(first)}
+        problems = [f"{d} sample {s} (answers {answers[d, s]!r:.40} vs {r!r:.40})"
+                    for (d, s), r in {(r["dataset"], r["sample_id"]): r["answers"]
+                                      for r in folder_rows(second)}.items()
+                    if (d, s) in answers and answers[d, s] != r][:3]
+    if problems:
+        raise ValueError(
+            f"{first} and {second} were run on other data ({'; '.join(problems)}): samples of "
+            "the same id are not the same sample, so pairing them would be wrong; compare "
+            "folders run on the same rows")
 
 
 def compare(first: pathlib.Path, second: pathlib.Path, correct_at: float = 0.5) -> list[dict]:
-    """One entry per cell of both folders, Holm-corrected over them, in `first`'s order."""
+    """One entry per cell of both folders, Holm-corrected over them, in `first`'s order;
+    folders run on other data are refused (`check_same_data`)."""
+    check_same_data(first, second)
     a, b = sample_scores(folder_rows(first)), sample_scores(folder_rows(second))
     out = []
     for cell in [c for c in a if c in b]:
@@ -75,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {folder} holds no predictions.jsonl (not a run folder)",
                   file=sys.stderr)
             return 2
-    if args.json:
-        print(json.dumps(compare(args.first, args.second), indent=2))
-    else:
-        print(table(args.first, args.second), end="")
+    try:
+        text = (json.dumps(compare(args.first, args.second), indent=2) + "\n" if args.json
+                else table(args.first, args.second))
+    except ValueError as e:  # RunFolderError among them: a config.json that does not parse
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text, end="")
     return 0
 
 

@@ -281,6 +281,7 @@ def header(scores: dict, config: dict | None, rows: list[dict], plot_files: list
     datasets = sorted(scores["datasets"])
     lines.append(f"- suite: {suite or unknown}; datasets: {', '.join(datasets)}")
     lines.append(f"- n: {_samples_per_dataset(scores)}")
+    lines.append(_truncation(rows, ident.get("max_length")))
     ids = sorted({r["run_id"] for r in rows if "run_id" in r})
     run_id = (config or {}).get("run_id") or (ids[0] if len(ids) == 1 else None)
     lines.append(f"- run id: `{run_id}`" if run_id else f"- run id: {unknown}")
@@ -302,6 +303,25 @@ def header(scores: dict, config: dict | None, rows: list[dict], plot_files: list
     lines.append("- plots beside this file: " + (", ".join(f"`{f}`" for f in plot_files)
                                                  if plot_files else "none"))
     return "\n".join(lines) + "\n\n"
+
+
+def _truncation(rows: list[dict], max_length: int | None) -> str:
+    """How many samples' prompts were cut in the middle to the run's max length, per dataset
+    where any was (the lines' `truncated`): a default length set by one task's long answers
+    shortens every task's prompts."""
+    cut: dict[str, set] = {}
+    seen: dict[str, set] = {}
+    for r in rows:
+        seen.setdefault(r["dataset"], set()).add(r["sample_id"])
+        if r.get("truncated"):
+            cut.setdefault(r["dataset"], set()).add(r["sample_id"])
+    length = f"max length {max_length} tokens; " if max_length else ""  # older folders
+    if not cut:
+        return f"- prompts: {length}none was cut"
+    per = ", ".join(f"{d} {len(cut[d])} of {len(seen[d])}" for d in sorted(cut))
+    total = sum(map(len, cut.values()))
+    return (f"- prompts: {length}{total} of {sum(map(len, seen.values()))} cut in the middle "
+            f"to the max length ({per})")
 
 
 def _samples_per_dataset(scores: dict) -> str:

@@ -260,11 +260,10 @@ def evaluate(config: RunConfig, state: dict) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from e
     rows = suite_rows(model, suite, config.rows, datasets, config.num_samples)  # strict
-    max_length = config.max_length or default_max_length(model, rows)
-    if max_length < 2:
-        raise UsageError(f"{config.model}'s context ({model.config.max_position_embeddings} "
-                         f"positions) leaves no room for prompts of {', '.join(datasets)} "
-                         "once their answers fit; use a model with a longer context")
+    max_length, length_note = prompt_length(config, model, rows)
+    if config.protocol != "query_aware":
+        context_protocols.check_rows(rows, model.tokenizer, max_length, config.answer_prefix,
+                                     config.protocol, config.anchor)
     identity = run_identity(config, model, max_length)
     evictions = grid_evictions(config, identity, generation_lengths(rows))
     data = data_checksums(config, datasets)
@@ -279,6 +278,8 @@ def evaluate(config: RunConfig, state: dict) -> int:
     def open_folder():
         return open_run(out_dir, identity, data, extent, command, extend=config.extend)
 
+    if share.first:
+        print(length_note)
     with distributed.claimed(share, out_dir, open_folder, run_id(identity)):
         return predict(config, state, out_dir, model, rows, identity, evictions, max_length,
                        started, share)
@@ -340,15 +341,58 @@ def predict(config: RunConfig, state: dict, out_dir: pathlib.Path, model, rows: 
 
 
 def default_max_length(model, suite: dict[str, list[dict]]) -> int:
-    """The model's context minus, for the most demanding dataset, its generation length and
+    """The model's context minus, for the most demanding row, its generation length and
     what the chat template and answer prefix add around the truncated prompt, so that every
     prompt the runner feeds, with its answer, fits the context."""
+    needs = answer_needs(model, suite)
+    return model.config.max_position_embeddings - max(needs.values(), default=0)
+
+
+def answer_needs(model, suite: dict[str, list[dict]]) -> dict[tuple[str, str], int]:
+    """(dataset, row id) -> the positions a row needs besides its truncated prompt: its
+    generation length, the chat template around the prompt and the answer prefix."""
     tok = model.tokenizer
     wrap = len(tok.encode(tok.apply_chat_template("")))  # the template around an empty turn
-    need = max((protocol.max_new_tokens(d, row) + wrap
-                + len(tok.encode(protocol.answer_prefix(d, row)))
-                for d, rows in suite.items() for row in rows), default=0)
-    return model.config.max_position_embeddings - need
+    return {(d, row["_id"]): protocol.max_new_tokens(d, row) + wrap
+            + len(tok.encode(protocol.answer_prefix(d, row)))
+            for d, rows in suite.items() for row in rows}
+
+
+def prompt_length(config: RunConfig, model, suite: dict[str, list[dict]]) -> tuple[int, str]:
+    """(the prompts' max length, a line saying where it comes from), checked before the folder
+    is claimed: a row whose answer alone overflows the model's context, or (with
+    --max_length) one that does not fit beside a prompt of that length, is a UsageError naming
+    it; the default is the model's context minus the most demanding row's needs (one length
+    for every task, as LongBench's pred.py), and the line names that row."""
+    ctx = model.config.max_position_embeddings
+    needs = answer_needs(model, suite)
+    if not needs:
+        return config.max_length or ctx, f"max length {config.max_length or ctx} tokens"
+    (dataset, row_id), need = max(needs.items(), key=lambda item: item[1])
+    asked = protocol.max_new_tokens(dataset, next(r for r in suite[dataset]
+                                                  if r["_id"] == row_id))
+    where = f"{dataset} row {row_id}"
+    if need > ctx - 2:
+        raise UsageError(
+            f"{where} asks for {asked} new tokens, which with the chat template and answer "
+            f"prefix ({need - asked} tokens) leaves no room in the model's context of {ctx} "
+            f"positions for a prompt; lower that row's max_new_tokens (below "
+            f"{ctx - 2 - need + asked})")
+    if config.max_length is not None:
+        if config.max_length + need > ctx:
+            raise UsageError(
+                f"--max_length {config.max_length} leaves {ctx - config.max_length} of the "
+                f"model's {ctx} positions for the answer; {where} needs {need} ({asked} new "
+                f"tokens, the chat template and answer prefix): lower --max_length to "
+                f"{ctx - need} or less")
+        return config.max_length, f"max length {config.max_length} tokens (--max_length)"
+    others = [n for key, n in needs.items() if key[0] != dataset]
+    outlier = (f"; without {dataset} it would be {ctx - max(others)}: run that task apart, or "
+               "pass --max_length" if others and max(others) < need else "")
+    return ctx - need, (
+        f"max length {ctx - need} tokens (the default: the model's {ctx} positions less the "
+        f"{need} that {where} needs for its {asked} new tokens, chat template and answer "
+        f"prefix; longer prompts are cut in the middle{outlier})")
 
 
 def check_model(config: RunConfig, model, mesh) -> None:
