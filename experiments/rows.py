@@ -10,6 +10,13 @@ field, what was found and what to do.
 Schemas: `longbench_schema(task, template)` for LongBench v1 rows and the synthetic suite (same
 schema), `RULER_SCHEMA` for rows written by NVIDIA/RULER's data preparation scripts. A new suite
 declares a `Schema` and reuses the checker. This module imports no other experiments module.
+
+Reference answers are `ANSWERS` in every schema that holds them: an empty or whitespace-only
+answer is found in any prediction by the substring and prefix metrics (`"" in pred`), so a row
+holding one would score 100 % whatever the model says. Such a row is refused when it is read,
+and a scorer handed one anyway (a prediction line written before this check) raises
+(`references`) rather than score it: a number computed against a blank reference is not a
+score of the model.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 LONGBENCH_KEYS = ("input", "context", "answers", "length", "dataset", "language", "all_classes",
@@ -45,12 +52,44 @@ def _is_str_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
+def is_answer_text(value: object) -> bool:
+    """Whether `value` can be a reference answer: a string with a non-whitespace character."""
+    return isinstance(value, str) and value.strip() != ""
+
+
+def _is_answer_list(value: object) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(map(is_answer_text, value))
+
+
 STR = Kind("a string", lambda v: isinstance(v, str))
 NON_EMPTY_STR = Kind("a non-empty string", lambda v: isinstance(v, str) and v != "")
+NON_BLANK_STR = Kind("a non-blank string (not empty or whitespace only)", is_answer_text)
 COUNT = Kind("a non-negative integer", lambda v: _is_int(v) and v >= 0)
 OPTIONAL_COUNT = Kind("null or a non-negative integer", lambda v: v is None or COUNT.accepts(v))
 STR_LIST = Kind("a non-empty list of strings", lambda v: _is_str_list(v) and len(v) > 0)
 OPTIONAL_STR_LIST = Kind("null or a list of strings", lambda v: v is None or _is_str_list(v))
+# Reference answers (module docstring: a blank one matches any prediction).
+ANSWERS = Kind("a non-empty list of non-blank strings", _is_answer_list)
+
+
+def answers_each(form: Kind) -> Kind:
+    """`ANSWERS` whose every answer is also of `form` (what a metric reads out of each)."""
+    return Kind(f"{ANSWERS.expected}, each {form.expected}",
+                lambda v: _is_answer_list(v) and all(form.accepts(a) for a in v))
+
+
+def references(answers: Sequence[str], where: str) -> Sequence[str]:
+    """`answers` when they are a non-empty list of non-blank strings, else a ValueError naming
+    `where` (the dataset): a scorer's guard, since a blank reference matches any prediction.
+
+    It raises rather than skip the blank one: the loaders refuse such rows, so a scorer sees
+    one only on predictions recorded from unchecked data, and no honest score exists for them.
+    """
+    if not isinstance(answers, list | tuple) or not _is_answer_list(list(answers)):
+        raise ValueError(f"{where}: cannot score against the reference answers "
+                         f"{preview(answers)}: they must be {ANSWERS.expected} (a blank one "
+                         "matches any prediction); fix the row's data and predict it again")
+    return answers
 
 
 def equal_to(expected: str, why: str) -> Kind:
@@ -65,19 +104,24 @@ class Schema:
     `id_field` names the required field whose values must be unique within a file or suite (the
     store keys predictions by it, so a repeat would be computed and then silently dropped);
     None for rows without an id of their own (kvpress's: the suite numbers them by place).
+    `check(row)`, run once every field has its kind, says what a task's prompt or score
+    assumes of the row and the row lacks (a phrase naming the field, or None): a call the
+    prompt asks about, an answer that must be a number, the option an answer names.
     """
 
     name: str
     required: Mapping[str, Kind]
     id_field: str | None
     optional: Mapping[str, Kind] = dataclasses.field(default_factory=dict)
+    check: Callable[[dict], str | None] | None = None
 
     def __post_init__(self) -> None:
         if self.id_field is not None and self.id_field not in self.required:
             raise ValueError(f"{self.name}: id field {self.id_field!r} is not a required field")
 
 
-def longbench_schema(task: str, template: str, needs_classes: bool = False) -> Schema:
+def longbench_schema(task: str, template: str, needs_classes: bool = False,
+                     answers: Kind = ANSWERS) -> Schema:
     """The official LongBench v1 row of `task`, whose prompt is `template`.
 
     Every task's prompt shows its context, so the context must be non-empty; `input` may be ""
@@ -85,13 +129,15 @@ def longbench_schema(task: str, template: str, needs_classes: bool = False) -> S
     lcc have input "" in the official data). Classification tasks (`needs_classes`: trec, lsht)
     are scored against `all_classes`, which must then be a non-empty list. `dataset` must be
     the task the file is named after: a row of another task would get this task's prompt.
+    `answers` is what the task's metric needs of them (`ANSWERS`, or `answers_each` of a form
+    such as retrieval's "Paragraph N").
     """
     return Schema(
         name="LongBench",
         required=MappingProxyType({
             "input": NON_EMPTY_STR if "{input}" in template else STR,
             "context": NON_EMPTY_STR,
-            "answers": STR_LIST,
+            "answers": answers,
             "length": COUNT,
             "dataset": equal_to(task, "the task of the file"),
             "language": STR,
@@ -110,7 +156,7 @@ RULER_SCHEMA = Schema(
     required=MappingProxyType({
         "index": COUNT,
         "input": NON_EMPTY_STR,
-        "outputs": STR_LIST,
+        "outputs": ANSWERS,
         "length": COUNT,
     }),
     id_field="index",
@@ -145,7 +191,7 @@ def field_problem(row: object, schema: Schema) -> str | None:
             return f"field {name!r} is not in the {schema.name} schema ({sorted(kinds)})"
         if not kinds[name].accepts(value):
             return f"field {name!r} must be {kinds[name].expected}, got {preview(value)}"
-    return None
+    return None if schema.check is None else schema.check(row)
 
 
 def check_rows(

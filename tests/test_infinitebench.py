@@ -55,7 +55,7 @@ def test_rows_and_labels(data_dir):
 
 @pytest.mark.parametrize("field, value, needle", [
     ("id", -1, "field 'id' must be a non-negative integer"),
-    ("answer", [], "field 'answer' must be a string or a non-empty list"),
+    ("answer", [], "field 'answer' must be a non-blank string or a non-empty list"),
     ("extra", 1, "field 'extra' is not in the InfiniteBench schema"),
 ])  # fmt: skip
 def test_bad_rows_are_refused_by_file_line_and_field(tmp_path, field, value, needle):

@@ -230,9 +230,9 @@ def test_unknown_task_is_one_line_naming_the_option(kvpress_dir):
     [
         ({"max_new_tokens": "4"}, "field 'max_new_tokens' must be a positive integer, got str"),
         ({"max_new_tokens": 0}, "field 'max_new_tokens' must be a positive integer, got int 0"),
-        ({"answer": None}, "field 'answer' must be a non-empty string, a non-negative integer"),
-        ({"answer": []}, "field 'answer' must be a non-empty string, a non-negative integer"),
-        ({"answer": True}, "field 'answer' must be a non-empty string, a non-negative integer"),
+        ({"answer": None}, "field 'answer' must be a non-blank string, a non-negative integer"),
+        ({"answer": []}, "field 'answer' must be a non-blank string, a non-negative integer"),
+        ({"answer": True}, "field 'answer' must be a non-blank string, a non-negative integer"),
         ({"context": ""}, "field 'context' must be a non-empty string"),
         ({"answers": ["x"]}, "fields 'answer' and 'answers' both given"),
         ({"colour": "red"}, "field 'colour' is not in the kvpress schema"),

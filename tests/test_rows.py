@@ -21,9 +21,12 @@ FIX = "; fix the row or re-download the official file"
 
 def good_row(task: str = "hotpotqa", **changes) -> dict:
     """A valid row of `task` in the official schema, with `changes` applied."""
-    classes = ["City", "Food"] if config.DATASET2METRIC[task] == "classification" else None
+    metric = config.DATASET2METRIC[task]
+    classes = ["City", "Food"] if metric == "classification" else None
+    answer = {"retrieval": "Paragraph 1", "retrieval_zh": "段落1", "count": "1"}.get(metric,
+                                                                                   "Paris")
     row = {"input": "Where is the Louvre?", "context": "Passage 1: The Louvre is in Paris.",
-           "answers": ["Paris"], "length": 9, "dataset": task, "language": "en",
+           "answers": [answer], "length": 9, "dataset": task, "language": "en",
            "all_classes": classes, "_id": "a1"}
     return {**row, **changes}
 
@@ -58,14 +61,14 @@ def test_answers_as_a_string(tmp_path):
     # was scored character by character: the right answer 0, "b" 100
     message = rejected(tmp_path, "hotpotqa", good_row(answers="Paris"))
     assert_names(message, "hotpotqa", "answers",
-                 'must be a non-empty list of strings, got str "Paris"')
+                 'must be a non-empty list of non-blank strings, got str "Paris"')
 
 
 def test_answers_empty_or_not_strings(tmp_path):
     assert_names(rejected(tmp_path, "hotpotqa", good_row(answers=[])), "hotpotqa", "answers",
-                 "must be a non-empty list of strings, got list []")
+                 "must be a non-empty list of non-blank strings, got list []")
     assert_names(rejected(tmp_path, "hotpotqa", good_row(answers=["Paris", 3])), "hotpotqa",
-                 "answers", 'must be a non-empty list of strings, got list ["Paris", 3]')
+                 "answers", 'must be a non-empty list of non-blank strings, got list ["Paris", 3]')
 
 
 def test_context_null(tmp_path):
@@ -153,7 +156,8 @@ def test_missing_and_unknown_fields(tmp_path):
     row = good_row()
     del row["answers"]
     message = rejected(tmp_path, "hotpotqa", row)
-    assert "line 2: field 'answers' is missing (it must be a non-empty list of strings)" in message
+    assert ("line 2: field 'answers' is missing (it must be a non-empty list of non-blank "
+            "strings)") in message
     message = rejected(tmp_path, "hotpotqa", good_row(pred="Paris"))
     assert "line 2: field 'pred' is not in the LongBench schema" in message
 
@@ -214,7 +218,7 @@ def test_ruler_schema():
                            "fix it") == [good, newer]
     bad = {**good, "index": 1, "outputs": "u-1"}
     with pytest.raises(rows.RowError, match=re.escape(
-            "r.jsonl line 2: field 'outputs' must be a non-empty list of strings, "
+            "r.jsonl line 2: field 'outputs' must be a non-empty list of non-blank strings, "
             'got str "u-1"; fix it')):
         rows.check_rows([("line 1", good), ("line 2", bad)], rows.RULER_SCHEMA, "r.jsonl",
                         "fix it")
@@ -255,5 +259,5 @@ def test_a_synthetic_generator_bug_is_caught(monkeypatch):
     monkeypatch.setattr(synthetic, "make_row", buggy)
     with pytest.raises(rows.RowError, match=re.escape(
             "synthetic task 'passkey' row 0: field 'answers' must be a non-empty list of "
-            'strings, got str "12345"; a bug in experiments/suites/synthetic.py')):
+            'non-blank strings, got str "12345"; a bug in experiments/suites/synthetic.py')):
         synthetic.make_suite(WordCounter(), ["passkey"], 2, 400, sentences=HAY)

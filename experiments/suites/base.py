@@ -74,7 +74,9 @@ class Suite:
     name: --suite's value, `runs/<name>/`, the run identity's "suite"; title: in messages;
     tasks: its dataset names (unique across suites: the registry maps a dataset to its suite);
     load(settings, tokenizer, chat, datasets, num_samples): rows per dataset in the runner's
-    schema (_id, answers, all_classes, ...), checked strictly (`rows`), bad rows stop there;
+    schema (_id, answers, all_classes, ...), checked strictly (`rows`): no blank answer, and
+    whatever prompt, question, score_row and row_max_new_tokens assume of a row, so a bad
+    row stops the run there, before its folder is written, never while prompting or scoring;
     row_schema(dataset): that strict schema; prompt(row, dataset): the raw prompt, before
     truncation; uses_chat_template(dataset): whether the chat template wraps it;
     answer_prefix(dataset, row): text after the chat template; max_new_tokens(dataset);

@@ -3,9 +3,15 @@ infinitebench --data_dir DIR` reads DIR/{task}.jsonl, the task files of the Hugg
 dataset `xinrongzhang2022/InfiniteBench` (names as `src/eval_utils.py`'s DATA_NAME_TO_PATH).
 
 Rows: `id` (an integer), `context`, `input`, `answer` (a list of strings or numbers, or one
-string) and `options` (a list of strings: the four choices of the choice tasks), nothing
-else; checked strictly (file, line, field). Datasets are `infbench_<task>` (InfiniteBench's
-`passkey` would otherwise collide with the synthetic suite's).
+string; no blank string: it would be found in any prediction) and `options` (a list of
+strings: the four choices of the choice tasks), nothing else; checked strictly (file, line,
+field). Each task's schema also checks, when the file is read, what its prompt and score
+assume of a row (`task_problem`): code_run's input holds a call `func_N(x)`, math_find's a
+"The ... of" phrase, a choice answer is one of four options (or [option, its letter]),
+passkey and number_string labels are digits, math_find and code_run labels numbers. A row
+breaking one would otherwise fail, or score 0 whatever the model says, only once the run's
+folder is written. Datasets are `infbench_<task>` (InfiniteBench's `passkey` would
+otherwise collide with the synthetic suite's).
 
 Protocol, the open-model path (`src/eval_yarn_mistral.py`, also Yi-200K's and ChatGLM3's):
 `create_prompt` with `yarn_mistral_templates` (`src/prompt.py`, verbatim in `TEMPLATES`),
@@ -23,6 +29,7 @@ math_find and code_run, whose scores compare numbers.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import re
@@ -74,22 +81,29 @@ TASKS = tuple(DATASET_PREFIX + t for t in TEMPLATES)
 CHOICE_TASKS = ("longbook_choice_eng", "code_debug")
 
 
+def _is_label(v: object) -> bool:
+    """A non-blank string or a finite number (JSON true is not a label)."""
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return math.isfinite(v)
+    return rows.is_answer_text(v)
+
+
 def _is_answer(v: object) -> bool:
-    scalar = (str, int, float)
-    return isinstance(v, str) or (isinstance(v, list) and len(v) > 0 and all(
-        isinstance(x, scalar) and not isinstance(x, bool) for x in v))  # fmt: skip
+    return rows.is_answer_text(v) or (isinstance(v, list) and len(v) > 0 and all(
+        map(_is_label, v)))  # fmt: skip
 
 
-SCHEMA = rows.Schema(
-    name="InfiniteBench",
-    required=MappingProxyType({
-        "id": rows.COUNT, "context": rows.NON_EMPTY_STR, "input": rows.STR,
-        "answer": rows.Kind("a string or a non-empty list of strings / numbers", _is_answer),
-        "options": rows.Kind("a list of strings", lambda v: isinstance(v, list) and all(
-            isinstance(x, str) for x in v)),
-    }),  # fmt: skip
-    id_field="id",
-)
+SCHEMA_FIELDS = MappingProxyType({
+    "id": rows.COUNT, "context": rows.NON_EMPTY_STR, "input": rows.STR,
+    "answer": rows.Kind("a non-blank string or a non-empty list of non-blank strings / "
+                        "finite numbers", _is_answer),
+    "options": rows.Kind("a list of strings", lambda v: isinstance(v, list) and all(
+        isinstance(x, str) for x in v)),
+})  # fmt: skip
+SCHEMA = rows.Schema(name="InfiniteBench", required=SCHEMA_FIELDS, id_field="id")
+LETTERS = ("A", "B", "C", "D")
+FUNC_CALL = re.compile(r"func_[0-9]+\(\-?[0-9]+\)")  # create_prompt's, code_run
+MATH_TARGET = re.compile(r"The .+ of")  # create_prompt's, math_find
 
 
 def task_of(dataset: str) -> str:
@@ -105,27 +119,85 @@ def dataset_name(name: str) -> str:
     return dataset
 
 
-def labels(row: dict, task: str, where: str) -> list[str]:
-    """`get_answer`: [option text, its letter] for the choice tasks, else the answers; as
-    text (numbers by their JSON form, parsed back by `_number`)."""
-    answer = row["answer"]
-    if task in CHOICE_TASKS:
-        text = answer if isinstance(answer, str) else answer[0]
-        if isinstance(answer, list) and len(answer) == 2 and answer[1] in "ABCD":
-            return [str(text), answer[1]]
-        if len(row["options"]) != 4 or text not in row["options"] or (
-                isinstance(answer, list) and len(answer) != 1):  # fmt: skip
-            raise rows.RowError(f"{where}: field 'answer' must be one of the four 'options' "
-                                f"(or [option, letter]); {FIX}")  # fmt: skip
-        return [text, "ABCD"[row["options"].index(text)]]
+def _texts(answer: str | list) -> list[str]:
+    """The answer as text labels (numbers by their JSON form, parsed back by `_number`)."""
     return [answer] if isinstance(answer, str) else [str(a) for a in answer]
 
 
+def _is_number(text: str) -> bool:
+    try:
+        _number(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _choice_problem(row: dict) -> str | None:
+    """`get_answer`'s assumptions: four options (the prompt's A-D) and an answer naming one,
+    as its text (a string or a one-element list) or [its text, its letter]."""
+    options, answer = row["options"], row["answer"]
+    if len(options) != 4 or not all(map(rows.is_answer_text, options)):
+        return (f"field 'options' must be the four non-blank choices the prompt shows as A-D, "
+                f"got {rows.preview(options)}")
+    if isinstance(answer, list) and len(answer) == 2:  # [option, its letter]
+        text, letter = answer
+        named = letter in LETTERS and text == options[LETTERS.index(letter)]
+    else:
+        text = answer[0] if isinstance(answer, list) and len(answer) == 1 else answer
+        named = isinstance(text, str) and text in options
+    if named:
+        return None
+    return (f"field 'answer' must be one of the four 'options' (a string or a one-element "
+            f"list) or [that option, its letter A-D], got {rows.preview(answer)}")
+
+
+def task_problem(row: dict, task: str) -> str | None:
+    """What `task`'s prompt and score assume of a row (its fields' kinds checked) and the row
+    lacks, as a phrase naming the field; None when the row fits."""
+    if task in CHOICE_TASKS:
+        return _choice_problem(row)
+    texts, found = _texts(row["answer"]), rows.preview(row["answer"])
+    if task == "code_run" and not FUNC_CALL.search(row["input"]):
+        return (f"field 'input' must hold a call func_N(x) (the prompt asks for the value of "
+                f"the first), got {rows.preview(row['input'])}")
+    if task == "math_find" and not MATH_TARGET.search(row["input"]):
+        return (f"field 'input' must hold \"The ... of\" (the prompt asks for the thing it "
+                f"names), got {rows.preview(row['input'])}")
+    if task in ("math_find", "code_run") and not all(map(_is_number, texts)):
+        return (f"field 'answer' must be numbers ({task} compares the number in the "
+                f"prediction with them), got {found}")
+    if task in ("passkey", "number_string") and not all(
+            re.fullmatch(r"[0-9]+", a) for a in texts):  # fmt: skip
+        return (f"field 'answer' must be runs of digits ({task} compares the prediction's "
+                f"first run of digits with them), got {found}")
+    return None
+
+
+def row_schema(dataset: str) -> rows.Schema:
+    """The row schema of a task: the fields' kinds, then `task_problem`."""
+    task = task_of(dataset)
+    return rows.Schema(name="InfiniteBench", required=SCHEMA_FIELDS, id_field="id",
+                       check=lambda row: task_problem(row, task))
+
+
+def labels(row: dict, task: str) -> list[str]:
+    """`get_answer`: [option text, its letter] for the choice tasks, else the answers, as
+    text; `row` fits the task's schema (`row_schema`)."""
+    answer = row["answer"]
+    if task not in CHOICE_TASKS:
+        return _texts(answer)
+    if isinstance(answer, list) and len(answer) == 2:
+        return [answer[0], answer[1]]
+    text = answer if isinstance(answer, str) else answer[0]
+    return [text, LETTERS[row["options"].index(text)]]
+
+
 def read_rows(path: pathlib.Path, task: str) -> list[dict]:
-    """Runner rows of one task file: the row, `_id` (its id), `answers` (`labels`)."""
-    checked = rows.read_jsonl(path, SCHEMA, FIX)
-    return [{**r, "_id": str(r["id"]), "all_classes": None,
-             "answers": labels(r, task, f"{path} id {r['id']}")} for r in checked]  # fmt: skip
+    """Runner rows of one task file, every row checked by the task's schema: the row, `_id`
+    (its id), `answers` (`labels`)."""
+    checked = rows.read_jsonl(path, row_schema(task), FIX)
+    return [{**r, "_id": str(r["id"]), "all_classes": None, "answers": labels(r, task)}
+            for r in checked]  # fmt: skip
 
 
 def data_dir(settings: RowSettings) -> pathlib.Path:
@@ -149,7 +221,7 @@ def prompt(row: dict, dataset: str) -> str:
     template, context = TEMPLATES[task], row["context"]
     options = {f"OPTION_{c}": o for c, o in zip("ABCD", row["options"], strict=False)}
     if task == "code_run":
-        func_call = re.findall(r"func_[0-9]+\(\-?[0-9]+\)", row["input"])[0]
+        func_call = FUNC_CALL.findall(row["input"])[0]
         return template.format(func=func_call.split("(")[0], func_call=func_call,
                                context=context)  # fmt: skip
     if task in CHOICE_TASKS:
@@ -159,7 +231,7 @@ def prompt(row: dict, dataset: str) -> str:
     if task == "longdialogue_qa_eng":
         return template.format(context=context)
     if task == "math_find":
-        target = re.findall(r"The .+ of", row["input"])[0].lower()[:-3]
+        target = MATH_TARGET.findall(row["input"])[0].lower()[:-3]
         return template.format(prefix=f"What is {target} in the following list?",
                                context=context, input=row["input"])  # fmt: skip
     return template.format(context=context, input=row["input"])
@@ -246,8 +318,10 @@ def _code_run(pred: str, label: str) -> bool:
 def score_row(dataset: str, pred: str, answers: Sequence[str], classes=None) -> float:
     """`get_score_one` of the task, as a float in [0, 1]. A label the file gives as a
     one-element list is compared by its element (compute_scores.py's kv_retrieval would
-    compare the list itself with the words, which never matches)."""
+    compare the list itself with the words, which never matches). A blank label raises
+    (`rows.references`): it would be found in, or prefix, any prediction."""
     task = task_of(dataset)
+    answers = rows.references(answers, dataset)
     if task == "kv_retrieval":
         return float(answers[0] in _words(pred, "\n:\"'.,?!{}"))
     if task in ("passkey", "number_string"):
@@ -288,7 +362,7 @@ SUITE = Suite(
     name="infinitebench", title="InfiniteBench", tasks=TASKS,
     load=lambda settings, tok, chat, datasets, n: {
         d: read_rows(rows_file(settings, d), task_of(d))[:n] for d in datasets},
-    row_schema=lambda dataset: SCHEMA, prompt=prompt,
+    row_schema=row_schema, prompt=prompt,
     uses_chat_template=lambda dataset: False, answer_prefix=lambda dataset, row=None: "",
     max_new_tokens=lambda dataset: MAX_NEW_TOKENS[task_of(dataset)], score_row=score_row,
     checksums=checksums, default_datasets=default_datasets,

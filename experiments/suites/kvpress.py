@@ -54,6 +54,11 @@ original benchmarks score them (one row score in [0, 1]; the runner reports 100 
   BERTScore are not, nor shortdep_cloze (its exact/partial match parses predictions with
   eval).
 
+Rows are checked when the folder is read: every answer non-blank (a blank one is found in
+any prediction), and, for the tasks a run scores, what the task's metric reads from a row
+(`metric_problem`: LongBench's class list, retrieval's "Paragraph N", a count or pass key in
+digits), so a row the metric cannot score stops the run before its folder is written.
+
 Any other task (zero_scrolls, whose public rows have no answers; LongBench v2) is refused
 with one line naming it, the known tasks and `--metric NAME`, which scores every task of a
 run with one metric of `METRICS`. The metric then travels in the dataset's name,
@@ -72,6 +77,7 @@ from types import MappingProxyType
 from experiments import metrics, rows
 from experiments.suites import longbench_config
 from experiments.suites.base import RowSettings, Suite
+from experiments.suites.longbench import ANSWER_FORMS
 from experiments.suites.longbench import score_row as longbench_score_row
 from experiments.suites.loogle import loogle_score
 from experiments.suites.ruler import string_match_all, string_match_part
@@ -88,15 +94,11 @@ _TASK = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 def _answer_ok(value: object) -> bool:
     if rows.COUNT.accepts(value):  # AIME's answers may be stored as integers (kvpress: str())
         return True
-    return (isinstance(value, str) and value != "") or (
-        isinstance(value, list)
-        and len(value) > 0
-        and all(isinstance(v, str) and v != "" for v in value)
-    )
+    return rows.is_answer_text(value) or rows.ANSWERS.accepts(value)
 
 
 ANSWER = rows.Kind(
-    "a non-empty string, a non-negative integer or a non-empty list of non-empty strings",
+    "a non-blank string, a non-negative integer or a non-empty list of non-blank strings",
     _answer_ok,
 )
 POSITIVE = rows.Kind("a positive integer", lambda v: rows.COUNT.accepts(v) and v > 0)
@@ -260,6 +262,44 @@ TASK_METRICS = MappingProxyType(
 )
 
 
+FIRST_INT = rows.Kind(
+    "a run of digits (first_int matches the prediction's first one with it)",
+    lambda a: re.fullmatch(r"[0-9]+", a) is not None,
+)
+
+
+def _answers(value: object) -> list[str]:
+    """A row's `answer` / `answers` value as the runner's list of strings."""
+    return list(value) if isinstance(value, list) else [str(value)]
+
+
+def metric_problem(row: dict, task: str, metric: str) -> str | None:
+    """What `metric` (a `METRICS` name, or the LongBench rule) reads from a row of `task` and
+    the row lacks, as a phrase naming the field; None when the metric can score the row.
+
+    LongBench's classification scores against `all_classes` (a ValueError at scoring without
+    it), retrieval reads "Paragraph N" out of each answer (the same), count and first_int
+    compare digits with it (any other answer can never match)."""
+    lb = (
+        longbench_config.DATASET2METRIC.get(task.removesuffix("-e"))
+        if metric == _LONGBENCH
+        else metric.removeprefix("longbench_") if metric.startswith("longbench_") else None
+    )
+    if lb == "classification" and not rows.STR_LIST.accepts(row.get("all_classes")):
+        return (
+            f"field 'all_classes' must be {rows.STR_LIST.expected} (the classification "
+            f"metric scores task {task!r} against it), got {rows.preview(row.get('all_classes'))}"
+        )
+    form = FIRST_INT if metric == "first_int" else ANSWER_FORMS.get(lb or "")
+    field = "answer" if "answer" in row else "answers"
+    if form is not None and not all(form.accepts(a) for a in _answers(row[field])):
+        return (
+            f"field {field!r} of a {task!r} row must be answers each {form.expected}, got "
+            f"{rows.preview(row[field])}"
+        )
+    return None
+
+
 def split_name(dataset: str) -> tuple[str, str | None]:
     """(task, --metric or None) of a dataset name `kvpress/<task>[@<metric>]`."""
     name = dataset.removeprefix(f"{PREFIX}/")
@@ -280,9 +320,11 @@ def check_task(task: str, metric: str | None) -> None:
 def score_row(
     dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None
 ) -> float:
-    """The row's score by its task's metric, or by the metric its name carries."""
+    """The row's score by its task's metric, or by the metric its name carries (blank answers
+    raise: `rows.references`)."""
     task, metric = split_name(dataset)
     check_task(task, metric)
+    answers = rows.references(answers, dataset)
     name = metric or TASK_METRICS[task]
     if name == _LONGBENCH:
         return longbench_score_row(task.removesuffix("-e"), prediction, answers, all_classes)
@@ -333,10 +375,15 @@ def _jsonl_rows(path: pathlib.Path) -> list[tuple[str, object]]:
     return [(label, rows.parse_line(raw, os.fspath(path), label, FIX)) for label, raw in lines]
 
 
-def read_file(path: str | os.PathLike) -> dict[str, list[dict]]:
+RowCheck = Callable[[str, dict], str | None]
+
+
+def read_file(path: str | os.PathLike, check: RowCheck | None = None) -> dict[str, list[dict]]:
     """Every row of one file, checked, as runner rows grouped by task: `_id` (file name and
     place: `name.parquet:row 3`, `name.jsonl:line 7`), `context`, `question`,
-    `answer_prefix`, `answers` (a list), `all_classes`, `max_new_tokens`."""
+    `answer_prefix`, `answers` (a list), `all_classes`, `max_new_tokens`. `check(task, row)`
+    is what the run's metrics need of a schema-checked row (`metric_problem`): a phrase or
+    None."""
     path = pathlib.Path(path)
     source = os.fspath(path)
     labelled = _parquet_rows(path) if path.suffix == ".parquet" else _jsonl_rows(path)
@@ -359,6 +406,8 @@ def read_file(path: str | os.PathLike) -> dict[str, list[dict]]:
                 f"the file name's stem {path.stem!r} is not a task name; add a 'task' "
                 "field or rename the file"
             )
+        if problem is None and check is not None:
+            problem = check(task, row)
         if problem is not None:
             raise rows.RowError(f"{source} {label}: {problem}; {FIX}")
         answer = row.get("answer", row.get("answers"))
@@ -368,7 +417,7 @@ def read_file(path: str | os.PathLike) -> dict[str, list[dict]]:
                 "context": row["context"],
                 "question": row["question"],
                 "answer_prefix": row["answer_prefix"],
-                "answers": list(answer) if isinstance(answer, list) else [str(answer)],
+                "answers": _answers(answer),
                 "all_classes": row.get("all_classes"),
                 "max_new_tokens": row["max_new_tokens"],
             }
@@ -376,11 +425,14 @@ def read_file(path: str | os.PathLike) -> dict[str, list[dict]]:
     return out
 
 
-def read_dir(data_dir: str | os.PathLike | None) -> dict[str, tuple[list[dict], list[str]]]:
-    """task -> (its rows over every file of the folder, the files they come from)."""
+def read_dir(
+    data_dir: str | os.PathLike | None, check: RowCheck | None = None
+) -> dict[str, tuple[list[dict], list[str]]]:
+    """task -> (its rows over every file of the folder, the files they come from); `check`
+    as `read_file`'s."""
     tasks: dict[str, tuple[list[dict], list[str]]] = {}
     for path in data_files(data_dir):
-        for task, task_rows in read_file(path).items():
+        for task, task_rows in read_file(path, check).items():
             found, files = tasks.setdefault(task, ([], []))
             found.extend(task_rows)
             files.append(os.fspath(path))
@@ -401,8 +453,19 @@ def dataset_name(name: str) -> str:
 def load(
     settings: RowSettings, tokenizer, chat, datasets: Sequence[str], num_samples: int | None
 ) -> dict[str, list[dict]]:
-    """Runner rows of each dataset (`kvpress/<task>[@metric]`), the first `num_samples`."""
-    found = read_dir(settings.data_dir)
+    """Runner rows of each dataset (`kvpress/<task>[@metric]`), the first `num_samples`;
+    every row of a task the run scores is checked for what its metric reads
+    (`metric_problem`), so a row it cannot score stops here, not once predicted."""
+    scored: dict[str, set[str]] = {}
+    for task, metric in map(split_name, datasets):
+        if metric is not None or task in TASK_METRICS:  # else check_task refuses it below
+            scored.setdefault(task, set()).add(metric or TASK_METRICS[task])
+
+    def check(task: str, row: dict) -> str | None:
+        problems = (metric_problem(row, task, m) for m in sorted(scored.get(task, ())))
+        return next((p for p in problems if p is not None), None)
+
+    found = read_dir(settings.data_dir, check)
     out = {}
     for dataset in datasets:
         task, metric = split_name(dataset)

@@ -4,7 +4,9 @@ from `experiments.suites.longbench_config` (the official tables written down as 
 
 Rows come from a folder of official files (--data_dir, else $DGE_LONGBENCH_DIR), each checked
 against the strict schema of `experiments.rows`, so a bad row is an error naming the file, line
-and field instead of a silently wrong score.
+and field instead of a silently wrong score. The schema holds what the task's metric reads out
+of each answer (`ANSWER_FORMS`): retrieval's paragraph number would otherwise fail only when
+the finished run is scored, and a count that is not a number could never be matched.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 from experiments import metrics, rows
 from experiments.suites import longbench_config as config
@@ -21,6 +25,22 @@ from experiments.suites.base import RowSettings, StopRule, Suite, no_stop_rule
 DATA_DIR_ENV = "DGE_LONGBENCH_DIR"
 ROW_KEYS = rows.LONGBENCH_KEYS
 OFFICIAL_FIX = "fix the row or re-download the official file"
+# What a metric reads out of each reference answer (`experiments.metrics`), by metric name:
+# checked when rows are read (`row_schema`, kvpress's LongBench tasks too).
+ANSWER_FORMS: Mapping[str, rows.Kind] = MappingProxyType({
+    "retrieval": rows.Kind('holding "Paragraph N" (the retrieval metric reads N from it)',
+                           lambda a: re.search(r"Paragraph (\d+)", a) is not None),
+    "retrieval_zh": rows.Kind('holding "段落N" (the retrieval_zh metric reads N from it)',
+                              lambda a: re.search(r"段落(\d+)", a) is not None),
+    "count": rows.Kind("a number in digits (the count metric matches the prediction's numbers "
+                       "with it)", lambda a: re.fullmatch(r"\d+", a) is not None),
+})  # fmt: skip
+
+
+def answers_kind(metric: str) -> rows.Kind:
+    """The `answers` a LongBench metric can score: non-blank, of the metric's form if any."""
+    form = ANSWER_FORMS.get(metric)
+    return rows.ANSWERS if form is None else rows.answers_each(form)
 
 
 def resolve_data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
@@ -43,9 +63,11 @@ def resolve_data_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
 
 def row_schema(dataset: str) -> rows.Schema:
     """The official row schema of a LongBench dataset (its template's fields; the class list
-    of the classification tasks)."""
+    of the classification tasks; the answers its metric can read)."""
+    metric = config.DATASET2METRIC[dataset]
     return rows.longbench_schema(dataset, config.DATASET2PROMPT[dataset],
-                                 needs_classes=config.DATASET2METRIC[dataset] == "classification")
+                                 needs_classes=metric == "classification",
+                                 answers=answers_kind(metric))
 
 
 def load_rows(
@@ -76,9 +98,11 @@ def stop_rule(dataset: str) -> StopRule:
 
 def score_row(dataset: str, prediction: str, answers: Sequence[str],
               all_classes: Sequence[str] | None) -> float:
-    """eval.py's: the first line for four tasks, then the max of the metric over the answers."""
+    """eval.py's: the first line for four tasks, then the max of the metric over the answers
+    (a blank answer raises: `rows.references`)."""
     if dataset not in config.DATASET2METRIC:
         raise ValueError(f"no metric for dataset {dataset!r}")
+    answers = rows.references(answers, dataset)
     metric = metrics.METRICS[config.DATASET2METRIC[dataset]]
     if dataset in config.FIRST_LINE_TASKS:
         prediction = metrics.first_line(prediction)

@@ -5,7 +5,8 @@
 Rows (the dataset's twelve fields, nothing else): `_id`, `domain`, `sub_domain`,
 `difficulty` ("easy" / "hard"), `length` ("short" / "medium" / "long"), `question`,
 `choice_A` .. `choice_D`, `answer` (one of A-D) and `context`; checked strictly, a bad row
-named by its file and line (or array index) and field.
+named by its file and line (or array index) and field. The choice the answer names must be
+non-blank (a question whose right answer is an empty option asks nothing).
 
 Protocol (`pred.py` and `prompts/0shot.txt` at `LONGBENCH_V2_COMMIT`): the 0-shot
 multiple-choice prompt, every field stripped and put in by plain replacement
@@ -54,6 +55,15 @@ def _one_of(values: Sequence[str]) -> rows.Kind:
     return rows.Kind(f"one of {list(values)}", lambda v: v in values)
 
 
+def _answer_choice(row: dict) -> str | None:
+    """The choice `answer` names is blank: no reference answer to find."""
+    field = f"choice_{row['answer']}"
+    if rows.is_answer_text(row[field]):
+        return None
+    return (f"field {field!r} (the choice field 'answer' names) must be "
+            f"{rows.NON_BLANK_STR.expected}, got {rows.preview(row[field])}")
+
+
 SCHEMA = rows.Schema(
     name="LongBench v2",
     required=MappingProxyType({
@@ -63,6 +73,7 @@ SCHEMA = rows.Schema(
         "answer": _one_of(CHOICES), "context": rows.NON_EMPTY_STR,
     }),  # fmt: skip
     id_field="_id",
+    check=_answer_choice,
 )
 
 
@@ -118,7 +129,8 @@ def extract_answer(response: str) -> str | None:
 
 
 def score_row(dataset: str, prediction: str, answers: Sequence[str], classes) -> float:
-    return float(extract_answer(prediction) == answers[0])
+    """1 when the extracted letter is the answer's (a blank answer raises: `rows.references`)."""
+    return float(extract_answer(prediction) == rows.references(answers, dataset)[0])
 
 
 def checksums(settings: RowSettings, datasets: Sequence[str]) -> dict[str, str]:

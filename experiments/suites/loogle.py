@@ -184,8 +184,11 @@ def prompt(row: dict, dataset: str) -> str:
 
 
 def loogle_score(prediction: str, answers: Sequence[str]) -> float:
-    """ROUGE-L recall of the prediction against the answer (the best of several)."""
-    return max(metrics.rouge_l_recall(prediction, a) for a in answers)
+    """ROUGE-L recall of the prediction against the answer (the best of several). A blank
+    answer raises (`rows.references`): pltrdy/rouge would read a whitespace-only one as the
+    word "", recalled by any prediction with a whitespace-only sentence."""
+    return max(metrics.rouge_l_recall(prediction, a)
+               for a in rows.references(answers, "LooGLE's rouge_l_recall"))
 
 
 def default_datasets(settings: RowSettings) -> list[str]:

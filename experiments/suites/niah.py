@@ -110,7 +110,7 @@ SUITE = Suite(
     answer_prefix=lambda task, row=None: PASSKEY.answer_prefix,
     max_new_tokens=lambda task: PASSKEY.max_new_tokens,
     score_row=lambda task, pred, answers, classes: metrics.ROW_METRICS[PASSKEY.metric](
-        pred, answers),
+        pred, rows.references(answers, task)),  # a blank answer raises
     checksums=_checksums, default_datasets=lambda settings: [DATASET],
     identity=lambda s: {"synthetic_length": s.synthetic_length, "seed": s.seed},
     num_samples=len(DEPTHS) * len(FRACTIONS),

@@ -137,7 +137,8 @@ def runner_rows(dataset: str, ruler_rows: Sequence[dict], source: str) -> list[d
     answer prefix, `answer_prefix`, `answers` (the outputs) and `all_classes` (None).
 
     A row without an `answer_prefix` field (older RULER versions left it inside `input`) has
-    it cut off `input` as RULER's current scripts do (`split_answer_prefix`).
+    it cut off `input` as RULER's current scripts do (`split_answer_prefix`). A prompt without
+    a line break is refused: the suite's `question` (its last line) assumes one.
     """
     kind = TASKS[dataset_name(dataset)].kind
     out = []
@@ -152,6 +153,12 @@ def runner_rows(dataset: str, ruler_rows: Sequence[dict], source: str) -> list[d
                     f"(RULER's {KINDS[kind].answer_prefix[:10]!r}...) and the row has no "
                     f"'answer_prefix' field; {FILE_FIX}")
             prompt, prefix = parts
+        if "\n" not in prompt:  # the suite's `question` is the prompt's last line
+            raise rows.RowError(
+                f"{source} index {row['index']}: field 'input' has no line break (RULER's "
+                f"prompts end in the question on a line of its own, which --protocol "
+                f"query_agnostic / shared_context feed apart), got {rows.preview(prompt)}; "
+                f"{FILE_FIX}")
         out.append({"_id": str(row["index"]), "input": prompt, "answer_prefix": prefix,
                     "answers": list(row["outputs"]), "all_classes": None,
                     "length": row["length"]})
@@ -162,14 +169,13 @@ def load_suite(tokenizer: Tokenizer, chat: Callable[[str], str], datasets: Seque
                num_samples: int | None, length: int, seed: int = 0,
                data_dir: str | os.PathLike | None = None) -> dict[str, list[dict]]:
     """Runner rows per dataset: read from `rows_file` where there is one (the first
-    `num_samples`, all if None), generated otherwise (`num_samples` must then be given)."""
+    `num_samples`, all if None; every row of the file checked), generated otherwise
+    (`num_samples` must then be given)."""
     suite, cache = {}, {}
     for dataset in map(dataset_name, datasets):
         path = rows_file(dataset, length, data_dir)
         if path is not None:
             checked = read_rows(path)
-            if num_samples is not None:
-                checked = checked[:num_samples]
             source = os.fspath(path)
         else:
             if num_samples is None:
@@ -178,9 +184,10 @@ def load_suite(tokenizer: Tokenizer, chat: Callable[[str], str], datasets: Seque
             checked = make_rows(dataset, tokenizer, chat, -(-num_samples // per), length, seed,
                                 cache)  # fmt: skip
             source = f"generated RULER task {TASKS[dataset].name!r}"
-        suite[dataset] = runner_rows(dataset, checked, source)
+        made = runner_rows(dataset, checked, source)
         if dataset in SHARED:
-            suite[dataset] = one_key_each(suite[dataset])[:num_samples]
+            made = one_key_each(made)
+        suite[dataset] = made[:num_samples]
     return suite
 
 
@@ -231,15 +238,25 @@ def postprocess_pred(prediction: str) -> str:
 
 
 def string_match_all(prediction: str, outputs: Sequence[str]) -> float:
-    """Fraction of the outputs found, case-insensitively, in the (postprocessed) prediction."""
+    """Fraction of the outputs found, case-insensitively, in the (postprocessed) prediction
+    (a blank output raises: it is in every prediction, `rows.references`)."""
+    outputs = rows.references(outputs, "string_match_all")
     pred = postprocess_pred(prediction).lower()
     return sum(r.lower() in pred for r in outputs) / len(outputs)
 
 
 def string_match_part(prediction: str, outputs: Sequence[str]) -> float:
-    """1.0 if any output is found in the prediction (RULER's metric for its qa tasks)."""
+    """1.0 if any output is found in the prediction (RULER's metric for its qa tasks; a blank
+    output raises, as for `string_match_all`)."""
+    outputs = rows.references(outputs, "string_match_part")
     pred = postprocess_pred(prediction).lower()
     return float(any(r.lower() in pred for r in outputs))
+
+
+def score_row(dataset: str, prediction: str, answers: Sequence[str], classes=None) -> float:
+    """The task's metric on one row; blank answers raise naming the dataset."""
+    answers = rows.references(answers, dataset)
+    return METRICS[TASKS[dataset].metric](prediction, answers)
 
 
 METRICS = MappingProxyType({"string_match_all": string_match_all,
@@ -296,8 +313,7 @@ SUITE = Suite(
     prompt=lambda row, dataset: row["input"],
     uses_chat_template=lambda dataset: True,
     answer_prefix=_answer_prefix, max_new_tokens=max_new_tokens,
-    score_row=lambda dataset, pred, answers, classes: METRICS[TASKS[dataset].metric](
-        pred, answers),
+    score_row=score_row,
     checksums=_checksums, default_datasets=_default_datasets,
     identity=lambda s: {"synthetic_length": None, "seed": s.seed, "ruler_length": s.ruler_length},
     dataset_name=dataset_name, num_samples=20,

@@ -473,6 +473,12 @@ def check_rows(task: str, generated: Sequence[dict]) -> list[dict]:
                            "a bug in experiments/suites/synthetic.py's generator: report it")
 
 
+def score_row(task: str, prediction: str, answers: Sequence[str], classes=None) -> float:
+    """The task's row metric over all of a row's answers (blank ones raise: they would be
+    found in any prediction, `rows.references`)."""
+    return metrics.ROW_METRICS[TASKS[task].metric](prediction, rows.references(answers, task))
+
+
 def max_new_tokens(task: str) -> int:
     """Generation budget of a synthetic task (the counterpart of dataset2maxlen)."""
     return TASKS[task].max_new_tokens
@@ -506,8 +512,7 @@ SUITE = Suite(
     uses_chat_template=lambda task: True,
     answer_prefix=lambda task, row=None: TASKS[task].answer_prefix,
     max_new_tokens=max_new_tokens,
-    score_row=lambda task, pred, answers, classes: metrics.ROW_METRICS[TASKS[task].metric](
-        pred, answers),
+    score_row=score_row,
     checksums=_checksums, default_datasets=lambda settings: list(MAIN_JOB_TASKS),
     identity=lambda s: {"synthetic_length": s.synthetic_length, "seed": s.seed},
     num_samples=20,
