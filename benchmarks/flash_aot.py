@@ -18,12 +18,12 @@ counted once). Nothing runs: compiled memory and counted work, not time on a chi
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.tpu_aot import NoLibtpu, topology_devices
 from dge_jax.runtime.attention import written_slot_attention
 from dge_jax.runtime.flash import flash_attention
 
@@ -79,10 +79,10 @@ def main() -> None:
     parser.add_argument("--block_k", type=int, default=512)
     parser.add_argument("--xla_block", type=int, default=512, help="written_slot_attention's")
     flags = parser.parse_args()
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # deviceless: no chip to share
-    from jax.experimental import topologies
-
-    device = topologies.get_topology_desc(platform="tpu", topology_name=flags.topology).devices[0]
+    try:  # no libtpu, or a topology it cannot lay out: one line, as tpu_aot
+        device = topology_devices(flags.topology)[0]
+    except (NoLibtpu, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     print(
         f"{flags.topology} ({device.device_kind}), one chip, batch {flags.batch}, bf16, Hq "
         f"{flags.heads} Hkv {flags.kv_heads} D {HEAD_DIM}, blocks {flags.block_q} x "

@@ -3,6 +3,12 @@
     python -m benchmarks.tpu_aot --topology v5e:2x4 --config benchmarks/configs/llama3_1_8b.json \\
         --seq 32768 --batch 1 [--json] [--max_batch] [--mesh data=1,model=8]
 
+Errors (a topology that is not CHIP:AxB[xC] or that libtpu cannot lay out, a --config that is
+missing or that this library does not run, a --mesh that does not fit the topology's devices,
+libtpu not installed) are checked before anything compiles and end in one stderr line,
+``error: <what>; <the fix>``, exit status 2 for a mistake in the command and 1 for the
+environment, as `python -m dge_jax` does; ``--verbose`` shows the traceback instead.
+
 Needs ``jax[tpu]`` (libtpu) installed; no TPU. ``jax.experimental.topologies`` gives the
 abstract devices of the named topology, the library's own sharding rules lay a (data, model)
 mesh and the bf16 parameters over them, and each stage of one DGE-SnapKV cell (budget 1024,
@@ -80,11 +86,13 @@ import functools
 import json
 import math
 import os
+import pathlib
 import re
 import sys
 from collections.abc import Callable
 
 from benchmarks import hlo_cost, tpu_stages
+from dge_jax.cli import ENVIRONMENT, USAGE, Parser, one_line
 from dge_jax.runtime import platform, sharding
 
 GIB = 2**30
@@ -117,11 +125,16 @@ CHIPS = {
 CELL = ("prefill", "draft", "rewind", "select", "compact", "decode")  # one DGE cell's stages
 
 
+class NoLibtpu(ImportError):
+    """libtpu (jax's TPU support) is not installed: deviceless compilation needs it."""
+
+
 def chip_of(topology: str) -> Chip:
+    """The chip of a topology name CHIP:AxB[xC]; ValueError for any other name."""
     kind, _, dims = topology.partition(":")
-    if kind.lower() not in CHIPS or not re.fullmatch(r"\d+(x\d+)*", dims):
-        raise SystemExit(f"error: --topology {topology!r}: write CHIP:AxB[xC] with CHIP one of "
-                         f"{sorted(CHIPS)}, e.g. v5e:2x4")  # fmt: skip
+    if kind.lower() not in CHIPS or not re.fullmatch(r"[1-9]\d*(x[1-9]\d*)*", dims):
+        raise ValueError(f"--topology {topology!r} is not a TPU topology: write CHIP:AxB[xC] "
+                         f"with CHIP one of {', '.join(sorted(CHIPS))}, e.g. v5e:2x4")  # fmt: skip
     return CHIPS[kind.lower()]
 
 
@@ -157,13 +170,28 @@ def usable_hbm(device) -> int | None:
 
 
 def topology_devices(topology: str):
-    """The abstract devices of a named TPU topology (needs libtpu, not a TPU)."""
+    """The abstract devices of a named TPU topology (needs libtpu, not a TPU): `NoLibtpu`
+    without libtpu, ValueError for a name libtpu cannot lay out."""
+    import jax
     from jax.experimental import topologies
 
+    chip_of(topology)  # the name's form, before libtpu is asked
     # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) when it loads; compiling opens
     # no chip, so a second process (a test beside a benchmark) may load it too.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    try:
+        return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+    except Exception as e:
+        if isinstance(e, ImportError) or "TPU support not installed" in str(e):
+            raise NoLibtpu(
+                f"deviceless TPU compilation needs libtpu, which is not installed "
+                f'({one_line(e).split(";")[0][:120]}); install it with pip install -e ".[tpu-aot]" '
+                f"(setup.cfg's tpu-aot extra) or pip install \"jax[tpu]=={jax.__version__}\""
+            ) from e
+        raise ValueError(
+            f"--topology {topology!r}: libtpu cannot lay out this topology ({one_line(e)[:200]}); "
+            "give a slice shape the chip comes in, e.g. v5e:2x4, v6e:2x4, v5p:2x2x1, v4:2x2x1"
+        ) from e
 
 
 def moves_kv(coll: hlo_cost.Collective, slots: tuple[int, ...], head_dim: int, dtype: str) -> bool:
@@ -420,8 +448,8 @@ def print_table(rep: dict) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot",
-                                description=__doc__.split("\n\n")[0])  # fmt: skip
+    """The flags; a usage error is one line, `error: <what>; see ... --help` (exit 2)."""
+    p = Parser(prog="python -m benchmarks.tpu_aot", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e:2x4, v6e:2x4")
     p.add_argument("--config", required=True, help="a Hugging Face config.json")
     p.add_argument("--seq", type=int, required=True, help="prompt length (tokens)")
@@ -440,7 +468,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_batch", action="store_true", help="search the largest batch")
     p.add_argument("--max_batch_limit", type=int, default=1024)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--verbose", action="store_true",
+                   help="on an error, show its traceback instead of the one-line message")
     args = p.parse_args(argv)
+    for flag in ("seq", "batch", "max_new_tokens", "budget", "max_batch_limit"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.chunk is not None and args.chunk < 1:
+        p.error(f"--chunk must be >= 1, got {args.chunk}")
     if args.k < 2:
         p.error("--k must be >= 2 (a DGE cell drafts k - 1 tokens)")
     if args.chunk and args.seq % min(args.chunk, args.seq):
@@ -448,11 +483,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def load_config(path: str) -> tuple:
+    """`tpu_stages.load_config` of --config, its faults as one-line ValueErrors naming it."""
+    file = pathlib.Path(path)
+    example = "benchmarks/configs/llama3_1_8b.json"
+    if file.is_dir():
+        inside = file / "config.json"
+        raise ValueError(f"--config {path} is a folder; pass a config.json file, e.g. "
+                         f"{inside if inside.is_file() else example}")  # fmt: skip
+    if not file.is_file():
+        raise ValueError(f"--config {path}: no such file; pass a Hugging Face config.json, e.g. "
+                         f"{example}")  # fmt: skip
+    try:
+        loaded = tpu_stages.load_config(file)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--config {path} is not a JSON file ({one_line(e)}); pass a Hugging "
+                         f"Face config.json, e.g. {example}") from e  # fmt: skip
+    except (ValueError, TypeError) as e:  # ConfigError: a config this library does not run
+        raise ValueError(f"--config {path}: {one_line(e)}") from e
+    return loaded
+
+
+def mesh_of(spec: str | None, topology: str, devices) -> sharding.Mesh:
+    """--mesh over the topology's devices (default: model over all of them); a mesh that does
+    not fit them is a ValueError naming the device count."""
+    n = len(devices)
+    try:
+        return sharding.parse_mesh(spec or f"data=1,model={n}", devices=devices)
+    except sharding.MeshError as e:
+        raise ValueError(f"--mesh {spec}: {e}; {topology} has {n} devices: give data=D,model=M "
+                         f"with D x M dividing {n}") from e  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Checks the topology, the config and the mesh (cheap first), then compiles and prints."""
+    chip_of(args.topology)
+    family, cfg, eos = load_config(args.config)
     devices = topology_devices(args.topology)
-    mesh = sharding.parse_mesh(args.mesh or f"data=1,model={len(devices)}", devices=devices)
-    family, cfg, eos = tpu_stages.load_config(args.config)
+    mesh = mesh_of(args.mesh, args.topology, devices)
     setup = tpu_stages.Setup(
         family, cfg, eos, mesh, batch=args.batch, seq=args.seq,
         max_new_tokens=args.max_new_tokens, budget=args.budget, k=args.k, chunk=args.chunk,
@@ -471,6 +539,33 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print_table(rep)
     return rep
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Entry point: the report (printed, and returned). Every mistake in the command or fault
+    of the environment ends in one stderr line, `error: <what>; <the fix>`, and SystemExit
+    with status 2 (usage) or 1 (environment; a bug says so); --verbose re-raises instead."""
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        if args.verbose:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as e:
+        if args.verbose:
+            raise
+        if isinstance(e, ValueError | TypeError):
+            status, message = USAGE, one_line(e)
+        elif isinstance(e, OSError | MemoryError | ImportError):
+            status, message = ENVIRONMENT, one_line(e)
+        else:
+            status = ENVIRONMENT
+            message = (f"unexpected {type(e).__name__}: {one_line(e)}; rerun with --verbose for "
+                       "the traceback and report it")  # fmt: skip
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(status) from None
 
 
 if __name__ == "__main__":

@@ -20,7 +20,14 @@ import dataclasses
 from typing import Any
 
 from dge_jax.config import ConfigError, ModelConfig, RopeConfig
-from models.hf_config import parse_llama_like, parse_rope
+from models.hf_config import (
+    parse_llama_like,
+    parse_rope,
+    read_bool,
+    read_float,
+    read_int,
+    read_object,
+)
 
 # Keys Gemma configs carry besides the llama-like ones: read below, or bookkeeping.
 GEMMA_KEYS = frozenset({
@@ -45,10 +52,11 @@ GEMMA3_TEXT_DEFAULTS = {
 def _gemma(raw: dict[str, Any], family: str, rope: RopeConfig, local: RopeConfig | None,
            **switches: Any) -> ModelConfig:  # fmt: skip
     """The llama-like parse of a Gemma config, then Gemma's switches."""
-    if raw.get("use_bidirectional_attention"):
+    if read_bool(raw, "use_bidirectional_attention", False, null_default=True):
         raise ConfigError("use_bidirectional_attention=true (an encoder use of Gemma) is not "
                           "supported: this library decodes causally")  # fmt: skip
-    bias = bool(raw.get("attention_bias", False))
+    bias = read_bool(raw, "attention_bias", False)
+    read_int(raw, "head_dim", None)  # null too is refused: Gemma's is not hidden / heads
     plain = {k: v for k, v in raw.items() if k not in ROPE_KEYS}
     # transformers' Gemma reads `hidden_activation` (default GELU-tanh) and ignores
     # `hidden_act`, which Gemma 2 configs carry beside it
@@ -58,18 +66,18 @@ def _gemma(raw: dict[str, Any], family: str, rope: RopeConfig, local: RopeConfig
         plain, family, qkv_bias=bias, o_bias=bias, bias_keys=frozenset({"attention_bias"}),
         extra_inert=GEMMA_KEYS, activations=frozenset({"gelu_pytorch_tanh"}), **switches,
     )  # fmt: skip
-    scalar = raw.get("query_pre_attn_scalar", 256)
+    scalar = read_float(raw, "query_pre_attn_scalar", 256.0)
     return dataclasses.replace(
         cfg, rope=rope, local_rope=local if local != rope else None,
-        attn_scale=float(scalar) ** -0.5, attn_softcap=_cap(raw, "attn_logit_softcapping"),
+        attn_scale=scalar ** -0.5, attn_softcap=_cap(raw, "attn_logit_softcapping"),
         final_softcap=_cap(raw, "final_logit_softcapping"), embed_scale=True, norm_offset=True,
-        sandwich_norms=True, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        sandwich_norms=True, tie_word_embeddings=read_bool(raw, "tie_word_embeddings", True),
     )  # fmt: skip
 
 
 def _cap(raw: dict[str, Any], key: str) -> float | None:
-    value = raw.get(key)
-    return None if value is None else float(value)
+    """A soft cap (> 0), or None (null or absent: no cap, as transformers reads it)."""
+    return read_float(raw, key, None, null_default=True)
 
 
 def parse_gemma2(raw: dict[str, Any]) -> ModelConfig:
@@ -89,25 +97,27 @@ def parse_gemma2(raw: dict[str, Any]) -> ModelConfig:
 
 def parse_gemma3_text(raw: dict[str, Any]) -> ModelConfig:
     """Gemma 3's text model: q/k norms, a global and a local RoPE."""
-    params = raw.get("rope_parameters") or {}
+    params = read_object(raw, "rope_parameters")
     if "full_attention" in params or "sliding_attention" in params:  # transformers 5
         unknown = set(params) - {"full_attention", "sliding_attention"}
         if unknown:
             raise ConfigError(f"unknown rope_parameters layer kind(s) {sorted(unknown)}")
-        rope = parse_rope({"rope_parameters": params.get("full_attention") or {}} | _theta(
-            raw, "rope_theta", 1_000_000.0))  # fmt: skip
-        local = parse_rope({"rope_parameters": params.get("sliding_attention") or {}} | _theta(
-            raw, "rope_local_base_freq", 10_000.0))  # fmt: skip
+        rope, local = (
+            parse_rope({"rope_parameters": read_object(params, kind, "rope_parameters.")}
+                       | _theta(raw, key, default), where=f"rope_parameters.{kind}")
+            for kind, key, default in (("full_attention", "rope_theta", 1_000_000.0),
+                                       ("sliding_attention", "rope_local_base_freq", 10_000.0))
+        )  # fmt: skip
     else:  # rope_theta (+ rope_scaling) global, rope_local_base_freq local, unscaled
         rope = parse_rope({k: raw[k] for k in ("rope_scaling",) if k in raw}
                           | _theta(raw, "rope_theta", 1_000_000.0))  # fmt: skip
-        local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10_000.0)))
+        local = RopeConfig(theta=read_float(raw, "rope_local_base_freq", 10_000.0))
     return _gemma(raw, "gemma3_text", rope, local, qk_norm=True)
 
 
 def _theta(raw: dict[str, Any], key: str, default: float) -> dict[str, float]:
     """{"rope_theta": raw[key] or the default}: a theta when rope_parameters has none."""
-    return {"rope_theta": float(raw.get(key, default))}
+    return {"rope_theta": read_float(raw, key, default)}
 
 
 def parse_gemma3(raw: dict[str, Any]) -> ModelConfig:

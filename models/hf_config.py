@@ -3,19 +3,55 @@
 Keys fall in three groups: read (they set a `ModelConfig` field), checked (they must hold a
 value this library implements, e.g. `hidden_act == "silu"`, `rope_interleaved == false`, or a
 bias flag only where the family has that bias), and inert (bookkeeping such as `architectures`
-or `use_cache`, and what transformers, nanotron and transformers.js write besides). Any other
-key is an error: an unknown key may change the numerics, and a silent wrong answer is worse
-than a clear refusal.
+or `use_cache`, transformers' own serialization bookkeeping, `TRANSFORMERS_BOOKKEEPING`, and
+what nanotron and transformers.js write besides). Any other key is an error: an unknown key may
+change the numerics, and a silent wrong answer is worse than a clear refusal.
+
+Values are typed as transformers 5's strict config classes type them (`read_int`,
+`read_float`, `read_bool`): a null, a string or a boolean where a number belongs is refused
+naming the field and what it must be, except where transformers reads null as its default
+(`num_key_value_heads`, `head_dim`: derived from the other sizes).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from dge_jax.config import ConfigError, ModelConfig, RopeConfig
 
-INERT_KEYS = frozenset(
+# Keys transformers 5.x keeps for itself and ignores when it reads a config.json: what
+# `PreTrainedConfig._remove_keys_not_serialized` drops on save (5.25; earlier 5.x releases
+# wrote some of them, e.g. `ignore_keys_at_rope_validation: null` by 5.2), what its
+# `__post_init__` pops or skips on load (`_commit_hash`, the `_attn_implementation` /
+# `_experts_implementation` spellings; 4.4x wrote `_attn_implementation_autoset`), and the
+# attention / experts kernel choices, which pick an implementation of the same numerics. None
+# of them describes the model.
+TRANSFORMERS_BOOKKEEPING = frozenset(
+    {
+        "ignore_keys_at_rope_validation",
+        "_is_quantized",
+        "_auto_class",
+        "_commit_hash",
+        "_post_init_done",
+        "_output_attentions",
+        "_attn_implementation",
+        "_attn_implementation_internal",
+        "_attn_implementation_autoset",
+        "attn_implementation",
+        "_experts_implementation",
+        "_experts_implementation_internal",
+        "experts_implementation",
+        "base_model_tp_plan",
+        "base_model_pp_plan",
+        "base_model_ep_plan",
+        "base_model_fsdp_plan",
+        "distributed_config",
+    }
+)
+
+INERT_KEYS = TRANSFORMERS_BOOKKEEPING | frozenset(
     {
         "_name_or_path",
         "_model_name_or_path",
@@ -100,23 +136,122 @@ READ_KEYS = frozenset(
 )
 
 
-def _require(raw: dict[str, Any], key: str) -> Any:
-    if key not in raw or raw[key] is None:
-        raise ConfigError(f"config.json has no {key!r}, which the model needs")
-    return raw[key]
+_ABSENT = object()
 
 
-def parse_rope(raw: dict[str, Any]) -> RopeConfig:
-    """RopeConfig from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
-    params = dict(raw.get("rope_parameters") or {})
+def _shown(value: Any) -> str:
+    """A config value as config.json spells it, with its JSON type when not a number."""
+    text = json.dumps(value)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    if value is None or isinstance(value, int | float) and not isinstance(value, bool):
+        return text
+    kind = {bool: "a boolean", str: "a string", list: "an array", dict: "an object"}
+    return f"{text} ({kind.get(type(value), type(value).__name__)})"
+
+
+def bad_value(name: str, value: Any, what: str) -> ConfigError:
+    """The error for config.json field `name` holding `value` where `what` belongs."""
+    return ConfigError(
+        f"config.json field {name} is {_shown(value)}, but it must be {what}; set it to the "
+        "value the checkpoint was made with"
+    )
+
+
+def _read(
+    raw: dict[str, Any], key: str, default: Any, null_default: bool, where: str
+) -> tuple[bool, Any]:
+    """(True, raw[key]) when it is to be checked; (False, `default`) when raw has no `key`
+    (or holds null, with `null_default`). A required key (no default) that is absent raises."""
+    value = raw.get(key, _ABSENT)
+    if value is _ABSENT or (value is None and null_default):
+        if default is _ABSENT:
+            raise ConfigError(
+                f"config.json has no {where + key!r}, which the model needs; add it with the "
+                "value the checkpoint was made with"
+            )
+        return False, default
+    return True, value
+
+
+def read_int(
+    raw: dict[str, Any],
+    key: str,
+    default: Any = _ABSENT,
+    *,
+    minimum: int = 1,
+    null_default: bool = False,
+    where: str = "",
+) -> int:
+    """raw[key] as an integer >= `minimum` (a size or a count); absent: `default` (required
+    without one); null: `default` only with `null_default` (transformers reads it so), else
+    refused. `where` prefixes the name in messages ("rope_parameters.")."""
+    given, value = _read(raw, key, default, null_default, where)
+    if not given:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise bad_value(where + key, value, f"an integer >= {minimum}")
+    return value
+
+
+def read_float(
+    raw: dict[str, Any],
+    key: str,
+    default: Any = _ABSENT,
+    *,
+    null_default: bool = False,
+    where: str = "",
+) -> float:
+    """raw[key] as a finite number > 0 (every float the parsers read is a scale, an epsilon
+    or a frequency base); absent and null as `read_int`."""
+    given, value = _read(raw, key, default, null_default, where)
+    if not given:
+        return value
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value <= 0):  # fmt: skip
+        raise bad_value(where + key, value, "a positive number")
+    return float(value)
+
+
+def read_bool(raw: dict[str, Any], key: str, default: bool, *, null_default: bool = False) -> bool:
+    """raw[key] as true or false; absent: `default`; null as `read_int`."""
+    given, value = _read(raw, key, default, null_default, "")
+    if given and not isinstance(value, bool):
+        raise bad_value(key, value, "true or false")
+    return value
+
+
+def read_object(raw: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
+    """raw[key] as a JSON object; absent or null: {} (no such parameters)."""
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_value(where + key, value, "an object (or null)")
+    return dict(value)
+
+
+def parse_rope(raw: dict[str, Any], *, where: str | None = None) -> RopeConfig:
+    """RopeConfig from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`.
+
+    where: the name of the parameters' object in messages (default: the key they came from).
+    """
+    params = read_object(raw, "rope_parameters")
+    scaling = read_object(raw, "rope_scaling")
+    source = "rope_parameters"
     if not params:
-        params = dict(raw.get("rope_scaling") or {})
-        if "rope_theta" in raw:
-            params.setdefault("rope_theta", raw["rope_theta"])
+        params, source = scaling, "rope_scaling"
+    prefix = (source if where is None else where) + "."
+    if "rope_theta" in params:
+        theta = read_float(params, "rope_theta", where=prefix)
+    else:
+        theta = read_float(raw, "rope_theta", 10000.0)
+    params.pop("rope_theta", None)
+    name = "rope_type" if "rope_type" in params else "type"
     kind = params.pop("rope_type", params.pop("type", "default")) or "default"
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    if not isinstance(kind, str):
+        raise bad_value(prefix + name, kind, 'a rope type name such as "default"')
     partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    if partial not in (None, 1, 1.0) or isinstance(partial, bool):
         raise ConfigError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
     if kind == "default":
         expected: set[str] = set()
@@ -130,7 +265,7 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
             "original_max_position_embeddings",
         }
     elif kind == "longrope":
-        return _parse_longrope(raw, params, theta)
+        return _parse_longrope(raw, params, theta, prefix)
     else:
         raise ConfigError(
             f"rope type {kind!r} (config rope_parameters/rope_scaling) is not supported; "
@@ -143,17 +278,20 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     if missing:
         raise ConfigError(f"rope type {kind!r} needs {sorted(missing)} in rope_parameters")
     fields = {
-        k: (int(v) if k == "original_max_position_embeddings" else float(v))
-        for k, v in params.items()
-    }
+        k: (read_int(params, k, where=prefix) if k == "original_max_position_embeddings"
+            else read_float(params, k, where=prefix))
+        for k in params
+    }  # fmt: skip
     return RopeConfig(theta=theta, kind=kind, **fields)
 
 
-def _parse_longrope(raw: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+def _parse_longrope(
+    raw: dict[str, Any], params: dict[str, Any], theta: float, prefix: str
+) -> RopeConfig:
     """LongRoPE as transformers' `_compute_longrope_parameters` reads it: both factor lists;
     `original_max_position_embeddings` from the rope parameters, else the config's top level;
     `factor` default max_position_embeddings / original; `attention_factor` default
-    sqrt(1 + log(factor) / log(original)) (1 when factor <= 1)."""
+    sqrt(1 + log(factor) / log(original)) (1 when factor <= 1); a null one is its default."""
     known = {"short_factor", "long_factor", "factor", "attention_factor",
              "original_max_position_embeddings"}  # fmt: skip
     unknown = set(params) - known
@@ -162,16 +300,17 @@ def _parse_longrope(raw: dict[str, Any], params: dict[str, Any], theta: float) -
     missing = {"short_factor", "long_factor"} - set(params)
     if missing:
         raise ConfigError(f"rope type 'longrope' needs {sorted(missing)} in rope_parameters")
-    original = params.get("original_max_position_embeddings")
-    if original is None:
-        original = raw.get("original_max_position_embeddings")
-    if original is None:
-        raise ConfigError("rope type 'longrope' needs original_max_position_embeddings")
-    original = int(original)
-    factor = params.get("factor")
+    key = "original_max_position_embeddings"
+    if params.get(key) is not None:
+        original = read_int(params, key, where=prefix)
+    elif raw.get(key, _ABSENT) is _ABSENT:
+        raise ConfigError(f"rope type 'longrope' needs {key}; add it to rope_parameters")
+    else:
+        original = read_int(raw, key)
+    factor = read_float(params, "factor", None, null_default=True, where=prefix)
     if factor is None:
-        factor = int(_require(raw, "max_position_embeddings")) / original
-    attention = params.get("attention_factor")
+        factor = read_int(raw, "max_position_embeddings") / original
+    attention = read_float(params, "attention_factor", None, null_default=True, where=prefix)
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     factors = {}
@@ -217,52 +356,56 @@ def parse_llama_like(
             f"config.json of this {family} checkpoint has field(s) {sorted(unknown)} that this "
             "library does not know; they may change the numerics, so loading stops here"
         )
-    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    act_key = "hidden_activation" if "hidden_activation" in raw else "hidden_act"
+    act = raw.get(act_key, "silu")
+    if not isinstance(act, str):
+        raise bad_value(act_key, act, f"one of {sorted(activations)}")
     if act not in activations:
         raise ConfigError(
             f"hidden_act={act!r} is not supported for {family} (only {sorted(activations)})"
         )
-    if raw.get("rope_interleaved"):
+    if read_bool(raw, "rope_interleaved", False, null_default=True):
         raise ConfigError(
             "rope_interleaved=true: interleaved RoPE (rotating pairs 2i, 2i+1) is not "
             "supported; this library rotates split halves, as transformers' Llama does"
         )
     for key in BIAS_KEYS:
-        if raw.get(key) and key not in bias_keys:
+        if read_bool(raw, key, False) and key not in bias_keys:
             raise ConfigError(
                 f"{key}=true in this {family} config, but {family} has no such biases here (nor "
                 "in transformers, which ignores the flag and drops any bias tensors); loading "
                 "stops here"
             )
-    heads = int(_require(raw, "num_attention_heads"))
-    hidden = int(_require(raw, "hidden_size"))
-    head_dim = raw.get("head_dim") or hidden // heads
-    max_pos = int(raw.get("max_position_embeddings", 4096))
-    num_layers = int(_require(raw, "num_hidden_layers"))
+    heads = read_int(raw, "num_attention_heads")
+    hidden = read_int(raw, "hidden_size")
+    num_layers = read_int(raw, "num_hidden_layers")
+    max_pos = read_int(raw, "max_position_embeddings", 4096)
     return ModelConfig(
         family=family,
-        vocab_size=int(_require(raw, "vocab_size")),
+        vocab_size=read_int(raw, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(_require(raw, "intermediate_size")),
+        intermediate_size=read_int(raw, "intermediate_size"),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=read_int(raw, "num_key_value_heads", heads, null_default=True),
+        head_dim=read_int(raw, "head_dim", hidden // heads, null_default=True),
+        rms_norm_eps=read_float(raw, "rms_norm_eps", 1e-6),
         rope=parse_rope(raw),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=read_bool(raw, "tie_word_embeddings", False),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        mlp_bias="mlp_bias" in bias_keys and bool(raw.get("mlp_bias", False)),
+        mlp_bias="mlp_bias" in bias_keys and read_bool(raw, "mlp_bias", False),
         qk_norm=qk_norm,
-        layer_windows=_layer_windows(raw, family, num_layers),
+        layer_windows=_layer_windows(raw, family, num_layers, max_pos),
         **switches,
         hidden_act=ACTIVATIONS[act],
     )
 
 
-def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[int, ...]:
+def _layer_windows(
+    raw: dict[str, Any], family: str, num_layers: int, max_pos: int
+) -> tuple[int, ...]:
     """Each layer's sliding window (0: global; () when every layer is global), as transformers
     reads the config:
 
@@ -280,10 +423,14 @@ def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[i
                                or window <= 0):  # fmt: skip
         raise ConfigError(f"sliding_window={window!r}: a window is a positive number of tokens")
     layer_types = raw.get("layer_types")
+    if layer_types is not None and (
+        not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types)
+    ):
+        raise bad_value("layer_types", layer_types, "a list of layer kinds (or null)")
     if family in ("gemma2", "gemma3_text") and layer_types is None:
         # transformers' defaults: Gemma 2 alternates, sliding first; Gemma 3 makes every
         # `sliding_window_pattern`-th layer global (6: five sliding, then one global).
-        every = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        every = 2 if family == "gemma2" else read_int(raw, "sliding_window_pattern", 6)
         layer_types = ["sliding_attention" if (i + 1) % every else "full_attention"
                        for i in range(num_layers)]  # fmt: skip
     if layer_types is not None and len(layer_types) != num_layers:
@@ -296,10 +443,10 @@ def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[i
             raise ConfigError(f"{family} config has sliding layers but no sliding_window")
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
     if family in ("qwen2", "qwen3"):
-        if not raw.get("use_sliding_window") or window is None:
+        first = read_int(raw, "max_window_layers", num_layers, minimum=0)
+        if not read_bool(raw, "use_sliding_window", False) or window is None:
             return ()
         if layer_types is None:
-            first = int(raw.get("max_window_layers", num_layers))
             layer_types = ["sliding_attention" if i >= first else "full_attention"
                            for i in range(num_layers)]  # fmt: skip
         return tuple(int(window) if t == "sliding_attention" else 0 for t in layer_types)
@@ -307,7 +454,6 @@ def _layer_windows(raw: dict[str, Any], family: str, num_layers: int) -> tuple[i
         if layer_types is not None and set(layer_types) != {"full_attention"}:
             raise ConfigError(f"{family} with per-layer layer_types is not supported")
         return () if window is None else (int(window),) * num_layers
-    max_pos = int(raw.get("max_position_embeddings", 4096))
     if window is not None and int(window) < max_pos or "sliding_attention" in (layer_types or ()):
         raise ConfigError(
             f"sliding_window={window} is active in this {family} config, but {family} "

@@ -15,7 +15,7 @@ from typing import Any
 
 from dge_jax.config import ModelConfig
 from models import llama_like
-from models.hf_config import parse_llama_like
+from models.hf_config import parse_llama_like, read_int
 
 _LAYER = llama_like._LAYER
 # The llama rows a fused Phi-3 tensor replaces, and the fused rows: (pattern, fields, transform).
@@ -60,7 +60,8 @@ def parse_phi3(raw: dict[str, Any]) -> ModelConfig:
                 if params.get(name) in ("su", "yarn"):
                     params[name] = "longrope"
             raw[key] = params
-    raw.setdefault("original_max_position_embeddings", 4096)
+    original = "original_max_position_embeddings"
+    raw[original] = read_int(raw, original, 4096)  # Phi3Config's default; its type checked
     raw.setdefault("rms_norm_eps", 1e-5)  # Phi3Config's default (the shared parser's is 1e-6)
     return parse_llama_like(raw, "phi3", extra_inert=PHI3_KEYS)
 

@@ -443,3 +443,150 @@ def test_bias_flag_the_family_ignores_is_refused(text, key):
     parse_config(raw | {key: False})
     with pytest.raises(ConfigError, match=rf"{key}=true in this .* has no such biases"):
         parse_config(raw | {key: True})
+
+
+# --- null and mistyped values; transformers' bookkeeping keys ----------------------------------
+
+TINY = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+FAMILIES = {  # a tiny config.json of each family, as transformers 5 writes the family's keys
+    "llama": TINY | {"model_type": "llama", "rms_norm_eps": 1e-5, "attention_bias": False,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+    "mistral": TINY | {"model_type": "mistral", "sliding_window": None},
+    "qwen2": TINY | {"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 8,
+                     "max_window_layers": 1},
+    "phi3": TINY | {"model_type": "phi3", "rms_norm_eps": 1e-5, "sliding_window": 128,
+                    "original_max_position_embeddings": 64},
+    "gemma2": TINY | {"model_type": "gemma2", "head_dim": 16, "sliding_window": 8,
+                      "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0},
+    "gemma3_text": TINY | {"model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8,
+                           "rope_local_base_freq": 1e4},
+}  # fmt: skip
+# What each value type must be, as the messages say it.
+INT, FLOAT, BOOL = "an integer >= 1", "a positive number", "true or false"
+TYPED = {
+    "vocab_size": INT, "hidden_size": INT, "intermediate_size": INT, "num_hidden_layers": INT,
+    "num_attention_heads": INT, "max_position_embeddings": INT, "rms_norm_eps": FLOAT,
+    "rope_theta": FLOAT, "tie_word_embeddings": BOOL,
+}  # fmt: skip
+FAMILY_TYPED = {
+    "llama": {"attention_bias": BOOL, "mlp_bias": BOOL},
+    "qwen2": {"use_sliding_window": BOOL, "max_window_layers": "an integer >= 0"},
+    "phi3": {"original_max_position_embeddings": INT},
+    "gemma2": {"query_pre_attn_scalar": FLOAT, "final_logit_softcapping": FLOAT,
+               "head_dim": INT},
+    "gemma3_text": {"rope_local_base_freq": FLOAT, "sliding_window_pattern": INT},
+}  # fmt: skip
+SHOWN = {None: "null", "abc": '"abc" (a string)', True: "true (a boolean)", 2.5: "2.5"}
+
+
+def _typed_cases():
+    for family, raw in FAMILIES.items():
+        for key, what in TYPED.items() | FAMILY_TYPED.get(family, {}).items():
+            for value in SHOWN:
+                if value == 2.5 and what == FLOAT or value is True and what == BOOL:
+                    continue  # valid
+                if value is None and key.endswith("softcapping"):
+                    continue  # null: no cap (test_null_is_the_default_...)
+                if key == "rope_theta" and "rope_parameters" in raw:
+                    continue  # read from rope_parameters (below)
+                yield pytest.param(family, key, value, what, id=f"{family}-{key}-{value}")
+
+
+@pytest.mark.parametrize("family, key, value, what", list(_typed_cases()))
+def test_a_null_or_mistyped_field_is_named_with_what_it_must_be(family, key, value, what):
+    """No float()/int() error, no bool("false") silently true: the field, its value and what
+    it must be (transformers 5's strict config classes refuse these too)."""
+    raw = FAMILIES[family] | {key: value}
+    with pytest.raises(ConfigError) as error:
+        parse_config(raw)
+    assert str(error.value) == (
+        f"config.json field {key} is {SHOWN[value]}, but it must be {what}; set it to the "
+        "value the checkpoint was made with"
+    )
+
+
+@pytest.mark.parametrize(
+    "change, name, shown, what",
+    [
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": None}},
+         "rope_parameters.rope_theta", "null", FLOAT),
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": "2"}},
+         "rope_parameters.factor", '"2" (a string)', FLOAT),
+        ({"rope_parameters": "default"}, "rope_parameters", '"default" (a string)',
+         "an object (or null)"),
+        ({"layer_types": "full_attention"}, "layer_types", '"full_attention" (a string)',
+         "a list of layer kinds (or null)"),
+        ({"hidden_act": None}, "hidden_act", "null", "one of ['silu']"),
+    ],
+)  # fmt: skip
+def test_nested_and_structured_fields_are_named_too(change, name, shown, what):
+    with pytest.raises(ConfigError) as error:
+        parse_config(FAMILIES["llama"] | change)
+    start = f"config.json field {name} is {shown}, but it must be {what}"
+    assert str(error.value).startswith(start)
+
+
+def test_gemma3_per_layer_kind_rope_fields_are_named_by_their_path():
+    raw = FAMILIES["gemma3_text"] | {"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": None, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^config.json field rope_parameters.full_attention."
+                                          r"factor is null, but it must be a positive number"):
+        parse_config(raw)
+
+
+def test_null_is_the_default_where_transformers_reads_it_so():
+    """num_key_value_heads and head_dim: null derives them (transformers' Llama, Mistral,
+    Qwen2, Phi-3 do); a null soft cap is no cap; null rope_scaling is the default RoPE."""
+    transformers = pytest.importorskip("transformers")
+    raw = FAMILIES["llama"] | {"num_key_value_heads": None, "head_dim": None}
+    cfg = parse_config(raw)[1]
+    hf = transformers.LlamaConfig.from_dict({k: v for k, v in raw.items() if k != "model_type"})
+    assert (cfg.num_kv_heads, cfg.head_dim) == (hf.num_key_value_heads, hf.head_dim) == (4, 16)
+    gemma = parse_config(FAMILIES["gemma2"] | {"attn_logit_softcapping": None})[1]
+    assert gemma.attn_softcap is None
+    old = {k: v for k, v in FAMILIES["llama"].items() if k != "rope_parameters"}
+    assert parse_config(old | {"rope_scaling": None})[1].rope.kind == "default"
+
+
+def test_an_absent_required_field_says_to_add_it():
+    raw = {k: v for k, v in FAMILIES["llama"].items() if k != "num_hidden_layers"}
+    with pytest.raises(ConfigError, match=r"^config.json has no 'num_hidden_layers', which the "
+                                          r"model needs; add it with the value"):  # fmt: skip
+        parse_config(raw)
+
+
+def _bookkeeping_dropped_by_transformers() -> set[str]:
+    """The keys `PreTrainedConfig._remove_keys_not_serialized` drops on save (read from its
+    source: what transformers 5 keeps to itself and earlier 5.x releases wrote)."""
+    import ast
+    import inspect
+    import textwrap
+
+    transformers = pytest.importorskip("transformers")
+    source = textwrap.dedent(inspect.getsource(
+        transformers.PreTrainedConfig._remove_keys_not_serialized))  # fmt: skip
+    loop = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.For))
+    return {ast.literal_eval(e) for e in loop.iter.elts}
+
+
+def test_transformers_bookkeeping_covers_what_transformers_keeps_to_itself():
+    from models.hf_config import TRANSFORMERS_BOOKKEEPING
+
+    dropped = _bookkeeping_dropped_by_transformers()
+    assert "ignore_keys_at_rope_validation" in dropped  # the list was read
+    assert dropped <= TRANSFORMERS_BOOKKEEPING
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_transformers_bookkeeping_keys_change_nothing(family):
+    """A config.json saved by transformers 5.2 carries `ignore_keys_at_rope_validation: null`
+    (5.25 drops it on save); it and transformers' other bookkeeping keys parse as without."""
+    from models.hf_config import TRANSFORMERS_BOOKKEEPING
+
+    raw = FAMILIES[family]
+    with_keys = raw | {key: None for key in TRANSFORMERS_BOOKKEEPING} | {
+        "ignore_keys_at_rope_validation": ["mrope_section"], "attn_implementation": "sdpa"}
+    assert parse_config(raw | {"ignore_keys_at_rope_validation": None}) == parse_config(raw)
+    assert parse_config(with_keys) == parse_config(raw)

@@ -19,6 +19,7 @@ from dge_jax.checkpoints.hf import CheckpointError, load_hf_checkpoint
 from dge_jax.config import ConfigError
 from dge_jax.generation import generate_grid
 from dge_jax.runtime.prompts import check_request
+from dge_jax.runtime.sharding import make_mesh
 
 _DROP = object()  # edit_config(folder, key=_DROP) removes the key
 
@@ -152,6 +153,15 @@ def test_unsupported_dtype(checkpoint):
         (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
         (dict(num_attention_heads=4, num_key_value_heads=3), r"not a multiple"),
         (dict(vocab_size=_DROP), r"no 'vocab_size'"),
+        (dict(rms_norm_eps=None),
+         r"^config.json field rms_norm_eps is null, but it must be a positive number; set it"),
+        (dict(max_position_embeddings=None),
+         r"^config.json field max_position_embeddings is null, but it must be an integer >= 1"),
+        (dict(num_hidden_layers="2"),
+         r'^config.json field num_hidden_layers is "2" \(a string\), but it must be an integer'),
+        (dict(tie_word_embeddings="false"),
+         r'^config.json field tie_word_embeddings is "false" \(a string\), but it must be true '
+         r"or false"),
     ],
     ids=[
         "unknown_model_type",
@@ -163,13 +173,29 @@ def test_unsupported_dtype(checkpoint):
         "activation",
         "heads",
         "missing_vocab_size",
+        "null_rms_norm_eps",
+        "null_max_position_embeddings",
+        "string_layers",
+        "string_bool",
     ],
-)
+)  # fmt: skip
 def test_bad_config(checkpoint_copy, changes, error):
     folder = checkpoint_copy("llama")
     edit_config(folder, **changes)
     with pytest.raises(ConfigError, match=error):
         load_hf_checkpoint(folder)
+
+
+def test_transformers_bookkeeping_keys_load(checkpoint_copy, checkpoint):
+    """What transformers 5.x keeps for itself (5.2 wrote `ignore_keys_at_rope_validation:
+    null`) does not describe the model: the checkpoint loads as without it."""
+    folder = checkpoint_copy("llama")
+    edit_config(folder, ignore_keys_at_rope_validation=None, _commit_hash="0" * 40,
+                attn_implementation="sdpa", _attn_implementation_autoset=True)  # fmt: skip
+    _, cfg, params = load_hf_checkpoint(folder)
+    _, expected, expected_params = load_hf_checkpoint(checkpoint("llama"))
+    assert cfg == expected
+    np.testing.assert_array_equal(params.layers.wq, expected_params.layers.wq)
 
 
 def test_old_style_yarn_rope_scaling_is_refused(checkpoint_copy):
@@ -247,6 +273,42 @@ def test_missing_tensor_of_one_layer(checkpoint_copy):
         load_hf_checkpoint(folder)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_weights_of_layers_the_config_does_not_declare(checkpoint_copy, sharded):
+    """num_hidden_layers=1 for 2 layers of weights: the extra layer is named, with both
+    fixes (not "missing for layer(s) []"); both readers (`convert`, `plan_tensors`)."""
+    folder = checkpoint_copy("llama")
+    edit_config(folder, num_hidden_layers=1)
+    message = (
+        r"^the checkpoint has weights for layer\(s\) \[1\], which config.json does not declare "
+        r"\(num_hidden_layers=1: layer 0\); use the config.json saved with these weights, or set "
+        r"num_hidden_layers to 2 if the model has that many layers$"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_checkpoint(folder, mesh=make_mesh(1, 1) if sharded else None)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_layers_the_config_declares_without_weights(checkpoint_copy, sharded):
+    folder = checkpoint_copy("llama")
+    edit_config(folder, num_hidden_layers=4)
+    message = (
+        r"^the checkpoint has no weights for layer\(s\) \[2, 3\], but config.json declares "
+        r"num_hidden_layers=4; use the config.json saved with these weights, or set "
+        r"num_hidden_layers to 2 if the model has that many layers$"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        load_hf_checkpoint(folder, mesh=make_mesh(1, 1) if sharded else None)
+
+
+def test_a_layer_one_tensor_lacks_is_named_when_sharded(checkpoint_copy):
+    folder = checkpoint_copy("llama")
+    edit_tensors(folder, lambda t: {k: v for k, v in t.items() if "1.mlp.up_proj" not in k})
+    with pytest.raises(CheckpointError, match=r"layers\.w_up is missing for layer\(s\) \[1\] "
+                                              r"\(its other layers are there\)"):  # fmt: skip
+        load_hf_checkpoint(folder, mesh=make_mesh(1, 1))
+
+
 def test_missing_untied_head(checkpoint_copy):
     folder = checkpoint_copy("llama")  # tie_word_embeddings=false
     edit_tensors(folder, lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
@@ -277,6 +339,19 @@ def test_empty_prompt(model, checkpoint):
 def test_max_new_tokens_below_one(model, n):
     with pytest.raises(ValueError, match=rf"max_new_tokens must be >= 1, got {n}"):
         dge_jax.generate(model, [[1, 2, 3]], max_new_tokens=n)
+
+
+@pytest.mark.parametrize("n", [256, 10**9])
+def test_max_new_tokens_beyond_the_context(model, n):
+    """A request longer than the model's context by itself: lower max_new_tokens (truncating
+    the prompt, what a long prompt is told, would not help)."""
+    message = (rf"^max_new_tokens={n} leaves no room for a prompt in the model's context of "
+               r"256 positions \(prompt and new tokens share it\); lower max_new_tokens below 256$")
+    with pytest.raises(ValueError, match=message):
+        dge_jax.generate(model, [[1, 2, 3]], max_new_tokens=n)
+    with pytest.raises(ValueError, match=message):
+        generate_grid(model, [[1, 2, 3]], [None], max_new_tokens=n)
+    check_request(model, [[1]], 255)  # one prompt token and 255 new ones fill it exactly
 
 
 @pytest.mark.parametrize("n", [2.0, True, "8"])

@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -252,6 +253,24 @@ def test_fused_tensor_of_another_width_is_refused(checkpoint, tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"layers.wq is missing for layer\(s\) \[1\]"):
         load_hf_checkpoint(folder)
+
+
+def test_a_checkpoint_saved_by_transformers_5_2_loads(checkpoint, tmp_path):
+    """transformers 5.2 wrote `ignore_keys_at_rope_validation: null` into config.json (5.25
+    drops it on save); it and transformers' other bookkeeping keys load as without them."""
+    from models.hf_config import TRANSFORMERS_BOOKKEEPING
+
+    source = checkpoint("default")
+    folder = tmp_path / "saved_by_5_2"
+    shutil.copytree(source, folder)
+    raw = json.loads((source / "config.json").read_text())
+    assert "ignore_keys_at_rope_validation" not in raw  # 5.25 wrote it without
+    for extra in ({"ignore_keys_at_rope_validation": None},
+                  dict.fromkeys(TRANSFORMERS_BOOKKEEPING) | {"_commit_hash": "0" * 40}):
+        (folder / "config.json").write_text(json.dumps(raw | extra))
+        family, cfg, params = load_hf_checkpoint(folder)
+        assert family.model_type == "phi3" and cfg == parse_config(raw)[1]
+        np.testing.assert_array_equal(params.layers.wq, _ours(source).params.layers.wq)
 
 
 MESH_SCRIPT = """

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +38,8 @@ def devices():
     """The abstract devices of a v5e:2x4 slice (libtpu compiles for them; no TPU needed)."""
     try:
         return tpu_aot.topology_devices(TOPOLOGY)
-    except Exception as e:  # no libtpu, or one that cannot describe this topology
-        reason = (
-            f"deviceless TPU compilation needs libtpu: pip install \"jax[tpu]=={jax.__version__}\""
-            f" (setup.cfg's tpu-aot extra); {type(e).__name__}: {str(e)[:200]}"
-        )
+    except Exception as e:  # NoLibtpu (saying how to install it), or a topology it refuses
+        reason = f"{type(e).__name__}: {str(e)[:300]}"
         if os.environ.get("CI") == "true":  # .ci/run installs it: there, a skip hides a fault
             pytest.fail(reason)
         pytest.skip(reason)
@@ -224,3 +223,147 @@ def test_a_kernel_counts_the_cost_it_declares():
     assert cost.kernel_boundary_bytes == cost.hbm_bytes == boundary
     assert cost.kernel_declared_bytes == 50000
     assert cost.hbm_bytes_declared == 50000
+
+
+# --- the command's errors: one line each, before anything compiles, with or without libtpu ----
+
+# What jax 0.10 raises from get_topology_desc when libtpu is not installed.
+NO_LIBTPU = ("JAX TPU support not installed; cannot generate TPU topology. See "
+             "https://github.com/jax-ml/jax#installation")  # fmt: skip
+
+
+@pytest.fixture
+def command(tmp_path, monkeypatch, capsys):
+    """command(*flags, topology=...) -> (exit status, stderr) of tpu_aot.main on the tiny
+    config; compiling fails the test (every error here comes first), and libtpu is simulated
+    (`topologies.get_topology_desc` replaced by the `libtpu` fixture's answer), so these
+    tests run alike with libtpu installed (CI) or not."""
+    from jax.experimental import topologies
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    answer: dict = {"result": RuntimeError(NO_LIBTPU)}
+
+    def get_topology_desc(platform, topology_name):
+        assert platform == "tpu"
+        answer["asked"] = topology_name
+        if isinstance(answer["result"], Exception):
+            raise answer["result"]
+        return answer["result"]
+
+    def no_compile(*args, **kwargs):
+        pytest.fail("compiled before the error")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", get_topology_desc)
+    monkeypatch.setattr(tpu_stages, "compile_cell", no_compile)
+
+    def run(*flags: str, topology: str = TOPOLOGY, config_path=config) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_:
+            tpu_aot.main(["--topology", topology, "--config", str(config_path), "--seq", "1024",
+                          *flags])  # fmt: skip
+        out, err = capsys.readouterr()
+        assert out == "", out
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        return exit_.value.code, err.strip()
+
+    run.answer = answer
+    run.config = config
+    return run
+
+
+def test_missing_libtpu_is_one_line_naming_the_extra(command):
+    status, err = command()
+    assert status == 1  # the environment's fault, as `python -m dge_jax` counts it
+    assert "needs libtpu, which is not installed (JAX TPU support not installed)" in err
+    assert 'pip install -e ".[tpu-aot]"' in err
+    assert f'pip install "jax[tpu]=={jax.__version__}"' in err
+
+
+def test_verbose_keeps_the_traceback(command):
+    with pytest.raises(tpu_aot.NoLibtpu, match="needs libtpu"):
+        tpu_aot.main(["--topology", TOPOLOGY, "--config", str(command.config), "--seq", "8",
+                      "--verbose"])  # fmt: skip
+
+
+@pytest.mark.parametrize("topology", ["v9z:2x4", "v5e", "v5e:2x", "v5e:0x4", "tpu-v5e-8"])
+def test_a_topology_name_of_another_form_is_refused_before_libtpu_loads(command, topology):
+    status, err = command(topology=topology)
+    assert status == 2 and "asked" not in command.answer
+    assert err == (f"error: --topology {topology!r} is not a TPU topology: write CHIP:AxB[xC] "
+                   "with CHIP one of v4, v5e, v5p, v6e, e.g. v5e:2x4")  # fmt: skip
+
+
+def test_a_topology_libtpu_cannot_lay_out_is_named(command):
+    """libtpu's own refusal (its wording differs by release: any error but the missing
+    library) is quoted, with shapes it does lay out."""
+    command.answer["result"] = RuntimeError("INVALID_ARGUMENT: no v5e slice of shape 3x3")
+    status, err = command(topology="v5e:3x3")
+    assert status == 2 and command.answer["asked"] == "v5e:3x3"
+    assert err.startswith("error: --topology 'v5e:3x3': libtpu cannot lay out this topology "
+                          "(INVALID_ARGUMENT: no v5e slice of shape 3x3); give a slice shape")
+    assert "e.g. v5e:2x4" in err
+
+
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (None, r"--config \S+: no such file; pass a Hugging Face config\.json, e\.g\. "
+               r"benchmarks/configs/llama3_1_8b\.json"),
+        ("{not json", r"--config \S+ is not a JSON file \(Expecting property name .*\); pass a "
+                      r"Hugging Face config\.json"),
+        (json.dumps(TINY | {"model_type": "gpt2"}),
+         r"--config \S+: unknown model_type 'gpt2' in config.json; supported: .*llama"),
+        (json.dumps(TINY | {"rms_norm_eps": None}),
+         r"--config \S+: config.json field rms_norm_eps is null, but it must be a positive "
+         r"number; set it"),
+        ("[1, 2]", r"--config \S+: config\.json holds an array, not an object of model "
+                   r"settings; use the checkpoint's own config\.json"),
+    ],
+    ids=["missing", "not_json", "unknown_family", "null_field", "not_an_object"],
+)  # fmt: skip
+def test_a_config_that_cannot_be_read_is_refused_before_libtpu_loads(
+    command, tmp_path, write, message
+):
+    path = tmp_path / "model" / "config.json"
+    if write is not None:
+        path.parent.mkdir()
+        path.write_text(write)
+    status, err = command(config_path=path)
+    assert status == 2 and "asked" not in command.answer
+    assert re.match("error: " + message, err), err
+
+
+def test_a_config_folder_is_refused_naming_its_config_json(command, tmp_path):
+    status, err = command(config_path=command.config.parent)
+    assert status == 2
+    assert err == (f"error: --config {command.config.parent} is a folder; pass a config.json "
+                   f"file, e.g. {command.config}")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "mesh, problem",
+    [
+        ("data=2,model=8", "a mesh of data=2 x model=8 needs 16 devices, but only 8 are "
+                           "available"),
+        ("data=3", "a mesh of data=3 x model=1 = 3 devices does not divide the 8 available "
+                   "devices; choose axis sizes whose product divides 8"),
+        ("data=2,pipe=4", "bad mesh spec 'data=2,pipe=4'"),
+    ],
+)  # fmt: skip
+def test_a_mesh_that_does_not_fit_the_topology_is_refused_before_compiling(
+    command, mesh, problem
+):
+    """The topology's device count (8 abstract devices of v5e:2x4) against --mesh."""
+    command.answer["result"] = types.SimpleNamespace(devices=[object()] * 8)
+    status, err = command("--mesh", mesh)
+    assert status == 2
+    assert err.startswith(f"error: --mesh {mesh}: {problem}")
+    assert err.endswith(f"; {TOPOLOGY} has 8 devices: give data=D,model=M with D x M dividing 8")
+
+
+@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--budget", "-1"), ("--chunk", "0")])
+def test_sizes_below_one_are_usage_errors(command, flag, value):
+    status, err = command(flag, value)
+    assert status == 2
+    assert err == (f"error: {flag} must be >= 1, got {value}; see python -m benchmarks.tpu_aot "
+                   "--help")  # fmt: skip

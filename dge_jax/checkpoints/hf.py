@@ -127,6 +127,12 @@ def read_config(path: str | pathlib.Path) -> dict[str, Any]:
 
 def parse_config(raw: dict[str, Any]) -> tuple[ModelFamily, ModelConfig]:
     """The family and the strict `ModelConfig` for a raw config dict."""
+    if not isinstance(raw, dict):
+        kind = {list: "an array", str: "a string"}.get(type(raw), f"a {type(raw).__name__}")
+        raise ConfigError(
+            f"config.json holds {kind}, not an object of model settings; use the checkpoint's "
+            "own config.json"
+        )
     model_type = raw.get("model_type")
     if model_type is None:
         raise ConfigError("config.json has no 'model_type'")
@@ -208,6 +214,47 @@ def _split_points(name: str, fields: tuple[str, ...], width: int, key_map: KeyMa
     return points
 
 
+def _layer_list(layers: list[int]) -> str:
+    """Layer indices for a message: [2] or [2, 3], long runs as a range (layers 2-31)."""
+    if len(layers) > 4 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}-{layers[-1]}"
+    return str(layers)
+
+
+def check_layers(per_layer: dict[str, dict[int, Any]], num_layers: int) -> None:
+    """Raises unless every per-layer field has exactly layers 0 .. num_layers - 1: weights
+    of layers config.json does not declare (a num_hidden_layers below the checkpoint's),
+    layers without any weights (one above it), or a layer one tensor lacks (files cut short)."""
+    declared = set(range(num_layers))
+    found = set().union(*(set(layers) for layers in per_layer.values()))
+    extra = sorted(found - declared)
+    if extra:
+        layers = "layer 0" if num_layers == 1 else f"layers 0-{num_layers - 1}"
+        raise CheckpointError(
+            f"the checkpoint has weights for layer(s) {_layer_list(extra)}, which config.json "
+            f"does not declare (num_hidden_layers={num_layers}: {layers}); "
+            f"use the config.json saved with these weights, or set num_hidden_layers to "
+            f"{max(found) + 1} if the model has that many layers"
+        )
+    empty = sorted(declared - found) if per_layer else []
+    if empty:
+        fix = "copy or download the checkpoint again"
+        if found == set(range(len(found))):  # layers 0 .. n - 1: the config says more
+            fix = f"set num_hidden_layers to {len(found)} if the model has that many layers"
+        raise CheckpointError(
+            f"the checkpoint has no weights for layer(s) {_layer_list(empty)}, but config.json "
+            f"declares num_hidden_layers={num_layers}; use the config.json saved with these "
+            f"weights, or {fix}"
+        )
+    for field, layers in per_layer.items():
+        missing = sorted(declared - set(layers))
+        if missing:
+            raise CheckpointError(
+                f"parameter {field} is missing for layer(s) {_layer_list(missing)} (its other "
+                "layers are there): the checkpoint is incomplete; copy or download it again"
+            )
+
+
 def convert(tensors, key_map: KeyMap, cfg: ModelConfig, dtype) -> Any:
     """Applies the key table to (name, array) pairs and builds the parameter pytree."""
     per_layer: dict[str, dict[int, np.ndarray]] = {}
@@ -227,10 +274,8 @@ def convert(tensors, key_map: KeyMap, cfg: ModelConfig, dtype) -> Any:
                 per_layer.setdefault(field, {})[int(m.group(1))] = piece
             else:
                 flat[field] = piece
+    check_layers(per_layer, cfg.num_layers)
     for field, layers in per_layer.items():
-        missing = sorted(set(range(cfg.num_layers)) - set(layers))
-        if missing or len(layers) != cfg.num_layers:
-            raise CheckpointError(f"parameter {field} is missing for layer(s) {missing}")
         first = layers[0].shape
         odd = [i for i, a in layers.items() if a.shape != first]
         if odd:
@@ -325,14 +370,8 @@ def plan_tensors(
                     per_layer.setdefault(field, {})[int(m.group(1))] = source
                 else:
                     plan[field] = (False, [source])
+    check_layers(per_layer, cfg.num_layers)
     for field, layers in per_layer.items():
-        missing = sorted(set(range(cfg.num_layers)) - set(layers))
-        extra = sorted(set(layers) - set(range(cfg.num_layers)))
-        if missing or extra:
-            raise CheckpointError(
-                f"parameter {field} is missing for layer(s) {missing}"
-                + (f" and present for unknown layer(s) {extra}" if extra else "")
-            )
         plan[field] = (True, [layers[i] for i in range(cfg.num_layers)])
     missing = sorted(set(key_map.shapes) - set(plan))
     if missing:

@@ -195,6 +195,12 @@ def check_request(
                 f"prompt {i} is empty (no tokens): pass non-empty text or at least one token id"
             )
         if len(ids) + max_new_tokens > ctx:
+            if max_new_tokens >= ctx:  # the request itself is too long, whatever the prompt
+                raise ValueError(
+                    f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the "
+                    f"model's context of {ctx} positions (prompt and new tokens share it); "
+                    f"lower max_new_tokens below {ctx}"
+                )
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it "
                 f"exceeds the model's context of {ctx} positions (truncate the prompt)"
