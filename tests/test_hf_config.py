@@ -482,7 +482,7 @@ SHOWN = {None: "null", "abc": '"abc" (a string)', True: "true (a boolean)", 2.5:
 
 def _typed_cases():
     for family, raw in FAMILIES.items():
-        for key, what in TYPED.items() | FAMILY_TYPED.get(family, {}).items():
+        for key, what in {**TYPED, **FAMILY_TYPED.get(family, {})}.items():  # ordered
             for value in SHOWN:
                 if value == 2.5 and what == FLOAT or value is True and what == BOOL:
                     continue  # valid
