@@ -7,7 +7,9 @@
 
 Each process gets JAX's variables (JAX_COORDINATOR_ADDRESS on a free local port,
 JAX_NUM_PROCESSES, JAX_PROCESS_ID), its own GPUs (CUDA_VISIBLE_DEVICES) or CPU devices
-(JAX_NUM_CPU_DEVICES), and a heartbeat timeout. Process 0 writes to this terminal, the others
+(JAX_NUM_CPU_DEVICES), a heartbeat timeout, and with --init_timeout how long a process waits
+for the others to connect (DGE_JAX_INIT_TIMEOUT_SECONDS, else 120 s). A --port already taken
+is refused before any process starts. Process 0 writes to this terminal, the others
 to LOG_DIR/process-<i>.log. When a process fails, the launcher stops the others at once (no
 one waits on a dead peer), prints the failed process's last lines and exits with its status;
 rerunning the same command resumes every process's missing samples. Ctrl-C stops all of them.
@@ -27,7 +29,14 @@ import sys
 import tempfile
 import time
 
-from dge_jax.runtime.multihost import COORDINATOR, HEARTBEAT, NUM_PROCESSES, PROCESS_ID
+from dge_jax.runtime.multihost import (
+    COORDINATOR,
+    HEARTBEAT,
+    INIT_TIMEOUT,
+    NUM_PROCESSES,
+    PROCESS_ID,
+    port_in_use,
+)
 
 GRACE = 10.0  # seconds a stopped process gets between SIGTERM and SIGKILL
 
@@ -40,12 +49,15 @@ def free_port() -> int:
 
 
 def environments(n: int, port: int, cpu_devices: int | None, gpus: int | None,
-                 heartbeat: int, base: dict[str, str]) -> list[dict[str, str]]:
+                 heartbeat: int, base: dict[str, str],
+                 init_timeout: int | None = None) -> list[dict[str, str]]:
     """Each process's environment: `base` plus JAX's variables and its share of devices."""
     out = []
     for i in range(n):
         env = {**base, COORDINATOR: f"127.0.0.1:{port}", NUM_PROCESSES: str(n),
                PROCESS_ID: str(i), HEARTBEAT: str(heartbeat)}
+        if init_timeout is not None:
+            env[INIT_TIMEOUT] = str(init_timeout)
         if cpu_devices is not None:
             env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
         if gpus is not None:
@@ -113,6 +125,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "temporary folder)")
     parser.add_argument("--heartbeat", type=int, default=30, help="seconds before a silent "
                         "peer counts as dead (JAX's heartbeat timeout)")
+    parser.add_argument("--init_timeout", type=int, help="seconds a process waits for the "
+                        f"others to connect before it fails ({INIT_TIMEOUT}; default 120)")
     parser.add_argument("--timeout", type=float, help="stop every process after this many "
                         "seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
@@ -122,18 +136,23 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not args.command:
         parser.error("no command: give it after --, e.g. -- python -m experiments.longbench "
                      "--distributed")
-    for name in ("processes", "cpu_devices", "gpus_per_process", "heartbeat"):
+    for name in ("processes", "cpu_devices", "gpus_per_process", "heartbeat", "init_timeout"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be >= 1, got {value}")
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port must be a TCP port (1-65535, or 0 for a free one), got {args.port}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     n = args.processes
+    if args.port and port_in_use(args.port):  # else process 0 fails with JAX's RPC error
+        print(f"error: port {args.port} is in use; pick another with --port", file=sys.stderr)
+        return 2
     envs = environments(n, args.port or free_port(), args.cpu_devices, args.gpus_per_process,
-                        args.heartbeat, dict(os.environ))
+                        args.heartbeat, dict(os.environ), args.init_timeout)
     log_dir = pathlib.Path(args.log_dir or tempfile.mkdtemp(prefix="dge_jax-launch-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     logs: list[pathlib.Path | None] = [None] + [log_dir / f"process-{i}.log" for i in range(1, n)]

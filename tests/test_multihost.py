@@ -46,7 +46,7 @@ def line(key: str, **extra) -> dict:
 @pytest.mark.parametrize("env, needle", [
     ({multihost.COORDINATOR: "127.0.0.1:1234"}, "without JAX_NUM_PROCESSES, JAX_PROCESS_ID"),
     ({multihost.COORDINATOR: "h:1", multihost.NUM_PROCESSES: "two",
-      multihost.PROCESS_ID: "0"}, "JAX_NUM_PROCESSES='two' must be a non-negative integer"),
+      multihost.PROCESS_ID: "0"}, "JAX_NUM_PROCESSES='two' is not a process count"),
     ({multihost.COORDINATOR: "h:1", multihost.NUM_PROCESSES: "2",
       multihost.PROCESS_ID: "2"}, "JAX_PROCESS_ID=2 must be below JAX_NUM_PROCESSES=2"),
 ])
