@@ -274,30 +274,21 @@ def test_missing_tensor_of_one_layer(checkpoint_copy):
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
-def test_weights_of_layers_the_config_does_not_declare(checkpoint_copy, sharded):
-    """num_hidden_layers=1 for 2 layers of weights: the extra layer is named, with both
-    fixes (not "missing for layer(s) []"); both readers (`convert`, `plan_tensors`)."""
+@pytest.mark.parametrize("layers, message", [
+    (1, r"has weights for layer\(s\) \[1\], which config.json does not declare "
+        r"\(num_hidden_layers=1: layer 0\)"),
+    (4, r"has no weights for layer\(s\) \[2, 3\], but config.json declares "
+        r"num_hidden_layers=4"),
+], ids=["fewer_declared", "more_declared"])
+def test_layer_count_and_weights_disagree(checkpoint_copy, sharded, layers, message):
+    """num_hidden_layers against 2 layers of weights: the layers in excess or missing are
+    named, with both fixes (not "missing for layer(s) []"); both readers (`convert`,
+    `plan_tensors`)."""
     folder = checkpoint_copy("llama")
-    edit_config(folder, num_hidden_layers=1)
-    message = (
-        r"^the checkpoint has weights for layer\(s\) \[1\], which config.json does not declare "
-        r"\(num_hidden_layers=1: layer 0\); use the config.json saved with these weights, or set "
-        r"num_hidden_layers to 2 if the model has that many layers$"
-    )
-    with pytest.raises(CheckpointError, match=message):
-        load_hf_checkpoint(folder, mesh=make_mesh(1, 1) if sharded else None)
-
-
-@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
-def test_layers_the_config_declares_without_weights(checkpoint_copy, sharded):
-    folder = checkpoint_copy("llama")
-    edit_config(folder, num_hidden_layers=4)
-    message = (
-        r"^the checkpoint has no weights for layer\(s\) \[2, 3\], but config.json declares "
-        r"num_hidden_layers=4; use the config.json saved with these weights, or set "
-        r"num_hidden_layers to 2 if the model has that many layers$"
-    )
-    with pytest.raises(CheckpointError, match=message):
+    edit_config(folder, num_hidden_layers=layers)
+    fixes = (r"; use the config.json saved with these weights, or set num_hidden_layers to 2 "
+             r"if the model has that many layers$")
+    with pytest.raises(CheckpointError, match=r"^the checkpoint " + message + fixes):
         load_hf_checkpoint(folder, mesh=make_mesh(1, 1) if sharded else None)
 
 
