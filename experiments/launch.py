@@ -31,6 +31,7 @@ import time
 
 from dge_jax.runtime.multihost import (
     COORDINATOR,
+    DEFAULT_INIT_TIMEOUT,
     HEARTBEAT,
     INIT_TIMEOUT,
     NUM_PROCESSES,
@@ -126,7 +127,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--heartbeat", type=int, default=30, help="seconds before a silent "
                         "peer counts as dead (JAX's heartbeat timeout)")
     parser.add_argument("--init_timeout", type=int, help="seconds a process waits for the "
-                        f"others to connect before it fails ({INIT_TIMEOUT}; default 120)")
+                        f"others to connect before it fails ({INIT_TIMEOUT}; default "
+                        f"{DEFAULT_INIT_TIMEOUT})")
     parser.add_argument("--timeout", type=float, help="stop every process after this many "
                         "seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
