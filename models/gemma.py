@@ -20,14 +20,9 @@ import dataclasses
 from typing import Any
 
 from dge_jax.config import ConfigError, ModelConfig, RopeConfig
-from models.hf_config import (
-    parse_llama_like,
-    parse_rope,
-    read_bool,
-    read_float,
-    read_int,
-    read_object,
-)
+from models.hf_config import parse_llama_like
+from models.hf_rope import parse_rope, rope_ignored
+from models.hf_values import read_bool, read_float, read_int, read_object
 
 # Keys Gemma configs carry besides the llama-like ones: read below, or bookkeeping.
 GEMMA_KEYS = frozenset({
@@ -98,19 +93,21 @@ def parse_gemma2(raw: dict[str, Any]) -> ModelConfig:
 def parse_gemma3_text(raw: dict[str, Any]) -> ModelConfig:
     """Gemma 3's text model: q/k norms, a global and a local RoPE."""
     params = read_object(raw, "rope_parameters")
+    ignored = rope_ignored(raw)  # transformers checks each layer kind's rope against it
     if "full_attention" in params or "sliding_attention" in params:  # transformers 5
         unknown = set(params) - {"full_attention", "sliding_attention"}
         if unknown:
             raise ConfigError(f"unknown rope_parameters layer kind(s) {sorted(unknown)}")
         rope, local = (
             parse_rope({"rope_parameters": read_object(params, kind, "rope_parameters.")}
-                       | _theta(raw, key, default), where=f"rope_parameters.{kind}")
+                       | _theta(raw, key, default), where=f"rope_parameters.{kind}",
+                       ignored=ignored)
             for kind, key, default in (("full_attention", "rope_theta", 1_000_000.0),
                                        ("sliding_attention", "rope_local_base_freq", 10_000.0))
         )  # fmt: skip
     else:  # rope_theta (+ rope_scaling) global, rope_local_base_freq local, unscaled
         rope = parse_rope({k: raw[k] for k in ("rope_scaling",) if k in raw}
-                          | _theta(raw, "rope_theta", 1_000_000.0))  # fmt: skip
+                          | _theta(raw, "rope_theta", 1_000_000.0), ignored=ignored)  # fmt: skip
         local = RopeConfig(theta=read_float(raw, "rope_local_base_freq", 10_000.0))
     return _gemma(raw, "gemma3_text", rope, local, qk_norm=True)
 

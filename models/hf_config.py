@@ -7,19 +7,18 @@ or `use_cache`, transformers' own serialization bookkeeping, `TRANSFORMERS_BOOKK
 what nanotron and transformers.js write besides). Any other key is an error: an unknown key may
 change the numerics, and a silent wrong answer is worse than a clear refusal.
 
-Values are typed as transformers 5's strict config classes type them (`read_int`,
-`read_float`, `read_bool`): a null, a string or a boolean where a number belongs is refused
-naming the field and what it must be, except where transformers reads null as its default
-(`num_key_value_heads`, `head_dim`: derived from the other sizes).
+Values are typed as transformers 5's strict config classes type them (`models/hf_values.py`;
+null is the default only where transformers reads it so: `num_key_value_heads`, `head_dim`);
+RoPE parameters are read by `models/hf_rope.py`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
-from dge_jax.config import ConfigError, ModelConfig, RopeConfig
+from dge_jax.config import ConfigError, ModelConfig
+from models.hf_rope import parse_rope
+from models.hf_values import bad_value, read_bool, read_float, read_int
 
 # Keys transformers 5.x keeps for itself and ignores when it reads a config.json: what
 # `PreTrainedConfig._remove_keys_not_serialized` drops on save (5.25; earlier 5.x releases
@@ -134,201 +133,6 @@ READ_KEYS = frozenset(
         "max_position_embeddings",
     }
 )
-
-
-_ABSENT = object()
-
-
-def _shown(value: Any) -> str:
-    """A config value as config.json spells it, with its JSON type when not a number."""
-    text = json.dumps(value)
-    text = text if len(text) <= 40 else text[:37] + "..."
-    if value is None or isinstance(value, int | float) and not isinstance(value, bool):
-        return text
-    kind = {bool: "a boolean", str: "a string", list: "an array", dict: "an object"}
-    return f"{text} ({kind.get(type(value), type(value).__name__)})"
-
-
-def bad_value(name: str, value: Any, what: str) -> ConfigError:
-    """The error for config.json field `name` holding `value` where `what` belongs."""
-    return ConfigError(
-        f"config.json field {name} is {_shown(value)}, but it must be {what}; set it to the "
-        "value the checkpoint was made with"
-    )
-
-
-def _read(
-    raw: dict[str, Any], key: str, default: Any, null_default: bool, where: str
-) -> tuple[bool, Any]:
-    """(True, raw[key]) when it is to be checked; (False, `default`) when raw has no `key`
-    (or holds null, with `null_default`). A required key (no default) that is absent raises."""
-    value = raw.get(key, _ABSENT)
-    if value is _ABSENT or (value is None and null_default):
-        if default is _ABSENT:
-            raise ConfigError(
-                f"config.json has no {where + key!r}, which the model needs; add it with the "
-                "value the checkpoint was made with"
-            )
-        return False, default
-    return True, value
-
-
-def read_int(
-    raw: dict[str, Any],
-    key: str,
-    default: Any = _ABSENT,
-    *,
-    minimum: int = 1,
-    null_default: bool = False,
-    where: str = "",
-) -> int:
-    """raw[key] as an integer >= `minimum` (a size or a count); absent: `default` (required
-    without one); null: `default` only with `null_default` (transformers reads it so), else
-    refused. `where` prefixes the name in messages ("rope_parameters.")."""
-    given, value = _read(raw, key, default, null_default, where)
-    if not given:
-        return value
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise bad_value(where + key, value, f"an integer >= {minimum}")
-    return value
-
-
-def read_float(
-    raw: dict[str, Any],
-    key: str,
-    default: Any = _ABSENT,
-    *,
-    null_default: bool = False,
-    where: str = "",
-) -> float:
-    """raw[key] as a finite number > 0 (every float the parsers read is a scale, an epsilon
-    or a frequency base); absent and null as `read_int`."""
-    given, value = _read(raw, key, default, null_default, where)
-    if not given:
-        return value
-    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
-            or value <= 0):  # fmt: skip
-        raise bad_value(where + key, value, "a positive number")
-    return float(value)
-
-
-def read_bool(raw: dict[str, Any], key: str, default: bool, *, null_default: bool = False) -> bool:
-    """raw[key] as true or false; absent: `default`; null as `read_int`."""
-    given, value = _read(raw, key, default, null_default, "")
-    if given and not isinstance(value, bool):
-        raise bad_value(key, value, "true or false")
-    return value
-
-
-def read_object(raw: dict[str, Any], key: str, where: str = "") -> dict[str, Any]:
-    """raw[key] as a JSON object; absent or null: {} (no such parameters)."""
-    value = raw.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise bad_value(where + key, value, "an object (or null)")
-    return dict(value)
-
-
-def parse_rope(raw: dict[str, Any], *, where: str | None = None) -> RopeConfig:
-    """RopeConfig from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`.
-
-    where: the name of the parameters' object in messages (default: the key they came from).
-    """
-    params = read_object(raw, "rope_parameters")
-    scaling = read_object(raw, "rope_scaling")
-    source = "rope_parameters"
-    if not params:
-        params, source = scaling, "rope_scaling"
-    prefix = (source if where is None else where) + "."
-    if "rope_theta" in params:
-        theta = read_float(params, "rope_theta", where=prefix)
-    else:
-        theta = read_float(raw, "rope_theta", 10000.0)
-    params.pop("rope_theta", None)
-    name = "rope_type" if "rope_type" in params else "type"
-    kind = params.pop("rope_type", params.pop("type", "default")) or "default"
-    if not isinstance(kind, str):
-        raise bad_value(prefix + name, kind, 'a rope type name such as "default"')
-    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0) or isinstance(partial, bool):
-        raise ConfigError(f"partial_rotary_factor={partial} is not supported (only 1.0)")
-    if kind == "default":
-        expected: set[str] = set()
-    elif kind == "linear":
-        expected = {"factor"}
-    elif kind == "llama3":
-        expected = {
-            "factor",
-            "low_freq_factor",
-            "high_freq_factor",
-            "original_max_position_embeddings",
-        }
-    elif kind == "longrope":
-        return _parse_longrope(raw, params, theta, prefix)
-    else:
-        raise ConfigError(
-            f"rope type {kind!r} (config rope_parameters/rope_scaling) is not supported; "
-            "supported: default, linear, llama3, longrope"
-        )
-    unknown = set(params) - expected
-    if unknown:
-        raise ConfigError(f"unknown rope parameter(s) {sorted(unknown)} for rope type {kind!r}")
-    missing = expected - set(params)
-    if missing:
-        raise ConfigError(f"rope type {kind!r} needs {sorted(missing)} in rope_parameters")
-    fields = {
-        k: (read_int(params, k, where=prefix) if k == "original_max_position_embeddings"
-            else read_float(params, k, where=prefix))
-        for k in params
-    }  # fmt: skip
-    return RopeConfig(theta=theta, kind=kind, **fields)
-
-
-def _parse_longrope(
-    raw: dict[str, Any], params: dict[str, Any], theta: float, prefix: str
-) -> RopeConfig:
-    """LongRoPE as transformers' `_compute_longrope_parameters` reads it: both factor lists;
-    `original_max_position_embeddings` from the rope parameters, else the config's top level;
-    `factor` default max_position_embeddings / original; `attention_factor` default
-    sqrt(1 + log(factor) / log(original)) (1 when factor <= 1); a null one is its default."""
-    known = {"short_factor", "long_factor", "factor", "attention_factor",
-             "original_max_position_embeddings"}  # fmt: skip
-    unknown = set(params) - known
-    if unknown:
-        raise ConfigError(f"unknown rope parameter(s) {sorted(unknown)} for rope type 'longrope'")
-    missing = {"short_factor", "long_factor"} - set(params)
-    if missing:
-        raise ConfigError(f"rope type 'longrope' needs {sorted(missing)} in rope_parameters")
-    key = "original_max_position_embeddings"
-    if params.get(key) is not None:
-        original = read_int(params, key, where=prefix)
-    elif raw.get(key, _ABSENT) is _ABSENT:
-        raise ConfigError(f"rope type 'longrope' needs {key}; add it to rope_parameters")
-    else:
-        original = read_int(raw, key)
-    factor = read_float(params, "factor", None, null_default=True, where=prefix)
-    if factor is None:
-        factor = read_int(raw, "max_position_embeddings") / original
-    attention = read_float(params, "attention_factor", None, null_default=True, where=prefix)
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    factors = {}
-    for name in ("short_factor", "long_factor"):
-        value = params[name]
-        if not isinstance(value, list | tuple) or not all(
-            isinstance(x, int | float) and not isinstance(x, bool) for x in value
-        ):
-            raise ConfigError(f"longrope {name} must be a list of numbers, got {value!r}")
-        factors[name] = tuple(float(x) for x in value)
-    return RopeConfig(
-        theta=theta,
-        kind="longrope",
-        factor=float(factor),
-        original_max_position_embeddings=original,
-        attention_factor=float(attention),
-        **factors,
-    )
 
 
 def parse_llama_like(

@@ -15,7 +15,8 @@ from typing import Any
 
 from dge_jax.config import ModelConfig
 from models import llama_like
-from models.hf_config import parse_llama_like, read_int
+from models.hf_config import parse_llama_like
+from models.hf_values import read_int
 
 _LAYER = llama_like._LAYER
 # The llama rows a fused Phi-3 tensor replaces, and the fused rows: (pattern, fields, transform).

@@ -590,3 +590,52 @@ def test_transformers_bookkeeping_keys_change_nothing(family):
         "ignore_keys_at_rope_validation": ["mrope_section"], "attn_implementation": "sdpa"}
     assert parse_config(raw | {"ignore_keys_at_rope_validation": None}) == parse_config(raw)
     assert parse_config(with_keys) == parse_config(raw)
+
+
+ROPES = {  # a rope of each type this library runs, as rope_parameters
+    "default": {"rope_type": "default", "rope_theta": 1e4},
+    "linear": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_listing_a_required_rope_key_is_refused_as_transformers_refuses_it(kind):
+    """transformers drops the listed keys before its rope checks: a required one is then
+    missing and the config does not load; here it is refused naming the list and the key."""
+    transformers = pytest.importorskip("transformers")
+    from models.hf_rope import ROPE_REQUIRED
+
+    raw = FAMILIES["llama"] | {"rope_parameters": ROPES[kind]}
+    hf_raw = {k: v for k, v in raw.items() if k != "model_type"}
+    for key in sorted(ROPE_REQUIRED[kind]):
+        listed = {"ignore_keys_at_rope_validation": [key]}
+        with pytest.raises(KeyError, match="Missing required keys"):
+            transformers.LlamaConfig.from_dict(hf_raw | listed)
+        with pytest.raises(ConfigError, match=rf"lists \['{key}'\], which rope type '{kind}' "
+                                              r"needs; transformers then counts it as missing"):
+            parse_config(raw | listed)
+    optional = {"ignore_keys_at_rope_validation": ["partial_rotary_factor", "rope_theta"]}
+    if "rope_theta" not in ROPE_REQUIRED[kind]:
+        transformers.LlamaConfig.from_dict(hf_raw | optional)
+        assert parse_config(raw | optional) == parse_config(raw)
+
+
+def test_an_ignored_rope_key_is_checked_in_each_gemma3_layer_kind():
+    raw = FAMILIES["gemma3_text"] | {"ignore_keys_at_rope_validation": ["scale"],
+                                     "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "scale": 2}}}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"unknown rope parameter\(s\) \['scale'\] in "
+                                          r"rope_parameters.sliding_attention: config.json's"):
+        parse_config(raw)
+    with pytest.raises(ConfigError, match=r"lists \['factor'\], which rope type 'linear'"):
+        parse_config(raw | {"ignore_keys_at_rope_validation": ["factor"]})
+
+
+@pytest.mark.parametrize("value", ["factor", {"factor": True}, [1]])
+def test_ignore_keys_at_rope_validation_is_null_or_a_list_of_names(value):
+    with pytest.raises(ConfigError, match=r"^config.json field ignore_keys_at_rope_validation "
+                                          r"is .*, but it must be null or a list of rope"):
+        parse_config(FAMILIES["phi3"] | {"ignore_keys_at_rope_validation": value})

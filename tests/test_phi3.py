@@ -257,20 +257,58 @@ def test_fused_tensor_of_another_width_is_refused(checkpoint, tmp_path):
 
 def test_a_checkpoint_saved_by_transformers_5_2_loads(checkpoint, tmp_path):
     """transformers 5.2 wrote `ignore_keys_at_rope_validation: null` into config.json (5.25
-    drops it on save); it and transformers' other bookkeeping keys load as without them."""
+    drops it on save); such a folder loads and gives transformers' greedy tokens (transformers
+    reads the same folder), and transformers' other bookkeeping keys load as without them."""
     from models.hf_config import TRANSFORMERS_BOOKKEEPING
 
     source = checkpoint("default")
-    folder = tmp_path / "saved_by_5_2"
-    shutil.copytree(source, folder)
     raw = json.loads((source / "config.json").read_text())
     assert "ignore_keys_at_rope_validation" not in raw  # 5.25 wrote it without
-    for extra in ({"ignore_keys_at_rope_validation": None},
-                  dict.fromkeys(TRANSFORMERS_BOOKKEEPING) | {"_commit_hash": "0" * 40}):
-        (folder / "config.json").write_text(json.dumps(raw | extra))
+    extras = {"saved_by_5_2": {"ignore_keys_at_rope_validation": None},
+              "bookkeeping": dict.fromkeys(TRANSFORMERS_BOOKKEEPING) | {"_commit_hash": "0" * 40}}
+    folders = {}
+    for name, extra in extras.items():
+        folders[name] = folder = tmp_path / name
+        shutil.copytree(source, folder)
+        (folder / "config.json").write_text(json.dumps(raw | extra, indent=2))
         family, cfg, params = load_hf_checkpoint(folder)
         assert family.model_type == "phi3" and cfg == parse_config(raw)[1]
         np.testing.assert_array_equal(params.layers.wq, _ours(source).params.layers.wq)
+    folder, c = folders["saved_by_5_2"], CASES["default"]
+    ref_tokens, _ = _reference("default", folder)
+    assert ref_tokens == _reference("default", source)[0]
+    result = dge_jax.generate(_ours(folder), prompts_of("default"), max_new_tokens=c.new_tokens,
+                              chunk=c.chunk)  # fmt: skip
+    assert result.tokens == ref_tokens
+
+
+def test_a_rope_parameter_transformers_is_told_not_to_validate_is_refused(checkpoint, tmp_path):
+    """A non-null `ignore_keys_at_rope_validation` only silences transformers' rope checks: a
+    listed unknown parameter would load unchecked there, so it is refused here by name; a
+    listed required one fails in transformers (missing), so here too; other names change
+    nothing, as in transformers."""
+    raw = json.loads((checkpoint("longrope") / "config.json").read_text())
+    listed = {"ignore_keys_at_rope_validation": ["mrope_section", "attention_factor"]}
+    assert parse_config(raw | listed) == parse_config(raw)
+    rope = raw["rope_parameters"] | {"mscale": 1.2}
+    folder = tmp_path / "unchecked"
+    shutil.copytree(checkpoint("longrope"), folder)
+    edited = raw | {"rope_parameters": rope, "ignore_keys_at_rope_validation": ["mscale"]}
+    (folder / "config.json").write_text(json.dumps(edited))
+    assert transformers.AutoConfig.from_pretrained(folder).rope_parameters["mscale"] == 1.2
+    with pytest.raises(ConfigError, match=r"unknown rope parameter\(s\) \['mscale'\] in "
+                                          r"rope_parameters: config.json's ignore_keys_at_rope_"
+                                          r"validation lists them, so transformers loads them "
+                                          r"unchecked"):  # fmt: skip
+        load_hf_checkpoint(folder)
+    edited = raw | {"ignore_keys_at_rope_validation": ["long_factor"]}
+    (folder / "config.json").write_text(json.dumps(edited))
+    with pytest.raises(KeyError, match="Missing required keys"):
+        transformers.AutoConfig.from_pretrained(folder)
+    with pytest.raises(ConfigError, match=r"lists \['long_factor'\], which rope type "
+                                          r"'longrope' needs; transformers then counts it as "
+                                          r"missing and refuses the config"):  # fmt: skip
+        load_hf_checkpoint(folder)
 
 
 MESH_SCRIPT = """
