@@ -30,6 +30,7 @@ from dge_jax.eviction.timing import Timing
 from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
+from dge_jax.runtime.tokenizer import prompt_renderer
 from experiments import protocol
 from experiments.suites import synthetic
 
@@ -42,7 +43,7 @@ def _cells(results) -> list[dict]:
 
 def _prompt(tok, task: str, length: int, seed: int = 0, index: int = 0) -> str:
     row = synthetic.make_suite(tok, [task], index + 1, length, seed=seed)[task][index]
-    return protocol.prepare_sample(row, task, tok, length, tok.apply_chat_template).text
+    return protocol.prepare_sample(row, task, tok, length, prompt_renderer(tok)).text
 
 
 def record() -> dict:

@@ -38,6 +38,7 @@ from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.runtime import decoding
+from dge_jax.runtime.tokenizer import prompt_renderer
 from experiments import protocol
 from experiments.suites import synthetic
 
@@ -67,7 +68,7 @@ def _grid_inputs(model) -> tuple[list[int], list[Eviction]]:
     tok = model.tokenizer
     length = TOKENS - 96  # room for the chat template, the answer prefix and NEW tokens
     row = synthetic.make_suite(tok, ["passkey"], 1, length, seed=0)["passkey"][0]
-    text = protocol.prepare_sample(row, "passkey", tok, length, tok.apply_chat_template).text
+    text = protocol.prepare_sample(row, "passkey", tok, length, prompt_renderer(tok)).text
     ids = tok.encode(text)[: TOKENS - NEW]
     rules = (
         SnapKV.kvpress(),

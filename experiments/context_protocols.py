@@ -13,10 +13,10 @@
   N` drafts on each context's row N instead. Each prediction line records its
   `question_index`: 0 for the anchor, then the others in row order.
 
-The split: the runner renders each sample as in query_aware (truncation, chat template,
-answer prefix), then cuts the text where the row's question starts (`question_text`); the
-two parts are tokenized apart (the context with the tokenizer's special tokens), as kvpress
-tokenizes its context and question.
+The split: the runner renders each sample as in query_aware (truncation, the model's prompt
+format: chat template or raw prompt, answer prefix), then cuts the text where the row's
+question starts (`question_text`); the two parts are tokenized apart (the context with the
+tokenizer's special tokens), as kvpress tokenizes its context and question.
 """
 
 from __future__ import annotations
@@ -71,8 +71,7 @@ def check_rows(rows: dict[str, list[dict]], tok, max_length: int, with_answer_pr
                     f"{where}: its question is empty; --protocol {protocol_name} feeds the "
                     "question to the compressed context: give the row a question, or use "
                     "--protocol query_aware")
-            sample = protocol.prepare_sample(row, dataset, tok, max_length,
-                                             tok.apply_chat_template, with_answer_prefix)
+            sample = protocol.model_sample(row, dataset, tok, max_length, with_answer_prefix)
             fed, _ = split(sample.text, question, where)
             prompt = protocol.build_prompt(row, dataset)
             contexts.setdefault(prompt[: len(prompt) - len(question)], []).append(

@@ -12,7 +12,10 @@ For each row, pred.py does, in this order:
    greedily for `dataset2maxlen[dataset]` tokens; samsum also stops at the "\\n" token (and
    must emit at least one token).
 
-The chat template is applied after truncation, so it is never cut. What differs per dataset
+The chat template is applied after truncation, so it is never cut. A model whose tokenizer
+has no chat template (a base model) is prompted with the raw prompt in step 3, its answer
+prefix after it, never a made-up template (`dge_jax.runtime.tokenizer.prompt_renderer`, the
+one place that picks the format). What differs per dataset
 (template, chat template or not, answer prefix, generation length, stop rule) is its suite's
 answer (`experiments.suites`). Synthetic tasks (`experiments.suites.synthetic`) go through the
 same steps with their own template, and their answer prefix is appended after the chat
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
 from experiments import rows, suites
 
 # LongBench's file folder and schema (`experiments.suites.longbench`), named here too: this
@@ -130,8 +134,9 @@ def prepare_sample(
 ) -> PreparedSample:
     """Prompt -> middle truncation on its tokens -> chat template (not for the six) -> prefix.
 
-    `chat(prompt)` renders one user turn with the generation prompt, e.g.
-    `dge_jax.runtime.tokenizer.Tokenizer.apply_chat_template`; pass `lambda p: p` for a base model.
+    `chat(prompt)` renders the prompt as the model is prompted:
+    `dge_jax.runtime.tokenizer.prompt_renderer(tokenizer)` (one user turn of its chat template
+    with the generation prompt, or the raw prompt for a model without a template).
     `with_answer_prefix=False` ends the prompt at the chat template's generation prompt, so
     the model starts its answer unprompted (an ablation: the first drafted tokens are then
     the model's own preamble, e.g. "The pass key is", rather than the answer itself).
@@ -142,6 +147,22 @@ def prepare_sample(
         text = chat(text)
     prefix = answer_prefix(dataset, row) if with_answer_prefix else ""
     return PreparedSample(text + prefix, num_tokens, truncated)
+
+
+def model_sample(row: dict, dataset: str, tokenizer, max_length: int,
+                 with_answer_prefix: bool = True) -> PreparedSample:
+    """A row as the runner feeds it to the model: `prepare_sample` in the model's prompt
+    format (`prompt_renderer`: its chat template, or the raw prompt without one)."""
+    return prepare_sample(row, dataset, tokenizer, max_length, prompt_renderer(tokenizer),
+                          with_answer_prefix)
+
+
+def prompt_format_note(tokenizer) -> str:
+    """How a model's prompts are rendered, in words for its run folder and results.md: the
+    chat template and where it was read from, or the raw prompt (`prompt_format`)."""
+    if prompt_format(tokenizer) == RAW_PROMPT:
+        return RAW_PROMPT
+    return f"chat template from {tokenizer.chat_template_source}"
 
 
 def stop_rule(dataset: str) -> StopRule:

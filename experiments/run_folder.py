@@ -255,9 +255,12 @@ def _check_data(old: dict[str, str], new: dict[str, str], out_dir: pathlib.Path)
 
 
 def open_run(out_dir: str | os.PathLike, identity: dict[str, Any], data: dict[str, str],
-             extent: dict[str, Any], command: str, extend: bool = False) -> dict[str, Any]:
+             extent: dict[str, Any], command: str, extend: bool = False,
+             prompt: str | None = None) -> dict[str, Any]:
     """Creates or reopens `out_dir` for this run; returns the folder's config.
 
+    prompt: how the command's prompts were formatted (its history entry's `prompt_format`,
+    which results.md names; not part of the identity).
     Raises RunFolderError when the folder holds another configuration, data that changed, or
     (without `extend`) less than the command asks for.
     """
@@ -265,7 +268,8 @@ def open_run(out_dir: str | os.PathLike, identity: dict[str, Any], data: dict[st
     old = read_config(out_dir)
     has_lines = bool(prediction_files(out_dir))
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    entry = {"command": command, "at": now, "extent": extent}
+    entry = {"command": command, "at": now, "extent": extent,
+             **({} if prompt is None else {"prompt_format": prompt})}
     if old is None and has_lines or old is not None and old.get("format") != FORMAT:
         raise RunFolderError(
             f"{out_dir} holds predictions of an older runner whose configuration cannot be "

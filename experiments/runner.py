@@ -21,6 +21,7 @@ from collections.abc import Callable
 from absl import app, flags
 from absl import logging as absl_logging
 
+from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
 from experiments import context_protocols, distributed, predictions, protocol, suites
 from experiments.cells import Cell
 from experiments.predictions import PredictionStore, config_hash, prediction_key
@@ -58,9 +59,10 @@ def load_suite(model, suite: str | Suite, datasets: list[str], num_samples: int 
 
 def suite_rows(model, suite: Suite, settings: RowSettings, datasets: list[str],
                num_samples: int | None) -> dict[str, list[dict]]:
-    """The suite's rows for the model's tokenizer and chat template."""
+    """The suite's rows for the model's tokenizer and prompt format (`prompt_renderer`: its
+    chat template, or the raw prompt of a model without one)."""
     tok = model.tokenizer
-    return suite.load(settings, tok, tok.apply_chat_template, datasets, num_samples)
+    return suite.load(settings, tok, prompt_renderer(tok), datasets, num_samples)
 
 
 def run_identity(config: RunConfig, model, max_length: int) -> dict:
@@ -89,6 +91,8 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         **({} if config.sliding_cache == "auto" else {"sliding_cache": config.sliding_cache}),
         **({} if config.protocol == "query_aware" else {"context_protocol": config.protocol}),
         **({} if config.anchor == 0 else {"anchor": config.anchor}),
+        # a model without a chat template: its raw prompts (every earlier folder had one)
+        **({} if prompt_format(model.tokenizer) != RAW_PROMPT else {"prompt_format": RAW_PROMPT}),
     }
 
 
@@ -276,7 +280,8 @@ def evaluate(config: RunConfig, state: dict) -> int:
     command = ("python -m experiments.longbench " + shlex.join(sys.argv[1:])).rstrip()
 
     def open_folder():
-        return open_run(out_dir, identity, data, extent, command, extend=config.extend)
+        return open_run(out_dir, identity, data, extent, command, extend=config.extend,
+                        prompt=protocol.prompt_format_note(model.tokenizer))
 
     if share.first:
         print(length_note)
@@ -352,7 +357,7 @@ def answer_needs(model, suite: dict[str, list[dict]]) -> dict[tuple[str, str], i
     """(dataset, row id) -> the positions a row needs besides its truncated prompt: its
     generation length, the chat template around the prompt and the answer prefix."""
     tok = model.tokenizer
-    wrap = len(tok.encode(tok.apply_chat_template("")))  # the template around an empty turn
+    wrap = len(tok.encode(prompt_renderer(tok)("")))  # what the format adds around a prompt
     return {(d, row["_id"]): protocol.max_new_tokens(d, row) + wrap
             + len(tok.encode(protocol.answer_prefix(d, row)))
             for d, rows in suite.items() for row in rows}
@@ -442,9 +447,8 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: lis
     for max_new, batch in batches:
         # Rows of one batch share one grid: the union of what any of them still misses.
         todo: list[Cell] = [c for c in grid.cells if any(c in m for _, m in batch)]
-        samples = [protocol.prepare_sample(row, dataset, tok, grid.max_length,
-                                           tok.apply_chat_template, config.answer_prefix)
-                   for row, _ in batch]
+        samples = [protocol.model_sample(row, dataset, tok, grid.max_length,
+                                         config.answer_prefix) for row, _ in batch]
         ids = [tok.encode(s.text) for s in samples]
         t0 = time.time()
         options = dict(max_new_tokens=max_new, extra_eos_ids=extra_eos, chunk=config.chunk,

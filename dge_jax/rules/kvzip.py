@@ -45,6 +45,7 @@ from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import bucket_length, pad_left
 from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.records import Observation
+from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -124,8 +125,9 @@ class KVzip(ScoringRule):
 def template_parts(tokenizer) -> tuple[list[int], list[int]]:
     """(prefix ids, suffix ids): what the tokenizer's chat template puts before a user turn's
     content and after it (turn end, assistant start), derived as kvpress does from a dummy
-    turn; without a template, no prefix and a newline."""
-    if tokenizer.chat_template is None:
+    turn; a model prompted with the raw prompt (no template: `prompt_format`) has no prefix
+    and a newline for suffix, kvpress's default for such models."""
+    if prompt_format(tokenizer) == RAW_PROMPT:
         return [], tokenizer.encode("\n", add_special_tokens=False)
     dummy = "dummy context"
     separator = "\n" + "#" * len(dummy)

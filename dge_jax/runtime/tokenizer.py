@@ -3,6 +3,10 @@
 Chat templates are rendered the way transformers renders them: a sandboxed jinja2
 environment with trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson`
 filter that keeps non-ASCII text, and the special tokens of `tokenizer_config.json` in scope.
+
+How a model is prompted is decided here, once (`prompt_format`, `prompt_renderer`): through
+its chat template when its tokenizer has one, else with the raw prompt (a base model: no
+template is made up for it).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import dataclasses
 import datetime
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -143,6 +148,28 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]] | str) -> list[int]:
         """Token ids of the rendered chat prompt (the template carries its special tokens)."""
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+CHAT_TEMPLATE = "chat template"
+RAW_PROMPT = "raw prompt"
+
+
+def prompt_format(tokenizer) -> str:
+    """`CHAT_TEMPLATE` when `tokenizer` (anything with a `chat_template` attribute) has a chat
+    template, else `RAW_PROMPT`: a base model is prompted with the text itself."""
+    return RAW_PROMPT if getattr(tokenizer, "chat_template", None) is None else CHAT_TEMPLATE
+
+
+def prompt_renderer(tokenizer) -> Callable[[str], str]:
+    """What one prompt becomes before it is tokenized: one user turn of the chat template with
+    its generation prompt, or the prompt unchanged without a template (`prompt_format`)."""
+    if prompt_format(tokenizer) == RAW_PROMPT:
+        return _unchanged
+    return tokenizer.apply_chat_template
+
+
+def _unchanged(text: str) -> str:
+    return text
 
 
 def _read_json(path: pathlib.Path) -> dict:
