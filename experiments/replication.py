@@ -11,6 +11,10 @@ synthetic, ruler, longbench); several folders of one suite (say, with and withou
 prefix) are variants, not independent evidence. Everything else is stated as what it is: a
 hypothesis (one suite), not significant, or contradicted (significant with opposite signs).
 
+Folders of two or more models (`identity.model`) are judged model by model first (suites of
+different models never add up), then across them: a claim "replicates on both models" (all
+models given) in one direction, "on one model" (naming it), or "does not replicate".
+
 Folders that differ in a cell setting (SnapKV's window, ties, draft weight, the adaptive
 rule) hold different claims: `snapkv/dge/k3/b128 vs snapkv/prefill/b128 [window=32]` is
 not evidence for the same comparison at window 8. The label names only the settings that
@@ -54,6 +58,29 @@ def verdict(entries: list[dict], alpha: float = SIGNIFICANT) -> str:
 # it runs on (lengths, seed, answer prefix, data): folders differing here hold other claims.
 # "context_protocol": a query-agnostic folder's claims are not a query-aware one's
 SETTING_KEYS = (RULE_OPTIONS_KEY, "ties", "draft_weight", "adaptive", "context_protocol")
+
+
+def model_verdict(entries: list[dict], alpha: float = SIGNIFICANT) -> str:
+    """The verdict of one claim over folders of one or more models: `verdict` within each
+    model, then whether it replicates on every model, on some, or on none."""
+    by_model: dict[str, list[dict]] = defaultdict(list)
+    for e in entries:
+        by_model[e.get("model") or "?"].append(e)
+    if len(by_model) == 1:
+        return verdict(entries, alpha)
+    per = {m: verdict(es, alpha) for m, es in by_model.items()}
+    replicated = {m: v.split(" on ")[0].removeprefix("replicates: ")
+                  for m, v in per.items() if v.startswith("replicates")}  # fmt: skip
+    detail = "; ".join(f"{m}: {v}" for m, v in per.items())
+    if len(set(replicated.values())) > 1:
+        return f"contradicted across models ({detail})"
+    if len(replicated) == len(per):
+        return f"replicates on {'both' if len(per) == 2 else 'all'} models: " + next(
+            iter(replicated.values())
+        )
+    if replicated:
+        return f"on one model ({detail})" if len(replicated) == 1 else f"on some models ({detail})"
+    return f"does not replicate ({detail})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +128,7 @@ def replication(evidence: Iterable[Evidence]) -> list[dict]:
                             cell_order(c["baseline"]))
             by_claim[claim].append({
                 "claim": claim, "suite": ev.suite, "folder": str(ev.folder), "setting": label,
+                "model": ev.identity.get("model"),
                 "n": c["samples"], "wins": c["wins"], "losses": c["losses"],
                 "effect": round(c["accuracy"] - c["baseline_accuracy"], 2),
                 "p": c["p"], "p_holm": c["p_holm"],
@@ -108,7 +136,7 @@ def replication(evidence: Iterable[Evidence]) -> list[dict]:
     out = []
     for claim in sorted(by_claim, key=order.__getitem__):
         entries = by_claim[claim]
-        text = verdict(entries)
+        text = model_verdict(entries)
         out += [{**e, "verdict": text} for e in entries]
     return out
 
@@ -130,7 +158,9 @@ def replication_matrix(entries: list[dict]) -> str:
     """Markdown, one row per claim and one column per run folder (headed by its suite):
     "wins / losses, p (Holm)" in each, then the verdict: the form README quotes."""
     folders = list(dict.fromkeys(e["folder"] for e in entries))
-    suite_of = {e["folder"]: e["suite"] for e in entries}
+    models = {e.get("model") for e in entries}
+    suite_of = {e["folder"]: e["suite"] + (f" ({e.get('model')})" if len(models) > 1 else "")
+                for e in entries}  # fmt: skip
     header = ["claim", *(f"{suite_of[f]}: {pathlib.Path(f).name}" for f in folders), "verdict"]
     by_claim: dict[str, dict[str, dict]] = defaultdict(dict)
     for e in entries:
@@ -149,10 +179,18 @@ def summary(entries: list[dict]) -> str:
     verdicts = {e["claim"]: e["verdict"] for e in entries}
     replicated = sorted(c for c, v in verdicts.items() if v.startswith("replicates"))
     suites = sorted({e["suite"] for e in entries})
+    models = sorted({str(e.get("model")) for e in entries})
     text = (f"**Replication.** {len(verdicts)} claims over {len(suites)} suite"
             f"{'s' if len(suites) > 1 else ''} ({', '.join(suites)}); a claim replicates when "
             f"it is significant after Holm's correction, with one sign, on at least "
             f"{REPLICATE_SUITES} suites. ")
+    if len(models) > 1:
+        both = sorted(c for c, v in verdicts.items() if v.startswith("replicates on"))
+        one = sorted(c for c, v in verdicts.items() if v.startswith("on one model"))
+        return text + (f"Judged on each of {len(models)} models ({', '.join(models)}): "
+                       f"{len(both)} replicate on every model"
+                       f"{': ' + '; '.join(both) if both else ''}; {len(one)} on one model only"
+                       f"{': ' + '; '.join(one) if one else ''}; the rest do not.\n")
     if replicated:
         text += f"{len(replicated)} replicate: {'; '.join(replicated)}."
     else:

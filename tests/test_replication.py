@@ -119,3 +119,23 @@ def test_report_out_writes_the_claim_matrix(tmp_path, capsys):
     assert report.main([str(a), "--out", str(out)]) == 2
     assert "two or more run folders" in capsys.readouterr().err
     assert report.main([str(a), str(b), "--out"]) == 2
+
+
+def test_two_models_are_judged_each_then_together(tmp_path):
+    def folders(model, tag, dge_right):
+        return [make_folder(tmp_path / f"{tag}-{suite}", suite, dge_right=dge_right,
+                            base_right=0, model=model) for suite in ("synthetic", "ruler")]
+
+    smol, gemma = folders("smollm2", "s", 12), folders("gemma3", "g", 12)
+    assert verdict_of(tmp_path, *smol, *gemma)[0] == "replicates on both models: better"
+    flat = folders("gemma3", "g0", 0)
+    text = verdict_of(tmp_path, *smol, *flat)[0]
+    assert text.startswith("on one model (") and "smollm2: replicates: better" in text
+    assert "gemma3: not significant on any suite" in text
+    # one suite of each model never adds up to a replication
+    mixed = [smol[0], gemma[1]]
+    assert verdict_of(tmp_path, *mixed)[0].startswith("does not replicate (")
+    worse = folders("gemma3", "gw", 0)
+    for f in worse:  # the baseline right where DGE is wrong: significant the other way
+        make_folder(f, f.name.split("-")[1], dge_right=0, base_right=12, model="gemma3")
+    assert verdict_of(tmp_path, *smol, *worse)[0].startswith("contradicted across models")
