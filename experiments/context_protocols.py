@@ -62,7 +62,7 @@ def check_rows(rows: dict[str, list[dict]], tok, max_length: int, with_answer_pr
     truncated away, and under shared_context for a context with no question `anchor` or one
     whose rows `max_length` cuts differently (they could not share one compressed cache)."""
     for dataset, items in rows.items():
-        contexts: dict[str, list[tuple[str, str]]] = {}
+        fed = []  # per row: (its context part as fed, its raw prompt's token count)
         for row in items:
             where = f"{dataset} row {row['_id']}"
             question = question_text(row, dataset)
@@ -72,25 +72,33 @@ def check_rows(rows: dict[str, list[dict]], tok, max_length: int, with_answer_pr
                     "question to the compressed context: give the row a question, or use "
                     "--protocol query_aware")
             sample = protocol.model_sample(row, dataset, tok, max_length, with_answer_prefix)
-            fed, _ = split(sample.text, question, where)
-            prompt = protocol.build_prompt(row, dataset)
-            contexts.setdefault(prompt[: len(prompt) - len(question)], []).append(
-                (row["_id"], fed, sample.num_prompt_tokens))
+            fed.append((split(sample.text, question, where)[0], sample.num_prompt_tokens))
         if protocol_name != "shared_context":
             continue
-        for group in contexts.values():
+        for group in context_groups(items, dataset):
+            first = items[group[0]]["_id"]
             if anchor >= len(group):
                 raise ValueError(f"{dataset}: --anchor {anchor}, but the context of row "
-                                 f"{group[0][0]} has only {len(group)} question(s): pass an "
+                                 f"{first} has only {len(group)} question(s): pass an "
                                  f"--anchor below {len(group)}")
-            cut = [row_id for row_id, fed, _ in group if fed != group[0][1]]
+            cut = [items[i]["_id"] for i in group if fed[i][0] != fed[group[0]][0]]
             if cut:
-                longest = max(tokens for _, _, tokens in group)
+                longest = max(fed[i][1] for i in group)
                 raise ValueError(
                     f"{dataset}: --max_length {max_length} cuts the prompts of rows "
-                    f"{group[0][0]} and {cut[0]} (one context) at different places, so they "
+                    f"{first} and {cut[0]} (one context) at different places, so they "
                     f"cannot share one compressed context: raise --max_length to {longest} "
                     "(their longest prompt), or use --protocol query_agnostic")
+
+
+def context_groups(rows: list[dict], dataset: str) -> list[list[int]]:
+    """The indices of `rows` grouped by context, each group and the groups in row order: rows
+    whose raw prompts agree up to their question (`question_text`) share one context."""
+    groups: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        prompt = protocol.build_prompt(row, dataset)
+        groups.setdefault(prompt[: len(prompt) - len(question_text(row, dataset))], []).append(i)
+    return list(groups.values())
 
 
 def shared_batches(dataset: str, rows: list[dict], pending: list,
@@ -100,13 +108,8 @@ def shared_batches(dataset: str, rows: list[dict], pending: list,
     cells it lacks (possibly none); a line's question_index is its place in that order. A
     batch's length is its longest answer's (each row is answered to its own: `generate`)."""
     missing = {row["_id"]: cells for row, cells in pending}
-    by_context: dict[str, list[dict]] = {}
-    for row in rows:
-        prompt = protocol.build_prompt(row, dataset)
-        context = prompt[: len(prompt) - len(question_text(row, dataset))]
-        by_context.setdefault(context, []).append(row)
     out = []
-    for group in by_context.values():
+    for group in ([rows[i] for i in indices] for indices in context_groups(rows, dataset)):
         if not any(r["_id"] in missing for r in group):
             continue
         if anchor >= len(group):

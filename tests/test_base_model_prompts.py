@@ -28,7 +28,7 @@ from dge_jax.runtime.tokenizer import (
     prompt_format,
     prompt_renderer,
 )
-from experiments import context_protocols, protocol, runner, suites
+from experiments import context_protocols, lengths, protocol, runner, suites
 from experiments.report_header import prompt_format_line
 from experiments.suites.base import RowSettings
 from experiments.suites.synthetic import TASKS
@@ -137,6 +137,21 @@ def test_base_model_rows_and_reconstruction_prompts_use_no_template(base_model):
     assert context + question == (protocol.build_prompt(row, "multikey_shared")
                                   + protocol.answer_prefix("multikey_shared"))
     assert template_parts(tok) == ([], tok.encode("\n", add_special_tokens=False))
+
+
+def test_a_rows_needs_count_what_the_prompt_format_adds(base_model, chat_model):
+    """The default max length leaves room for the answer, the answer prefix and what the
+    format adds around the prompt: nothing for this base model (its tokenizer adds no special
+    tokens), the template's turn for a chat model."""
+    for model in (base_model, chat_model):
+        tok = model.tokenizer
+        rows = suite_rows(model, "synthetic", ["passkey"], 1, synthetic_length=256)
+        prefix = len(tok.encode(TASKS["passkey"].answer_prefix))
+        wrap = 0 if model is base_model else len(tok.encode(tok.apply_chat_template("")))
+        assert model is base_model or wrap > 0
+        ((_, need),) = lengths.answer_needs(model, rows).items()
+        assert need == protocol.max_new_tokens("passkey") + prefix + wrap
+        assert lengths.default_max_length(model, rows) == MAX_POSITIONS - need
 
 
 def test_a_run_on_a_base_model_completes_and_says_raw_prompt(base_dir, base_model, tmp_path,

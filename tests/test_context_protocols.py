@@ -55,6 +55,13 @@ def test_the_question_is_what_follows_the_context(shared_rows):
         cp.split("a context only", question, "row 1")
 
 
+def test_rows_are_grouped_by_their_context_in_row_order(shared_rows):
+    """check_rows and shared_batches group by one rule: the raw prompt before the question."""
+    assert cp.context_groups(shared_rows, "multikey_shared") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    mixed = [shared_rows[4], shared_rows[0], shared_rows[5], shared_rows[1]]
+    assert cp.context_groups(mixed, "multikey_shared") == [[0, 2], [1, 3]]
+
+
 def test_one_batch_per_context_with_every_row(shared_rows):
     pending = [(shared_rows[5], ("snapkv",))]  # only a later row of the second context
     (batch,) = cp.shared_batches("multikey_shared", shared_rows, pending)
