@@ -26,6 +26,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import dge_jax
+from dge_jax import cli
 from dge_jax.checkpoints.embedded import embedded_gguf_path, resolve_model_dir
 from dge_jax.runtime.cache import init_cache
 from dge_jax.runtime.decoding import prompt_positions
@@ -189,10 +190,17 @@ def _their_greedy(reference, ids: list[int], new: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
-def test_greedy_tokens_match_transformers(model, reference):
+def test_greedy_tokens_match_transformers(model, reference, capsys):
     ids = model.tokenizer.encode("The capital of France is")
     ours = dge_jax.generate(model, [ids], max_new_tokens=32, extra_eos_ids=()).tokens[0]
-    assert ours == _their_greedy(reference, ids, 32)
+    theirs = _their_greedy(reference, ids, 32)
+    assert ours == theirs
+    # the README's command line: the same prompt ids and tokens
+    argv = ["generate", "--model", NAME, "--prompt", "The capital of France is",
+            "--max_new_tokens", "32", "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == [ids] and out["tokens"] == [theirs]
 
 
 def test_left_padded_batch_answers_as_each_prompt_alone(model, reference, text_ids):
