@@ -104,7 +104,7 @@ def test_compacted_capacities_follow_the_window_and_the_budget():
 def test_decode_time_compression_keeps_the_window_on_sliding_layers(gemma3):
     """Every compression keeps, on the sliding layer, the last window - 1 positions before the
     next query and, on the global layer, at most the budget; a budget over everything the
-    answer writes reproduces FullKV. A budget under the window is refused by name."""
+    answer writes reproduces FullKV."""
     from dge_jax.eviction.decode_spec import DecodeCompression
 
     prompts, window, new = _prompts(gemma3.config.vocab_size), gemma3.config.window(0), 24
@@ -123,11 +123,31 @@ def test_decode_time_compression_keeps_the_window_on_sliding_layers(gemma3):
     cells = [None, Eviction(SnapKV(window=4), budget=128, decode=wide)]
     full, compressed = dge_jax.generate_grid(gemma3, prompts, cells, max_new_tokens=new)
     assert compressed.tokens == full.tokens
-    wide_window = jax_model(jax_config(layer_windows=(64, 0)))
-    small = Eviction(StreamingLLM(sinks=1), budget=16,
-                     decode=DecodeCompression(budget=16, interval=4))  # fmt: skip
-    with pytest.raises(ValueError, match="keeps at most 16 entries per head .* last 63"):
-        dge_jax.generate_grid(wide_window, prompts, [small], max_new_tokens=4)
+
+
+
+def test_decode_budget_under_the_window_holds_the_window_and_keeps_the_budget():
+    """A decode budget under a sliding window (Gemma 3: 128 against 512) runs: the loop's one
+    capacity holds the window (`DecodeCompression.window_floor`), every compression keeps the
+    window's last entries on the sliding layer and at most the budget on the global one, and
+    the extra slots change no token (the same cell with a larger floor answers the same)."""
+    from dge_jax.eviction.decode_spec import DecodeCompression
+
+    wide_window = jax_model(jax_config(layer_windows=(40, 0)))
+    prompts, new = _prompts(wide_window.config.vocab_size, (60, 47)), 24
+    cells = [Eviction(SnapKV(window=4), budget=16, decode=DecodeCompression(16, 4, floor))
+             for floor in (0, 80)]  # fmt: skip
+    out = dge_jax.generate_grid(wide_window, prompts, cells, max_new_tokens=new,
+                                min_new_tokens=new, record_compressions=True)  # fmt: skip
+    assert out[0].tokens == out[1].tokens
+    for row, prompt in enumerate(prompts):
+        events = out[0].compressions[row]
+        assert len(events) >= 4
+        for event in events:
+            next_pos = len(prompt) + event["step"] - 1
+            sliding, global_ = event["kept"]
+            assert all(h == list(range(next_pos - 39, next_pos)) for h in sliding)
+            assert all(len(h) <= 16 for h in global_)
 
 
 def test_every_rule_keeps_the_window_and_the_budget(gemma3, tmp_path):

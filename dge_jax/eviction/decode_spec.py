@@ -27,17 +27,22 @@ class DecodeCompression:
 
     budget: int = 256
     interval: int = 32
+    window_floor: int = 0
 
     def __post_init__(self) -> None:
-        check_fields(self, ints={"budget": 1, "interval": 1})
+        check_fields(self, ints={"budget": 1, "interval": 1, "window_floor": 0})
 
     def head_cap(self, spread: bool = False) -> int:
         """Most entries one head may keep: the budget rounded up to a slot bucket (so nearby
         budgets share a compilation); twice that when budgets are spread unevenly over heads
         or layers (AdaKV, global, PyramidKV: a head's share is capped here, and what the cap
-        cuts off is not re-split)."""
+        cuts off is not re-split). At least `window_floor`, rounded the same way: set by
+        `grid_plan.check_cells` to a model's longest window less one where sliding layers
+        keep their window, which the loop's one capacity for all layers must then hold (the
+        global layers still keep the budget; the slots beyond it stay empty)."""
         cap = -(-self.budget // CAP_MULTIPLE) * CAP_MULTIPLE
-        return 2 * cap if spread else cap
+        cap = 2 * cap if spread else cap
+        return max(cap, -(-self.window_floor // CAP_MULTIPLE) * CAP_MULTIPLE)
 
     def capacity(self, spread: bool = False) -> int:
         """Slots per head of the decode loop's cache: `head_cap` + `interval`."""

@@ -60,16 +60,20 @@ def check_cells(
     for ev in cells:
         if ev is not None:
             check_eviction(ev, max_new_tokens)
-            cap = ev.decode.head_cap(spreads_budget(ev)) if ev.decode is not None else None
-            cap = None if ev.sliding == "evict" else cap  # then the budget holds every layer
-            if cap is not None and max(windows, default=0) - 1 > cap:
-                raise ValueError(
-                    f"decode-time compression keeps at most {cap} entries per head "
-                    f"(DecodeCompression.budget {ev.decode.budget}), but a sliding layer keeps "
-                    f"its window's last {max(windows) - 1}: raise the budget to at least that, "
-                    "or evict once (timing prefill, dge or dge_w)"
-                )
-    return cells
+    return [_hold_windows(ev, windows) for ev in cells]
+
+
+def _hold_windows(ev: Eviction | None, windows: tuple[int, ...]) -> Eviction | None:
+    """A cell that compresses while decoding, on a model whose sliding layers keep their
+    window (`Eviction.sliding` "window"), with its decode loop's head cap raised to hold the
+    longest window less one (`DecodeCompression.window_floor`): the loop has one capacity
+    for all layers, the budget still applies to the global layers."""
+    if ev is None or ev.decode is None or ev.sliding == "evict" or max(windows, default=0) < 2:
+        return ev
+    floor = max(windows) - 1
+    if ev.decode.head_cap(spreads_budget(ev)) >= floor:
+        return ev
+    return dataclasses.replace(ev, decode=dataclasses.replace(ev.decode, window_floor=floor))
 
 
 @dataclasses.dataclass(frozen=True)
