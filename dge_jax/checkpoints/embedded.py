@@ -190,22 +190,17 @@ def _cache_fault(error: OSError, root: Path, name: str) -> ModelCacheError | Non
 
 
 class _Progress:
-    """`progress(done, total)` for the converter: a line on stderr at each quarter of the
-    tensors (one line rewritten in place on a terminal), so a long conversion shows it lives."""
+    """`progress(done, total)` for the converter: on a terminal, one stderr line rewritten in
+    place with the tensors done; elsewhere nothing (logs keep the two lines around it)."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.shown = name, 0
+        self.name = name
         self.tty = sys.stderr.isatty()
 
     def __call__(self, done: int, total: int) -> None:
-        percent = 100 * done // total
         if self.tty:
             end = "\n" if done == total else ""
-            print(f"\r  {self.name}: {done}/{total} tensors", end=end, file=sys.stderr)
-        elif percent >= self.shown + 25 or done == total:
-            self.shown = percent - percent % 25
-            print(f"  {self.name}: {done}/{total} tensors ({percent}%)", file=sys.stderr)
-        sys.stderr.flush()
+            print(f"\r  {self.name}: {done}/{total} tensors", end=end, file=sys.stderr, flush=True)
 
 
 def converted_dir(gguf_path: str | os.PathLike[str], name: str, dtype: str = "float32") -> Path:
