@@ -146,9 +146,11 @@ def replication_table(entries: list[dict]) -> str:
     header = ["claim", "suite", "run", "n", "wins / losses", "effect (acc. points)",
               "p (Holm)", "verdict"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    models = {e.get("model") for e in entries}
     for e in entries:
+        suite = e["suite"] + (f" ({e.get('model')})" if len(models) > 1 else "")
         lines.append("| " + " | ".join([
-            e["claim"], e["suite"], pathlib.Path(e["folder"]).name, str(e["n"]),
+            e["claim"], suite, pathlib.Path(e["folder"]).name, str(e["n"]),
             f"{e['wins']} / {e['losses']}", f"{e['effect']:+.2f}", format_p(e["p_holm"]),
             e["verdict"]]) + " |")
     return "\n".join(lines) + "\n"
