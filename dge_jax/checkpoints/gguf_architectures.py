@@ -160,11 +160,16 @@ _LLAMA_TABLE = _table((
     (r"blk\.(\d+)\.ffn_norm\.weight", r"model.layers.\1.post_attention_layernorm.weight"),
 ))  # fmt: skip
 
-_LLAMA_KEYS = frozenset({
+# `<arch>.*` metadata keys both architectures read (`_attention`, the RoPE base).
+_SHARED_KEYS = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.key_length",
     "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
-    "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
+    "rope.dimension_count",
+})  # fmt: skip
+
+_LLAMA_KEYS = _SHARED_KEYS | frozenset({
+    "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "rope.scaling.finetuned", "expert_count",
     "expert_used_count",
 })  # fmt: skip
@@ -246,12 +251,7 @@ _GEMMA3_TABLE = _table((
     (r"blk\.(\d+)\.post_ffw_norm\.weight", r"model.layers.\1.post_feedforward_layernorm.weight"),
 ))  # fmt: skip
 
-_GEMMA3_KEYS = frozenset({
-    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
-    "attention.head_count", "attention.head_count_kv", "attention.key_length",
-    "attention.value_length", "attention.layer_norm_rms_epsilon", "rope.freq_base",
-    "rope.dimension_count", "attention.sliding_window",
-})  # fmt: skip
+_GEMMA3_KEYS = _SHARED_KEYS | {"attention.sliding_window"}
 
 _GEMMA3_NORMS = (
     "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
