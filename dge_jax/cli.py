@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import HEAD_BUDGETS, Eviction
 from dge_jax.eviction.selection import TIES
-from dge_jax.eviction.timing import KINDS, Timing
+from dge_jax.eviction.timing import KINDS, Lookahead, Timing
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.rules.registry import RULES, make_rule, resolve
 from dge_jax.runtime import platform
@@ -40,6 +40,7 @@ EVICTION_DEFAULTS = {
 }  # fmt: skip
 RULE_OPTIONS = ("window", "kernel", "pooling", "gqa", "gqa_before_pool")
 DECODE_FLAGS = ("decode_budget", "interval")
+LOOKAHEAD_FLAGS = ("lookahead_budget", "lookahead_window")
 
 
 class _StoreOnce(argparse.Action):
@@ -188,6 +189,15 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--interval", type=int, default=None, help="decode steps between compressions (32)"
     )
+    ev.add_argument(
+        "--lookahead_budget", type=int, default=None,
+        help="--timing lookahead (LAQ): entries per kv head of the compressed copy its --k "
+        "lookahead tokens come from (512)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--lookahead_window", type=int, default=None,
+        help="--timing lookahead: the query window that copy is compressed with (32)",
+    )  # fmt: skip
     rule_option = ev.add_argument(
         "--rule_option",
         action="append",
@@ -222,7 +232,8 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
     """The `Eviction` the flags describe (None for --rule full); flags that would be ignored
     and values out of range raise, naming the flag."""
     if args.rule == "full":
-        names = (*EVICTION_DEFAULTS, *RULE_OPTIONS, *DECODE_FLAGS, "rule_option")
+        names = (*EVICTION_DEFAULTS, *RULE_OPTIONS, *DECODE_FLAGS, *LOOKAHEAD_FLAGS,
+                 "rule_option")  # fmt: skip
         given = [f"--{name}" for name in names if getattr(args, name) is not None]
         if given:
             evicting = ", ".join(sorted(set(RULES) - {"full"}))
@@ -247,7 +258,7 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
     if timing in ("prefill", "decode"):
         if k != 1 and args.k is not None:
             when = "evicts at k=1" if timing == "prefill" else "evicts while decoding"
-            raise ValueError(f"--k applies to --timing dge/dge_w; {timing} {when}")
+            raise ValueError(f"--k applies to --timing dge/dge_w/dge_d/lookahead; {timing} {when}")
         k = 1
     options = {
         name: getattr(args, name) for name in RULE_OPTIONS if getattr(args, name) is not None
@@ -263,12 +274,24 @@ def eviction_from_args(args: argparse.Namespace) -> Eviction | None:
     return Eviction(
         rule=make_rule(args.rule, **options),
         budget=budget,
-        timing=Timing(timing, k),
+        timing=Timing(timing, k, lookahead=lookahead_from_args(args, timing)),
         head_budget=head_budget,
         alpha=alpha,
         ties=ties,
         decode=decode,
     )
+
+
+def lookahead_from_args(args: argparse.Namespace, timing: str) -> Lookahead | None:
+    """--lookahead_budget / --lookahead_window as timing lookahead's first stage (LAQ's
+    defaults where not given; None for the other timings, which refuse the flags)."""
+    given = {name: getattr(args, name) for name in LOOKAHEAD_FLAGS if getattr(args, name)
+             is not None}  # fmt: skip
+    if timing != "lookahead":
+        if given:
+            raise ValueError(f"{', '.join('--' + n for n in given)} apply to --timing lookahead")
+        return None
+    return Lookahead(**{name.removeprefix("lookahead_"): v for name, v in given.items()})
 
 
 def decode_compression_from_args(args: argparse.Namespace) -> DecodeCompression | None:
@@ -303,7 +326,7 @@ def parse_rule_options(items: Sequence[str]) -> dict[str, tuple[object, str]]:
                 f"--rule_option {name}={options[name][1]} and --rule_option {item} both set "
                 f"the field {name}; give it once"
             )
-        if name in (*EVICTION_DEFAULTS, *DECODE_FLAGS):
+        if name in (*EVICTION_DEFAULTS, *DECODE_FLAGS, *LOOKAHEAD_FLAGS):
             raise ValueError(
                 f"--rule_option {item} sets {name}, which is not a field of the rule; "
                 f"use --{name} {text}"

@@ -65,11 +65,13 @@ from dge_jax.stages import (
     decode,
     draft,
     evict,
+    lookahead,
     prefill,
     reconstruct,
     results,
     rewind,
     select,
+    with_lookahead,
 )
 
 __all__ = [
@@ -191,10 +193,11 @@ def evicted_plans(
         model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells), bounded
     )
     prefilled = reconstruct(model, request, prefilled, recording, hook)
+    looked = lookahead(model, request, prefilled, cells, recording, sampler, hook)
     # The draft writes into prefill's cache in place, unless a FullKV cell decodes from it.
     keep_start = any(ev is None for ev in cells)
     drafted = draft(model, request, prefilled, recording, sampler, hook, keep_start)
-    plans = rewind(request, prefilled, drafted, cells, hook)
+    plans = with_lookahead(rewind(request, prefilled, drafted, cells, hook), looked)
     end = None if context_end is None else jnp.asarray(np.asarray(context_end, np.int32))
     plans = select(model, prefilled, plans, hook, end)
     # their full caches now live only in the plans that decode in them
@@ -236,7 +239,8 @@ def _check(contexts, questions, cells, anchor: int) -> tuple[list, list[list], i
         if ev is not None and (ev.decode is not None or ev.timing.kind == "decode"):
             raise ValueError(
                 f"cell {i} compresses while decoding; generate_for_contexts compresses the "
-                "context once before its questions: use timing prefill, dge or dge_w"
+                "context once before its questions: use timing prefill, dge, dge_w, dge_d or "
+                "lookahead"
             )
     return contexts, list(questions), n
 
@@ -277,7 +281,9 @@ def generate_for_contexts(
     asked = [_ids(model, q, False, f"question of context {i}") for i, q in enumerate(questions)]
     _check_positions(model, ctx, asked, lengths)
     ends = [len(c) - 1 for c in ctx]
-    drafts = [i for i, ev in enumerate(checked) if ev is not None and ev.timing.kind != "prefill"]
+    # DGE's cells draft on the anchor question; a lookahead continues the context itself
+    drafts = [i for i, ev in enumerate(checked)
+              if ev is not None and ev.timing.kind not in ("prefill", "lookahead")]  # fmt: skip
     alone = [i for i in range(len(checked)) if i not in drafts]
     layout = "full" if any(model.config.layer_windows) else None
     if layout and cfg.sliding_cache == "bounded":

@@ -1,6 +1,7 @@
 """The stages of `generate_grid`, one function each, over one `CellPlan` per cell.
 
-    prepare -> prefill -> reconstruct -> draft -> rewind -> select -> evict -> decode -> results
+    prepare -> prefill -> reconstruct -> lookahead -> draft -> rewind -> select -> evict
+        -> decode -> results
 
 The numeric work happens in the pure jitted functions the stages call
 (`dge_jax.runtime.decoding`, `dge_jax.eviction.evict`). A grid of cells (evictions, or None for
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.eviction import decode_compression, observation
+from dge_jax.eviction import lookahead as laq
 from dge_jax.eviction.decode_spec import CAP_MULTIPLE
 from dge_jax.eviction.evict import (
     SelectionSpec,
@@ -47,8 +49,8 @@ from dge_jax.runtime.sampling import Greedy
 GREEDY = Greedy()
 # The jitted steps a hook sees, in the order they first run.
 STAGES = (
-    "prefill", "reconstruct", "draft", "rewind", "keep_masks", "apply_eviction", "stack_states",
-    "decode", "decode_compressed",
+    "prefill", "reconstruct", "lookahead", "draft", "rewind", "keep_masks", "apply_eviction",
+    "stack_states", "decode", "decode_compressed",
 )  # fmt: skip
 Hook = Callable[..., Any]  # hook(stage, fn, *args, **kwargs) -> fn(*args, **kwargs)
 
@@ -156,6 +158,60 @@ def reconstruct(
     return dataclasses.replace(prefilled, pre=pre._replace(obs=obs))
 
 
+def lookahead(
+    model: Model,
+    request: Request,
+    prefilled: Prefilled,
+    cells,
+    recording: GridRecording,
+    sampler,
+    hook=None,
+) -> dict[tuple, DraftRecord]:
+    """Every "lookahead" cell's record, one per `laq.lookahead_key` (cells that differ only
+    by budget, or by a rule sharing the first stage, share it): a compressed copy of
+    prefill's cache (`laq.first_stage`), k steps from the first answer token on it, their
+    record with each row's steps after its EOS unobserved and attention moved onto the full
+    cache's slots. Runs before the draft, which may take prefill's cache; the copies go
+    when their step ends."""
+    records: dict[tuple, DraftRecord] = {}
+    cache = prefilled.start.cache
+    for ev in cells:
+        if ev is None or ev.timing.kind != "lookahead":
+            continue
+        key = laq.lookahead_key(ev)
+        if key in records:
+            continue
+        first, steps = key
+        obs, _ = observation.for_rule(first.rule, prefilled.pre.obs, None)
+        if first.rule.needs.out_proj:
+            obs = dataclasses.replace(obs, out_proj=out_projection(model))
+        keep = _call(hook, "keep_masks", keep_masks, cache, obs, None, [first],
+                     model.config.layer_windows)[0]  # fmt: skip
+        copy = _call(hook, "apply_eviction", apply_eviction, cache, keep, first, None, steps)
+        state = laq.start(prefilled.start, copy, steps, request.eos_ids)
+        before = jnp.copy(state.step)  # the state is donated
+        state, record = _call(
+            hook, "lookahead", decoding.draft_tokens,
+            model.forward, model.config, model.params, state,
+            sampler=sampler, eos_ids=request.eos_ids, num_steps=steps,
+            recording=recording.needs.recording.steps,
+            min_new_tokens=request.min_new_tokens, attention=request.attention,
+        )  # fmt: skip
+        record = laq.observed_steps(record, before, state.step)
+        if record.probs is not None:
+            probs = laq.onto_slots(record.probs, state.cache.padded_pos(), cache.padded_pos())
+            record = record._replace(probs=probs)
+        records[key] = record
+    return records
+
+
+def with_lookahead(plans: list[CellPlan], records: dict[tuple, DraftRecord]) -> list[CellPlan]:
+    """The "lookahead" cells' plans observing their lookahead (in place of any draft)."""
+    return [plan if plan.eviction is None or plan.eviction.timing.kind != "lookahead" else
+            dataclasses.replace(plan, drafts=records[laq.lookahead_key(plan.eviction)])
+            for plan in plans]  # fmt: skip
+
+
 def draft(
     model: Model,
     request: Request,
@@ -245,6 +301,8 @@ def select(
     for i, plan in enumerate(plans):
         if plan.eviction is not None and plan.eviction.timing.before_decoding:
             point = None if plan.steps is None else tuple(int(s) for s in plan.steps)
+            if plan.eviction.timing.kind == "lookahead":  # its own record, not the draft's
+                point = (point, laq.lookahead_key(plan.eviction))
             sweeps.setdefault((point, scoring_key(plan.eviction)), []).append(i)
     plans = list(plans)
     for members in sweeps.values():

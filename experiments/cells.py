@@ -18,7 +18,7 @@ from typing import Any
 
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
-from dge_jax.eviction.timing import KINDS, Adaptive, Timing
+from dge_jax.eviction.timing import KINDS, OBSERVES_DRAFTS, WITH_K, Adaptive, Lookahead, Timing
 from dge_jax.rules.registry import RULES, WRAPPERS, make_rule, resolve, rule_fields
 
 ADAKV_PREFIX = "adakv_"
@@ -51,7 +51,7 @@ class Cell:
     def id(self) -> str:
         if self.rule == "full":
             return "full"
-        drafts = self.timing in ("dge", "dge_w")
+        drafts = self.timing in WITH_K
         k = f"/k{self.k}{'a' if self.adaptive else ''}" if drafts else ""
         decode = f"/d{self.decode_budget}/i{self.interval}" if self.decode_budget else ""
         return f"{self.rule}/{self.timing}{k}/b{self.budget}{decode}"
@@ -76,9 +76,11 @@ class Cell:
     def eviction(
         self, rule_options: dict[str, Any], adaptive: Adaptive | None = None,
         draft_weight: float = 1.0, ties: str = "later", sliding: str = "window",
+        lookahead: Lookahead | None = None,
     ) -> Eviction | None:
         """The `Eviction` of this cell; options a rule does not take are left out. `ties`:
-        which of equal scores is kept (`Eviction.ties`); `sliding`: `Eviction.sliding`."""
+        which of equal scores is kept (`Eviction.ties`); `sliding`: `Eviction.sliding`;
+        `lookahead`: a "lookahead" cell's first stage (None: LAQ's defaults)."""
         if self.rule == "full":
             return None
         options = self.rule_options(rule_options)
@@ -89,7 +91,8 @@ class Cell:
             rule=make_rule(self.rule_name, **options),
             budget=self.budget,
             timing=Timing(self.timing, self.k, adaptive=adaptive if self.adaptive else None,
-                          draft_weight=draft_weight if self.timing in ("dge", "dge_w") else 1.0),
+                          draft_weight=draft_weight if self.timing in OBSERVES_DRAFTS else 1.0,
+                          lookahead=lookahead if self.timing == "lookahead" else None),
             head_budget=head_budget,
             alpha=alpha,
             ties=ties,
@@ -113,9 +116,10 @@ def parse_cell_id(cell_id: str) -> Cell:
 
 def cell_order(cell_id: str) -> tuple:
     """Sort key of tables: FullKV first, then by rule and numeric budget (b64 before
-    b128), prefill before DGE before DGE-W, then k, adaptive, decode budget and interval."""
+    b128), prefill, DGE, DGE-W, DGE-D, lookahead, then k, adaptive, decode budget and
+    interval."""
     c = parse_cell_id(cell_id)
-    timing = {"prefill": 0, "dge": 1, "dge_w": 2}.get(c.timing, 3)
+    timing = {"prefill": 0, "dge": 1, "dge_w": 2, "dge_d": 3, "lookahead": 4}.get(c.timing, 5)
     return (c.rule != "full", c.rule, c.budget, timing, c.k, c.adaptive, c.decode_budget,
             c.interval)
 
@@ -148,10 +152,11 @@ def build_cells(
 ) -> list[Cell]:
     """Every cell of the grid, FullKV first; "prefill" cells ignore k (they evict at k=1).
 
-    adaptive_k_max adds, for each DGE timing, an adaptive cell drafting at most that k.
+    adaptive_k_max adds, for dge and dge_w, an adaptive cell drafting at most that k.
     decode_budgets adds, next to each cell, its variants that also compress while decoding
-    (every decode budget x interval); timing "decode" cells compress only while decoding, one
-    per decode budget and interval (their budget is the decode budget).
+    (every decode budget x interval; not for "lookahead", which evicts once); timing
+    "decode" cells compress only while decoding, one per decode budget and interval (their
+    budget is the decode budget).
     """
     if "decode" in timings and not decode_budgets:
         raise ValueError("timing 'decode' compresses only while decoding: give decode budgets")
@@ -166,6 +171,8 @@ def build_cells(
     for k in ks:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
+    if "dge_d" in timings and min(ks) < 2:
+        raise ValueError("timing dge_d observes only the k - 1 drafted queries: give k >= 2")
     for b in budgets:
         if b < 1:
             raise ValueError(f"budgets must be >= 1, got {b}")
@@ -179,8 +186,10 @@ def build_cells(
             for k in ([1] if timing == "prefill" else ks):
                 for budget in budgets:
                     cells.append(Cell(rule, timing, k, budget))
-                    cells += [Cell(rule, timing, k, budget, False, d, i) for d, i in variants]
-            if adaptive_k_max and timing != "prefill":
+                    if timing != "lookahead":
+                        cells += [Cell(rule, timing, k, budget, False, d, i)
+                                  for d, i in variants]  # fmt: skip
+            if adaptive_k_max and timing in ("dge", "dge_w"):
                 for budget in budgets:
                     cells.append(Cell(rule, timing, adaptive_k_max, budget, adaptive=True))
     return list(dict.fromkeys(cells))

@@ -18,7 +18,7 @@ from collections import defaultdict
 import numpy as np
 
 from experiments import suites
-from experiments.cells import cell_order, parse_cell_id
+from experiments.cells import WITH_K, cell_order, parse_cell_id
 from experiments.suites.niah import DATASET, grid_cell
 
 Grid = tuple[list[int], list[int], dict[str, np.ndarray]]  # lengths, depths, cell -> [D, L]
@@ -45,13 +45,13 @@ def grids(rows: list[dict]) -> Grid:
 
 
 def differences(cells: dict[str, np.ndarray]) -> dict[str, tuple[str, np.ndarray]]:
-    """Each DGE / DGE-W cell's map minus its rule's prefill cell at the same budget, by the
-    cell's id: (the baseline's id, the difference)."""
+    """Each drafting (or lookahead) cell's map minus its rule's prefill cell at the same
+    budget, by the cell's id: (the baseline's id, the difference)."""
     out = {}
     for cell, m in cells.items():
         c = parse_cell_id(cell)
         base = f"{c.rule}/prefill/b{c.budget}"
-        if c.timing in ("dge", "dge_w") and base in cells:
+        if c.timing in WITH_K and base in cells:
             out[cell] = (base, m - cells[base])
     return out
 

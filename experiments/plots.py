@@ -19,7 +19,8 @@ from experiments.replication import SIGNIFICANT
 from experiments.stats import bootstrap_mean_ci, clopper_pearson
 
 Samples = dict[str, dict[tuple[str, str], float]]  # cell id -> {(dataset, sample): row score}
-TIMING_COLORS = {"prefill": "tab:blue", "dge": "tab:red", "dge_w": "tab:green"}
+TIMING_COLORS = {"prefill": "tab:blue", "dge": "tab:red", "dge_w": "tab:green",
+                 "dge_d": "tab:purple"}
 
 
 def _pyplot():
@@ -224,8 +225,8 @@ def dge_delta(comparisons: list[dict], title_text: str,
 
 def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathlib.Path | None:
     """accuracy_vs_k.png: mean score against k per rule and budget (dge solid, dge_w
-    dashed, the prefill cell at k = 1), each line named by its cells' id with k as `k*`
-    (`snapkv/dge/k*/b128`); written only when a run has several k."""
+    dashed, dge_d dotted, the prefill cell at k = 1), each line named by its cells' id with
+    k as `k*` (`snapkv/dge/k*/b128`); written only when a run has several k."""
     cells = [parse_cell_id(c) for c in scores["averages"]]
     if len({c.k for c in cells if c.timing != "prefill" and not c.adaptive}) < 2:
         return None
@@ -246,7 +247,7 @@ def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathl
 
 def _k_lines(ax, scores: dict, cells: list[Cell], rule: str, budget: int) -> None:
     base = scores["averages"].get(f"{rule}/prefill/b{budget}", {}).get("mean")
-    for timing, style in (("dge", "-"), ("dge_w", "--")):
+    for timing, style in (("dge", "-"), ("dge_w", "--"), ("dge_d", ":")):
         pts = sorted((c.k, scores["averages"][c.id]["mean"]) for c in cells
                      if c.rule == rule and c.budget == budget
                      and c.timing == timing and not c.adaptive)

@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 
 from experiments import heatmaps, plots, suites
-from experiments.cells import Cell, cell_order, parse_cell_id
+from experiments.cells import WITH_K, Cell, cell_order, parse_cell_id
 from experiments.predictions import read_folder
 from experiments.replication import (
     SIGNIFICANT,
@@ -93,7 +93,7 @@ def markdown_table(scores: dict) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for cell in sorted(averages, key=cell_order):
         c = parse_cell_id(cell)
-        drafts = c.timing in ("dge", "dge_w") and c.rule != "full"  # k means nothing else
+        drafts = c.timing in WITH_K and c.rule != "full"  # k means nothing else
         row = [c.rule, "-" if c.rule == "full" else c.timing,
                f"{c.k}{'a' if c.adaptive else ''}" if drafts else "-",
                "-" if c.rule == "full" else str(c.budget)]
@@ -168,7 +168,13 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     drafted = [(cell, c) for cell, c in cells if c.rule != "full" and c.timing != "prefill"]
     against_prefill = [pair(cell, f"{c.rule}/prefill/b{c.budget}") for cell, c in drafted]
     against_dge_w = [pair(cell, dataclasses.replace(c, timing="dge_w").id)
+                     for cell, c in drafted + decoding if c.timing in ("dge", "dge_d")]
+    # DGE's observation decomposed: window and drafts (dge) against drafts alone (dge_d)
+    against_dge_d = [pair(cell, dataclasses.replace(c, timing="dge_d").id)
                      for cell, c in drafted + decoding if c.timing == "dge"]  # fmt: skip
+    # keeping the drafts (dge) against LAQ's thrown-away lookahead of the same k
+    against_lookahead = [pair(cell, dataclasses.replace(c, timing="lookahead").id)
+                         for cell, c in drafted if c.timing == "dge" and not c.adaptive]
     against_full = [pair(cell, "full") for cell, c in cells + decoding
                     if c.rule != "full" and c.timing in ("prefill", "decode")]
     prefill_only = [pair(cell, f"{c.rule}/prefill/b{c.budget}" if c.timing == "decode"
@@ -178,7 +184,8 @@ def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
     against_decode = [pair(cell, Cell(c.rule, "decode", 1, c.budget, False, c.budget, c.k).id)
                       for cell, c in drafted if not c.adaptive]  # fmt: skip
     comparisons = [p for p in against_full + against_prefill + prefill_only + against_dge_w
-                   + against_decode if p is not None]  # fmt: skip
+                   + against_dge_d + against_lookahead + against_decode
+                   if p is not None]  # fmt: skip
     for c, adjusted in zip(comparisons, holm([c["p"] for c in comparisons]), strict=True):
         c["p_holm"] = adjusted
     for c, adjusted in zip(comparisons, holm([c["p_scores"] for c in comparisons]), strict=True):
@@ -265,8 +272,9 @@ def _largest(comparisons: list[dict]) -> str:
 
 PAIRED_INTRO = (
     "\nPaired comparisons on the same samples: each `<rule>/prefill/b<budget>` cell against "
-    "`full`, each `dge` / `dge_w` cell against the prefill cell of its rule and budget, then "
-    "each `dge` cell against the `dge_w` cell of the same k and budget, each `dge` / `dge_w` "
+    "`full`, each `dge` / `dge_w` / `dge_d` cell against the prefill cell of its rule and "
+    "budget, then each `dge` and `dge_d` cell against the `dge_w` cell of the same k and "
+    "budget and each `dge` cell against the `dge_d` and `lookahead` ones, each drafting "
     "cell against the `decode` timing at interval k and the same budget (kvpress's "
     "DecodingPress at compression_interval = k) where the run has it, and each cell that "
     "compresses while decoding against `full` and its prefill-only cell (correct = row score "

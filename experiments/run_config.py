@@ -12,7 +12,7 @@ import sys
 from absl import flags
 
 from dge_jax.cli import RULE_OPTIONS
-from dge_jax.eviction.timing import Adaptive
+from dge_jax.eviction.timing import Adaptive, Lookahead
 from dge_jax.rules.registry import RULES
 from dge_jax.runtime.platform import ATTENTION
 from experiments import suites
@@ -43,7 +43,7 @@ flags.DEFINE_list("rules", DEFAULT_RULES, f"scoring rules: {', '.join(RULES)}, "
                   "budgets) and global_<rule> (one pool across layers and heads)")
 OLD_RULES_FLAG = "methods"  # --rules' name before the scoring rules were called rules
 flags.DEFINE_list(OLD_RULES_FLAG, DEFAULT_RULES, "deprecated: the old name of --rules")
-flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w; decode "
+flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w, dge_d; decode "
                   "(compress only while decoding, at each --decode_budgets)")
 flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
 flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")
@@ -121,6 +121,10 @@ flags.DEFINE_float("adaptive_threshold", 1.0, "threshold of --adaptive_rule")
 flags.DEFINE_integer("k_max", 8, "most answer tokens an adaptive cell drafts")
 flags.DEFINE_float("draft_weight", 1.0, "weight of draft queries relative to prompt-window "
                    "queries in DGE scores (1 = the paper's DGE)")
+flags.DEFINE_integer("lookahead_budget", 512, "timing lookahead (LAQ): entries per kv head of "
+                     "the compressed copy its k lookahead tokens are generated from")
+flags.DEFINE_integer("lookahead_window", 32, "timing lookahead (LAQ): the query window the "
+                     "rule compresses that copy with")
 
 
 
@@ -177,7 +181,8 @@ def rules_flag(values: flags.FlagValues) -> str:
 def check_scalar_flags(values: flags.FlagValues, suite: Suite) -> None:
     """Refuses integer and number flags out of range (before anything is loaded or written)."""
     least = {"batch_size": 1, "chunk": 1, "num_samples": 1, "max_length": 2,
-             "synthetic_length": 1, "ruler_length": 1, "window": 0, "kernel": 1}
+             "synthetic_length": 1, "ruler_length": 1, "window": 0, "kernel": 1,
+             "lookahead_budget": 1, "lookahead_window": 1}
     if values.adaptive_rule:
         least["k_max"] = 1
     for name, low in least.items():
@@ -225,6 +230,7 @@ class RunConfig:
     sliding_cache: str = "auto"
     protocol: str = "query_aware"
     anchor: int = 0
+    lookahead: Lookahead = Lookahead()
 
     @classmethod
     def from_flags(cls, values: flags.FlagValues) -> RunConfig:
@@ -263,7 +269,8 @@ class RunConfig:
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
             k_max=values.k_max, attention=values.attention, sliding=values.sliding,
             distributed=values.distributed, sliding_cache=values.sliding_cache,
-            protocol=values.protocol, anchor=values.anchor)
+            protocol=values.protocol, anchor=values.anchor,
+            lookahead=Lookahead(values.lookahead_budget, values.lookahead_window))
 
     def adaptive(self) -> Adaptive | None:
         """The adaptive-k rule of the grid's adaptive cells (None without --adaptive_rule)."""

@@ -23,7 +23,7 @@ from absl import logging as absl_logging
 
 from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
 from experiments import context_protocols, distributed, predictions, protocol, suites
-from experiments.cells import Cell
+from experiments.cells import OBSERVES_DRAFTS, Cell
 from experiments.lengths import prompt_length
 from experiments.predictions import PredictionStore, config_hash, prediction_key
 from experiments.run_config import FLAGS, RunConfig, UsageError
@@ -92,6 +92,9 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         **({} if config.sliding_cache == "auto" else {"sliding_cache": config.sliding_cache}),
         **({} if config.protocol == "query_aware" else {"context_protocol": config.protocol}),
         **({} if config.anchor == 0 else {"anchor": config.anchor}),
+        # only in runs with lookahead cells (and only their lines hash it: `cell_config`)
+        **({"lookahead": dataclasses.asdict(config.lookahead)}
+           if any(c.timing == "lookahead" for c in config.cells) else {}),  # fmt: skip
         # a model without a chat template: its raw prompts (every earlier folder had one)
         **({} if prompt_format(model.tokenizer) != RAW_PROMPT else {"prompt_format": RAW_PROMPT}),
     }
@@ -116,7 +119,9 @@ def run_backend(config: RunConfig, model):
 def cell_config(identity: dict, cell: Cell) -> dict:
     """What a cell's predictions depend on: the run identity, cut to what the cell uses (a
     line's key hashes it, so a line is only ever reused by the cell that wrote it)."""
-    uses_drafts = cell.timing == "dge"
+    uses_drafts = cell.timing in OBSERVES_DRAFTS
+    identity = {k: v for k, v in identity.items()
+                if k != "lookahead" or cell.timing == "lookahead"}  # fmt: skip
     return {
         **identity, "cell": cell.id,
         RULE_OPTIONS_KEY: cell.rule_options(identity[RULE_OPTIONS_KEY]),
@@ -233,7 +238,8 @@ def grid_evictions(config: RunConfig, identity: dict, lengths: dict[str, list[in
         where = ""
         try:
             evictions[c] = ev = c.eviction(identity[RULE_OPTIONS_KEY], adaptive,
-                                           config.draft_weight, config.ties, config.sliding)
+                                           config.draft_weight, config.ties, config.sliding,
+                                           config.lookahead)
             for d, ns in lengths.items() if ev is not None else ():
                 where = f" on {d}"
                 for n in ns:

@@ -232,7 +232,8 @@ def test_cli_prefill_with_k_exits_2_with_one_line(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
-    assert lines == ["error: --k applies to --timing dge/dge_w; prefill evicts at k=1"]
+    want = "error: --k applies to --timing dge/dge_w/dge_d/lookahead; prefill evicts at k=1"
+    assert lines == [want]
 
 
 def _cli_error(capsys, *flags: str) -> str:
@@ -253,6 +254,7 @@ def _cli_error(capsys, *flags: str) -> str:
         (["--window", "8", "--gqa", "max"], "--window, --gqa"),
         (["--rule", "full", "--budget", "128"], "--budget"),
         (["--decode_budget", "64", "--interval", "8"], "--decode_budget, --interval"),
+        (["--lookahead_budget", "64"], "--lookahead_budget"),
     ],
 )
 def test_cli_eviction_flags_without_an_evicting_rule_are_refused(capsys, flags, named):
@@ -270,7 +272,10 @@ def test_cli_eviction_flags_without_an_evicting_rule_are_refused(capsys, flags, 
         (["--budget", "-5", "--timing", "prefill"], "--budget must be >= 1"),
         (["--k", "0"], "--k must be >= 1 (answer tokens before eviction), got 0"),
         (["--k", "-2", "--timing", "dge_w"], "--k must be >= 1"),
-        (["--k", "2", "--timing", "prefill"], "--k applies to --timing dge/dge_w; prefill"),
+        (["--k", "2", "--timing", "prefill"], "--k applies to --timing dge/dge_w/dge_d/lookahe"),
+        (["--k", "1", "--timing", "dge_d"], "timing dge_d observes only the k - 1 drafted"),
+        (["--lookahead_budget", "64"], "--lookahead_budget apply to --timing lookahead"),
+        (["--timing", "lookahead", "--lookahead_window", "0"], "Lookahead.window must be an"),
         (["--interval", "8"], "--interval applies with --decode_budget"),
         (["--timing", "decode"], "--timing decode evicts only while decoding: give --decode_"),
         (["--decode_budget", "0"], "--decode_budget must be >= 1 (entries per kv head), got 0"),

@@ -402,6 +402,29 @@ def test_synthetic_suite_on_the_tiny_model(model_dir, env, tmp_path):
     assert (out / "results.md").is_file() and (out / "score_vs_budget.png").is_file()
 
 
+def test_dge_d_and_lookahead_cells_run_and_are_compared(model_dir, env, tmp_path):
+    """--timings dge,dge_w,dge_d,lookahead: cell ids name k, the lookahead's first stage is in
+    the identity of this run (and hashed only by its cells' lines), and the report pairs each
+    dge cell with its dge_d and lookahead cells and dge_d with dge_w."""
+    out = tmp_path / "family"
+    run_ok([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
+            "--suite", "synthetic", "--datasets", "passkey", "--num_samples", "1",
+            "--synthetic_length", "256", "--rules", "snapkv",
+            "--timings", "dge,dge_w,dge_d,lookahead", "--k", "3", "--budgets", "16",
+            "--window", "4", "--lookahead_budget", "48", "--lookahead_window", "8",
+            "--out_dir", str(out)], env)  # fmt: skip
+    cells = sorted(r["cell"] for r in read_rows(out))
+    assert cells == ["snapkv/dge/k3/b16", "snapkv/dge_d/k3/b16", "snapkv/dge_w/k3/b16",
+                     "snapkv/lookahead/k3/b16"]  # fmt: skip
+    identity = json.loads((out / "config.json").read_text())["identity"]
+    assert identity["lookahead"] == {"budget": 48, "window": 8}
+    pairs = {(c["cell"], c["baseline"]) for c in json.loads(
+        (out / "scores.json").read_text())["paired"]}  # fmt: skip
+    assert {("snapkv/dge/k3/b16", "snapkv/dge_d/k3/b16"),
+            ("snapkv/dge/k3/b16", "snapkv/lookahead/k3/b16"),
+            ("snapkv/dge_d/k3/b16", "snapkv/dge_w/k3/b16")} <= pairs  # fmt: skip
+
+
 def test_without_answer_prefix_the_prompt_ends_at_the_chat_template(model_dir, env, tmp_path):
     """--noanswer_prefix: the same rows, prompts shorter by the prefix's tokens, and its own
     configuration (identity key `answer_prefix: false`; absent when on, so earlier folders

@@ -109,6 +109,22 @@ class Eviction:
             raise TypeError(f"Eviction.alpha must be a number in [0, 1], got {self.alpha!r}")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"Eviction.alpha must be a number in [0, 1], got {self.alpha}")
+        kind = self.timing.kind
+        if kind in ("dge_d", "lookahead") and self.rule.needs.recorders:
+            why = ("scores with the drafted queries alone, and the rule's records cannot leave "
+                   "the prompt out" if kind == "dge_d" else "moves what its lookahead "
+                   "recorded onto the full cache's slots, which the rule's records cannot say "
+                   "how to")  # fmt: skip
+            raise ValueError(
+                f"timing {kind} {why}: {type(self.rule).__name__} keeps its own records "
+                "(Needs.recorders); use timing dge or dge_w with this rule"
+            )
+        if kind == "lookahead" and self.decode is not None:
+            raise ValueError(
+                "timing lookahead evicts once, from the full cache, after its lookahead; it "
+                "does not also compress while decoding (Eviction.decode): drop decode, or use "
+                "timing prefill / dge with decode"
+            )
         if self.decode is not None and not isinstance(self.decode, DecodeCompression):
             raise TypeError(
                 f"Eviction.decode must be a DecodeCompression or None, got {self.decode!r}"
@@ -135,11 +151,13 @@ def _check_timing(timing: object) -> None:
     if isinstance(timing, Timing):
         return
     if isinstance(timing, str):
-        fix = {"prefill": "prefill()", "dge": "dge(2)", "dge_w": "dge_w(2)"}.get(timing)
+        fix = {"prefill": "prefill()", "dge": "dge(2)", "dge_w": "dge_w(2)",
+               "dge_d": "dge_d(2)"}.get(timing)  # fmt: skip
         fix = f"dge_jax.eviction.timing.{fix}" if fix else f"Timing({timing!r}, k)"
         raise TypeError(
             f"Eviction.timing must be a Timing, not the string {timing!r}: use {fix} "
-            "(from dge_jax.eviction.timing: Timing(kind, k), prefill(), dge(k), dge_w(k))"
+            "(from dge_jax.eviction.timing: Timing(kind, k), prefill(), dge(k), dge_w(k), "
+            "dge_d(k))"
         )
     raise TypeError(
         f"Eviction.timing must be a dge_jax.eviction.timing.Timing, got {timing!r}: use e.g. "
@@ -297,20 +315,23 @@ def select_for(
     draft_weight: jax.Array | float = 1.0,
     *,
     spec: SelectionSpec | None = None,
+    observe_prompt: jax.Array | bool = True,
     **fields,
 ) -> jax.Array:
     """Keep mask [L, B, Hkv, S] for `cache` (the cache at the timing's eviction point).
 
-    budget: [] / [L] / [L, Hkv] int32, observe_drafts: [] bool and draft_weight: [] f32 are
-    traced, so budgets, the three timings, every k up to the record's and any draft weight
-    share one compilation (given the same draft record, see `decoding.rewind_state`). Draft
-    entries (valid slots past each row's last prompt position) are always kept and count
-    against the budget; the pre-draft cache has none, so for "prefill" this is a no-op.
+    budget: [] / [L] / [L, Hkv] int32, observe_drafts: [] bool, draft_weight: [] f32 and
+    observe_prompt: [] bool are traced, so budgets, the four timings, every k up to the
+    record's and any draft weight share one compilation (given the same draft record, see
+    `decoding.rewind_state`). Draft entries (valid slots past each row's last prompt
+    position) are always kept and count against the budget; the pre-draft cache has none,
+    so for "prefill" this is a no-op.
     spec: the `SelectionSpec`, or its fields by name (``rule=SnapKV()``, ``ties=...``).
     """
     spec = SelectionSpec.of(spec, fields)
     return select_for_budgets(
-        cache, prompt_obs, drafts, (budget,), observe_drafts, draft_weight, spec=spec
+        cache, prompt_obs, drafts, (budget,), observe_drafts, draft_weight,
+        observe_prompt=observe_prompt, spec=spec,
     )[0]
 
 
@@ -323,6 +344,7 @@ def select_for_budgets(
     observe_drafts: jax.Array,
     draft_weight: jax.Array | float = 1.0,
     context_end: jax.Array | None = None,
+    observe_prompt: jax.Array | bool = True,
     *,
     spec: SelectionSpec,
 ) -> tuple[jax.Array, ...]:
@@ -338,7 +360,8 @@ def select_for_budgets(
     keeps what its window still shows (`dge_jax.eviction.sliding`); where those layers hold
     only their window (`dge_jax.runtime.window_cache`), each global layer group is scored
     on its own (`sliding.by_group`) and the masks span the global layers' slots.
-    context_end [B]: only positions <= it are kept (`generate_for_contexts`; None: all)."""
+    context_end [B]: only positions <= it are kept (`generate_for_contexts`; None: all).
+    observe_prompt (traced bool): False scores with the draft queries alone ("dge_d")."""
     pos = cache.padded_pos()
     nl, b, hkv, _ = pos.shape
     rules = spec.rule if isinstance(spec.rule, tuple) else (spec.rule,) * len(budgets)
@@ -346,7 +369,8 @@ def select_for_budgets(
         raise ValueError(
             "select_for_budgets: give one rule, or one per budget with the same scorer"
         )
-    obs = with_drafts(prompt_obs, drafts, observe_drafts, spec.slide, draft_weight)
+    obs = with_drafts(prompt_obs, drafts, observe_drafts, spec.slide, draft_weight,
+                      observe_prompt)  # fmt: skip
     by_group = functools.partial(sliding_layers.by_group, cache, obs, spec.windows,
                                  spec.evict_sliding)  # fmt: skip
     scores = by_group(lambda c, o, a, b: rules[0].scorer.score(c, o))
@@ -441,8 +465,8 @@ def scoring_key(ev: Eviction) -> tuple:
     """Evictions with equal keys score a cache identically (and break ties alike): they differ
     at most by budget, or by a rule that selects from the same scores (SnapKV and PyramidKV)."""
     t = ev.timing
-    return (ev.rule.scorer, t.observes_drafts, t.draft_weight, t.slide, ev.head_budget,
-            ev.alpha, ev.ties, ev.sliding)  # fmt: skip
+    return (ev.rule.scorer, t.observes_drafts, t.observes_prompt, t.draft_weight, t.slide,
+            ev.head_budget, ev.alpha, ev.ties, ev.sliding)  # fmt: skip
 
 
 def keep_masks(
@@ -471,6 +495,7 @@ def keep_masks(
             jnp.asarray(ev.timing.observes_drafts),
             jnp.asarray(ev.timing.draft_weight, jnp.float32),
             context_end,
+            jnp.asarray(ev.timing.observes_prompt),
             # one rule when all agree, so that a plain sweep shares select_for's compilation
             spec=SelectionSpec.for_eviction(
                 ev, rules[0] if len(set(rules)) == 1 else rules, windows=windows

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from dge_jax.eviction.evict import Eviction, check_eviction, round_up_slots, spreads_budget
+from dge_jax.eviction.lookahead import first_stage
 from dge_jax.rules.base import Needs
 from dge_jax.rules.full import is_full
 from dge_jax.runtime.decoding import DecodeState
@@ -94,6 +95,8 @@ class GridRecording:
         needs = Needs()
         for ev in active:
             needs = needs | ev.rule.needs
+            if ev.timing.kind == "lookahead":  # its first stage's wider window
+                needs = needs | first_stage(ev).rule.needs
         steps = max((ev.timing.draft_steps for ev in active), default=0)
         return cls(needs=needs, draft_steps=steps)
 

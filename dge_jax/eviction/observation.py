@@ -25,16 +25,20 @@ def with_drafts(
     observe_drafts: jax.Array,
     slide: bool = False,
     draft_weight: jax.Array | float = 1.0,
+    observe_prompt: jax.Array | bool = True,
 ) -> Observation:
     """Prompt observation plus the draft queries, which count only where `observe_drafts`.
 
-    observe_drafts (bool) and draft_weight (f32: a draft query's weight relative to a prompt
-    query; 1 = the paper's DGE) are traced, so "dge" and "dge_w" (and "prefill", given the
-    same draft record) share one compiled scorer: unobserved draft steps get q_pos -1 and add
-    no attention. Shapes: q [L, B, Hq, W + K, D], q_pos and q_weight [B, W + K].
+    observe_drafts (bool), draft_weight (f32: a draft query's weight relative to a prompt
+    query; 1 = the paper's DGE) and observe_prompt (bool; False: "dge_d", the draft queries
+    alone) are traced, so "dge", "dge_w", "dge_d" (and "prefill", given the same draft
+    record) share one compiled scorer: unobserved queries get q_pos -1 and weight 0, and an
+    unobserved prompt adds no attention sums or query statistics. Shapes: q
+    [L, B, Hq, W + K, D], q_pos and q_weight [B, W + K].
     """
     if drafts is None:
         return prompt_obs
+    prompt_obs = _prompt_part(prompt_obs, jnp.asarray(observe_prompt))
     q, q_pos, attn = prompt_obs.q, prompt_obs.q_pos, prompt_obs.attn_sum
     d_pos = jnp.where(observe_drafts, drafts.q_pos, -1)  # [B, K]
     seen = d_pos >= 0
@@ -73,6 +77,22 @@ def with_drafts(
         recon=prompt_obs.recon,
         records=records,
     )
+
+
+def _prompt_part(obs: Observation, observed: jax.Array) -> Observation:
+    """The prompt's observation, or (observed False, traced) one that adds nothing: its
+    window queries at q_pos -1, its attention sums and query statistics zero. A rule's own
+    records are the prompt's statistics too; `Eviction` refuses "dge_d" for rules that keep
+    any, since nothing here can tell what a record of no queries is."""
+    scale = observed.astype(jnp.float32)
+    q_pos = None if obs.q_pos is None else jnp.where(observed, obs.q_pos, -1)
+    attn = None if obs.attn_sum is None else obs.attn_sum * scale
+    stats = obs.q_stats
+    if stats is not None:
+        stats = dataclasses.replace(
+            stats, total=stats.total * scale, outer=stats.outer * scale, count=stats.count * scale
+        )
+    return dataclasses.replace(obs, q_pos=q_pos, attn_sum=attn, q_stats=stats)
 
 
 def _join_draft_queries(stats: QueryStats, drafts: DraftRecord, weight: jax.Array) -> QueryStats:

@@ -178,7 +178,7 @@ def start_state(
         limit=limit,
         last=jnp.copy(first),
         pos=lengths.astype(jnp.int32, copy=True),
-        done=_is_eos(first, eos_ids) | (limit <= 1),
+        done=is_eos(first, eos_ids) | (limit <= 1),
         key=jnp.copy(key),
     )
 
@@ -193,7 +193,8 @@ def suppress_eos(logits: jax.Array, eos_ids: tuple[int, ...], active) -> jax.Arr
     return jnp.where(active, logits.at[:, ids].set(-jnp.inf), logits)
 
 
-def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    """Where `tokens` are one of `eos_ids` (bool, same shape)."""
     return jnp.isin(tokens, jnp.asarray(eos_ids or (-1,), jnp.int32))
 
 
@@ -254,7 +255,7 @@ def decode_body(
         limit=state.limit,
         last=new,
         pos=state.pos + 1,
-        done=state.done | _is_eos(new, eos_ids) | (step >= state.limit),
+        done=state.done | is_eos(new, eos_ids) | (step >= state.limit),
         key=key,
     )
     return state, out
@@ -354,7 +355,7 @@ def rewind_state(
     kept = jnp.arange(n)[None, :] <= steps[:, None]  # t1 .. t_{steps+1}
     last = jnp.take_along_axis(state.tokens, steps[:, None], axis=1)[:, 0]
     tokens = jnp.where(kept, state.tokens, last[:, None])
-    done = jnp.any(kept & _is_eos(state.tokens, eos_ids), axis=1) | (steps + 1 >= state.limit)
+    done = jnp.any(kept & is_eos(state.tokens, eos_ids), axis=1) | (steps + 1 >= state.limit)
     state = DecodeState(
         cache=cache,
         tokens=tokens,
