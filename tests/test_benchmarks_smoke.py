@@ -342,6 +342,23 @@ def test_decode_memory_benchmark_quick(capsys):
     assert "| kv-dominated | 64 | dge_jax | SnapKV w8 |" in capsys.readouterr().out
 
 
+def test_timing_costs_count_steps_and_bytes(checkpoint, capsys):
+    """`benchmarks.timing_costs` on a tiny checkpoint: each timing's steps on the full and on
+    a compressed cache, FullKV's cache the largest at the end, and the table prints."""
+    from benchmarks import timing_costs
+
+    rows = timing_costs.main(["--model", str(checkpoint("llama")), "--length", "96",
+                              "--batch", "2", "--new", "10", "--budget", "16", "--k", "3",
+                              "--lookahead", "4", "--runs", "1"])  # fmt: skip
+    steps = {r["cell"]: (r["steps_full"], r["steps_compressed"]) for r in rows}
+    assert steps["full"] == (9, 0) and steps["prefill"] == (0, 9)
+    assert steps["dge(3)"] == steps["dge_w(3)"] == steps["dge_d(3)"] == (2, 7)
+    assert steps["lookahead(4)"] == (0, 13) and steps["decode(i3)"] == (3, 6)
+    assert steps["dge(8, adaptive)"][0] == 7  # the draft runs to k_max - 1 for every row
+    assert all(r["peak_cache_bytes"] > 0 and r["seconds_per_sample"] > 0 for r in rows)
+    assert "| lookahead(4) | 0 | 13 |" in capsys.readouterr().out
+
+
 def test_cpu_program_hashes_ignore_source_locations_only():
     """Two jits of one computation written on different lines hash the same; another
     computation (one constant changed) hashes differently."""
