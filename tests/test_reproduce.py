@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from conftest import LLAMA3_ROPE
 from test_runner import env, run_ok  # noqa: F401 (fixture)
 from tiny_model import build_tiny_llama
@@ -48,3 +49,20 @@ def test_the_preset_writes_the_paper_table(tmp_path, data_dir, env):  # noqa: F8
     again = reproduce.main(["--model", str(model), "--data_dir", str(data_dir),
                             "--budgets", "16", "--out_dir", str(out), "--table_only"])
     assert again == 0 and (out / reproduce.TABLE_FILE).read_text() == table
+
+
+def test_the_table_takes_the_draft_family():
+    """--timings prefill,dge,dge_w,dge_d,lookahead: every timing's row, each against prefill,
+    and DGE - DGE-W, from made-up scores (the runner's cell ids)."""
+    timings = ("prefill", "dge", "dge_w", "dge_d", "lookahead")
+    cells = {"full": 50.0} | {reproduce._cell("snapkv", t, 128): 40.0 + i
+                              for i, t in enumerate(timings)}  # fmt: skip
+    assert "snapkv/lookahead/k2/b128" in cells and "snapkv/dge_d/k2/b128" in cells
+    table = reproduce.paper_table({"datasets": {"trec": cells}}, (128,), timings)
+    assert "| budget | rule | DGE(2) - prefill | DGE-W(2) - prefill | DGE-D(2) - prefill | " \
+           "LAQ(2) - prefill | DGE - DGE-W |" in table
+    assert "| 128 | snapkv | lookahead | 44.00 | 44.00 | 44.00 |" in table
+    assert "| 128 | snapkv | 1.00 / 1.00 | 2.00 / 2.00 | 3.00 / 3.00 | 4.00 / 4.00 | " \
+           "-1.00 / -1.00 |" in table
+    with pytest.raises(SystemExit):
+        reproduce.parse(["--model", "m", "--data_dir", "d", "--timings", "dge,decode"])
