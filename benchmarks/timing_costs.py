@@ -3,7 +3,7 @@ one, the most cache bytes alive at once, and time per sample, on this machine.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.timing_costs \\
         [--model smollm2-135m-instruct] [--length 2048] [--batch 4] [--new 32] \\
-        [--budget 128] [--k 4] [--lookahead 8] [--runs 2] [--json OUT]
+        [--budget 128] [--k 4] [--lookahead 8] [--runs 2] [--cells NAME,...] [--json OUT]
 
 Each cell runs alone (`generate_grid` with that one cell, so nothing is shared with another
 cell), on `--batch` copies of a `--length`-token prompt with EOS banned (every row
@@ -124,16 +124,23 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--lookahead", type=int, default=8, help="LAQ's L")
     parser.add_argument("--runs", type=int, default=2, help="warm repeats (median)")
+    parser.add_argument("--cells", default=None, help="only these cells, by their names "
+                        "in the table (default: all)")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     model = dge_jax.load(args.model)
     vocab = model.config.vocab_size  # ids that are no special token on any model here
     prompts = [[min(1000, vocab // 2) + i % (vocab // 2) for i in range(args.length)]] * args.batch
-    rows = [measure(model, prompts, name, ev, args.new, args.runs)
-            for name, ev in cells(args.budget, args.k, args.lookahead).items()]  # fmt: skip
-    base = next(r for r in rows if r["cell"] == "prefill")["seconds_per_sample"]
+    grid = cells(args.budget, args.k, args.lookahead)
+    names = list(grid) if args.cells is None else args.cells.split(",")
+    unknown = [n for n in names if n not in grid]
+    if unknown:
+        parser.error(f"--cells: unknown {unknown}; the cells are {', '.join(grid)}")
+    rows = [measure(model, prompts, name, grid[name], args.new, args.runs) for name in names]
+    base = next((r for r in rows if r["cell"] == "prefill"), rows[0])["seconds_per_sample"]
     print(f"{args.model}, {args.batch} x {args.length} tokens, {args.new} new, budget "
-          f"{args.budget}, median of {args.runs}:")
+          f"{args.budget}, median of {args.runs}; times relative to {rows[0]['cell']} unless "
+          "prefill ran:")
     print("| cell | steps on the full cache | steps on a compressed cache | peak cache MiB | "
           "s / sample | vs prefill |")
     print("|---|---|---|---|---|---|")
