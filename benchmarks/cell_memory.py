@@ -9,8 +9,11 @@ jitted step, the cache arrays alive (`jax.live_arrays()` after a garbage collect
 grid's references keep; donated buffers are deleted and drop out), each named by the steps
 whose outputs held its buffer (``prefill>draft>rewind``: one buffer, updated in place). Full
 caches (prefill's capacity) and compacted ones are counted in caches (k and v of every layer
-= 1). It traces one DGE-SnapKV cell, then a grid with every kind of cell (FullKV, prefill,
-dge(2), dge_w(2), decode-time).
+= 1). Each entry also says its slots per head and the step call that first made its buffer
+(``origin``, an index into the event's ``call``s: two calls of one stage, such as the
+lookahead's compaction and the cell's own, are told apart). It traces one DGE-SnapKV cell,
+then a grid with every kind of cell (FullKV, prefill, dge(2), dge_w(2), lookahead(4),
+decode-time).
 
 This is what the code holds, not what it is assumed to hold; sizes do not change it. At a
 real model's size, `python -m benchmarks.tpu_aot` compiles the cell's steps for a TPU
@@ -47,8 +50,9 @@ class Tracer:
     """The hook: snapshots of the live caches before and after each step (module docstring)."""
 
     def __init__(self, cfg):
-        self.cfg, self.names, self.events = cfg, {}, []
+        self.cfg, self.names, self.origins, self.events = cfg, {}, {}, []
         self.full = self.rows = None  # prefill's capacity and batch
+        self.calls = 0  # step calls so far: the index of the next one
 
     def snapshot(self, stage: str, when: str, args) -> None:
         arg_ptrs = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(args)
@@ -60,11 +64,11 @@ class Tracer:
             # one cache = k and v of every layer and row: [Lg, B', ...] is Lg/L * B'/B / 2 of it
             part = x.shape[0] / self.cfg.num_layers * x.shape[1] / self.rows / 2
             name = self.names.get(ptr, "?")
-            key = (kind, name, ptr in arg_ptrs)
+            key = (kind, name, ptr in arg_ptrs, self.origins.get(ptr, -1), x.shape[3])
             seen[key] = seen.get(key, 0.0) + part
-        self.events.append({"stage": stage, "when": when, "caches": [
-            {"kind": k, "from": n, "argument": a, "caches": round(c, 3)}
-            for (k, n, a), c in sorted(seen.items())]})  # fmt: skip
+        self.events.append({"stage": stage, "when": when, "call": self.calls, "caches": [
+            {"kind": k, "from": n, "argument": a, "origin": o, "slots": s, "caches": round(c, 3)}
+            for (k, n, a, o, s), c in sorted(seen.items())]})  # fmt: skip
 
     def hook(self, stage, fn, *args, **kwargs):
         self.snapshot(stage, "before", args)
@@ -82,7 +86,10 @@ class Tracer:
             self.names[ptr] = (
                 stage if old is None else (old if old.endswith(stage) else f"{old}>{stage}")
             )
+            if old is None:
+                self.origins[ptr] = self.calls
         self.snapshot(stage, "after", args)
+        self.calls += 1
         return out
 
 
@@ -104,28 +111,49 @@ def trace_grid(cells, new_tokens: int = 8, prompt_len: int = 400) -> list[dict]:
 
 
 def print_trace(title: str, events: list[dict]) -> None:
-    print(
-        f"\n{title}: caches alive (k and v of every layer = 1 cache; * = an argument of the step)"
-    )
+    print(f"\n{title}: caches alive (k and v of every layer = 1 cache; * = an argument of the "
+          "step; #n: made by step call n, the first being 0)")  # fmt: skip
     for e in events:
-        parts = [f"{c['kind']} {c['caches']:g} [{c['from']}]{'*' if c['argument'] else ''}"
-                 for c in e["caches"]]  # fmt: skip
+        parts = [f"{c['kind']} {c['caches']:g} [{c['from']} #{c['origin']}]"
+                 f"{'*' if c['argument'] else ''}" for c in e["caches"]]  # fmt: skip
         full = sum(c["caches"] for c in e["caches"] if c["kind"] == "full")
         print(
             f"  {e['stage']:>14} {e['when']:<6}  full caches {full:4.2f}: {'; '.join(parts) or '-'}"
         )
 
 
-def grid_cells(budget: int):
-    """A grid with every kind of cell: FullKV, prefill, dge(2), dge_w(2), and decode-time."""
+# the tiny cell's budget: what 1024 is of 32k, a sixth of its 400-token prompt
+TINY_BUDGET = 64
+
+
+def tiny_cell(kind: str, k: int = 2, ahead: int = 8) -> Eviction:
+    """The tiny trace's SnapKV cell of each timing `benchmarks.tpu_aot` compiles: "dge" (k),
+    "lookahead" (`ahead` tokens, its first stage at half the budget and window 32, as
+    LAQ's 512 is of 1024) or "decode" (interval k)."""
     from dge_jax.eviction.decode_spec import DecodeCompression
-    from dge_jax.eviction.timing import Timing, dge_w
+    from dge_jax.eviction.timing import Timing, lookahead
+
+    if kind == "lookahead":
+        return Eviction(SnapKV(), TINY_BUDGET, lookahead(ahead, TINY_BUDGET // 2, 32))
+    if kind == "decode":
+        return Eviction(SnapKV(), TINY_BUDGET, Timing("decode", 1),
+                        decode=DecodeCompression(budget=TINY_BUDGET, interval=k))  # fmt: skip
+    return Eviction(SnapKV(), budget=TINY_BUDGET, timing=dge(k))
+
+
+def grid_cells(budget: int):
+    """A grid with every kind of cell: FullKV, prefill, dge(2), dge_w(2), lookahead(4) and
+    decode-time."""
+    from dge_jax.eviction.decode_spec import DecodeCompression
+    from dge_jax.eviction.timing import Timing, dge_w, lookahead
 
     decode = Eviction(SnapKV(), budget=budget, timing=Timing("decode", 1),
                       decode=DecodeCompression(budget=budget, interval=4))  # fmt: skip
     return [None, Eviction(SnapKV(), budget=budget, timing=Timing("prefill", 1)),
             Eviction(SnapKV(), budget=budget, timing=dge(2)),
-            Eviction(SnapKV(), budget=budget, timing=dge_w(2)), decode]  # fmt: skip
+            Eviction(SnapKV(), budget=budget, timing=dge_w(2)),
+            Eviction(SnapKV(), budget=budget, timing=lookahead(4, budget // 2, 32)),
+            decode]  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -140,9 +168,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     out = {"args": vars(args), "trace": {}}
-    # the tiny cell's budget: what 1024 is of 32k, a sixth of its 400-token prompt
-    cell = [Eviction(SnapKV(), budget=64, timing=dge(args.k))]
-    grid = ("a grid: FullKV, prefill, dge(2), dge_w(2), decode-time", grid_cells(64))
+    cell = [tiny_cell("dge", args.k)]
+    grid = ("a grid: FullKV, prefill, dge(2), dge_w(2), lookahead(4), decode-time",
+            grid_cells(TINY_BUDGET))  # fmt: skip
     for title, cells in (("one DGE-SnapKV cell", cell),) + (() if args.no_grid else (grid,)):
         out["trace"][title] = trace_grid(cells)
         print_trace(title, out["trace"][title])

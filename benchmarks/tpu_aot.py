@@ -1,7 +1,8 @@
 """Compile every generation stage for a TPU topology without a TPU, and account for it.
 
     python -m benchmarks.tpu_aot --topology v5e:2x4 --config benchmarks/configs/llama3_1_8b.json \\
-        --seq 32768 --batch 1 [--json] [--max_batch] [--mesh data=1,model=8]
+        --seq 32768 --batch 1 [--json] [--max_batch] [--mesh data=1,model=8] \\
+        [--cells dge,lookahead,decode] [--lookahead 8]
 
 Errors (a topology that is not CHIP:AxB[xC] or that libtpu cannot lay out, a --config that is
 missing or that this library does not run, a --mesh that does not fit the topology's devices,
@@ -65,12 +66,32 @@ this sum. ``kept_argument_bytes`` (arguments - aliased) is what a stage reads wi
 consuming it; ``full_caches_alive_during_decode`` counts the full-size caches held while the
 compacted cache decodes.
 
+**What each timing costs (issue 44).** ``--cells`` (default all three) compiles beside the
+DGE cell, for the same topology, config, seq and batch, a **lookahead cell** (LAQ,
+`timing.lookahead`: L = ``--lookahead`` tokens on a copy compressed at LAQ's 512 entries,
+window 32, then the selection from the full cache at ``--budget``; stages ``first_select``,
+``first_compact``, ``lookahead``, ``select``, ``compact``, ``decode``) and a **decode cell**
+(timing "decode", ``DecodeCompression(budget, interval=k)``: ``decode_compressed``, k steps
+on the full cache, then a compression every k steps in a loop cache of
+``DecodeCompression.capacity`` slots), each stage by stage (`tpu_stages.LookaheadCell`,
+`tpu_stages.DecodeCell`; one prefill program, compiled once for the cells that share it).
+Each cell's live bytes are counted as the DGE cell's, from its own traced grid
+(`cell_memory.tiny_cell`): a held cache weighs the compiled size of the stage that made it.
+The DGE cell keeps its keys (``cell``, ``stages``); the others are under ``timings``, and
+``comparison`` holds one row per cell: one-token forward steps on the full cache and on a
+compressed one (from the timing: `tpu_stages.Cell.forward_steps`), the full caches alive
+while the peak stage runs (traced as it ends, its arguments still held), the peak and
+whether it fits. All three by default: the issue asks for them side by side, the DGE cell's
+figures and keys are unchanged (its table prints first, as before), and the two cells add
+about two minutes at 32k on two cores; ``--cells dge`` compiles the DGE cell alone.
+
 **--max_batch**: the largest batch (a multiple of the mesh's row multiple,
 `sharding.row_multiple`) at which (a) every stage compiles and its own peak fits the HBM
-(``every_stage``), and (b) the DGE cell's live bytes, counted as above, fit (``dge_cell``).
-Found by doubling, then bisection, each probe a full compile of every stage; memory grows with
-the batch, so the search is exact for the compiled programs. The report printed is the one at
-the ``dge_cell`` batch (or the ``every_stage`` one when none fits).
+(``every_stage``), and (b) the DGE cell's live bytes, counted as above, fit (``dge_cell``),
+and (c) each cell's live bytes fit (``cells``, the comparison's largest batch). Found by
+doubling, then bisection, each probe a full compile of every stage of that cell; memory grows
+with the batch, so the search is exact for the compiled programs. The report printed is the
+one at the ``dge_cell`` batch (or the ``every_stage`` one when none fits), for every cell.
 
 What is measured: what XLA:TPU compiled (memory per device, the program's ops); what is
 counted: FLOPs and bytes from the compiled program, projected to a time with the chip's peak
@@ -122,7 +143,8 @@ CHIPS = {
     "v5p": Chip(459e12, 2765e9, 95 * GIB),
     "v4": Chip(275e12, 1200e9, 32 * GIB),
 }
-CELL = ("prefill", "draft", "rewind", "select", "compact", "decode")  # one DGE cell's stages
+CELL = tuple(tpu_stages.Cell.HOOKS)  # one DGE cell's stages
+CELLS = tuple(tpu_stages.TIMINGS)  # the cells --cells may name: dge, lookahead, decode
 
 
 class NoLibtpu(ImportError):
@@ -268,94 +290,168 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
     }  # fmt: skip
 
 
-# trace hook stage (`generate_grid`'s) -> the compiled stage of the cell
-STAGE_OF = {"prefill": "prefill", "draft": "draft", "rewind": "rewind", "keep_masks": "select",
-            "apply_eviction": "compact", "decode": "decode"}  # fmt: skip
-
-
 @functools.cache
-def held_caches(k: int) -> tuple[tuple[str, float, float], ...]:
-    """Per stage of one DGE-SnapKV cell, the (full, compacted) caches `generate_grid` holds as
-    the stage starts, its arguments among them: read from a real run of the grid (a tiny
-    Llama on CPU, `cell_memory.trace_grid`), not assumed. Sizes do not change what is held."""
+def held_caches(timing: str, k: int, ahead: int) -> dict[str, dict[str, dict]]:
+    """Per stage of one cell, the caches `generate_grid` holds as the stage starts ("held")
+    and as it ends, its arguments still referenced ("alive"), as {(full or compacted, the
+    stage that made it): caches}: read from a real run of the grid (a tiny Llama on CPU,
+    `cell_memory.trace_grid` of `cell_memory.tiny_cell`), not assumed. Sizes do not change
+    what is held."""
     from benchmarks import cell_memory
-    from dge_jax.eviction.evict import Eviction
-    from dge_jax.eviction.timing import dge
-    from dge_jax.rules.snapkv import SnapKV
 
-    events = cell_memory.trace_grid([Eviction(SnapKV(), budget=64, timing=dge(k))])
-    out = {}
+    steps = list(tpu_stages.TIMINGS[timing].HOOKS.items())
+    events = cell_memory.trace_grid([cell_memory.tiny_cell(timing, k, ahead)])
+    events = [e for e in events if e["stage"] != "end"]
+    ran = [e["stage"] for e in events if e["when"] == "before"]
+    if ran != [hook for _, hook in steps]:
+        raise RuntimeError(f"generate_grid ran {ran} for a {timing} cell, but tpu_stages "
+                           f"compiles {steps}: make them agree")  # fmt: skip
+    out = {name: {"held": {}, "alive": {}} for name, _ in steps}
     for e in events:
-        name = STAGE_OF.get(e["stage"])
-        if e["when"] == "before" and name is not None and name not in out:
-            out[name] = tuple(sum(c["caches"] for c in e["caches"] if c["kind"] == kind)
-                              for kind in ("full", "compacted"))  # fmt: skip
-    return tuple((name, *out[name]) for name in CELL if name in out)
+        name, counts = steps[e["call"]][0], {}
+        for c in e["caches"]:
+            if c["origin"] < 0:
+                raise RuntimeError(f"a cache alive at {e['stage']} that no step made: {c}")
+            key = (c["kind"], steps[c["origin"]][0])
+            counts[key] = counts.get(key, 0.0) + c["caches"]
+        if e["when"] == "before":
+            out[name]["held"] = counts
+        alive = out[name]["alive"]
+        for key, n in counts.items():
+            alive[key] = max(alive.get(key, 0.0), n)
+    return out
+
+
+def _count(caches: dict, kind: str) -> float:
+    return sum(n for (k, _), n in caches.items() if k == kind)
+
+
+def _weigh(cell: tpu_stages.Cell, caches: dict) -> float:
+    """Per-device bytes of held caches (k and v), each at its maker's compiled slots."""
+    made, slot = cell.made(), cell.sizes.kv_slot
+    return sum(sum(n * slot * made[maker] for (k, maker), n in caches.items() if k == kind)
+               for kind in ("full", "compacted"))  # fmt: skip
 
 
 def cell_report(cell: tpu_stages.Cell, stages: list[dict]) -> dict:
-    """The DGE cell's live bytes per stage (module docstring): the parameters, the caches the
+    """The cell's live bytes per stage (module docstring): the parameters, the caches the
     grid holds as the stage starts (`held_caches`, at this cell's compiled sizes), and the
     stage's outputs - aliased + temporaries."""
     by_name = {s["name"]: s for s in stages}
     params = tpu_stages.per_device_bytes(cell.params)
     full = cell.sizes.kv_slot * cell.capacity  # one full cache (k and v), per device
-    compacted = cell.sizes.kv_slot * cell.compact_capacity
-    live, held = {}, {}
-    for name, n_full, n_compacted in held_caches(cell.setup.k):
+    setup = cell.setup
+    trace = held_caches(setup.timing, setup.k, setup.lookahead)
+    live, held, alive = {}, {}, {}
+    for name in cell.HOOKS:
         s = by_name[name]
         if not s["compiles"]:
             break
-        held[name] = (n_full, n_compacted)
-        live[name] = (params + n_full * full + n_compacted * compacted + s["output_bytes"]
+        caches = trace[name]
+        held[name] = (_count(caches["held"], "full"), _count(caches["held"], "compacted"))
+        alive[name] = _count(caches["alive"], "full")
+        live[name] = (params + _weigh(cell, caches["held"]) + s["output_bytes"]
                       - s["alias_bytes"] + s["temp_bytes"])  # fmt: skip
         s["cell_live_bytes_per_device"] = live[name]
-        s["cell_caches_held"] = {"full": n_full, "compacted": n_compacted}
-    complete = len(live) == len(CELL)
+        s["cell_caches_held"] = {"full": held[name][0], "compacted": held[name][1]}
+        s["cell_caches_alive"] = {"full": alive[name],
+                                  "compacted": _count(caches["alive"], "compacted")}  # fmt: skip
+    complete = len(live) == len(cell.HOOKS)
     peak_stage = max(live, key=live.get) if live else None
+    last = list(cell.HOOKS)[-1]  # the cell's decode
+    on_full, on_compressed = cell.forward_steps
     return {
-        "stages": list(CELL),
+        "stages": list(cell.HOOKS),
         "complete": complete,
         "peak_bytes_per_device": live[peak_stage] if complete else None,
         "peak_stage": peak_stage,
-        "full_caches_alive_during_decode": held["decode"][0] if complete else None,
+        "full_caches_alive_during_decode": held[last][0] if complete else None,
         "full_caches_held_at_most": max(n for n, _ in held.values()) if held else None,
         "full_cache_bytes_per_device": full,
         "capacity": cell.capacity, "compacted_capacity": cell.compact_capacity,
-        "budget": cell.setup.budget, "k": cell.setup.k,
-        "max_new_tokens": cell.setup.max_new_tokens,
-    }  # fmt: skip
+        "budget": setup.budget, "k": setup.k,
+        "max_new_tokens": setup.max_new_tokens,
+        "timing": setup.timing, "label": cell.label,
+        "forward_steps": {"full": on_full, "compressed": on_compressed},
+        "full_caches_alive_at_peak": alive[peak_stage] if complete else None,
+    } | _timing_fields(cell)  # fmt: skip
 
 
-def report(setup: tpu_stages.Setup, topology: str, log=None) -> dict:
-    """Compiles the cell's stages for `setup` and returns the whole report (one JSON object)."""
+def _timing_fields(cell: tpu_stages.Cell) -> dict:
+    """What the lookahead and decode cells add: the copy's size, the loop cache's (as the
+    compiled program returns it)."""
+    if isinstance(cell, tpu_stages.LookaheadCell):
+        return {"lookahead": cell.ahead, "first_stage": {
+            "budget": cell.first.budget, "window": cell.first.rule.needs.window},
+            "lookahead_capacity": cell.copy_capacity}  # fmt: skip
+    if isinstance(cell, tpu_stages.DecodeCell):
+        run = cell.runs["decode_compressed"]
+        loop = None if run.compiled is None else run.outputs[0].cache.capacity
+        return {"interval": cell.ev.decode.interval, "loop_capacity": loop}
+    return {}
+
+
+def cell_part(setup: tpu_stages.Setup, topology: str, log=None, shared=None) -> dict:
+    """One cell (`setup.timing`'s) compiled: its stages' figures and its live bytes; shared:
+    `tpu_stages.compile_cell`'s compiled prefills."""
     device = device_of(topology)
-    cell = tpu_stages.compile_cell(setup, log)
+    cell = tpu_stages.compile_cell(setup, log, shared)
     stages = [stage_report(r, device, setup.cfg.head_dim) for r in cell.runs.values()]
-    return {
+    return {"cell": cell_report(cell, stages), "stages": stages,
+            "params_bytes_per_device": tpu_stages.per_device_bytes(cell.params)}  # fmt: skip
+
+
+def comparison(cell: dict, hbm: int) -> dict:
+    """One row of the cells' comparison (module docstring); largest_batch: --max_batch's."""
+    return {"cell": cell["label"], "timing": cell["timing"],
+            "steps_full": cell["forward_steps"]["full"],
+            "steps_compressed": cell["forward_steps"]["compressed"],
+            "full_caches_alive_at_peak": cell["full_caches_alive_at_peak"],
+            "peak_bytes_per_device": cell["peak_bytes_per_device"],
+            "peak_stage": cell["peak_stage"], "fits": cell_fits(cell, hbm),
+            "largest_batch": None}  # fmt: skip
+
+
+def assemble(setup: tpu_stages.Setup, topology: str, parts: dict[str, dict]) -> dict:
+    """The whole report (one JSON object) of cells compiled for `setup` at one batch."""
+    device = device_of(topology)
+    rep = {
         "topology": topology, "seq": setup.seq, "batch": setup.batch,
         "hbm_bytes_per_device": device.hbm_bytes,
         "chip": dataclasses.asdict(chip_of(topology)),
         "device": dataclasses.asdict(device),
         "mesh": dict(setup.mesh.shape),
-        "params_bytes_per_device": tpu_stages.per_device_bytes(cell.params),
+        "params_bytes_per_device": next(iter(parts.values()))["params_bytes_per_device"],
         "layer_loop": setup.decode_layer_loop,
         "prefill_chunk": setup.prefill_chunk, "attention": setup.backend.attention,
-        "cell": cell_report(cell, stages),
-        "stages": stages,
     }  # fmt: skip
+    if "dge" in parts:
+        rep |= {"cell": parts["dge"]["cell"], "stages": parts["dge"]["stages"]}
+    rep["timings"] = {kind: {"cell": p["cell"], "stages": p["stages"]}
+                      for kind, p in parts.items() if kind != "dge"}  # fmt: skip
+    rep["comparison"] = [comparison(p["cell"], device.hbm_bytes) for p in parts.values()]
+    return rep
 
 
-def every_stage_fits(rep: dict) -> bool:
+def report(setup: tpu_stages.Setup, topology: str, log=None, cells=("dge",)) -> dict:
+    """Compiles each of `cells` for `setup` and returns the whole report (one JSON object)."""
+    shared: dict = {}
+    parts = {}
+    for kind in cells:
+        if log:
+            log(f"-- {kind} cell")
+        parts[kind] = cell_part(dataclasses.replace(setup, timing=kind), topology, log, shared)
+    return assemble(setup, topology, parts)
+
+
+def every_stage_fits(stages: list[dict], hbm: int) -> bool:
     """Every stage compiles and its own peak fits the device's usable HBM."""
-    limit = rep["hbm_bytes_per_device"]
-    return all(s["compiles"] and s["peak_bytes_per_device"] <= limit for s in rep["stages"])
+    return all(s["compiles"] and s["peak_bytes_per_device"] <= hbm for s in stages)
 
 
-def dge_cell_fits(rep: dict) -> bool:
-    """Every stage of the DGE cell compiles and the cell's live bytes fit the usable HBM."""
-    cell = rep["cell"]
-    return cell["complete"] and cell["peak_bytes_per_device"] <= rep["hbm_bytes_per_device"]
+def cell_fits(cell: dict, hbm: int) -> bool:
+    """Every stage of the cell compiles and the cell's live bytes fit the usable HBM."""
+    return cell["complete"] and cell["peak_bytes_per_device"] <= hbm
 
 
 def largest(fits: Callable[[int], bool], step: int, start: int = 1, limit: int = 4096) -> int:
@@ -377,29 +473,55 @@ def largest(fits: Callable[[int], bool], step: int, start: int = 1, limit: int =
     return lo * step
 
 
-def max_batch(setup: tpu_stages.Setup, topology: str, log, limit: int) -> dict:
-    """The report at the largest batch that fits (module docstring), with the search's probes."""
-    probes: dict[int, dict] = {}
+def max_batch(setup: tpu_stages.Setup, topology: str, log, limit: int, cells=("dge",)) -> dict:
+    """The report at the largest batch that fits (module docstring), with the search's probes;
+    each probe compiles one cell at one batch (prefills shared where the program is one)."""
+    parts: dict[tuple[str, int], dict] = {}
+    shared: dict = {}
 
-    def probe(batch: int) -> dict:
-        if batch not in probes:
-            log(f"-- batch {batch}")
-            probes[batch] = report(dataclasses.replace(setup, batch=batch), topology, log)
-        return probes[batch]
+    def part(kind: str, batch: int) -> dict:
+        if (kind, batch) not in parts:
+            log(f"-- {kind} cell, batch {batch}")
+            at = dataclasses.replace(setup, batch=batch, timing=kind)
+            parts[kind, batch] = cell_part(at, topology, log, shared)
+        return parts[kind, batch]
 
-    step = sharding.row_multiple(setup.cfg, setup.mesh.shape)
-    cell = largest(lambda b: dge_cell_fits(probe(b)), step, limit=limit)
-    stages = largest(lambda b: every_stage_fits(probe(b)), step, start=max(cell // step, 1),
-                     limit=limit)  # fmt: skip
-    best = probe(cell or stages or step)
-    summary = [
-        {"batch": b, "every_stage": every_stage_fits(r), "dge_cell": dge_cell_fits(r),
-         "dge_cell_peak_bytes": r["cell"]["peak_bytes_per_device"],
-         "largest_stage_peak_bytes": max((s["peak_bytes_per_device"] or 0) for s in r["stages"]),
-         "failed": [s["name"] for s in r["stages"] if not s["compiles"]]}
-        for b, r in sorted(probes.items())
+    hbm, step = device_of(topology).hbm_bytes, sharding.row_multiple(setup.cfg, setup.mesh.shape)
+    found = {kind: largest(lambda b, kind=kind: cell_fits(part(kind, b)["cell"], hbm), step,
+                           limit=limit) for kind in cells}  # fmt: skip
+    out, batch = {}, found[cells[0]] or step
+    if "dge" in cells:
+        stages = largest(lambda b: every_stage_fits(part("dge", b)["stages"], hbm), step,
+                         start=max(found["dge"] // step, 1), limit=limit)  # fmt: skip
+        batch = found["dge"] or stages or step
+        out = {"dge_cell": found["dge"], "every_stage": stages,
+               "probes": _dge_probes(parts, hbm)}  # fmt: skip
+    best = assemble(dataclasses.replace(setup, batch=batch), topology,
+                    {kind: part(kind, batch) for kind in cells})  # fmt: skip
+    for row in best["comparison"]:
+        row["largest_batch"] = found[row["timing"]]
+    probes = {kind: _cell_probes(parts, hbm, kind) for kind in cells}
+    return best | {"max_batch": out | {"cells": found, "cell_probes": probes}}
+
+
+def _cell_probes(parts: dict, hbm: int, kind: str) -> list[dict]:
+    """One cell's probes: the batch, whether the cell fits, its peak, the stages that failed."""
+    return [{"batch": b, "fits": cell_fits(p["cell"], hbm),
+             "peak_bytes": p["cell"]["peak_bytes_per_device"],
+             "failed": [s["name"] for s in p["stages"] if not s["compiles"]]}
+            for (k, b), p in sorted(parts.items()) if k == kind]  # fmt: skip
+
+
+def _dge_probes(parts: dict, hbm: int) -> list[dict]:
+    """The DGE cell's probes, as the search reported them before the other cells came."""
+    return [
+        {"batch": b, "every_stage": every_stage_fits(p["stages"], hbm),
+         "dge_cell": cell_fits(p["cell"], hbm),
+         "dge_cell_peak_bytes": p["cell"]["peak_bytes_per_device"],
+         "largest_stage_peak_bytes": max((s["peak_bytes_per_device"] or 0) for s in p["stages"]),
+         "failed": [s["name"] for s in p["stages"] if not s["compiles"]]}
+        for (kind, b), p in sorted(parts.items()) if kind == "dge"
     ]  # fmt: skip
-    return best | {"max_batch": {"dge_cell": cell, "every_stage": stages, "probes": summary}}
 
 
 def _gib(x) -> str:
@@ -407,29 +529,73 @@ def _gib(x) -> str:
 
 
 def print_table(rep: dict) -> None:
-    """The report as a table (per device)."""
+    """The report as tables (per device): the DGE cell's stages, then each other cell's, then
+    the cells side by side."""
     print(f"{rep['topology']}, mesh {rep['mesh']}, seq {rep['seq']}, batch {rep['batch']}; "
           f"usable HBM {_gib(rep['hbm_bytes_per_device'])} GiB per device, parameters "
           f"{_gib(rep['params_bytes_per_device'])} GiB per device")  # fmt: skip
+    if "cell" in rep:
+        print_stages(rep["stages"])
+        print_prefill(rep["stages"])
+        cell = rep["cell"]
+        print(f"DGE cell (budget {cell['budget']}, k {cell['k']}): live peak "
+              f"{_gib(cell['peak_bytes_per_device'])} GiB per device at {cell['peak_stage']}; "
+              f"{cell['full_caches_alive_during_decode']} full caches of "
+              f"{_gib(cell['full_cache_bytes_per_device'])} GiB alive during decode")  # fmt: skip
+    for part in rep["timings"].values():
+        print()
+        print(_title(part["cell"]))
+        print_stages(part["stages"], held=True)
+    print_comparison(rep)
+    if "max_batch" in rep and "dge_cell" in rep["max_batch"]:
+        found = rep["max_batch"]
+        print(f"max batch: DGE cell {found['dge_cell']}, every stage alone {found['every_stage']}")
+
+
+def _title(cell: dict) -> str:
+    """A lookahead or decode cell's table's first line."""
+    head = (f"{cell['label']} cell, budget {cell['budget']}: live peak "
+            f"{_gib(cell['peak_bytes_per_device'])} GiB per device at {cell['peak_stage']}")
+    if cell["timing"] == "lookahead":
+        first = cell["first_stage"]
+        return (f"{head}; LAQ's first stage at {first['budget']} entries, window "
+                f"{first['window']}, on a copy of {cell['lookahead_capacity']} slots; "
+                f"compacted to {cell['compacted_capacity']}")  # fmt: skip
+    return (f"{head}; every {cell['interval']} steps back to the budget, in a loop cache of "
+            f"{cell['loop_capacity']} slots")  # fmt: skip
+
+
+def print_stages(stages: list[dict], held: bool = False) -> None:
+    """One cell's stages, a line each; held: with the cell's live bytes and caches."""
     head = ("stage", "ok", "peak GiB", "arg/out/tmp/alias GiB", "TFLOP", "HBM GB",
             "(kernel operands) GB", "ideal GB", "x ideal", "roofline ms", "ideal ms", "pallas",
             "kv collectives")  # fmt: skip
-    print(" | ".join(head))
-    for s in rep["stages"]:
+    print(" | ".join(head + (("cell live GiB", "caches held / alive (full, compacted)")
+                             if held else ())))  # fmt: skip
+    for s in stages:
         if not s["compiles"]:
             print(f"{s['name']} | no | {s['error']}")
             continue
         parts = "/".join(_gib(s[k]) for k in ("argument_bytes", "output_bytes", "temp_bytes",
                                                "alias_bytes"))  # fmt: skip
         ratio = "-" if s["hbm_over_ideal"] is None else f"{s['hbm_over_ideal']:.1f}"
-        print(" | ".join([
+        row = [
             s["name"], "yes", _gib(s["peak_bytes_per_device"]), parts, f"{s['flops'] / 1e12:.3f}",
             f"{s['hbm_bytes_declared'] / 1e9:.2f}", f"{s['hbm_bytes'] / 1e9:.2f}",
             f"{s['ideal_hbm_bytes'] / 1e9:.2f}", ratio,
             f"{s['roofline_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
             "yes" if s["pallas_kernel"] else "no", "; ".join(s["kv_collectives"]) or "none",
-        ]))  # fmt: skip
-    for s in rep["stages"]:
+        ]  # fmt: skip
+        if held and "cell_caches_held" in s:
+            h, a = s["cell_caches_held"], s["cell_caches_alive"]
+            row += [_gib(s["cell_live_bytes_per_device"]),
+                    f"{h['full']:g}, {h['compacted']:g} / {a['full']:g}, {a['compacted']:g}"]
+        print(" | ".join(row))
+
+
+def print_prefill(stages: list[dict]) -> None:
+    """Where prefill's bytes go, and its causal model."""
+    for s in stages:
         if s["name"] == "prefill" and s["compiles"]:
             print("prefill's HBM bytes by source: " + "; ".join(
                 f"{e['source']} {e['bytes'] / 1e9:.2f} GB" for e in s["hbm_by_source"][:8]))
@@ -437,14 +603,22 @@ def print_table(rep: dict) -> None:
                   f"({s['kernel_causal_fraction']:.2f} of the tiles it declares; a model): "
                   f"HBM {s['hbm_bytes_causal'] / 1e9:.2f} GB, roofline "
                   f"{s['roofline_causal_s'] * 1e3:.1f} ms")  # fmt: skip
-    cell = rep["cell"]
-    print(f"DGE cell (budget {cell['budget']}, k {cell['k']}): live peak "
-          f"{_gib(cell['peak_bytes_per_device'])} GiB per device at {cell['peak_stage']}; "
-          f"{cell['full_caches_alive_during_decode']} full caches of "
-          f"{_gib(cell['full_cache_bytes_per_device'])} GiB alive during decode")  # fmt: skip
-    if "max_batch" in rep:
-        found = rep["max_batch"]
-        print(f"max batch: DGE cell {found['dge_cell']}, every stage alone {found['every_stage']}")
+
+
+def print_comparison(rep: dict) -> None:
+    """The cells side by side (per device; one-token forward steps after prefill)."""
+    print()
+    print("cell | forward steps on the full cache | on a compressed cache | full caches alive "
+          "at peak | peak GiB per device (stage) | fits | largest batch")  # fmt: skip
+    for row in rep["comparison"]:
+        largest_ = "-" if row["largest_batch"] is None else str(row["largest_batch"])
+        alive = "-" if row["full_caches_alive_at_peak"] is None else (
+            f"{row['full_caches_alive_at_peak']:g}")  # fmt: skip
+        print(" | ".join([
+            row["cell"], f"prefill + {row['steps_full']}", str(row["steps_compressed"]), alive,
+            f"{_gib(row['peak_bytes_per_device'])} ({row['peak_stage']})",
+            "yes" if row["fits"] else "no", largest_,
+        ]))  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -458,7 +632,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="data=D,model=M over the topology's devices (default: model = all)")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--budget", type=int, default=1024, help="SnapKV budget per kv head")
-    p.add_argument("--k", type=int, default=2, help="DGE's k (k - 1 draft steps), >= 2")
+    p.add_argument("--k", type=int, default=2,
+                   help="DGE's k (k - 1 draft steps) and the decode cell's interval, >= 2")
+    p.add_argument("--lookahead", type=int, default=8, help="the lookahead cell's L (LAQ)")
+    p.add_argument("--cells", default=",".join(CELLS),
+                   help=f"the cells compiled, a comma list of {', '.join(CELLS)} (default all)")
     p.add_argument("--chunk", type=int, default=None,
                    help="prefill chunk (default: the TPU backend's, as generate picks it)")
     p.add_argument("--attention", choices=platform.ATTENTION, default="auto",
@@ -471,9 +649,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true",
                    help="on an error, show its traceback instead of the one-line message")
     args = p.parse_args(argv)
-    for flag in ("seq", "batch", "max_new_tokens", "budget", "max_batch_limit"):
+    for flag in ("seq", "batch", "max_new_tokens", "budget", "max_batch_limit", "lookahead"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    cells = tuple(args.cells.split(","))
+    if not set(cells) <= set(CELLS) or len(set(cells)) != len(cells):
+        p.error(f"--cells takes distinct names among {', '.join(CELLS)}, got {args.cells!r}")
+    args.cells = cells
     if args.chunk is not None and args.chunk < 1:
         p.error(f"--chunk must be >= 1, got {args.chunk}")
     if args.k < 2:
@@ -524,16 +706,16 @@ def run(args: argparse.Namespace) -> dict:
     setup = tpu_stages.Setup(
         family, cfg, eos, mesh, batch=args.batch, seq=args.seq,
         max_new_tokens=args.max_new_tokens, budget=args.budget, k=args.k, chunk=args.chunk,
-        attention=args.attention, layer_loop=args.layer_loop,
+        attention=args.attention, layer_loop=args.layer_loop, lookahead=args.lookahead,
     )  # fmt: skip
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     if args.max_batch:
-        rep = max_batch(setup, args.topology, log, args.max_batch_limit)
+        rep = max_batch(setup, args.topology, log, args.max_batch_limit, args.cells)
     else:
-        rep = report(setup, args.topology, log)
+        rep = report(setup, args.topology, log, args.cells)
     if args.json:
         print(json.dumps(rep))
     else:

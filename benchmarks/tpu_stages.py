@@ -1,10 +1,15 @@
-"""The stages of one DGE-SnapKV cell, compiled ahead of time for abstract devices.
+"""The stages of one SnapKV cell, compiled ahead of time for abstract devices.
 
-`compile_cell` chains the jitted steps `generate_grid` runs for one cell, as it runs them:
-`decoding.prefill_prompt` -> `decoding.draft_tokens` -> `decoding.rewind_state` ->
-`evict.select_for_budgets` (what `evict.keep_masks` calls) -> `evict.compact` ->
-`decoding.decode_loop` over the compacted cache, and `decode_loop` over prefill's full cache
-(what a FullKV cell decodes). Each step is the library's own jitted function, lowered with
+`compile_cell` chains the jitted steps `generate_grid` runs for one cell, as it runs them.
+A DGE cell (`Cell`): `decoding.prefill_prompt` -> `decoding.draft_tokens` ->
+`decoding.rewind_state` -> `evict.select_for_budgets` (what `evict.keep_masks` calls) ->
+`evict.compact` -> `decoding.decode_loop` over the compacted cache, and `decode_loop` over
+prefill's full cache (what a FullKV cell decodes). A lookahead cell (`LookaheadCell`, LAQ):
+prefill -> the first stage's selection and compaction of a copy -> `draft_tokens` on that
+copy (the lookahead) -> the selection from the full cache observing it -> compaction ->
+decode. A decode-at-interval-k cell (`DecodeCell`): prefill ->
+`decode_compression.decode_compressed` over the full cache. Each step is the library's own
+jitted function, lowered with
 the static arguments the stages give it (`grid_plan.GridRecording`, `grid_plan.cache_room`,
 the evict stage's capacity rule) and donating what it donates today; each stage's inputs are
 the previous stages' outputs, with the shardings the compiler gave them. Parameters are bf16
@@ -39,9 +44,11 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import work
 from dge_jax import stages
 from dge_jax.checkpoints.hf import parse_config
-from dge_jax.eviction import evict, grid_plan, observation, selection
+from dge_jax.eviction import decode_compression, evict, grid_plan, observation, selection
+from dge_jax.eviction import lookahead as laq
+from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
-from dge_jax.eviction.timing import dge
+from dge_jax.eviction.timing import Timing, dge, lookahead
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding, platform, sharding
 from dge_jax.runtime.cache import init_cache
@@ -66,6 +73,8 @@ class Setup:
     chunk: int | None = None  # None: the backend's chunk for the batch (and its bucket)
     attention: str = "auto"
     layer_loop: str | None = None  # None: the backend's
+    timing: str = "dge"  # which cell (`TIMINGS`): DGE(k), LAQ's lookahead, decode at interval k
+    lookahead: int = 8  # the lookahead cell's L (its first stage: `Lookahead`'s defaults)
 
     @property
     def backend(self) -> Backend:
@@ -85,6 +94,13 @@ class Setup:
 
     @property
     def eviction(self) -> Eviction:
+        """The cell's SnapKV eviction at `budget`: DGE(k), lookahead(L), or decode-time
+        compression at interval k back to the same budget."""
+        if self.timing == "lookahead":
+            return Eviction(SnapKV(), budget=self.budget, timing=lookahead(self.lookahead))
+        if self.timing == "decode":
+            return Eviction(SnapKV(), budget=self.budget, timing=Timing("decode", 1),
+                            decode=DecodeCompression(self.budget, self.k))  # fmt: skip
         return Eviction(SnapKV(), budget=self.budget, timing=dge(self.k))
 
     @property
@@ -256,11 +272,23 @@ class Cell:
     """The stages of one DGE-SnapKV cell, compiled in order; each keeps its abstract outputs
     for the next (module docstring)."""
 
+    # The cell's stages in the order generate_grid's hook sees them, with the hook's name.
+    HOOKS = {"prefill": "prefill", "draft": "draft", "rewind": "rewind", "select": "keep_masks",
+             "compact": "apply_eviction", "decode": "decode"}  # fmt: skip
+    # stage -> the stages whose outputs it reads (decode_full: beside the cell, not in it)
+    ORDER = {
+        "prefill": (), "draft": ("prefill",), "rewind": ("draft",),
+        "select": ("prefill", "rewind"), "compact": ("rewind", "select"),
+        "decode": ("rewind", "compact"), "decode_full": ("prefill",),
+    }  # fmt: skip
+
     def __init__(self, setup: Setup):
         self.setup = setup
         self.params = abstract_params(setup)
         self.request = setup.request()
-        self.ev = setup.eviction
+        # checked, and fitted to the model's windows, as generate_grid does (`check_cells`)
+        windows = setup.cfg.layer_windows
+        self.ev = grid_plan.check_cells([setup.eviction], setup.max_new_tokens, windows)[0]
         self.recording = grid_plan.GridRecording.of([self.ev])
         self.prompt_len = self.request.tokens.shape[1]  # seq padded as generate pads it
         self.capacity = self.prompt_len + grid_plan.cache_room(self.request, [self.ev])
@@ -278,6 +306,29 @@ class Cell:
     def mesh(self):
         return self.setup.mesh
 
+    @property
+    def label(self) -> str:
+        """The cell's timing as a short name: dge(k), lookahead(L), decode(i<interval>)."""
+        t = self.ev.timing
+        return f"decode(i{self.ev.decode.interval})" if t.kind == "decode" else f"{t.kind}({t.k})"
+
+    @property
+    def forward_steps(self) -> tuple[int, int]:
+        """(one-token forward steps on the full cache, on a compressed cache) after prefill,
+        for a row that generates max_new_tokens (the first from prefill's logits), read from
+        the timing: its draft steps, or a decode interval, on the full cache; a lookahead's
+        steps on its compressed copy, and the rest of the answer on the compacted cache."""
+        t, new = self.ev.timing, self.setup.max_new_tokens - 1
+        full = t.draft_steps if t.before_decoding else min(self.ev.decode.interval, new)
+        ahead = t.k if t.kind == "lookahead" else 0
+        return full, new - full + ahead
+
+    def made(self) -> dict[str, int]:
+        """Stage -> slots per head of the cache its outputs hold (what a held cache made, or
+        last updated in place, by that stage weighs)."""
+        full, out = self.capacity, self.compact_capacity
+        return {"prefill": full, "draft": full, "rewind": full, "compact": out, "decode": out}
+
     def _statics(self):
         return self.setup.family.forward, self.setup.cfg, self.params
 
@@ -288,6 +339,13 @@ class Cell:
         per_step_bytes = s.weights + s.kv_slot * slots
         per_step_flops = b * (s.token_flops + s.slot_flops * slots)
         return steps * per_step_bytes, steps * per_step_flops
+
+    def prefill_key(self) -> tuple:
+        """What prefill's program depends on beyond the run's model, mesh and topology: cells
+        with equal keys compile one prefill (`compile_cell`'s `shared`)."""
+        setup = self.setup
+        return ("prefill", setup.batch, self.prompt_len, self.capacity, setup.prefill_chunk,
+                self.recording.needs.recording, setup.attention)  # fmt: skip
 
     def prefill(self) -> StageRun:
         setup, needs, t = self.setup, self.recording.needs, self.prompt_len
@@ -324,16 +382,21 @@ class Cell:
         state = jax.eval_shape(make, cache, first, lengths, key=key)
         return _like(self.mesh, state, dataclasses.replace(state, cache=cache))
 
-    def draft(self) -> StageRun:
-        setup, needs, k = self.setup, self.recording.needs, self.draft_steps
-        state = self.start_state(self.runs["prefill"].outputs.cache)
-        bytes_, flops = self._decode_cost(k, setup.seq + k / 2)
-        run = StageRun("draft", ideal_hbm_bytes=bytes_, ideal_flops=flops, slots=(self.capacity,))
+    def _draft(self, name: str, state, steps: int, slots: float, capacity: int) -> StageRun:
+        """`draft_tokens` of `steps` steps from `state`, recording what each step records."""
+        setup, needs = self.setup, self.recording.needs
+        bytes_, flops = self._decode_cost(steps, slots)
+        run = StageRun(name, ideal_hbm_bytes=bytes_, ideal_flops=flops, slots=(capacity,))
         return _compile(
             run, decoding.draft_tokens, *self._statics(), state, sampler=stages.GREEDY,
-            eos_ids=setup.eos_ids, num_steps=k, recording=needs.recording.steps,
+            eos_ids=setup.eos_ids, num_steps=steps, recording=needs.recording.steps,
             min_new_tokens=0,
         )  # fmt: skip
+
+    def draft(self) -> StageRun:
+        k = self.draft_steps
+        state = self.start_state(self.runs["prefill"].outputs.cache)
+        return self._draft("draft", state, k, self.setup.seq + k / 2, self.capacity)
 
     def rewind(self) -> StageRun:
         setup, b = self.setup, self.setup.batch
@@ -347,10 +410,11 @@ class Cell:
         return _compile(run, decoding.rewind_state, state, record, rows, rows,
                         eos_ids=setup.eos_ids)  # fmt: skip
 
-    def select(self) -> StageRun:
-        """`evict.select_for_budgets` with the arguments `evict.keep_masks` gives it."""
-        ev, cap, b = self.ev, self.capacity, self.setup.batch
-        state, record = self.runs["rewind"].outputs
+    def _select(self, name: str, cache, ev: Eviction, record, observed: int) -> StageRun:
+        """`evict.select_for_budgets` of `ev` over `cache`, with the arguments
+        `evict.keep_masks` gives it (prefill's observation and `record` cut to the rule);
+        `observed`: the queries it scores with."""
+        cap, b = cache.capacity, self.setup.batch
         pre = self.runs["prefill"].outputs
         cut = jax.eval_shape(lambda o, d: observation.for_rule(ev.rule, o, d), pre.obs, record)
         obs, drafts = _like(self.mesh, cut, (pre.obs, record))
@@ -359,32 +423,42 @@ class Cell:
             jax.ShapeDtypeStruct((), jnp.bool_),
             jax.ShapeDtypeStruct((), jnp.float32),
         ))  # fmt: skip
-        spec = evict.SelectionSpec.for_eviction(ev)
-        s, w = self.sizes, self.recording.needs.window
+        spec = evict.SelectionSpec.for_eviction(ev, windows=self.setup.cfg.layer_windows)
+        s = self.sizes
         run = StageRun(
-            "select",
+            name,
             # Ideally: the keys and positions read once, the keep mask (1 byte a slot) written.
             ideal_hbm_bytes=(s.kv_slot / 2 + s.pos_slot + s.pos_slot / 4) * cap,
-            ideal_flops=s.slot_flops / 2 * (w + self.draft_steps) * b * cap,
+            ideal_flops=s.slot_flops / 2 * observed * b * cap,
             slots=(cap,),
         )
-        return _compile(run, evict.select_for_budgets, state.cache, obs, drafts, *scalars,
-                        spec=spec)  # fmt: skip
+        return _compile(run, evict.select_for_budgets, cache, obs, drafts, *scalars, spec=spec)
+
+    def select(self) -> StageRun:
+        """`evict.select_for_budgets` with the arguments `evict.keep_masks` gives it."""
+        state, record = self.runs["rewind"].outputs
+        observed = self.recording.needs.window + self.draft_steps
+        return self._select("select", state.cache, self.ev, record, observed)
+
+    def _compact(self, name: str, cache, keep, out: int, kept: int) -> StageRun:
+        """`evict.compact` of `cache` masked by `keep` (`selection.apply_keep`, run eagerly
+        before) to `out` slots, `kept` of them filled."""
+        masked = _like(self.mesh, jax.eval_shape(selection.apply_keep, cache, keep), cache)
+        s, cap = self.sizes, cache.capacity
+        run = StageRun(
+            name,
+            # Ideally: positions read, the kept entries read, the compacted cache written.
+            ideal_hbm_bytes=s.pos_slot * cap + s.kv_slot * kept + (s.kv_slot + s.pos_slot)
+            * out,
+            slots=(cap, out),
+        )  # fmt: skip
+        return _compile(run, evict.compact, masked, capacity=out)
 
     def compact(self) -> StageRun:
         """`evict.compact` of the masked cache (`selection.apply_keep`, run eagerly before)."""
         cache = self.runs["rewind"].outputs[0].cache
         (keep,) = self.runs["select"].outputs
-        masked = _like(self.mesh, jax.eval_shape(selection.apply_keep, cache, keep), cache)
-        s, cap, out = self.sizes, self.capacity, self.compact_capacity
-        run = StageRun(
-            "compact",
-            # Ideally: positions read, the kept entries read, the compacted cache written.
-            ideal_hbm_bytes=s.pos_slot * cap + s.kv_slot * self.kept + (s.kv_slot + s.pos_slot)
-            * out,
-            slots=(cap, out),
-        )  # fmt: skip
-        return _compile(run, evict.compact, masked, capacity=out)
+        return self._compact("compact", cache, keep, self.compact_capacity, self.kept)
 
     def _decode(self, name: str, state, steps: int, slots: float, capacity: int) -> StageRun:
         setup = self.setup
@@ -405,7 +479,7 @@ class Cell:
         it); the loop donates it."""
         state = self.runs["rewind"].outputs[0]
         state = dataclasses.replace(state, cache=self.runs["compact"].outputs)
-        steps = self.setup.max_new_tokens - 1 - self.draft_steps
+        steps = self.forward_steps[1]
         return self._decode("decode", state, steps, self.kept + steps / 2, self.compact_capacity)
 
     def decode_full(self) -> StageRun:
@@ -425,24 +499,187 @@ class Cell:
         return run
 
 
-# stage -> the stages whose outputs it reads
-ORDER = {
-    "prefill": (), "draft": ("prefill",), "rewind": ("draft",), "select": ("prefill", "rewind"),
-    "compact": ("rewind", "select"), "decode": ("rewind", "compact"), "decode_full": ("prefill",),
-}  # fmt: skip
+class LookaheadCell(Cell):
+    """A lookahead cell (LAQ, `stages.lookahead`): the first stage's selection and
+    compaction of a copy of prefill's cache, L steps on the copy, then the cell's own
+    selection from the full cache observing them, compaction and decode."""
+
+    HOOKS = {"prefill": "prefill", "first_select": "keep_masks",
+             "first_compact": "apply_eviction", "lookahead": "lookahead",
+             "select": "keep_masks", "compact": "apply_eviction", "decode": "decode"}  # fmt: skip
+    ORDER = {
+        "prefill": (), "first_select": ("prefill",), "first_compact": ("prefill", "first_select"),
+        "lookahead": ("prefill", "first_compact"), "select": ("prefill", "lookahead"),
+        "compact": ("prefill", "select"), "decode": ("prefill", "compact"),
+    }  # fmt: skip
+
+    def __init__(self, setup: Setup):
+        super().__init__(setup)
+        self.first = laq.first_stage(self.ev)
+        self.ahead = self.ev.timing.k
+        self.first_kept = min(self.first.budget, setup.seq)
+        # `apply_eviction` with no capacity: what it keeps, rounded up, + the L steps
+        self.copy_capacity = evict.capacity_for(np.full((1,), self.first_kept), self.ahead)
+
+    def made(self) -> dict[str, int]:
+        copy = self.copy_capacity
+        return super().made() | {"first_compact": copy, "lookahead": copy}
+
+    def first_select(self) -> StageRun:
+        cache = self.runs["prefill"].outputs.cache
+        window = self.first.rule.needs.window
+        return self._select("first_select", cache, self.first, None, window)
+
+    def first_compact(self) -> StageRun:
+        cache = self.runs["prefill"].outputs.cache
+        (keep,) = self.runs["first_select"].outputs
+        return self._compact("first_compact", cache, keep, self.copy_capacity, self.first_kept)
+
+    def lookahead(self) -> StageRun:
+        """`draft_tokens` of L steps over the compacted copy, from the lookahead's own state
+        (`lookahead.start`, abstract)."""
+        setup, copy = self.setup, self.runs["first_compact"].outputs
+        start = self.start_state(self.runs["prefill"].outputs.cache)
+        made = jax.eval_shape(lambda s, c: laq.start(s, c, self.ahead, setup.eos_ids), start, copy)
+        state = _like(self.mesh, made, dataclasses.replace(start, cache=copy))
+        slots = self.first_kept + self.ahead / 2
+        return self._draft("lookahead", state, self.ahead, slots, self.copy_capacity)
+
+    def _record(self):
+        """The lookahead's record as `stages.lookahead` hands it on (abstract): each row's
+        steps after its EOS unobserved, its attention moved onto the full cache's slots."""
+        state, record = self.runs["lookahead"].outputs
+        full = self.runs["prefill"].outputs.cache
+        before = jax.ShapeDtypeStruct(state.step.shape, state.step.dtype)  # its step counters
+
+        def observed(record, before, state, full):
+            record = laq.observed_steps(record, before, state.step)
+            if record.probs is None:
+                return record
+            probs = laq.onto_slots(record.probs, state.cache.padded_pos(), full.padded_pos())
+            return record._replace(probs=probs)
+
+        made = jax.eval_shape(observed, record, before, state, full)
+        return _like(self.mesh, made, record)
+
+    def select(self) -> StageRun:
+        cache = self.runs["prefill"].outputs.cache
+        observed = self.recording.needs.window + self.ahead
+        return self._select("select", cache, self.ev, self._record(), observed)
+
+    def compact(self) -> StageRun:
+        cache = self.runs["prefill"].outputs.cache
+        (keep,) = self.runs["select"].outputs
+        return self._compact("compact", cache, keep, self.compact_capacity, self.kept)
+
+    def decode(self) -> StageRun:
+        """`decode_loop` over the compacted cache from prefill's state: the answer goes on
+        from the first token, the lookahead's tokens thrown away."""
+        state = self.start_state(self.runs["prefill"].outputs.cache)
+        state = dataclasses.replace(state, cache=self.runs["compact"].outputs)
+        steps = self.setup.max_new_tokens - 1
+        return self._decode("decode", state, steps, self.kept + steps / 2, self.compact_capacity)
 
 
-def compile_cell(setup: Setup, log: Callable[[str], None] | None = None) -> Cell:
-    """Every stage of the cell compiled in order; a stage whose inputs failed is not tried."""
-    cell = Cell(setup)
+class FirstBlockThenLoop:
+    """`hlo_cost`'s trips for decode_compressed's run-time loops, when no row stops early:
+    a block's steps (the interval) inside the loop over blocks (`blocks` trips). XLA names
+    the two loops of the entry computation alike (the first block, on the cache as it came,
+    and the loop over blocks), and a program is walked in order: the first block comes
+    first, as it must run first. Each walk of the program asks for those two in turn."""
+
+    def __init__(self, interval: int, blocks: int):
+        self.interval, self.blocks, self.asked = interval, blocks, 0
+
+    def __call__(self, depth: int, op: str) -> int:
+        if depth > 0:
+            return self.interval
+        self.asked += 1
+        return self.interval if self.asked % 2 else self.blocks
+
+
+class DecodeCell(Cell):
+    """A decode-at-interval-k cell (kvpress's DecodingPress): prefill, then the compressing
+    decode loop over the full cache (`stages._decode_compressed`): k steps on it, then a
+    compression to the budget every k steps in the loop's own cache."""
+
+    HOOKS = {"prefill": "prefill", "decode_compressed": "decode_compressed"}
+    ORDER = {"prefill": (), "decode_compressed": ("prefill",)}
+
+    def __init__(self, setup: Setup):
+        super().__init__(setup)
+        self.spread = evict.spreads_budget(self.ev)
+        self.compact_capacity = self.ev.decode.capacity(self.spread)
+
+    def made(self) -> dict[str, int]:
+        return {"prefill": self.capacity, "decode_compressed": self.compact_capacity}
+
+    def decode_compressed(self) -> StageRun:
+        """`decode_compression.decode_compressed` from prefill's state, its loop built as
+        `stages._decode_compressed` builds it; the state (the full cache) donated."""
+        setup, ev = self.setup, self.ev
+        spec = ev.decode
+        select = evict.SelectionSpec.for_eviction(
+            ev, head_cap=spec.head_cap(self.spread), windows=setup.cfg.layer_windows
+        )
+        loop = decode_compression.CompressionLoop(
+            setup.family.forward, setup.cfg, stages.GREEDY, setup.eos_ids, select,
+            spec.interval, self.compact_capacity, min_new_tokens=0,
+            layer_loop=setup.decode_layer_loop, attention=setup.attention,
+        )  # fmt: skip
+        state = self.start_state(self.runs["prefill"].outputs.cache)
+        budget = _replicated(self.mesh, jax.ShapeDtypeStruct((), jnp.int32))
+        full, compressed = self.forward_steps
+        on_full = self._decode_cost(full, setup.seq + full / 2)
+        on_loop = self._decode_cost(compressed, spec.budget + spec.interval / 2)
+        blocks = -(-compressed // spec.interval)
+        run = StageRun(
+            "decode_compressed",
+            # Ideally: its decode steps (on the full cache, then on the loop's), the
+            # compressions left out.
+            unknown_trips=FirstBlockThenLoop(spec.interval, blocks),
+            ideal_hbm_bytes=on_full[0] + on_loop[0], ideal_flops=on_full[1] + on_loop[1],
+            slots=(self.capacity, self.compact_capacity),
+        )  # fmt: skip
+        return _compile(run, decode_compression.decode_compressed, loop, self.params, state,
+                        budget, None, None, history=0)  # fmt: skip
+
+
+TIMINGS = {"dge": Cell, "lookahead": LookaheadCell, "decode": DecodeCell}
+
+
+def compile_cell(
+    setup: Setup, log: Callable[[str], None] | None = None, shared: dict | None = None
+) -> Cell:
+    """Every stage of the cell (`setup.timing`'s) compiled in order; a stage whose inputs
+    failed is not tried. shared: compiled prefills by `Cell.prefill_key`, reused by cells
+    whose prefill is the same program (every cell of one setup at the same batch)."""
+    cell = TIMINGS[setup.timing](setup)
+    shared = {} if shared is None else shared
     with jax.set_mesh(setup.mesh):
-        for name, needs in ORDER.items():
+        for name, needs in cell.ORDER.items():
             failed = [n for n in needs if cell.runs[n].compiled is None]
             if failed:
                 cell.runs[name] = StageRun(name, error=f"not compiled: {failed[0]} failed")
+            elif name == "prefill":
+                cell.runs[name] = _shared_prefill(cell, shared, log)
+                continue
             else:
                 cell.runs[name] = getattr(cell, name)()
             if log:
                 run = cell.runs[name]
                 log(f"{name}: {'ok' if run.compiled else run.error} ({run.compile_s:.1f} s)")
     return cell
+
+
+def _shared_prefill(cell: Cell, shared: dict, log) -> StageRun:
+    """The cell's prefill: compiled, or an earlier cell's same program from `shared`."""
+    key = cell.prefill_key()
+    if key in shared:
+        if log:
+            log("prefill: the same program as an earlier cell's, compiled once")
+        return shared[key]
+    shared[key] = run = cell.prefill()
+    if log:
+        log(f"prefill: {'ok' if run.compiled else run.error} ({run.compile_s:.1f} s)")
+    return run

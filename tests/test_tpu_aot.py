@@ -7,6 +7,8 @@ the tests that compile skip and say so (fail under CI=true: .ci/run installs it)
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -22,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import hlo_cost, tpu_aot, tpu_stages
 from benchmarks.hlo_text import Array
+from dge_jax.eviction.decode_spec import DecodeCompression
 
 TOPOLOGY = "v5e:2x4"
 TINY = {  # a tiny Llama: 8 query heads over 4 kv heads (GQA), as config.json says it
@@ -156,17 +159,25 @@ def test_largest_batch_search():
     assert len(probed) <= 8
 
 
-def test_tiny_model_stages_compile_for_v5e(devices, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiny_report(devices, tmp_path_factory) -> str:
+    """What `python -m benchmarks.tpu_aot ... --json` prints for the tiny model on v5e:2x4
+    (data 2 x model 4), every cell (DGE, lookahead, decode) at budget 128, 16 new tokens."""
+    config = tmp_path_factory.mktemp("tiny") / "config.json"
+    config.write_text(json.dumps(TINY))
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        tpu_aot.main([
+            "--topology", TOPOLOGY, "--config", str(config), "--seq", "1024", "--batch", "2",
+            "--mesh", "data=2,model=4", "--budget", "128", "--max_new_tokens", "16", "--json",
+            "--chunk", "512",  # two prefill steps (the TPU's chunk would take the prompt in one)
+        ])  # fmt: skip
+    return printed.getvalue()
+
+
+def test_tiny_model_stages_compile_for_v5e(tiny_report):
     """Every stage of a DGE-SnapKV cell compiles for v5e:2x4 on a data 2 x model 4 mesh; the
     JSON object has the documented keys and positive figures."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(TINY))
-    tpu_aot.main([
-        "--topology", TOPOLOGY, "--config", str(config), "--seq", "1024", "--batch", "2",
-        "--mesh", "data=2,model=4", "--budget", "128", "--max_new_tokens", "16", "--json",
-        "--chunk", "512",  # two prefill steps (the TPU's own chunk would take the prompt in one)
-    ])  # fmt: skip
-    out = json.loads(capsys.readouterr().out)  # stdout is one JSON object, nothing else
+    out = json.loads(tiny_report)  # stdout is one JSON object, nothing else
     assert {"topology", "seq", "batch", "hbm_bytes_per_device", "stages"} <= set(out)
     assert (out["topology"], out["seq"], out["batch"]) == (TOPOLOGY, 1024, 2)
     # what XLA:TPU lets a program use on a v5e device: its 16 GiB less the runtime's share
@@ -200,6 +211,63 @@ def test_tiny_model_stages_compile_for_v5e(devices, tmp_path, capsys):
     held = {s["name"]: s.get("cell_caches_held") for s in out["stages"]}
     assert held["draft"] == held["compact"] == {"full": 1, "compacted": 0}
     assert held["decode"] == {"full": 0, "compacted": 1}
+
+
+LOOKAHEAD = ["prefill", "first_select", "first_compact", "lookahead", "select", "compact",
+             "decode"]  # fmt: skip
+
+
+def test_lookahead_and_decode_cells_compile_for_v5e(tiny_report):
+    """The lookahead (LAQ, L 8) and decode-at-k (interval 2) cells beside the DGE one compile
+    stage by stage; the lookahead cell holds one full cache until its own compaction and the
+    compacted copy while it looks ahead; the decode cell holds the full cache through its
+    loop, whose cache is `DecodeCompression.capacity`'s (as the compiled program returns it)."""
+    out = json.loads(tiny_report)
+    la, dec = out["timings"]["lookahead"], out["timings"]["decode"]
+    for part, names in ((la, LOOKAHEAD), (dec, ["prefill", "decode_compressed"])):
+        assert [s["name"] for s in part["stages"]] == part["cell"]["stages"] == names
+        for stage in part["stages"]:
+            assert stage["compiles"], (stage["name"], stage["error"])
+            assert stage["peak_bytes_per_device"] > 0 and stage["kv_collectives"] == []
+        assert part["cell"]["complete"] and part["cell"]["peak_bytes_per_device"] > 0
+    none, full = {"full": 0, "compacted": 0}, {"full": 1, "compacted": 0}
+    both, compacted = {"full": 1, "compacted": 1}, {"full": 0, "compacted": 1}
+    held = {s["name"]: s["cell_caches_held"] for s in la["stages"]}
+    assert held == {"prefill": none, "first_select": full, "first_compact": full,
+                    "lookahead": both, "select": full, "compact": full,
+                    "decode": compacted}  # fmt: skip
+    cell = la["cell"]
+    assert cell["first_stage"] == {"budget": 512, "window": 32}
+    assert cell["lookahead_capacity"] == 512 + 8  # LAQ's 512 entries + room for its 8 steps
+    # while it looks ahead: one full cache and the copy, each weighed at its compiled slots
+    step = dict(zip(LOOKAHEAD, la["stages"], strict=True))["lookahead"]
+    caches = (step["cell_live_bytes_per_device"] - out["params_bytes_per_device"]
+              - step["output_bytes"] + step["alias_bytes"] - step["temp_bytes"])  # fmt: skip
+    one = cell["full_cache_bytes_per_device"]
+    assert caches == pytest.approx(one * (1 + cell["lookahead_capacity"] / cell["capacity"]))
+    held = {s["name"]: s["cell_caches_held"] for s in dec["stages"]}
+    assert held == {"prefill": none, "decode_compressed": full}
+    assert dec["cell"]["full_caches_alive_during_decode"] == 1
+    assert dec["cell"]["loop_capacity"] == DecodeCompression(128, interval=2).capacity() == 130
+
+
+def test_the_cells_side_by_side(tiny_report, capsys):
+    """The comparison: one-token steps on the full and on a compressed cache after prefill
+    (16 new tokens, the first from prefill), the full caches alive at each cell's peak, and
+    the table printing it."""
+    out = json.loads(tiny_report)
+    rows = {r["cell"]: r for r in out["comparison"]}
+    steps = {name: (r["steps_full"], r["steps_compressed"]) for name, r in rows.items()}
+    assert steps == {"dge(2)": (1, 14), "lookahead(8)": (0, 8 + 15), "decode(i2)": (2, 13)}
+    for row in rows.values():
+        cell = (out["cell"] if row["timing"] == "dge" else out["timings"][row["timing"]]["cell"])
+        assert row["peak_bytes_per_device"] == cell["peak_bytes_per_device"]
+        assert row["fits"] and row["full_caches_alive_at_peak"] == 1
+        assert row["largest_batch"] is None  # no --max_batch
+    tpu_aot.print_table(out)
+    printed = capsys.readouterr().out
+    assert "\nlookahead(8) | prefill + 0 | 23 | 1 | " in printed
+    assert "\ndecode(i2) | prefill + 2 | 13 | 1 | " in printed
 
 
 def test_a_kernel_counts_the_cost_it_declares():
@@ -361,9 +429,18 @@ def test_a_mesh_that_does_not_fit_the_topology_is_refused_before_compiling(
     assert err.endswith(f"; {TOPOLOGY} has 8 devices: give data=D,model=M with D x M dividing 8")
 
 
-@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--budget", "-1"), ("--chunk", "0")])
+@pytest.mark.parametrize("flag, value", [("--batch", "0"), ("--budget", "-1"), ("--chunk", "0"),
+                                         ("--lookahead", "0")])  # fmt: skip
 def test_sizes_below_one_are_usage_errors(command, flag, value):
     status, err = command(flag, value)
     assert status == 2
     assert err == (f"error: {flag} must be >= 1, got {value}; see python -m benchmarks.tpu_aot "
                    "--help")  # fmt: skip
+
+
+@pytest.mark.parametrize("cells", ["dge,laq", "dge,dge", ""])
+def test_cells_are_named_among_the_three(command, cells):
+    status, err = command("--cells", cells)
+    assert status == 2
+    assert err == (f"error: --cells takes distinct names among dge, lookahead, decode, got "
+                   f"{cells!r}; see python -m benchmarks.tpu_aot --help")  # fmt: skip
