@@ -80,10 +80,13 @@ Each cell's live bytes are counted as the DGE cell's, from its own traced grid
 The DGE cell keeps its keys (``cell``, ``stages``); the others are under ``timings``, and
 ``comparison`` holds one row per cell: one-token forward steps on the full cache and on a
 compressed one (from the timing: `tpu_stages.Cell.forward_steps`), the full caches alive
-while the peak stage runs (traced as it ends, its arguments still held), the peak and
-whether it fits. All three by default: the issue asks for them side by side, the DGE cell's
-figures and keys are unchanged (its table prints first, as before), and the two cells add
-about two minutes at 32k on two cores; ``--cells dge`` compiles the DGE cell alone.
+while the peak stage runs (traced as it ends, its arguments still held), the peak, the peak
+over the parameters in full caches (XLA's temporaries count there, such as a loop's own copy
+of a cache it cannot update in place, which the trace cannot see) and whether it fits; with
+``--max_batch``, its largest batch and the peak there. All three by default: the issue asks
+for them side by side, the DGE cell's figures and keys are unchanged (its table prints
+first, as before), and the two cells add about two minutes at 32k on two cores;
+``--cells dge`` compiles the DGE cell alone.
 
 **--max_batch**: the largest batch (a multiple of the mesh's row multiple,
 `sharding.row_multiple`) at which (a) every stage compiles and its own peak fits the HBM
@@ -359,6 +362,7 @@ def cell_report(cell: tpu_stages.Cell, stages: list[dict]) -> dict:
     complete = len(live) == len(cell.HOOKS)
     peak_stage = max(live, key=live.get) if live else None
     last = list(cell.HOOKS)[-1]  # the cell's decode
+    failed = next((n for n in cell.HOOKS if not by_name[n]["compiles"]), None)
     on_full, on_compressed = cell.forward_steps
     return {
         "stages": list(cell.HOOKS),
@@ -374,6 +378,10 @@ def cell_report(cell: tpu_stages.Cell, stages: list[dict]) -> dict:
         "timing": setup.timing, "label": cell.label,
         "forward_steps": {"full": on_full, "compressed": on_compressed},
         "full_caches_alive_at_peak": alive[peak_stage] if complete else None,
+        # the peak over the parameters, in full caches: XLA's temporaries (a loop's copy of
+        # a cache it cannot update in place) count too, which the trace cannot see
+        "peak_in_full_caches": (live[peak_stage] - params) / full if complete else None,
+        "failed_stage": failed,
     } | _timing_fields(cell)  # fmt: skip
 
 
@@ -408,8 +416,9 @@ def comparison(cell: dict, hbm: int) -> dict:
             "steps_compressed": cell["forward_steps"]["compressed"],
             "full_caches_alive_at_peak": cell["full_caches_alive_at_peak"],
             "peak_bytes_per_device": cell["peak_bytes_per_device"],
-            "peak_stage": cell["peak_stage"], "fits": cell_fits(cell, hbm),
-            "largest_batch": None}  # fmt: skip
+            "peak_stage": cell["peak_stage"], "peak_in_full_caches": cell["peak_in_full_caches"],
+            "failed_stage": cell["failed_stage"], "fits": cell_fits(cell, hbm),
+            "largest_batch": None, "largest_batch_peak_bytes": None}  # fmt: skip
 
 
 def assemble(setup: tpu_stages.Setup, topology: str, parts: dict[str, dict]) -> dict:
@@ -499,7 +508,10 @@ def max_batch(setup: tpu_stages.Setup, topology: str, log, limit: int, cells=("d
     best = assemble(dataclasses.replace(setup, batch=batch), topology,
                     {kind: part(kind, batch) for kind in cells})  # fmt: skip
     for row in best["comparison"]:
-        row["largest_batch"] = found[row["timing"]]
+        most = found[row["timing"]]
+        row["largest_batch"] = most
+        row["largest_batch_peak_bytes"] = (parts[row["timing"], most]["cell"]
+                                           ["peak_bytes_per_device"] if most else None)  # fmt: skip
     probes = {kind: _cell_probes(parts, hbm, kind) for kind in cells}
     return best | {"max_batch": out | {"cells": found, "cell_probes": probes}}
 
@@ -561,8 +573,8 @@ def _title(cell: dict) -> str:
         return (f"{head}; LAQ's first stage at {first['budget']} entries, window "
                 f"{first['window']}, on a copy of {cell['lookahead_capacity']} slots; "
                 f"compacted to {cell['compacted_capacity']}")  # fmt: skip
-    return (f"{head}; every {cell['interval']} steps back to the budget, in a loop cache of "
-            f"{cell['loop_capacity']} slots")  # fmt: skip
+    loop = "-" if cell["loop_capacity"] is None else cell["loop_capacity"]
+    return f"{head}; every {cell['interval']} steps back to the budget, loop cache slots {loop}"
 
 
 def print_stages(stages: list[dict], held: bool = False) -> None:
@@ -609,16 +621,26 @@ def print_comparison(rep: dict) -> None:
     """The cells side by side (per device; one-token forward steps after prefill)."""
     print()
     print("cell | forward steps on the full cache | on a compressed cache | full caches alive "
-          "at peak | peak GiB per device (stage) | fits | largest batch")  # fmt: skip
+          "at peak (traced) | peak GiB per device (stage) | peak - parameters, in full caches "
+          "| fits | largest batch (its peak GiB)")  # fmt: skip
     for row in rep["comparison"]:
-        largest_ = "-" if row["largest_batch"] is None else str(row["largest_batch"])
-        alive = "-" if row["full_caches_alive_at_peak"] is None else (
-            f"{row['full_caches_alive_at_peak']:g}")  # fmt: skip
         print(" | ".join([
-            row["cell"], f"prefill + {row['steps_full']}", str(row["steps_compressed"]), alive,
-            f"{_gib(row['peak_bytes_per_device'])} ({row['peak_stage']})",
-            "yes" if row["fits"] else "no", largest_,
+            row["cell"], f"prefill + {row['steps_full']}", str(row["steps_compressed"]),
+            _num(row["full_caches_alive_at_peak"], "g"), _peak(row),
+            _num(row["peak_in_full_caches"], ".2f"), "yes" if row["fits"] else "no",
+            "-" if row["largest_batch"] is None else
+            f"{row['largest_batch']} ({_gib(row['largest_batch_peak_bytes'])})",
         ]))  # fmt: skip
+
+
+def _num(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _peak(row: dict) -> str:
+    if row["failed_stage"]:
+        return f"- ({row['failed_stage']} does not compile)"
+    return f"{_gib(row['peak_bytes_per_device'])} ({row['peak_stage']})"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

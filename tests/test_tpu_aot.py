@@ -263,6 +263,7 @@ def test_the_cells_side_by_side(tiny_report, capsys):
         cell = (out["cell"] if row["timing"] == "dge" else out["timings"][row["timing"]]["cell"])
         assert row["peak_bytes_per_device"] == cell["peak_bytes_per_device"]
         assert row["fits"] and row["full_caches_alive_at_peak"] == 1
+        assert row["failed_stage"] is None and row["peak_in_full_caches"] > 1
         assert row["largest_batch"] is None  # no --max_batch
     tpu_aot.print_table(out)
     printed = capsys.readouterr().out
