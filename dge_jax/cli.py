@@ -189,15 +189,7 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--interval", type=int, default=None, help="decode steps between compressions (32)"
     )
-    ev.add_argument(
-        "--lookahead_budget", type=int, default=None,
-        help="--timing lookahead (LAQ): entries per kv head of the compressed copy its --k "
-        "lookahead tokens come from (512)",
-    )  # fmt: skip
-    ev.add_argument(
-        "--lookahead_window", type=int, default=None,
-        help="--timing lookahead: the query window that copy is compressed with (32)",
-    )  # fmt: skip
+    _add_lookahead(ev)
     rule_option = ev.add_argument(
         "--rule_option",
         action="append",
@@ -208,6 +200,19 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     # The flags' names before the scoring rules were called rules (scripts still use them).
     _add_renamed(ev, "--policy", rule)
     _add_renamed(ev, "--policy_option", rule_option)
+
+
+def _add_lookahead(ev) -> None:
+    """--timing lookahead's first stage (LAQ's defaults where not given)."""
+    ev.add_argument(
+        "--lookahead_budget", type=int, default=None,
+        help="--timing lookahead (LAQ): entries per kv head of the compressed copy its --k "
+        "lookahead tokens come from (512)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--lookahead_window", type=int, default=None,
+        help="--timing lookahead: the query window that copy is compressed with (32)",
+    )  # fmt: skip
 
 
 def _add_convert(c: argparse.ArgumentParser) -> None:

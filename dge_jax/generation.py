@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import with_fields
+from dge_jax.eviction import lookahead as laq
 from dge_jax.eviction.evict import Eviction, round_up_slots
 from dge_jax.eviction.grid_plan import (
     CellPlan,
@@ -71,7 +72,6 @@ from dge_jax.stages import (
     results,
     rewind,
     select,
-    with_lookahead,
 )
 
 __all__ = [
@@ -197,7 +197,7 @@ def evicted_plans(
     # The draft writes into prefill's cache in place, unless a FullKV cell decodes from it.
     keep_start = any(ev is None for ev in cells)
     drafted = draft(model, request, prefilled, recording, sampler, hook, keep_start)
-    plans = with_lookahead(rewind(request, prefilled, drafted, cells, hook), looked)
+    plans = laq.observing(rewind(request, prefilled, drafted, cells, hook), looked)
     end = None if context_end is None else jnp.asarray(np.asarray(context_end, np.int32))
     plans = select(model, prefilled, plans, hook, end)
     # their full caches now live only in the plans that decode in them

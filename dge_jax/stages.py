@@ -167,12 +167,10 @@ def lookahead(
     sampler,
     hook=None,
 ) -> dict[tuple, DraftRecord]:
-    """Every "lookahead" cell's record, one per `laq.lookahead_key` (cells that differ only
-    by budget, or by a rule sharing the first stage, share it): a compressed copy of
-    prefill's cache (`laq.first_stage`), k steps from the first answer token on it, their
-    record with each row's steps after its EOS unobserved and attention moved onto the full
-    cache's slots. Runs before the draft, which may take prefill's cache; the copies go
-    when their step ends."""
+    """Every "lookahead" cell's record, one per `laq.lookahead_key`: k steps from the first
+    answer token on a compacted copy of prefill's cache (`laq.first_stage`), each row's steps
+    after its EOS unobserved, attention moved onto the full cache's slots. Runs before the
+    draft, which may take prefill's cache; each copy goes when its steps end."""
     records: dict[tuple, DraftRecord] = {}
     cache = prefilled.start.cache
     for ev in cells:
@@ -203,13 +201,6 @@ def lookahead(
             record = record._replace(probs=probs)
         records[key] = record
     return records
-
-
-def with_lookahead(plans: list[CellPlan], records: dict[tuple, DraftRecord]) -> list[CellPlan]:
-    """The "lookahead" cells' plans observing their lookahead (in place of any draft)."""
-    return [plan if plan.eviction is None or plan.eviction.timing.kind != "lookahead" else
-            dataclasses.replace(plan, drafts=records[laq.lookahead_key(plan.eviction)])
-            for plan in plans]  # fmt: skip
 
 
 def draft(

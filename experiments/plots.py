@@ -251,6 +251,8 @@ def _k_lines(ax, scores: dict, cells: list[Cell], rule: str, budget: int) -> Non
         pts = sorted((c.k, scores["averages"][c.id]["mean"]) for c in cells
                      if c.rule == rule and c.budget == budget
                      and c.timing == timing and not c.adaptive)
+        if not pts:  # no cell of this timing in the run
+            continue
         if base is not None:
             pts = [(1, base)] + [p for p in pts if p[0] != 1]
         if pts:

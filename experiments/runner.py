@@ -21,6 +21,7 @@ from collections.abc import Callable
 from absl import app, flags
 from absl import logging as absl_logging
 
+from dge_jax.eviction.timing import Lookahead
 from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
 from experiments import context_protocols, distributed, predictions, protocol, suites
 from experiments.cells import OBSERVES_DRAFTS, Cell
@@ -38,6 +39,7 @@ from experiments.run_folder import (
 from experiments.suites.base import RowSettings, Suite
 
 PROTOCOL = "longbench-v1-pred.py"  # experiments.protocol's steps; bump if they change
+LOOKAHEAD_KEY = "lookahead"  # the first stage of the run's lookahead cells, in the identity
 
 
 def default_datasets(suite: str | Suite, data_dir: str | None,
@@ -92,9 +94,9 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         **({} if config.sliding_cache == "auto" else {"sliding_cache": config.sliding_cache}),
         **({} if config.protocol == "query_aware" else {"context_protocol": config.protocol}),
         **({} if config.anchor == 0 else {"anchor": config.anchor}),
-        # only in runs with lookahead cells (and only their lines hash it: `cell_config`)
-        **({"lookahead": dataclasses.asdict(config.lookahead)}
-           if any(c.timing == "lookahead" for c in config.cells) else {}),  # fmt: skip
+        # only when not LAQ's defaults, so commands extending one folder agree on it
+        **({} if config.lookahead == Lookahead() else
+           {LOOKAHEAD_KEY: dataclasses.asdict(config.lookahead)}),  # fmt: skip
         # a model without a chat template: its raw prompts (every earlier folder had one)
         **({} if prompt_format(model.tokenizer) != RAW_PROMPT else {"prompt_format": RAW_PROMPT}),
     }
@@ -120,8 +122,10 @@ def cell_config(identity: dict, cell: Cell) -> dict:
     """What a cell's predictions depend on: the run identity, cut to what the cell uses (a
     line's key hashes it, so a line is only ever reused by the cell that wrote it)."""
     uses_drafts = cell.timing in OBSERVES_DRAFTS
-    identity = {k: v for k, v in identity.items()
-                if k != "lookahead" or cell.timing == "lookahead"}  # fmt: skip
+    stage = identity.get(LOOKAHEAD_KEY, dataclasses.asdict(Lookahead()))
+    identity = {k: v for k, v in identity.items() if k != LOOKAHEAD_KEY}
+    # only lookahead cells' lines hash the first stage (every other cell's key is unchanged)
+    identity |= {LOOKAHEAD_KEY: stage} if cell.timing == "lookahead" else {}
     return {
         **identity, "cell": cell.id,
         RULE_OPTIONS_KEY: cell.rule_options(identity[RULE_OPTIONS_KEY]),

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from numpy_reference import ref_compact, ref_snapkv_keep
+from test_eviction_generate import RULES, WINDOW  # every scoring rule, at the same window
 from tiny_model import jax_model
 
 from dge_jax.eviction.evict import Eviction
@@ -29,11 +30,7 @@ from dge_jax.eviction.lookahead import onto_slots
 from dge_jax.eviction.timing import Lookahead, Timing, dge_d, lookahead
 from dge_jax.generation import generate, generate_for_contexts, generate_grid
 from dge_jax.rules.h2o import H2O
-from dge_jax.rules.knorm import KeyNorm
-from dge_jax.rules.pyramidkv import PyramidKV
-from dge_jax.rules.random import RandomScores
 from dge_jax.rules.snapkv import SnapKV
-from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.rules.tova import TOVA
 from dge_jax.runtime import decoding
 from dge_jax.runtime.cache import KVCache
@@ -42,22 +39,12 @@ from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.sampling import Greedy
 
 L, HQ, HKV, VOCAB = 2, 4, 2, 128
-WINDOW = 8
 NEW = 6
 CAP = 64  # shared compacted capacity (one compilation of the decode loop)
 LENGTHS = (44, 30)
 PROMPTS = [np.random.default_rng(n).integers(0, VOCAB, n).tolist() for n in LENGTHS]
 STAGE = Lookahead(budget=20, window=12)  # a looser first stage for 30- and 44-token prompts
 DGE_D3, LAQ3 = Timing("dge_d", 3), Timing("lookahead", 3, lookahead=STAGE)
-RULES = (
-    SnapKV(window=WINDOW),
-    PyramidKV(window=WINDOW),
-    H2O(window=WINDOW),
-    StreamingLLM(),
-    RandomScores(seed=3),
-    KeyNorm(),
-    TOVA(),
-)
 
 
 @pytest.fixture(scope="module")

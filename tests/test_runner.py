@@ -403,9 +403,10 @@ def test_synthetic_suite_on_the_tiny_model(model_dir, env, tmp_path):
 
 
 def test_dge_d_and_lookahead_cells_run_and_are_compared(model_dir, env, tmp_path):
-    """--timings dge,dge_w,dge_d,lookahead: cell ids name k, the lookahead's first stage is in
-    the identity of this run (and hashed only by its cells' lines), and the report pairs each
-    dge cell with its dge_d and lookahead cells and dge_d with dge_w."""
+    """--timings dge,dge_w,dge_d,lookahead: cell ids name k, a first stage other than LAQ's
+    defaults is in the run's identity (hashed only by lookahead cells' lines; a later
+    command on the folder with the same flags extends it), and the report pairs each dge
+    cell with its dge_d and lookahead cells and dge_d with dge_w."""
     out = tmp_path / "family"
     run_ok([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
             "--suite", "synthetic", "--datasets", "passkey", "--num_samples", "1",
@@ -417,7 +418,14 @@ def test_dge_d_and_lookahead_cells_run_and_are_compared(model_dir, env, tmp_path
     assert cells == ["snapkv/dge/k3/b16", "snapkv/dge_d/k3/b16", "snapkv/dge_w/k3/b16",
                      "snapkv/lookahead/k3/b16"]  # fmt: skip
     identity = json.loads((out / "config.json").read_text())["identity"]
-    assert identity["lookahead"] == {"budget": 48, "window": 8}
+    assert identity["lookahead"] == {"budget": 48, "window": 8}  # not LAQ's defaults
+    # another command on the folder, with the same settings, adds a cell (--extend)
+    run_ok([sys.executable, "-m", "experiments.longbench", "--model", str(model_dir),
+            "--suite", "synthetic", "--datasets", "passkey", "--num_samples", "1",
+            "--synthetic_length", "256", "--rules", "snapkv", "--timings", "prefill",
+            "--budgets", "16", "--window", "4", "--lookahead_budget", "48",
+            "--lookahead_window", "8", "--extend", "--out_dir", str(out)], env)  # fmt: skip
+    assert "snapkv/prefill/b16" in {r["cell"] for r in read_rows(out)}
     pairs = {(c["cell"], c["baseline"]) for c in json.loads(
         (out / "scores.json").read_text())["paired"]}  # fmt: skip
     assert {("snapkv/dge/k3/b16", "snapkv/dge_d/k3/b16"),

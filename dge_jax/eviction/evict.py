@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 
 import jax
@@ -22,6 +21,7 @@ from dge_jax.eviction import selection
 from dge_jax.eviction import sliding as sliding_layers
 from dge_jax.eviction.budgets import expand_budgets, head_budgets
 from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_rule
+from dge_jax.eviction.field_checks import check_budget, check_rule, check_timing, check_timing_fits
 from dge_jax.eviction.observation import with_drafts
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.base import Rule, check_fields
@@ -94,9 +94,9 @@ class Eviction:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __post_init__(self):
-        _check_rule(self.rule)
-        _check_timing(self.timing)
-        _check_budget(self.budget)
+        check_rule(self.rule)
+        check_timing(self.timing)
+        check_budget(self.budget)
         if isinstance(self.budget, numbers.Integral):
             object.__setattr__(self, "budget", int(self.budget))
         check_fields(
@@ -109,92 +109,11 @@ class Eviction:
             raise TypeError(f"Eviction.alpha must be a number in [0, 1], got {self.alpha!r}")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"Eviction.alpha must be a number in [0, 1], got {self.alpha}")
-        kind = self.timing.kind
-        if kind in ("dge_d", "lookahead") and self.rule.needs.recorders:
-            why = ("scores with the drafted queries alone, and the rule's records cannot leave "
-                   "the prompt out" if kind == "dge_d" else "moves what its lookahead "
-                   "recorded onto the full cache's slots, which the rule's records cannot say "
-                   "how to")  # fmt: skip
-            raise ValueError(
-                f"timing {kind} {why}: {type(self.rule).__name__} keeps its own records "
-                "(Needs.recorders); use timing dge or dge_w with this rule"
-            )
-        if kind == "lookahead" and self.decode is not None:
-            raise ValueError(
-                "timing lookahead evicts once, from the full cache, after its lookahead; it "
-                "does not also compress while decoding (Eviction.decode): drop decode, or use "
-                "timing prefill / dge with decode"
-            )
+        check_timing_fits(self.timing, self.rule, self.decode)
         if self.decode is not None and not isinstance(self.decode, DecodeCompression):
             raise TypeError(
                 f"Eviction.decode must be a DecodeCompression or None, got {self.decode!r}"
             )
-
-
-def _check_rule(rule: object) -> None:
-    """Eviction.rule must be a rule object (a name is a common slip)."""
-    if isinstance(rule, str):
-        raise TypeError(
-            f"Eviction.rule must be a rule object, not the string {rule!r}: use "
-            f"dge_jax.rules.registry.make_rule({rule!r}) or a rule class of dge_jax.rules, "
-            "e.g. dge_jax.rules.snapkv.SnapKV()"
-        )
-    if isinstance(rule, type) or not hasattr(rule, "scorer"):
-        raise TypeError(
-            f"Eviction.rule must be a rule instance (e.g. SnapKV(), or "
-            f"dge_jax.rules.registry.make_rule('snapkv')), got {rule!r}"
-        )
-
-
-def _check_timing(timing: object) -> None:
-    """Eviction.timing must be a `Timing` (a kind's name is a common slip)."""
-    if isinstance(timing, Timing):
-        return
-    if isinstance(timing, str):
-        fix = {"prefill": "prefill()", "dge": "dge(2)", "dge_w": "dge_w(2)",
-               "dge_d": "dge_d(2)"}.get(timing)  # fmt: skip
-        fix = f"dge_jax.eviction.timing.{fix}" if fix else f"Timing({timing!r}, k)"
-        raise TypeError(
-            f"Eviction.timing must be a Timing, not the string {timing!r}: use {fix} "
-            "(from dge_jax.eviction.timing: Timing(kind, k), prefill(), dge(k), dge_w(k), "
-            "dge_d(k))"
-        )
-    raise TypeError(
-        f"Eviction.timing must be a dge_jax.eviction.timing.Timing, got {timing!r}: use e.g. "
-        "dge_jax.eviction.timing.dge(2), prefill(), dge_w(2) or Timing(kind, k)"
-    )
-
-
-def _check_budget(budget: object) -> None:
-    """Eviction.budget: an int >= 1, or an integer array: [] / per layer [L] / per head
-    [L, Hkv] (their sizes are checked against the model when generating)."""
-    forms = "an int, or an integer array per layer [L] or per layer and kv head [L, Hkv]"
-    if isinstance(budget, bool | np.bool_) or isinstance(budget, str | bytes):
-        raise TypeError(f"Eviction.budget (entries kept per kv head) must be {forms}, got "
-                        f"{budget!r}")  # fmt: skip
-    if isinstance(budget, numbers.Integral):
-        if budget < 1:
-            raise ValueError(
-                f"Eviction.budget must be >= 1 entry per head, got {int(budget)} (entries kept "
-                "per kv head)"
-            )
-        return
-    if isinstance(budget, numbers.Real):
-        raise TypeError(
-            f"Eviction.budget (entries kept per kv head) must be {forms}, got the float "
-            f"{budget!r}: round it, e.g. budget={round(budget) if math.isfinite(budget) else 256}"
-        )
-    try:
-        array = np.asarray(budget)
-    except (TypeError, ValueError):
-        array = np.asarray(None)
-    if array.ndim > 2 or array.size == 0 or array.dtype.kind not in "iu":
-        raise TypeError(f"Eviction.budget (entries kept per kv head) must be {forms}, got "
-                        f"{budget!r}")  # fmt: skip
-    if array.min() < 1:
-        raise ValueError(
-            f"Eviction.budget must be >= 1 entry per head, got {int(array.min())} in {budget!r}"
-        )
 
 
 def protected_size(rule: Rule) -> int:

@@ -68,6 +68,14 @@ def observed_steps(record: DraftRecord, before: jax.Array, after: jax.Array) -> 
     return record._replace(q_pos=jnp.where(observed, record.q_pos, -1))
 
 
+def observing(plans: list, records: dict[tuple, DraftRecord]) -> list:
+    """The "lookahead" cells' `CellPlan`s observing their lookahead's record (in place of
+    any draft's); the other plans as they are."""
+    return [plan if plan.eviction is None or plan.eviction.timing.kind != "lookahead" else
+            dataclasses.replace(plan, drafts=records[lookahead_key(plan.eviction)])
+            for plan in plans]  # fmt: skip
+
+
 def onto_slots(probs: jax.Array, seen_pos: jax.Array, full_pos: jax.Array) -> jax.Array:
     """Attention the lookahead's queries paid over the compressed copy's slots, moved onto
     the full cache's slots by position: probs [L, B, Hq, K, S1] over slots holding seen_pos
