@@ -14,7 +14,7 @@ arrays alive before and after each step (`jax.live_arrays` after a garbage colle
 the grid still holds). Time per sample is the median of `--runs` warm calls over the batch.
 Cells: FullKV; SnapKV at prefill; DGE, DGE-W and DGE-D at k; LAQ's lookahead of `--lookahead`
 tokens (first stage at LAQ's 512 entries, window 32); `decode` at interval k (kvpress's
-DecodingPress); adaptive DGE (entropy rule, k_max 8).
+DecodingPress); adaptive DGE (`dge(8a)`: entropy rule, k_max 8).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def cells(budget: int, k: int, lookahead: int) -> dict[str, Eviction | None]:
         f"dge_d({k})": at(Timing("dge_d", k)),
         f"lookahead({lookahead})": at(Timing("lookahead", lookahead)),
         f"decode(i{k})": at(Timing("decode", 1), decode=DecodeCompression(budget, k)),
-        "dge(8, adaptive)": at(Timing("dge", 8, adaptive=Adaptive("entropy", 1.0))),
+        "dge(8a)": at(Timing("dge", 8, adaptive=Adaptive("entropy", 1.0))),
     }
 
 

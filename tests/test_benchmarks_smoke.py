@@ -350,11 +350,11 @@ def test_timing_costs_count_steps_and_bytes(checkpoint, capsys):
     rows = timing_costs.main(["--model", str(checkpoint("llama")), "--length", "96",
                               "--batch", "2", "--new", "10", "--budget", "16", "--k", "3",
                               "--lookahead", "4", "--runs", "1", "--cells",
-                              "full,dge_d(3),lookahead(4),decode(i3),dge(8, adaptive)"])
+                              "full,dge_d(3),lookahead(4),decode(i3),dge(8a)"])
     steps = {r["cell"]: (r["steps_full"], r["steps_compressed"]) for r in rows}
     assert steps["full"] == (9, 0) and steps["dge_d(3)"] == (2, 7)
     assert steps["lookahead(4)"] == (0, 13) and steps["decode(i3)"] == (3, 6)
-    assert steps["dge(8, adaptive)"][0] == 7  # the draft runs to k_max - 1 for every row
+    assert steps["dge(8a)"][0] == 7  # the draft runs to k_max - 1 for every row
     assert all(r["peak_cache_bytes"] > 0 and r["seconds_per_sample"] > 0 for r in rows)
     assert "| lookahead(4) | 0 | 13 |" in capsys.readouterr().out
 
