@@ -8,14 +8,16 @@ prefill's full cache (what a FullKV cell decodes). A lookahead cell (`LookaheadC
 prefill -> the first stage's selection and compaction of a copy -> `draft_tokens` on that
 copy (the lookahead) -> the selection from the full cache observing it -> compaction ->
 decode. A decode-at-interval-k cell (`DecodeCell`): prefill ->
-`decode_compression.decode_compressed` over the full cache. Each step is the library's own
-jitted function, lowered with
-the static arguments the stages give it (`grid_plan.GridRecording`, `grid_plan.cache_room`,
-the evict stage's capacity rule) and donating what it donates today; each stage's inputs are
+`decode_compression.decode_compressed` over the full cache. `Setup.timing` picks the cell.
+Each step is the library's own jitted function, lowered with the static arguments the
+stages give it (`grid_plan.GridRecording`, `grid_plan.cache_room`, the evict stage's
+capacity rule, `lookahead.first_stage`, the decode loop's `CompressionLoop`) and donating
+what it donates today; each stage's inputs are
 the previous stages' outputs, with the shardings the compiler gave them. Parameters are bf16
 and laid out by `dge_jax.runtime.sharding` (its rules, `param_shardings`, `cache_shardings`,
 `rows_spec`), under `jax.set_mesh` as `generate_grid` runs (`on_model_mesh`). The small eager
-glue between steps (`start_state`, `observation.for_rule`, `selection.apply_keep`) is traced
+glue between steps (`start_state`, `observation.for_rule`, `selection.apply_keep`,
+`lookahead.start`, `lookahead.observed_steps`) is traced
 with `jax.eval_shape`, and its outputs keep the layout of the arrays they come from.
 
 The platform's choices are the TPU's, as `generate_grid` makes them under a mesh of TPU
