@@ -186,7 +186,7 @@ def check_scalar_flags(values: flags.FlagValues, suite: Suite) -> None:
     if values.adaptive_rule:
         least["k_max"] = 1
     for name, low in least.items():
-        value = getattr(values, name)
+        value = getattr(values, name, None)  # a flag set defined without it: not given
         if value is not None and value < low:
             raise UsageError(f"--{name} must be >= {low}, got {value}; see --help")
     if values.draft_weight < 0:
