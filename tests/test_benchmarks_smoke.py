@@ -130,7 +130,7 @@ def test_cpu_suite_json_schema(cpu_run):
     assert "peers: not run (--no-peers)" in md
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_gpu_suite_code_path_on_cpu(tmp_path):
     """`python -m benchmarks.gpu_suite --tiny` on CPU: the tiny plan's batches 1, 8 and 32 and
     its long prompt, full and compacted rows each, under xla attention only (cuDNN runs on
@@ -328,7 +328,7 @@ def test_hf_folder_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(loaded))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_decode_memory_benchmark_quick(capsys):
     """`python -m benchmarks.decode_memory --quick`: decode-time compression's cache stays at
     its capacity for both answer lengths, FullKV's grows, and the table prints."""

@@ -169,7 +169,9 @@ def _their_logits(reference, ids: list[int], rows: np.ndarray) -> np.ndarray:
         return reference.lm_head(hidden).float().numpy()
 
 
-@pytest.mark.parametrize("n", [8, 700, 4096])
+@pytest.mark.parametrize(
+    "n", [8, pytest.param(700, marks=pytest.mark.long), pytest.param(4096, marks=pytest.mark.long)]
+)
 def test_teacher_forced_logits_match_transformers(model, reference, text_ids, n):
     ids = text_ids[:n]
     # every position up to 700; past that every 7th and the last 64 (memory)

@@ -218,7 +218,7 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_split_a_run_and_merge_to_one_process_predictions(model_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     env = env_for(tmp_path)
@@ -314,7 +314,7 @@ def test_a_model_sharded_across_two_processes_gives_one_process_tokens(tmp_path)
         assert 0 < two["read_1x8"] < 0.8 * two["checkpoint_bytes"]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_runner_with_a_model_sharded_across_processes(model_dir, tmp_path):
     # tiny_model's 2 kv heads do not divide model=4: rows over data x model, so 8 a batch
     args = ("--batch_size", "8", "--mesh", "data=2,model=4")

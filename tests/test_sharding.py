@@ -199,12 +199,10 @@ def facts(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow
 def test_subprocess_has_eight_devices(facts):
     assert facts["devices"] == 8
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("cell", CELLS)
 def test_meshes_give_the_same_tokens_and_kept_positions(facts, mesh, cell):
@@ -232,7 +230,6 @@ def test_the_pallas_prefill_under_a_mesh_gives_the_same_tokens(facts, mesh, cell
 CACHE_BLOCKS = {"8x1": [2, 1, 4, 32, 16], "2x4": [2, 4, 1, 32, 16], "1x8": [2, 1, 4, 32, 16]}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_params_and_cache_are_sharded(facts, mesh):
     data, model = map(int, mesh.split("x"))
@@ -254,7 +251,6 @@ def test_params_and_cache_are_sharded(facts, mesh):
     assert entry["cache"]["k"]["devices"] == 8
 
 
-@pytest.mark.slow
 def test_per_layer_capacities_on_a_mesh(facts):
     """On the 2x4 mesh, a cache compacted to per-layer capacities (16, 12) decodes to the
     tokens one capacity gives, and no step compiled for it moves keys or values."""
@@ -266,7 +262,6 @@ def test_per_layer_capacities_on_a_mesh(facts):
     assert ragged["decode_layer1_keys"] == {"whole": False, "block": True}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESHES)
 def test_no_step_gathers_the_cache(facts, mesh):
     """Every compiled step takes and returns caches as per-device blocks, and no module that
@@ -290,7 +285,6 @@ def test_no_step_gathers_the_cache(facts, mesh):
             assert any(re.fullmatch(r"all-gather f32\[\d+, 16, 64\]", c) for c in found), found
 
 
-@pytest.mark.slow
 def test_orbax_round_trip_restores_sharded_with_identical_logits(facts):
     orbax = facts["orbax"]
     assert {"config.json", "tokenizer.json", "dge_jax.json", "params"} <= set(orbax["files"])
@@ -304,7 +298,6 @@ def test_orbax_round_trip_restores_sharded_with_identical_logits(facts):
     assert "already exists" in orbax["exists_error"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["2x4", "1x4"])
 def test_sliding_layers_and_one_kv_head_on_a_mesh(facts, mesh):
     """A tiny Gemma 3 (sliding and global layers, 4 query heads over 1 kv head): the same
