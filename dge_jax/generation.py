@@ -91,12 +91,13 @@ class GenerationConfig:
     on TPU / GPU with prompts padded to multiples of 512: `platform.Backend.chunk_for`);
     extra_eos_ids: ids that end an answer besides the tokenizer's EOS; record_compressions:
     keep what each decode-time compression kept (`GenerationResult.compressions`); attention:
-    prefill's attention implementation, "auto" (the platform's: pallas on TPU, xla elsewhere),
-    "xla", "pallas" (the Pallas flash kernel; interpret mode off TPU, slow) or "cudnn" (GPU
-    only); sliding_cache: how prefill's cache holds sliding-window layers, "bounded" (their
-    window plus one prefill step: `dge_jax.runtime.window_cache`), "full" (the prompt's
-    length, like global layers) or "auto" (bounded unless a cell needs the full layout:
-    `grid_plan.bounded_sliding`).
+    the attention implementation, "auto" (the platform's: pallas on TPU, xla elsewhere), "xla",
+    "pallas" (the Pallas flash kernel for prefill and KVzip's passes, a decode kernel for draft
+    and decode steps; interpret mode off TPU, slow) or "cudnn" (GPU only: prefill and KVzip's
+    passes; draft and decode steps run xla); sliding_cache: how prefill's cache holds
+    sliding-window layers, "bounded" (their window plus one prefill step:
+    `dge_jax.runtime.window_cache`), "full" (the prompt's length, like global layers) or
+    "auto" (bounded unless a cell needs the full layout: `grid_plan.bounded_sliding`).
     """
 
     max_new_tokens: int = 64
