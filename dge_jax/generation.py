@@ -14,15 +14,15 @@ same cache, never to another question's answer:
     FullKV             context                     -                            every entry
     prefill timing     context                     the context's own queries    budget
     DGE-W(k)           context + anchor question   the question's queries       budget
-    DGE(k)             context + anchor question   ... + k drafted tokens'      budget
+    DGE(k)             context + anchor question   ... + k-1 draft steps'       budget
 
-So in these protocols DGE's eviction waits past the anchor question and k drafted tokens
-(the cache stays full until then), and DGE-W is the same wait without the drafted queries:
-query-aware compression of the context. The anchor question's entries and the drafts are
-then dropped with the evicted ones, and the anchor question is answered from the compressed
-context like every other question (fed again, so its entries see only what was kept): the
-first question and the later ones meet the same cache, and what anchoring costs the later
-ones is their score against the anchor's.
+So in these protocols DGE's eviction waits past the anchor question and k answer tokens
+(the first from prefill, k-1 from draft steps; the cache stays full until then), and DGE-W
+is the same wait without the drafted queries: query-aware compression of the context. The
+anchor question's entries and the drafts are then dropped with the evicted ones, and the
+anchor question is answered from the compressed context like every other question (fed
+again, so its entries see only what was kept): the first question and the later ones meet
+the same cache, and what anchoring costs the later ones is their score against the anchor's.
 
 The question tokens of every row are fed in one prefill step over the compressed cache
 (`dge_jax.runtime.extend`); the answer then decodes as in `generate_grid`. Decode-time

@@ -45,7 +45,8 @@ OLD_RULES_FLAG = "methods"  # --rules' name before the scoring rules were called
 flags.DEFINE_list(OLD_RULES_FLAG, DEFAULT_RULES, "deprecated: the old name of --rules")
 flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w, dge_d; decode "
                   "(compress only while decoding, at each --decode_budgets)")
-flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
+flags.DEFINE_list("k", ["2"], "answer tokens generated with the full cache before DGE "
+                  "eviction: the first from prefill, the other k-1 from k-1 draft steps")
 flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")
 flags.DEFINE_list("decode_budgets", [], "also compress while decoding: each cell gets variants "
                   "that every --intervals new tokens go back to these entries per kv head "
