@@ -9,7 +9,7 @@ dominates decode, as it does for a real 8B model at long context. SnapKV, DGE k=
 
 Every measured function is compiled ahead of time (`.lower().compile()`), so timings hold no
 compilation; decode times are the median of several runs of a fixed number of steps (no EOS),
-each ended by `block_until_ready`. Targets (issue #3): decode >= 3x faster, cache bytes
+each ended by `block_until_ready`. Targets: decode >= 3x faster, cache bytes
 <= 1/8 of full, scoring + selection + compaction <= 5 % of prefill.
 """
 

@@ -4,7 +4,7 @@
 settings that are not the prompts or the evictions. ``hook``: see `dge_jax.stages`.
 
 `generate_for_contexts`: one compressed cache per context, every question answered from it.
-What kvpress's default protocol and shared-context serving do (issue 31): the *context* is
+What kvpress's default protocol and shared-context serving do: the *context* is
 compressed before (or without) its questions, then each question and its answer prefix are
 fed to the compressed cache and answered. Every cell ends with a cache of the context alone
 (its budget, per head, spent on context positions), and every question is then fed to that
