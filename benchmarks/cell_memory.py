@@ -2,16 +2,16 @@
 
     python -m benchmarks.cell_memory [--no_grid] [--json OUT]
 
-Issue 29, "One live full cache": draft and rewind donate, and `generate_grid` holds no full
-cache that no cell still needs. This runs `generate_grid` itself, on CPU on a tiny random
-Llama (2 layers, 4 query / 2 kv heads), through its stage hook: before and after every
-jitted step, the cache arrays alive (`jax.live_arrays()` after a garbage collection: what the
-grid's references keep; donated buffers are deleted and drop out), each named by the steps
-whose outputs held its buffer (``prefill>draft>rewind``: one buffer, updated in place). Full
-caches (prefill's capacity) and compacted ones are counted in caches (k and v of every layer
-= 1). Each entry also says its slots per head and the step call that first made its buffer
-(``origin``, an index into the event's ``call``s: two calls of one stage, such as the
-lookahead's compaction and the cell's own, are told apart). It traces one DGE-SnapKV cell,
+What it checks, "one live full cache" (docs/design.md): draft and rewind donate, and
+`generate_grid` holds no full cache that no cell still needs. This runs `generate_grid` itself,
+on CPU on a tiny random Llama (2 layers, 4 query / 2 kv heads), through its stage hook: before
+and after every jitted step, the cache arrays alive (`jax.live_arrays()` after a garbage
+collection: what the grid's references keep; donated buffers are deleted and drop out), each
+named by the steps whose outputs held its buffer (``prefill>draft>rewind``: one buffer, updated
+in place). Full caches (prefill's capacity) and compacted ones are counted in caches (k and v
+of every layer = 1). Each entry also says its slots per head and the step call that first made
+its buffer (``origin``, an index into the event's ``call``s: two calls of one stage, such as
+the lookahead's compaction and the cell's own, are told apart). It traces one DGE-SnapKV cell,
 then a grid with every kind of cell (FullKV, prefill, dge(2), dge_w(2), lookahead(4),
 decode-time).
 

@@ -9,7 +9,7 @@ dominates decode, as it does for a real 8B model at long context. SnapKV, DGE k=
 
 Every measured function is compiled ahead of time (`.lower().compile()`), so timings hold no
 compilation; decode times are the median of several runs of a fixed number of steps (no EOS),
-each ended by `block_until_ready`. Targets (issue #3): decode >= 3x faster, cache bytes
+each ended by `block_until_ready`. Targets: decode >= 3x faster, cache bytes
 <= 1/8 of full, scoring + selection + compaction <= 5 % of prefill.
 """
 
@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=3584)
     p.add_argument("--window", type=int, default=32, help="SnapKV observation window")
-    p.add_argument("--k", type=int, default=2, help="DGE: answer tokens drafted before eviction")
+    p.add_argument("--k", type=int, default=2, help="DGE: answer tokens generated with the "
+                   "full cache before eviction (k-1 draft steps)")
     p.add_argument("--chunk", type=int, default=0, help="prefill chunk (0 = largest that fits)")
     p.add_argument("--runs", type=int, default=5, help="timed runs (median reported)")
     p.add_argument("--quick", action="store_true", help="small config for a ~20 s smoke run")

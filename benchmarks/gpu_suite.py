@@ -1,4 +1,4 @@
-"""The GPU check (issue 29), one command on one NVIDIA GPU with JAX's CUDA build:
+"""The GPU check, one command on one NVIDIA GPU with JAX's CUDA build:
 
     python -m benchmarks.gpu_suite            # the full plan: one H200, ~6-9 min (estimated)
     python -m benchmarks.gpu_suite --quick    # the same shape at small sizes, minutes

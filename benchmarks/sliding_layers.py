@@ -1,5 +1,5 @@
 """Local and global layers on CPU: what a Gemma-3-shaped model's cache holds per layer type, and
-its prefill and decode speed beside a Llama of the same widths (issue 30's first measurement).
+its prefill and decode speed beside a Llama of the same widths.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.sliding_layers [--window 256]
 

@@ -1,6 +1,6 @@
 """The suites: what runs, in which order, and the peers' jobs of each configuration.
 
-What runs (issue 9), in one process, peers in a subprocess afterwards (never concurrently):
+What runs, in one process, peers in a subprocess afterwards (never concurrently):
 
 - machine limits: f32 matmul GFLOP/s and memory read bandwidth (`benchmarks.machine`);
 - (a) the embedded SmolLM2-135M-Instruct on prompts of 2k / 4k / 8k tokens (8k = 8128, so

@@ -1,4 +1,4 @@
-"""The headline ratios and the targets of issue 9, met or missed, from a suite's results."""
+"""The headline ratios and the targets (`plans.TARGETS`), met or missed, from a suite's results."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def headline(plan: Plan, rows: list[dict]) -> dict:
 
 
 def targets(plan: Plan, out: dict, limits: dict) -> list[dict]:
-    """Every target of issue 9 this plan can measure, met or missed (None: not measured)."""
+    """Every target this plan can measure, met or missed (None: not measured)."""
     rows, t = out["rows"], []
     if plan.a_configs:
         t.append(_prefill_target(plan, rows, limits))

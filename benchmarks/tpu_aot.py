@@ -66,7 +66,7 @@ this sum. ``kept_argument_bytes`` (arguments - aliased) is what a stage reads wi
 consuming it; ``full_caches_alive_during_decode`` counts the full-size caches held while the
 compacted cache decodes.
 
-**What each timing costs (issue 44).** ``--cells`` (default all three) compiles beside the
+**What each timing costs.** ``--cells`` (default all three) compiles beside the
 DGE cell, for the same topology, config, seq and batch, a **lookahead cell** (LAQ,
 `timing.lookahead`: L = ``--lookahead`` tokens on a copy compressed at LAQ's 512 entries,
 window 32, then the selection from the full cache at ``--budget``; stages ``first_select``,

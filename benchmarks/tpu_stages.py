@@ -24,7 +24,8 @@ The platform's choices are the TPU's, as `generate_grid` makes them under a mesh
 devices (`dge_jax.runtime.platform.Backend`): prefill steps of its `chunk_for` the batch,
 prompts padded to its `prompt_bucket`, its attention ("auto": the Pallas flash kernel), the
 decode loop's layer grouping ("scan"). `Setup.chunk`, `attention` and `layer_loop` override
-them (e.g. ``--chunk 512 --attention xla`` gives the program before issue 29's changes).
+them (e.g. ``--chunk 512 --attention xla`` gives the program of 512-token prefill steps and
+XLA attention, the TPU's before it took long chunks and the Pallas kernel).
 """
 
 from __future__ import annotations

@@ -143,8 +143,10 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
         "--attention", default="auto", choices=platform.ATTENTION,
-        help="prefill's attention: auto (the platform's: pallas on TPU, xla elsewhere), xla, "
-        "pallas (the Pallas flash kernel; interpret mode off TPU, slow) or cudnn (GPU only)",
+        help="attention kernels: auto (the platform's: pallas on TPU, xla elsewhere), xla, "
+        "pallas (the Pallas flash kernel for prefill and KVzip's passes, a decode kernel for "
+        "draft and decode steps; interpret mode off TPU, slow) or cudnn (GPU only: cuDNN's "
+        "flash attention for prefill and KVzip's passes; draft and decode steps on xla)",
     )  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object")
     ev = g.add_argument_group("eviction")

@@ -4,7 +4,7 @@
 settings that are not the prompts or the evictions. ``hook``: see `dge_jax.stages`.
 
 `generate_for_contexts`: one compressed cache per context, every question answered from it.
-What kvpress's default protocol and shared-context serving do (issue 31): the *context* is
+What kvpress's default protocol and shared-context serving do: the *context* is
 compressed before (or without) its questions, then each question and its answer prefix are
 fed to the compressed cache and answered. Every cell ends with a cache of the context alone
 (its budget, per head, spent on context positions), and every question is then fed to that
@@ -14,15 +14,15 @@ same cache, never to another question's answer:
     FullKV             context                     -                            every entry
     prefill timing     context                     the context's own queries    budget
     DGE-W(k)           context + anchor question   the question's queries       budget
-    DGE(k)             context + anchor question   ... + k drafted tokens'      budget
+    DGE(k)             context + anchor question   ... + k-1 draft steps'       budget
 
-So in these protocols DGE's eviction waits past the anchor question and k drafted tokens
-(the cache stays full until then), and DGE-W is the same wait without the drafted queries:
-query-aware compression of the context. The anchor question's entries and the drafts are
-then dropped with the evicted ones, and the anchor question is answered from the compressed
-context like every other question (fed again, so its entries see only what was kept): the
-first question and the later ones meet the same cache, and what anchoring costs the later
-ones is their score against the anchor's.
+So in these protocols DGE's eviction waits past the anchor question and k answer tokens
+(the first from prefill, k-1 from draft steps; the cache stays full until then), and DGE-W
+is the same wait without the drafted queries: query-aware compression of the context. The
+anchor question's entries and the drafts are then dropped with the evicted ones, and the
+anchor question is answered from the compressed context like every other question (fed
+again, so its entries see only what was kept): the first question and the later ones meet
+the same cache, and what anchoring costs the later ones is their score against the anchor's.
 
 The question tokens of every row are fed in one prefill step over the compressed cache
 (`dge_jax.runtime.extend`); the answer then decodes as in `generate_grid`. Decode-time
@@ -91,12 +91,13 @@ class GenerationConfig:
     on TPU / GPU with prompts padded to multiples of 512: `platform.Backend.chunk_for`);
     extra_eos_ids: ids that end an answer besides the tokenizer's EOS; record_compressions:
     keep what each decode-time compression kept (`GenerationResult.compressions`); attention:
-    prefill's attention implementation, "auto" (the platform's: pallas on TPU, xla elsewhere),
-    "xla", "pallas" (the Pallas flash kernel; interpret mode off TPU, slow) or "cudnn" (GPU
-    only); sliding_cache: how prefill's cache holds sliding-window layers, "bounded" (their
-    window plus one prefill step: `dge_jax.runtime.window_cache`), "full" (the prompt's
-    length, like global layers) or "auto" (bounded unless a cell needs the full layout:
-    `grid_plan.bounded_sliding`).
+    the attention implementation, "auto" (the platform's: pallas on TPU, xla elsewhere), "xla",
+    "pallas" (the Pallas flash kernel for prefill and KVzip's passes, a decode kernel for draft
+    and decode steps; interpret mode off TPU, slow) or "cudnn" (GPU only: prefill and KVzip's
+    passes; draft and decode steps run xla); sliding_cache: how prefill's cache holds
+    sliding-window layers, "bounded" (their window plus one prefill step:
+    `dge_jax.runtime.window_cache`), "full" (the prompt's length, like global layers) or
+    "auto" (bounded unless a cell needs the full layout: `grid_plan.bounded_sliding`).
     """
 
     max_new_tokens: int = 64

@@ -238,7 +238,7 @@ def accuracy_vs_k(scores: dict, title_text: str, out_dir: pathlib.Path) -> pathl
         for budget in sorted({c.budget for c in cells if c.rule == rule}):
             _k_lines(ax, scores, cells, rule, budget)
         ax.set_title(rule)
-        ax.set_xlabel("k (answer tokens drafted with the full cache)")
+        ax.set_xlabel("k (answer tokens generated with the full cache)")
         ax.set_ylabel("mean score")
         ax.legend(fontsize=7)
     fig.suptitle(title_text, fontsize=10)

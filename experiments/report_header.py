@@ -81,8 +81,8 @@ def _samples_per_dataset(scores: dict) -> str:
 
 
 def _command_text(command: str) -> str:
-    """A history command as one would type it: runners before #28 stored sys.argv, whose
-    first word is the path of experiments/longbench.py when run with `python -m`."""
+    """A history command as one would type it: older runners stored sys.argv, whose first
+    word is the path of experiments/longbench.py when run with `python -m`."""
     first, _, rest = command.partition(" ")
     if first.replace("\\", "/").endswith("experiments/longbench.py"):
         return f"python -m experiments.longbench {rest}".rstrip()

@@ -45,7 +45,8 @@ OLD_RULES_FLAG = "methods"  # --rules' name before the scoring rules were called
 flags.DEFINE_list(OLD_RULES_FLAG, DEFAULT_RULES, "deprecated: the old name of --rules")
 flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w, dge_d; decode "
                   "(compress only while decoding, at each --decode_budgets)")
-flags.DEFINE_list("k", ["2"], "answer tokens drafted with the full cache before DGE eviction")
+flags.DEFINE_list("k", ["2"], "answer tokens generated with the full cache before DGE "
+                  "eviction: the first from prefill, the other k-1 from k-1 draft steps")
 flags.DEFINE_list("budgets", ["128", "256"], "entries kept per kv head")
 flags.DEFINE_list("decode_budgets", [], "also compress while decoding: each cell gets variants "
                   "that every --intervals new tokens go back to these entries per kv head "
@@ -100,11 +101,14 @@ flags.DEFINE_enum("protocol", "query_aware", ["query_aware", "query_agnostic", "
 flags.DEFINE_integer("anchor", 0, "shared_context: the question of each context (0: its first "
                      "row) DGE and DGE-W draft on; recorded in the run identity unless 0")
 flags.DEFINE_integer("chunk", None, "prefill chunk (tokens; default: the platform's, 512 on "
-                     "CPU, 8192 on TPU and GPU)")
-flags.DEFINE_enum("attention", "auto", list(ATTENTION), "prefill's attention: auto (the "
+                     "CPU; on TPU and GPU 8192 / the rows per device, in multiples of 512, "
+                     "at least 512: 2048 at --batch_size 4)")
+flags.DEFINE_enum("attention", "auto", list(ATTENTION), "attention kernels: auto (the "
                   "platform's: pallas on TPU, xla elsewhere), xla, pallas (the Pallas flash "
-                  "kernel; interpret mode off TPU) or cudnn (GPU only); recorded in the run "
-                  "identity unless it resolves to xla")
+                  "kernel for prefill and KVzip's passes, a decode kernel for draft and decode "
+                  "steps; interpret mode off TPU) or cudnn (GPU only: cuDNN's flash attention "
+                  "for prefill and KVzip's passes; draft and decode steps on xla); recorded in "
+                  "the run identity unless it resolves to xla")
 flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
                     "sharded, and each batch of --batch_size samples is spread over the data "
                     "axis (--batch_size must then be a multiple of it)")

@@ -23,7 +23,7 @@ device's. To compile for another platform without a mesh, set a 1 x 1 mesh of it
 
 Prefill chunk. Each prefill step reads every weight once, so a 32k prompt in 512-token steps
 reads an 8B model's weights 64 times (159 GB of HBM traffic per device on a v5e-8 against
-about 2 GB of weights: issue 29). On TPU and GPU a step holds about 8192 tokens of all rows
+about 2 GB of weights). On TPU and GPU a step holds about 8192 tokens of all rows
 together (`chunk_for`: a device's rows x chunk <= `prefill_step_tokens`, the chunk a
 multiple of the 512-token `prompt_bucket` and at most `prefill_chunk`): at batch 1 the
 weights are read once for prompts up to 8k and 4 times at 32k, and a step's activations
@@ -40,7 +40,7 @@ stacked array a scanned layer reads, every step (`decoding.decode_loop`); keys-m
 products for a handful of query rows, faster on XLA:CPU (`attention.cached_attention`); and
 the zero that orders a decode step's cache write after attention's reads, without which
 XLA:CPU copied every cache buffer per step (`layer_attention.cache_layer_attention`). On TPU
-that zero only adds a scalar to every layer's all-reduce under a mesh (issue 29), and the TPU
+that zero only adds a scalar to every layer's all-reduce under a mesh, and the TPU
 compiler keeps the buffers in place without it (tests/test_platform.py compiles the decode
 loop for a v5e and finds no cache copy).
 """
