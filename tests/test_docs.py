@@ -98,10 +98,14 @@ def test_ci_runs_the_readme_test_command_verbatim():
         ".ci/run must run the README's test command verbatim")
 
 
+CI_SLOW = 'python -m pytest -q --slow -m "slow and not long"'
+
+
 def test_ci_also_runs_the_slow_tests_the_readme_command_skips():
+    """After the README's command, CI runs the slow tests that are not long (conftest)."""
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
-    assert "python -m pytest -q --slow -m slow" in ci
-    assert ci.index("python -m pytest -q --slow -m slow") > ci.index(QUICK_START[1])
+    assert CI_SLOW in ci
+    assert ci.index(CI_SLOW) > ci.index(QUICK_START[1])
 
 
 class _Config:
@@ -116,8 +120,8 @@ class _Config:
 
 
 class _Item:
-    def __init__(self, slow):
-        self.keywords = {"slow": True} if slow else {}
+    def __init__(self, *marks):
+        self.keywords = dict.fromkeys(marks, True)
         self.markers = []
 
     def add_marker(self, marker):
@@ -136,12 +140,13 @@ class _Item:
 def test_slow_tests_skip_with_a_reason_unless_asked_for(args, slow, skipped):
     import conftest
 
-    fast, long = _Item(slow=False), _Item(slow=True)
-    conftest.pytest_collection_modifyitems(_Config(args, slow), [fast, long])
+    fast, slow_one, long_one = _Item(), _Item("slow"), _Item("long")  # long: minutes each
+    conftest.pytest_collection_modifyitems(_Config(args, slow), [fast, slow_one, long_one])
     assert fast.markers == []
-    assert bool(long.markers) == skipped
-    if skipped:
-        assert "--slow" in long.markers[0].kwargs["reason"]
+    for item in (slow_one, long_one):
+        assert bool(item.markers) == skipped
+        if skipped:
+            assert "--slow" in item.markers[0].kwargs["reason"]
 
 
 # ---------------------------------------------------------------------------------------------
