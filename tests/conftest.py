@@ -358,7 +358,10 @@ def _named_on_command_line(config) -> bool:
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--slow") or _named_on_command_line(config):
         return
-    skip = pytest.mark.skip(reason="slow: run with --slow (CI runs it; see README)")
+    slow = pytest.mark.skip(reason="slow: run with --slow (CI runs it; see README)")
+    long = pytest.mark.skip(reason="long: run with --slow (minutes; CI leaves it out; see README)")
     for item in items:
-        if "slow" in item.keywords or "long" in item.keywords:
-            item.add_marker(skip)
+        if "long" in item.keywords:
+            item.add_marker(long)
+        elif "slow" in item.keywords:
+            item.add_marker(slow)

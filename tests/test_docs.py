@@ -147,6 +147,8 @@ def test_slow_tests_skip_with_a_reason_unless_asked_for(args, slow, skipped):
         assert bool(item.markers) == skipped
         if skipped:
             assert "--slow" in item.markers[0].kwargs["reason"]
+    if skipped:  # a long test's reason must not claim that CI runs it
+        assert "CI leaves it out" in long_one.markers[0].kwargs["reason"]
 
 
 # ---------------------------------------------------------------------------------------------
