@@ -19,8 +19,8 @@ from fractions import Fraction
 import jax
 import jax.numpy as jnp
 
-from dge_jax.eviction.selection import top_mask
 from dge_jax.eviction.sliding import global_pool
+from dge_jax.runtime.selection import top_mask
 
 
 def _floor_times(n: jax.Array, alpha: float) -> jax.Array:
