@@ -28,13 +28,13 @@ import numpy as np
 
 from dge_jax.config import ModelConfig, RopeConfig
 from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
-from dge_jax.eviction.selection import apply_keep
 from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import compact
 from dge_jax.runtime.sampling import Greedy
+from dge_jax.runtime.selection import apply_keep
 
 GREEDY = Greedy()
 EOS_IDS: tuple[int, ...] = ()  # no EOS: every run decodes the same number of steps

@@ -25,12 +25,12 @@ import pathlib
 import sys
 
 import dge_jax
+from dge_jax.checkpoints.tokenizer import prompt_renderer
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.pyramidkv import PyramidKV
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
-from dge_jax.runtime.tokenizer import prompt_renderer
 from experiments import protocol
 from experiments.suites import synthetic
 

@@ -30,12 +30,12 @@ from benchmarks.plans import DGE2, Plan
 from benchmarks.work import prefill_flops, tree_bytes
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import SelectionSpec, capacity_for, select_for_budgets
-from dge_jax.eviction.selection import apply_keep
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime import platform
 from dge_jax.runtime.cache import compact
+from dge_jax.runtime.selection import apply_keep
 
 
 def kv_config(plan: Plan, tokens: int, batch: int, max_tokens: int | None = None):

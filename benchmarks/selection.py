@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import machine
-from dge_jax.eviction import selection
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
+from dge_jax.runtime import selection
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.records import Observation
 

@@ -26,12 +26,12 @@ from collections.abc import Sequence
 
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import HEAD_BUDGETS, Eviction
-from dge_jax.eviction.selection import TIES
 from dge_jax.eviction.timing import KINDS, Lookahead, Timing
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.rules.registry import RULES, make_rule, resolve
 from dge_jax.runtime import platform
 from dge_jax.runtime.sampling import Greedy, Sampling
+from dge_jax.runtime.selection import TIES
 
 # Eviction flags default to None so that a flag the user gave is told from one left out.
 EVICTION_DEFAULTS = {

@@ -15,12 +15,14 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 
 from dge_jax.config import ConfigError, ModelConfig
-from dge_jax.runtime.cache import KVCache, group_bounds
+
+if TYPE_CHECKING:  # named in ForwardOutput's annotation only: runtime/ is the layer above
+    from dge_jax.runtime.cache import KVCache
 
 
 class ForwardOutput(NamedTuple):
@@ -40,30 +42,12 @@ class ForwardOutput(NamedTuple):
 # forward(config, params, tokens [B, T], positions [B, T], cache, *, layers, recording,
 #         logits, key_block, attention) -> ForwardOutput. The layers run group by group over the
 # cache's layer groups (`dge_jax.runtime.cache`); `layers` gives the layer weights grouped like
-# the cache (`group_layers`, made once outside a decode loop), None groups them per call;
+# the cache (`cache.group_layers`, made once outside a decode loop), None groups them per call;
 # `recording` (a `dge_jax.runtime.recorders.Recording`) says what each layer records: the
 # family builds a `LayerView` per layer and calls `recording.layer(view)`, and asks its
 # attention for per-slot probability sums when `recording.reads_probs_sum`; `attention` names
 # a prefill chunk's attention implementation (`dge_jax.runtime.platform.ATTENTION`).
 ForwardFn = Callable[..., ForwardOutput]
-
-
-def group_layers(layers: Any, sizes: tuple[int, ...]) -> tuple[Any, ...]:
-    """Layer weights stacked on a leading [L] axis (every family's `params.layers`) cut into
-    groups of ``sizes`` consecutive layers, each stacked [Lg, ...]: the weights of a cache's
-    layer groups (`KVCache.group_sizes`).
-
-    Slicing a stacked array copies it on XLA:CPU, so a decode loop groups once, before the
-    loop; one group of all layers is the stack itself, no copy.
-    """
-    bounds = group_bounds(sizes)
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    if bounds[-1] != num_layers:
-        raise ValueError(f"group sizes {sizes} do not split the model's {num_layers} layers")
-    return tuple(
-        jax.tree.map(lambda w, a=a, b=b: w[a:b], layers)
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-    )
 
 
 @dataclasses.dataclass(frozen=True)

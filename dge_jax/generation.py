@@ -182,9 +182,10 @@ def evicted_plans(
         rows = platform.rows_per_device(len(prompts) if isinstance(prompts, Sized) else 1)
         chunk, granule = backend.chunk_for(rows), backend.prompt_bucket
     request = prepare(
-        model, prompts, max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
-        chat=cfg.chat, chunk=chunk, extra_eos_ids=cfg.extra_eos_ids, granule=granule,
-        attention=cfg.attention,
+        model.tokenizer, model.config, prompts, max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens, chat=cfg.chat, chunk=chunk,
+        extra_eos_ids=cfg.extra_eos_ids, granule=granule, attention=cfg.attention,
+        path=model.path,
     )  # fmt: skip
     cells = check_cells(cells, cfg.max_new_tokens, model.config.layer_windows)
     recording = GridRecording.of(cells)

@@ -8,9 +8,9 @@ from typing import Any
 
 from dge_jax.checkpoints import orbax_io
 from dge_jax.checkpoints.hf import load_hf_checkpoint, read_config
+from dge_jax.checkpoints.tokenizer import Tokenizer
 from dge_jax.config import ModelConfig
 from dge_jax.families import ModelFamily
-from dge_jax.runtime.tokenizer import Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

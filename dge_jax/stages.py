@@ -37,7 +37,6 @@ from dge_jax.eviction.evict import (
     spreads_budget,
 )
 from dge_jax.eviction.grid_plan import CellPlan, GridRecording
-from dge_jax.eviction.selection import kept_positions
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, stacking, window_cache
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
@@ -45,6 +44,7 @@ from dge_jax.runtime.multihost import fetch
 from dge_jax.runtime.prompts import Request, cut_at_eos
 from dge_jax.runtime.records import DraftRecord
 from dge_jax.runtime.sampling import Greedy
+from dge_jax.runtime.selection import kept_positions
 
 GREEDY = Greedy()
 # The jitted steps a hook sees, in the order they first run.

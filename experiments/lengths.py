@@ -6,7 +6,7 @@ them, made before the run folder is claimed.
 
 from __future__ import annotations
 
-from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
+from dge_jax.checkpoints.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
 from experiments import protocol
 from experiments.run_config import RunConfig, UsageError
 

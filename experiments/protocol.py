@@ -14,7 +14,7 @@ For each row, pred.py does, in this order:
 
 The chat template is applied after truncation, so it is never cut. A model whose tokenizer
 has no chat template (a base model) is prompted with the raw prompt in step 3, its answer
-prefix after it, never a made-up template (`dge_jax.runtime.tokenizer.prompt_renderer`, the
+prefix after it, never a made-up template (`dge_jax.checkpoints.tokenizer.prompt_renderer`, the
 one place that picks the format). What differs per dataset
 (template, chat template or not, answer prefix, generation length, stop rule) is its suite's
 answer (`experiments.suites`). Synthetic tasks (`experiments.suites.synthetic`) go through the
@@ -24,7 +24,7 @@ row's `input` is the prompt (RULER's own template, already filled), the chat tem
 it, and the row's `answer_prefix` follows, as RULER's call_api.py sends `input + answer_prefix`.
 The tokenizer is any object with `encode(text) -> list[int]` and `decode(ids) -> str` (decode
 should skip special tokens, as pred.py's `skip_special_tokens=True` does;
-`dge_jax.runtime.tokenizer.Tokenizer` qualifies).
+`dge_jax.checkpoints.tokenizer.Tokenizer` qualifies).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
+from dge_jax.checkpoints.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
 from experiments import rows, suites
 
 # LongBench's file folder and schema (`experiments.suites.longbench`), named here too: this
@@ -135,7 +135,7 @@ def prepare_sample(
     """Prompt -> middle truncation on its tokens -> chat template (not for the six) -> prefix.
 
     `chat(prompt)` renders the prompt as the model is prompted:
-    `dge_jax.runtime.tokenizer.prompt_renderer(tokenizer)` (one user turn of its chat template
+    `dge_jax.checkpoints.tokenizer.prompt_renderer(tokenizer)` (one user turn of its chat template
     with the generation prompt, or the raw prompt for a model without a template).
     `with_answer_prefix=False` ends the prompt at the chat template's generation prompt, so
     the model starts its answer unprompted (an ablation: the first drafted tokens are then

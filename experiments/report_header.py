@@ -3,7 +3,7 @@ folder's config.json (identity and history) and its prediction lines."""
 
 from __future__ import annotations
 
-from dge_jax.runtime.tokenizer import RAW_PROMPT
+from dge_jax.checkpoints.tokenizer import RAW_PROMPT
 from experiments import protocol
 
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from absl import app, flags
 from absl import logging as absl_logging
 
+from dge_jax.checkpoints.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
 from dge_jax.eviction.timing import Lookahead
-from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format, prompt_renderer
 from experiments import context_protocols, distributed, predictions, protocol, suites
 from experiments.cells import OBSERVES_DRAFTS, Cell
 from experiments.lengths import prompt_length

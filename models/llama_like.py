@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import ModelConfig
-from dge_jax.families import ForwardOutput, group_layers
+from dge_jax.families import ForwardOutput
 from dge_jax.runtime.attention import ScoreSpec
-from dge_jax.runtime.cache import KVCache, LayerGroup
+from dge_jax.runtime.cache import KVCache, LayerGroup, group_layers
 from dge_jax.runtime.constraints import constrain_residual
 from dge_jax.runtime.layer_attention import cache_layer_attention
 from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
@@ -292,7 +292,7 @@ def forward(
     attention: the prefill chunk's implementation (`dge_jax.runtime.platform.ATTENTION`).
 
     The layers run group by group over the cache's layer groups, each under `lax.scan`;
-    ``layers``: the layer weights grouped like the cache (`families.group_layers`, made once
+    ``layers``: the layer weights grouped like the cache (`cache.group_layers`, made once
     outside a decode loop), None = grouped here.
     """
     b, t = tokens.shape

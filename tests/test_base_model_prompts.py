@@ -1,7 +1,7 @@
 """Base models (a tokenizer without a chat template) in the evaluation runner.
 
 Such a model is prompted with the raw prompt (cut in the middle to the max length) followed by
-the suite's answer prefix, never a made-up template: `dge_jax.runtime.tokenizer.prompt_format`
+the suite's answer prefix, never a made-up template: `dge_jax.checkpoints.tokenizer.prompt_format`
 picks the format once, and the runner, its context protocols, RULER's row generation and
 KVzip's reconstruction prompt all take it from there. The model here is a tiny random Gemma 3
 text model (the family of the embedded Gemma 3 270M base model) with the byte-level BPE
@@ -20,14 +20,14 @@ from test_runner_faults import read_lines, run_inprocess  # noqa: F401 (a fixtur
 from tiny_model import EOS_TOKEN, MAX_POSITIONS, build_tiny_llama, write_tokenizer
 
 import dge_jax
-from dge_jax.rules.kvzip import template_parts
-from dge_jax.runtime.tokenizer import (
+from dge_jax.checkpoints.tokenizer import (
     CHAT_TEMPLATE,
     RAW_PROMPT,
     TokenizerError,
     prompt_format,
     prompt_renderer,
 )
+from dge_jax.rules.kvzip import template_parts
 from experiments import context_protocols, lengths, protocol, runner, suites
 from experiments.report_header import prompt_format_line
 from experiments.suites.base import RowSettings

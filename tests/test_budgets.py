@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.eviction.budgets import PyramidSchedule, _floor_times, adakv_budgets, expand_budgets
-from dge_jax.eviction.selection import select_slots
+from dge_jax.eviction.budgets import _floor_times, adakv_budgets, expand_budgets
+from dge_jax.rules.base import PyramidSchedule
 from dge_jax.rules.pyramidkv import PyramidKV
+from dge_jax.runtime.selection import select_slots
 
 L, B, H = 3, 2, 4
 

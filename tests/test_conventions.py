@@ -25,7 +25,6 @@ from numpy_reference import pool as ref_pool
 
 from dge_jax import cli
 from dge_jax.eviction.evict import Eviction, keep_masks, select_for, select_for_budgets
-from dge_jax.eviction.selection import select_slots, top_mask
 from dge_jax.eviction.timing import Timing
 from dge_jax.generation import generate_grid
 from dge_jax.rules.h2o import H2O
@@ -39,6 +38,7 @@ from dge_jax.runtime.prompts import bucket_length, pad_left
 from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.records import Observation
 from dge_jax.runtime.sampling import Greedy
+from dge_jax.runtime.selection import select_slots, top_mask
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
 HQ = HKV * G

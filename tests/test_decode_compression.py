@@ -115,7 +115,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
     out = recorded(model, prompts, ev)
 
     cfg, params = model.config, model.params
-    request = prepare(model, prompts, max_new_tokens=NEW)
+    request = prepare(model.tokenizer, model.config, prompts, max_new_tokens=NEW)
     tokens, lengths = jnp.asarray(request.tokens), jnp.asarray(request.lengths)
     t = request.tokens.shape[1]
     pre = decoding.prefill_prompt(
@@ -202,7 +202,7 @@ def test_cache_bytes_flat_in_answer_length(model, prompts):
     """The loop's final cache has the spec's capacity however many tokens are generated;
     FullKV's grows with them."""
     spec = DecodeCompression(budget=16, interval=8)
-    request = prepare(model, prompts, max_new_tokens=64)
+    request = prepare(model.tokenizer, model.config, prompts, max_new_tokens=64)
     sizes = {}
     for new in (16, 64):
         pre = decoding.prefill_prompt(

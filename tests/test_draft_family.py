@@ -146,7 +146,7 @@ def test_every_head_keeps_exactly_its_budget(model, full_tokens):
 
 def _prefill(model, prompts, window):
     """(request, prefill output recording the last `window` queries, FullKV's first token)."""
-    request = prepare(model, prompts, max_new_tokens=NEW)
+    request = prepare(model.tokenizer, model.config, prompts, max_new_tokens=NEW)
     pre = decoding.prefill_prompt(
         model.forward, model.config, model.params, jnp.asarray(request.tokens),
         jnp.asarray(request.lengths), capacity=request.tokens.shape[1] + request.buffer,

@@ -1,4 +1,4 @@
-"""Selection, masking (dge_jax/eviction/selection.py) and compaction (dge_jax/runtime/cache.py)
+"""Selection, masking (dge_jax/runtime/selection.py) and compaction (dge_jax/runtime/cache.py)
 on tiny hand-made caches."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.eviction.selection import apply_keep, select_slots, top_mask
 from dge_jax.runtime.cache import KVCache, check_capacity, compact, regroup
+from dge_jax.runtime.selection import apply_keep, select_slots, top_mask
 
 L, B, HKV, G, S, D = 2, 2, 2, 2, 12, 4
 

@@ -28,7 +28,6 @@ from tiny_model import jax_config, jax_model
 from dge_jax.config import ModelConfig
 from dge_jax.eviction import evict as eviction_mod
 from dge_jax.eviction.evict import Eviction, keep_masks, select_for, select_for_budgets
-from dge_jax.eviction.selection import apply_keep
 from dge_jax.eviction.timing import Timing
 from dge_jax.generation import generate, generate_grid
 from dge_jax.model import Model
@@ -44,6 +43,7 @@ from dge_jax.runtime.cache import compact
 from dge_jax.runtime.prompts import pad_left
 from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.sampling import Greedy
+from dge_jax.runtime.selection import apply_keep
 
 L, HQ, HKV, HD, VOCAB = 2, 4, 2, 16, 128
 WINDOW = 8

@@ -15,9 +15,11 @@ Asserted:
   and, for a lazy import, its function);
 - no module in dge_jax/ imports anything from models/ (families are entry points: models/
   imports dge_jax, never the reverse);
-- the package's layers import only downwards: dge_jax/runtime/ nothing of dge_jax/eviction/
-  or dge_jax/rules/ (what the forward records is a runtime type), and neither of those the
-  top-level modules built on them (stages, generation, model, cli).
+- every module of dge_jax/ is in one of the package's layers (`LAYERS`, lowest first), and
+  the layers import only downwards: for every pair of layers, no module of the lower one
+  imports a module of the higher one (the failure names each such import's file:line). A name
+  imported under `if TYPE_CHECKING:` for an annotation is no import (families.py names
+  runtime's KVCache so).
 """
 
 from __future__ import annotations
@@ -273,27 +275,64 @@ def test_dge_jax_never_imports_models(edges):
         )
 
 
-# A layer of dge_jax/ -> the modules it must never import (by module name prefix).
-LAYERS = {
-    "dge_jax.runtime": ("dge_jax.eviction", "dge_jax.rules"),
-    "dge_jax.eviction": ("dge_jax.stages", "dge_jax.generation", "dge_jax.model", "dge_jax.cli"),
-    "dge_jax.rules": ("dge_jax.stages", "dge_jax.generation", "dge_jax.model", "dge_jax.cli"),
-}
+# The layers of dge_jax/, lowest first: a module imports only modules of its own layer or of
+# the layers below it. An entry is a module, or a package with every module under it; the
+# entry "dge_jax" is the package's __init__.py alone (the public API, above what it exports).
+LAYERS = (
+    "dge_jax.config",  # ModelConfig / RopeConfig: static values
+    "dge_jax.families",  # the protocol a model family implements, and the registry
+    "dge_jax.runtime",  # what a forward pass runs on: it runs a family's forward
+    "dge_jax.checkpoints",  # files in: laid out with runtime.sharding, families' key tables
+    "dge_jax.rules",  # what entries are ranked by (KVzip's repeat prompt: the tokenizer)
+    "dge_jax.eviction",  # when and how a cache is evicted: rules, budgets, timings
+    "dge_jax.model",  # a loaded Model: the checkpoints' output
+    "dge_jax.stages",  # the stages a cell goes through
+    "dge_jax.generation",  # generate / generate_grid: the stages in order
+    "dge_jax",  # __init__.py: load, generate, ...
+    "dge_jax.cli",  # python -m dge_jax generate | convert
+    "dge_jax.__main__",
+)
 
 
-def _within(module: str, prefix: str) -> bool:
-    return module == prefix or module.startswith(prefix + ".")
+def layer_of(module: str, layers: tuple[str, ...] = LAYERS) -> int | None:
+    """The index in `layers` of the layer holding `module`, None if none holds it. An entry
+    without a dot (the package itself) holds its __init__.py alone."""
+    for i, entry in enumerate(layers):
+        if module == entry or ("." in entry and module.startswith(entry + ".")):
+            return i
+    return None
+
+
+def upward_imports(edges: list[Edge], layers: tuple[str, ...] = LAYERS) -> list[Edge]:
+    """The imports from a module of one layer to a module of a higher layer."""
+    bad = []
+    for e in edges:
+        src, dst = layer_of(e.src, layers), layer_of(e.dst, layers)
+        if src is not None and dst is not None and dst > src:
+            bad.append(e)
+    return bad
+
+
+def test_every_module_of_dge_jax_is_in_one_layer():
+    modules = [m for m in project_modules(REPO) if m.split(".")[0] == "dge_jax"]
+    missing = [entry for entry in LAYERS if entry not in modules]
+    assert not missing, f"LAYERS names no module of dge_jax/: {missing}"
+    unplaced = [m for m in modules if layer_of(m) is None]
+    assert not unplaced, f"put these modules in a layer of LAYERS (test_imports.py): {unplaced}"
 
 
 def test_layers_import_only_downwards(edges):
-    bad = [
-        e for e in edges for layer, above in LAYERS.items()
-        if _within(e.src, layer) and any(_within(e.dst, a) for a in above)
-    ]  # fmt: skip
+    bad = upward_imports(edges)
     if bad:
         pytest.fail(
-            "a layer of dge_jax/ imports one built on it (move the shared type down):\n"
-            + "\n".join(f"  {e.where}: {e.src} -> {e.dst}  {e.code}" for e in bad),
+            "a module of dge_jax/ imports one of a higher layer (LAYERS, lowest first: "
+            + " < ".join(name.rpartition(".")[2] for name in LAYERS)
+            + "); move what it needs down:\n"
+            + "\n".join(
+                f"  {e.where}: {e.src} [{LAYERS[layer_of(e.src)]}] -> {e.dst} "
+                f"[{LAYERS[layer_of(e.dst)]}]  {e.code}"
+                for e in bad
+            ),
             pytrace=False,
         )
 
@@ -320,6 +359,22 @@ def test_find_cycles_on_hand_made_graphs():
     # is no node's shortest cycle (a, c and d each have a 2-cycle) but d -> a is only on it.
     graph = {"a": {"b", "c"}, "b": {"a"}, "c": {"d"}, "d": {"a", "c"}}
     assert find_cycles(graph) == [["a", "b", "a"], ["a", "c", "d", "a"], ["c", "d", "c"]]
+
+
+def test_upward_imports_on_hand_made_edges():
+    layers = ("pkg.low", "pkg.mid", "pkg", "pkg.top")
+    assert [layer_of(m, layers) for m in ("pkg.low", "pkg.low.x", "pkg", "pkg.topx", "x")] == [
+        0, 0, 2, None, None]  # fmt: skip
+    edges = [
+        Edge("pkg.mid.a", "pkg.low", "a.py:1", ""),  # down
+        Edge("pkg.low.x", "pkg.low.y", "x.py:2", ""),  # within a layer
+        Edge("pkg", "pkg.mid", "__init__.py:3", ""),  # down
+        Edge("pkg.top", "pkg", "top.py:4", ""),  # down
+        Edge("other", "pkg.top", "other.py:5", ""),  # from outside the layers
+        Edge("pkg.low.x", "pkg.top.b", "x.py:6", ""),  # up, over two layers
+        Edge("pkg.mid", "pkg", "mid.py:7", ""),  # up, to the package's __init__
+    ]
+    assert [e.where for e in upward_imports(edges, layers)] == ["x.py:6", "mid.py:7"]
 
 
 def test_import_edges_on_a_hand_made_tree(tmp_path):

@@ -299,7 +299,7 @@ def test_runner_end_to_end(kvpress_dir, tmp_path):
     checksums, scores by each task's metric; then an unknown task is refused in one line."""
     from tiny_model import build_tiny_llama
 
-    from dge_jax.runtime.tokenizer import Tokenizer
+    from dge_jax.checkpoints.tokenizer import Tokenizer
 
     model_dir = build_tiny_llama(tmp_path / "tiny")
     env = dict(

@@ -342,13 +342,13 @@ def test_max_new_tokens_beyond_the_context(model, n):
         dge_jax.generate(model, [[1, 2, 3]], max_new_tokens=n)
     with pytest.raises(ValueError, match=message):
         generate_grid(model, [[1, 2, 3]], [None], max_new_tokens=n)
-    check_request(model, [[1]], 255)  # one prompt token and 255 new ones fill it exactly
+    check_request(model.config, [[1]], 255)  # one prompt token and 255 new ones fill it exactly
 
 
 @pytest.mark.parametrize("n", [2.0, True, "8"])
 def test_max_new_tokens_not_an_int(model, n):
     with pytest.raises(TypeError, match="max_new_tokens must be an int"):
-        check_request(model, [[1, 2, 3]], n)
+        check_request(model.config, [[1, 2, 3]], n)
 
 
 @pytest.mark.parametrize(
@@ -365,7 +365,7 @@ def test_min_new_tokens_outside_zero_to_max(model, n, error, message):
         dge_jax.generate(model, [[1, 2, 3]], max_new_tokens=4, min_new_tokens=n)
     with pytest.raises(error, match=message):
         generate_grid(model, [[1, 2, 3]], [None], max_new_tokens=4, min_new_tokens=n)
-    check_request(model, [[1, 2, 3]], 4, 4)  # min == max: exactly max tokens, no EOS
+    check_request(model.config, [[1, 2, 3]], 4, 4)  # min == max: exactly max tokens, no EOS
 
 
 def test_chat_with_token_id_prompts_is_refused(checkpoint):
@@ -387,8 +387,8 @@ def test_prompt_longer_than_context(checkpoint_copy):
     with pytest.raises(ValueError, match=r"prompt 1 has 40 tokens.*max_new_tokens=16.*48"):
         dge_jax.generate(model, [[5] * 10, [5] * 40], max_new_tokens=16)
     # Exactly at the limit is fine (and a single new token is a valid request).
-    check_request(model, [[5] * 47], 1)
-    check_request(model, [[5] * 40], 8)
+    check_request(model.config, [[5] * 47], 1)
+    check_request(model.config, [[5] * 40], 8)
 
 
 def test_token_ids_outside_vocab(model):

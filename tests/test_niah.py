@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tiny_model import build_tiny_llama, write_tokenizer
 
-from dge_jax.runtime.tokenizer import Tokenizer
+from dge_jax.checkpoints.tokenizer import Tokenizer
 from experiments import heatmaps
 from experiments.suites import niah
 

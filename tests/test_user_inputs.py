@@ -276,7 +276,7 @@ def test_cli_broken_chat_template_is_one_line_naming_the_file(checkpoint_copy, c
 
 
 def test_chat_template_errors_are_a_tokenizer_error(checkpoint_copy):
-    from dge_jax.runtime.tokenizer import ChatTemplateError, TokenizerError
+    from dge_jax.checkpoints.tokenizer import ChatTemplateError, TokenizerError
 
     folder = checkpoint_copy("llama_chat")
     _break_template(folder, "raise_exception")

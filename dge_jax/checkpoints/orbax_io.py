@@ -37,7 +37,7 @@ from dge_jax.runtime.sharding import DEFAULT_RULES, AxisRules, field_name, param
 FORMAT = "dge_jax.orbax"
 VERSION = 1
 PARAMS_DIR = "params"
-# Files the tokenizer, chat template and EOS ids are read from (dge_jax.runtime.tokenizer).
+# Files the tokenizer, chat template and EOS ids are read from (dge_jax.checkpoints.tokenizer).
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

@@ -7,19 +7,20 @@ or a switch from uniform to per-layer or head-adaptive budgets, compiles once.
 - ``expand_budgets``: scalar, per-layer ``[L]``, per-head ``[L, Hkv]`` or ``[L, B, Hkv]`` specs.
 - ``adakv_budgets``: AdaKV's head-adaptive split of each layer's pool (any scoring rule).
 - ``global_budgets``: the same split of one pool across all layers and heads (KVzip's).
-- ``PyramidSchedule``: PyramidKV's per-layer budgets (a rule's ``layer_schedule``).
+
+PyramidKV's per-layer budgets are a rule's ``layer_schedule``
+(`dge_jax.rules.base.PyramidSchedule`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 
-from dge_jax.eviction.selection import top_mask
 from dge_jax.eviction.sliding import global_pool
+from dge_jax.runtime.selection import top_mask
 
 
 def _floor_times(n: jax.Array, alpha: float) -> jax.Array:
@@ -135,48 +136,6 @@ def global_budgets(
     pool = jnp.broadcast_to(H * jnp.sum(budget[:, 0, 0]), (B,))
     chosen = top_mask(flat(raised), pool, flat(valid), ties)
     return jnp.sum(chosen.reshape(B, L, H, S), axis=-1, dtype=jnp.int32).transpose(1, 0, 2)
-
-
-@dataclasses.dataclass(frozen=True)
-class PyramidSchedule:
-    """PyramidKV's per-layer budgets (arXiv 2406.02069; KVCache-Factory's PyramidKVCluster):
-    falling linearly from the bottom layer to the top, each layer keeping at least the
-    rule's ``window``; ``beta`` sets how steep (the top layer keeps ~(B - w) / beta)."""
-
-    window: int
-    beta: int = 20
-
-    def layer_budgets(self, budget: jax.Array | int, num_layers: int) -> jax.Array:
-        """Per-layer budgets [L] int32, bottom layer largest, summing exactly to L·budget.
-
-        KVCache-Factory's linear pyramid (beta 20); every layer keeps at least the window.
-        """
-        # KVCache-Factory, with budget B (= max_capacity_prompt, window included) and window w:
-        #   min_num = (B - w) // beta,   max_num = 2 (B - w) - min_num,
-        #   layer l keeps w + max_num - l * ((max_num - min_num) // (L - 1)).
-        # Flooring the step makes its total exceed L·B by up to (L-1)L/2 entries. We keep both
-        # ends (bottom w + max_num, top w + min_num) and round the exact line instead: with the
-        # exact cumulative count C(l) = l·max_num - span·l(l-1) / (2(L-1)), span = max - min,
-        # layer l gets ceil(C(l+1)) - ceil(C(l)). C(L) = L(B - w) is an integer (span is
-        # even), so the total is exact and each layer is within 1 of the line. Example,
-        # B = 40, w = 8, L = 4, beta 20: min 1, max 63, span 62, line 63, 42.33, 21.67, 1;
-        # C = 0, 63, 105.33, 127, 128, rounded up 0, 63, 106, 127, 128 -> 63, 43, 21, 1
-        # (+ w: 71, 51, 29, 9; sum 160 = 4·40). int32 is exact while 2·B·L² < 2**31.
-        # When span is a multiple of L - 1 this equals KVCache-Factory's schedule exactly.
-        # A budget no larger than the window cannot form a pyramid: every layer gets B.
-        # Not reproduced: KVCache-Factory's prompt-length rules (no eviction for short prompts,
-        # which `select` gives anyway, and a uniform fallback when q_len < 2 (B - w)).
-        budget = jnp.asarray(budget, jnp.int32)
-        if num_layers == 1:
-            return budget[None]
-        extra = jnp.maximum(budget - self.window, 0)
-        min_num = extra // self.beta
-        max_num = 2 * extra - min_num
-        span = max_num - min_num
-        layers = jnp.arange(num_layers + 1, dtype=jnp.int32)
-        cumulative = layers * max_num - (span * layers * (layers - 1)) // (2 * (num_layers - 1))
-        pyramid = self.window + cumulative[1:] - cumulative[:-1]
-        return jnp.where(budget > self.window, pyramid, budget).astype(jnp.int32)
 
 
 def head_budgets(

@@ -9,12 +9,12 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dge_jax.eviction import selection
 from dge_jax.rules.base import Needs, Rule, require_obs
 from dge_jax.rules.ops import group_heads
 from dge_jax.rules.registry import register
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.wrapper import Wrapper, check_inner
+from dge_jax.runtime import selection
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.records import Observation
 

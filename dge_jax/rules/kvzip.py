@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dge_jax.checkpoints.tokenizer import RAW_PROMPT, prompt_format
 from dge_jax.config import ModelConfig
 from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require_obs
@@ -45,7 +46,6 @@ from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.prompts import bucket_length, pad_left
 from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.records import Observation
-from dge_jax.runtime.tokenizer import RAW_PROMPT, prompt_format
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from dge_jax.eviction.budgets import PyramidSchedule
-from dge_jax.rules.base import check_fields
+from dge_jax.rules.base import PyramidSchedule, check_fields
 from dge_jax.rules.registry import register
 from dge_jax.rules.snapkv import SnapKV
 
@@ -17,7 +16,7 @@ class PyramidKV(SnapKV):
     """PyramidKV (arXiv 2406.02069): SnapKV's scores with budgets falling from bottom to top.
 
     Its ``layer_schedule`` is KVCache-Factory's ``PyramidKVCluster`` schedule (beta 20,
-    `budgets.PyramidSchedule`); its ``scorer`` is SnapKV with the same settings.
+    `base.PyramidSchedule`); its ``scorer`` is SnapKV with the same settings.
     """
 
     beta: int = 20

@@ -8,8 +8,7 @@ follows them.
 
 from __future__ import annotations
 
-from dge_jax.eviction.budgets import PyramidSchedule
-from dge_jax.rules.base import Needs, Rule, ScoringRule
+from dge_jax.rules.base import Needs, PyramidSchedule, Rule, ScoringRule
 from dge_jax.rules.full import is_full
 
 

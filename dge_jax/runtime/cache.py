@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,25 @@ def group_bounds(sizes: Sequence[int]) -> list[int]:
     for n in sizes:
         out.append(out[-1] + n)
     return out
+
+
+def group_layers(layers: Any, sizes: tuple[int, ...]) -> tuple[Any, ...]:
+    """Layer weights stacked on a leading [L] axis (every family's `params.layers`) cut into
+    groups of ``sizes`` consecutive layers, each stacked [Lg, ...]: the weights of a cache's
+    layer groups (`KVCache.group_sizes`).
+
+    Slicing a stacked array copies it on XLA:CPU, so a decode loop groups once, before the
+    loop; one group of all layers is the stack itself, no copy. (Here, beside `group_bounds`,
+    not in `dge_jax.families`, the layer below runtime/.)
+    """
+    bounds = group_bounds(sizes)
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    if bounds[-1] != num_layers:
+        raise ValueError(f"group sizes {sizes} do not split the model's {num_layers} layers")
+    return tuple(
+        jax.tree.map(lambda w, a=a, b=b: w[a:b], layers)
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    )
 
 
 def init_cache(

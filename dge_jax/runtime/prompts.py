@@ -3,17 +3,22 @@
 Prompts are tokenized (through the chat template when asked), checked (clear errors instead
 of a failure deep inside XLA), and left-padded to a length bucket, so that nearby lengths
 share one compilation. Generated ids come back cut at the first EOS.
+
+What a request needs of a model is its tokenizer (`dge_jax.checkpoints.tokenizer.Tokenizer`,
+or None for a folder without tokenizer.json) and its `ModelConfig`, passed as they are: the
+runtime sits below the checkpoints and the `Model` they load.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import pathlib
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from dge_jax.model import Model
+from dge_jax.config import ModelConfig
 
 DEFAULT_CHUNK = 512
 MIN_BUCKET = 16
@@ -160,17 +165,20 @@ def as_prompts(prompts: object) -> list[str] | list[list[int]]:
     return out
 
 
-def encode_prompts(model: Model, prompts: Sequence[str], chat: bool) -> list[list[int]]:
-    """Token ids per prompt (through the chat template when `chat`)."""
-    if model.tokenizer is None:
-        raise ValueError(f"{model.path} has no tokenizer.json; pass token ids instead of text")
+def encode_prompts(
+    tokenizer, prompts: Sequence[str], chat: bool, path: pathlib.Path | None = None
+) -> list[list[int]]:
+    """Token ids per prompt (through the chat template when `chat`). tokenizer: the model's
+    (`encode`, `encode_chat`), or None: an error naming the model's folder `path`."""
+    if tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer.json; pass token ids instead of text")
     if chat:
-        return [model.tokenizer.encode_chat(p) for p in prompts]
-    return [model.tokenizer.encode(p) for p in prompts]
+        return [tokenizer.encode_chat(p) for p in prompts]
+    return [tokenizer.encode(p) for p in prompts]
 
 
 def check_request(
-    model: Model,
+    config: ModelConfig,
     prompt_ids: Sequence[Sequence[int]],
     max_new_tokens: int,
     min_new_tokens: int = 0,
@@ -188,7 +196,7 @@ def check_request(
         )
     if not prompt_ids:
         raise ValueError("no prompts given")
-    ctx = model.config.max_position_embeddings
+    ctx = config.max_position_embeddings
     for i, ids in enumerate(prompt_ids):
         if len(ids) == 0:
             raise ValueError(
@@ -205,11 +213,11 @@ def check_request(
                 f"prompt {i} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it "
                 f"exceeds the model's context of {ctx} positions (truncate the prompt)"
             )
-        bad = [t for t in ids if not 0 <= int(t) < model.config.vocab_size]
+        bad = [t for t in ids if not 0 <= int(t) < config.vocab_size]
         if bad:
             raise ValueError(
-                f"prompt {i} has token ids outside [0, {model.config.vocab_size}): {bad[:5]}; "
-                f"token ids index the model's vocabulary of {model.config.vocab_size}"
+                f"prompt {i} has token ids outside [0, {config.vocab_size}): {bad[:5]}; "
+                f"token ids index the model's vocabulary of {config.vocab_size}"
             )
 
 
@@ -243,7 +251,8 @@ class Request:
 
 
 def prepare(
-    model: Model,
+    tokenizer,
+    config: ModelConfig,
     prompts: Sequence[str] | Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
@@ -253,9 +262,12 @@ def prepare(
     extra_eos_ids: Sequence[int] = (),
     granule: int | None = None,
     attention: str = "auto",
+    path: pathlib.Path | None = None,
 ) -> Request:
     """Text (or token-id) prompts -> a checked `Request` padded to its length bucket.
 
+    tokenizer, config: the model's (`Model.tokenizer`, `Model.config`); path: its folder
+    (`Model.path`), which the error for text prompts without a tokenizer names.
     prompts: one str, a list of prompts (each a str or a list / 1-D integer array of token
     ids; one batch is all text or all ids), or a 2-D integer array (one row per prompt).
     chunk / granule: `bucket_length`'s; attention: the prefill attention
@@ -270,7 +282,7 @@ def prepare(
     chunk = int(chunk)
     prompts = as_prompts(prompts)
     if prompts and isinstance(prompts[0], str):
-        prompt_ids = encode_prompts(model, prompts, chat)
+        prompt_ids = encode_prompts(tokenizer, prompts, chat, path)
     else:
         if chat:
             raise ValueError(
@@ -278,9 +290,9 @@ def prepare(
                 "ids, which are used as given: pass the text, or drop chat=True"
             )
         prompt_ids = prompts
-    check_request(model, prompt_ids, max_new_tokens, min_new_tokens)
+    check_request(config, prompt_ids, max_new_tokens, min_new_tokens)
     eos_ids = tuple(
-        sorted(set(model.tokenizer.eos_ids if model.tokenizer else ()) | set(extra_eos_ids))
+        sorted(set(tokenizer.eos_ids if tokenizer else ()) | set(extra_eos_ids))
     )
     t = bucket_length(max(map(len, prompt_ids)), chunk, granule)
     tokens, lengths = pad_left(prompt_ids, t)

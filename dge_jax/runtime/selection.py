@@ -4,7 +4,8 @@ Eviction is masking first, so budgets stay traced and a sweep compiles once. ``s
 scores and per-head budgets into a keep mask, ``apply_keep`` writes ``pos = -1`` into the
 evicted slots (same shapes, so the attention code does not change);
 `dge_jax.runtime.cache.compact` then gathers the kept slots into a smaller cache of static
-capacity so memory and decode cost really fall.
+capacity so memory and decode cost really fall. Both live in runtime/, below the rules:
+CriticalKV's first stage selects too.
 
 Ranking rule, used everywhere a tie could matter: a head's slots are ordered by score, highest
 first, and equal scores by the tie rule ``ties`` (``Eviction.ties``):
