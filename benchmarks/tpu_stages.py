@@ -47,13 +47,13 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import work
 from dge_jax import stages
 from dge_jax.checkpoints.hf import parse_config
-from dge_jax.eviction import decode_compression, evict, grid_plan, observation, selection
+from dge_jax.eviction import decode_compression, evict, grid_plan, observation
 from dge_jax.eviction import lookahead as laq
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing, dge, lookahead
 from dge_jax.rules.snapkv import SnapKV
-from dge_jax.runtime import decoding, platform, sharding
+from dge_jax.runtime import decoding, platform, selection, sharding
 from dge_jax.runtime.cache import init_cache
 from dge_jax.runtime.flash_tiles import _tile
 from dge_jax.runtime.platform import Backend
