@@ -72,31 +72,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see {self.prog} --help\n")
 
 
-class _Renamed(argparse.Action):
-    """A flag's deprecated name: one stderr line naming the new flag, then the new flag's own
-    action (`target`: store once, or append)."""
-
-    def __init__(self, option_strings, dest, target: argparse.Action, **kwargs):
-        super().__init__(option_strings, dest, **kwargs)
-        self.target = target
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        warned = namespace.__dict__.setdefault("_warned", set())
-        if option_string not in warned:
-            warned.add(option_string)
-            new = self.target.option_strings[0]
-            print(f"warning: {option_string} is deprecated; use {new}", file=sys.stderr)
-        self.target(parser, namespace, values, option_string)
-
-
-def _add_renamed(group, old: str, target: argparse.Action) -> None:
-    """`old`, hidden from --help, as a deprecated name of the flag `target`."""
-    group.add_argument(
-        old, dest=target.dest, action=_Renamed, target=target, type=target.type,
-        metavar=target.metavar, default=argparse.SUPPRESS, help=argparse.SUPPRESS,
-    )  # fmt: skip
-
-
 def rule_name(text: str) -> str:
     """--rule's check: a registered rule or a wrapper around one (argparse reports it)."""
     try:
@@ -150,7 +125,7 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object")
     ev = g.add_argument_group("eviction")
-    rule = ev.add_argument(
+    ev.add_argument(
         "--rule",
         default="full",
         type=rule_name,
@@ -192,16 +167,13 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
         "--interval", type=int, default=None, help="decode steps between compressions (32)"
     )
     _add_lookahead(ev)
-    rule_option = ev.add_argument(
+    ev.add_argument(
         "--rule_option",
         action="append",
         default=None,
         metavar="NAME=VALUE",
         help="any other field of the rule (repeatable), e.g. lag_size=64, chunk_length=10",
     )
-    # The flags' names before the scoring rules were called rules (scripts still use them).
-    _add_renamed(ev, "--policy", rule)
-    _add_renamed(ev, "--policy_option", rule_option)
 
 
 def _add_lookahead(ev) -> None:

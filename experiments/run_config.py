@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 
 from absl import flags
 
@@ -41,8 +40,6 @@ DEFAULT_RULES = ["full", "snapkv"]
 flags.DEFINE_list("rules", DEFAULT_RULES, f"scoring rules: {', '.join(RULES)}, "
                   "<wrapper>_<rule> (criticalkv_expectedattention), adakv_<rule> (AdaKV head "
                   "budgets) and global_<rule> (one pool across layers and heads)")
-OLD_RULES_FLAG = "methods"  # --rules' name before the scoring rules were called rules
-flags.DEFINE_list(OLD_RULES_FLAG, DEFAULT_RULES, "deprecated: the old name of --rules")
 flags.DEFINE_list("timings", ["prefill", "dge", "dge_w"], "prefill, dge, dge_w, dge_d; decode "
                   "(compress only while decoding, at each --decode_budgets)")
 flags.DEFINE_list("k", ["2"], "answer tokens generated with the full cache before DGE "
@@ -169,19 +166,6 @@ def list_flag(values: flags.FlagValues, name: str, integers: bool = False,
     return values
 
 
-def rules_flag(values: flags.FlagValues) -> str:
-    """The flag that names the grid's rules: --rules, or its deprecated name (one warning
-    line on stderr); giving both is refused."""
-    old = OLD_RULES_FLAG
-    if not values[old].present:
-        return "rules"
-    if values["rules"].present:
-        raise UsageError(f"--{old} and --rules both name the rules: --{old} is the deprecated "
-                         "name of --rules; give only --rules")
-    print(f"warning: --{old} is deprecated; use --rules", file=sys.stderr)
-    return old
-
-
 def check_scalar_flags(values: flags.FlagValues, suite: Suite) -> None:
     """Refuses integer and number flags out of range (before anything is loaded or written)."""
     least = {"batch_size": 1, "chunk": 1, "num_samples": 1, "max_length": 2,
@@ -242,7 +226,7 @@ class RunConfig:
         then the numbers, then the datasets."""
         suite = suites.get(values.suite)
         cells = build_cells(
-            list_flag(values, rules_flag(values)), list_flag(values, "timings"),
+            list_flag(values, "rules"), list_flag(values, "timings"),
             list_flag(values, "k", integers=True), list_flag(values, "budgets", integers=True),
             adaptive_k_max=values.k_max if values.adaptive_rule else None,
             decode_budgets=list_flag(values, "decode_budgets", integers=True,

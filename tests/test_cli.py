@@ -177,29 +177,11 @@ def test_decode_budget_json_lists_what_each_compression_kept(checkpoint, capsys)
     assert steps == sorted(steps) and steps[0] <= 5  # every 4 decode steps, or at the EOS
 
 
-def test_old_flag_names_still_work(checkpoint, capsys):
-    """--policy and --policy_option, the flags' names before the scoring rules were called
-    rules, act as --rule and --rule_option (one warning line each, the same tokens and kept
-    sets), stay out of --help, and count as the flag they stand for when it is given too."""
-    folder = str(checkpoint("llama_chat"))
-    prompt = " ".join(f"w{i % 50}" for i in range(30))
-    args = ["--model", folder, "--prompt", prompt, "--max_new_tokens", "6", "--budget", "12",
-            "--window", "4", "--timing", "dge", "--k", "2"]  # fmt: skip
-    new = main_json(capsys, *args, "--rule", "chunkkv", "--rule_option", "chunk_length=3")
-    assert cli.main(["generate", *args, "--policy", "chunkkv", "--policy_option",
-                     "chunk_length=3", "--policy_option", "inner=snapkv", "--json"]) == 0
-    captured = capsys.readouterr()
-    assert captured.err.splitlines() == ["warning: --policy is deprecated; use --rule",
-                                         "warning: --policy_option is deprecated; use "
-                                         "--rule_option"]  # fmt: skip
-    old = json.loads(captured.out)
-    assert old == new and "kept" in old
-    with pytest.raises(SystemExit) as refused:  # argparse's exit, before anything loads
-        cli.main(["generate", *args, "--rule", "snapkv", "--policy", "h2o"])
-    err = capsys.readouterr().err.splitlines()
-    assert refused.value.code == 2
-    assert err[-1].startswith("error: --rule snapkv and --policy h2o both set rule")
-    with pytest.raises(SystemExit):
-        cli.main(["generate", "--help"])
-    shown = capsys.readouterr().out
-    assert "--rule " in shown and "--rule_option" in shown and "--policy" not in shown
+def test_the_flags_old_names_are_gone(capsys):
+    """--policy and --policy_option (the flags' names before the scoring rules were called
+    rules) are unknown flags in 0.1: argparse refuses them before anything loads."""
+    for old in (["--policy", "snapkv"], ["--policy_option", "window=4"]):
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["generate", "--prompt", "x", *old])
+        assert refused.value.code == 2
+        assert f"unrecognized arguments: {' '.join(old)}" in capsys.readouterr().err

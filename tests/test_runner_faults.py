@@ -384,19 +384,13 @@ def test_changed_data_gives_a_fix_that_works(tmp_path):
 # 7. What the runner and its folders called the rules before they were called rules.
 
 
-def test_methods_is_a_deprecated_name_of_rules(model_dir, run_inprocess, tmp_path):
-    """--methods, the flag's name in earlier scripts, still names the rules, with one warning
-    line; given with --rules it is refused, naming both, before the folder is claimed."""
+def test_methods_the_old_name_of_rules_is_refused(model_dir, run_inprocess, tmp_path):
+    """--methods, the flag's name in earlier scripts, is an unknown flag in 0.1: refused in
+    one line before the folder is claimed."""
     out = tmp_path / "out"
-    args = cheap_args(model_dir, out, "--rules", "full")
-    code, _, err = run_inprocess(*args, "--methods", "full")
-    one_error_line(code, err, 2, "--methods and --rules", "give only --rules")
+    code, _, err = run_inprocess(*cheap_args(model_dir, out), "--methods", "full")
+    assert code != 0 and "methods" in err, err
     assert not out.exists(), "a refused command claimed the folder"
-    old = [("--methods" if a == "--rules" else a) for a in args]
-    code, _, err = run_inprocess(*old)
-    assert code == 0, err
-    assert err.strip().splitlines()[0] == "warning: --methods is deprecated; use --rules"
-    assert [r["cell"] for r in read_lines(out)] == ["full"]
 
 
 def test_a_folder_of_the_runner_before_the_rename_resumes_without_recomputing(
@@ -405,7 +399,7 @@ def test_a_folder_of_the_runner_before_the_rename_resumes_without_recomputing(
     identity key "policy_options", which config.json, the run id and every line's key (the
     hash of its cell's configuration) all hold. Such a folder, written here by hand as that
     runner wrote it (the same keys and hashes, checked against one it wrote), resumes under
-    either flag name and no prediction is computed again."""
+    and no prediction is computed again."""
     import hashlib
 
     import dge_jax
@@ -446,11 +440,9 @@ def test_a_folder_of_the_runner_before_the_rename_resumes_without_recomputing(
         raise AssertionError("a prediction of the old folder was computed again")
 
     monkeypatch.setattr(dge_jax.generation, "generate_grid", generate_grid)
-    for flag in ("--rules", "--methods"):
-        args = [(flag if a == "--rules" else a) for a in cheap_args(model_dir, out)]
-        code, stdout, err = run_inprocess(*args, "--max_length", "1024")
-        assert code == 0, err
-        assert "(1 samples done" in stdout, stdout
-        assert (out / PREDICTIONS_FILE).read_text() == written
-        config = json.loads((out / "config.json").read_text())
-        assert config["run_id"] == run_id and config["identity"] == identity
+    code, stdout, err = run_inprocess(*cheap_args(model_dir, out), "--max_length", "1024")
+    assert code == 0, err
+    assert "(1 samples done" in stdout, stdout
+    assert (out / PREDICTIONS_FILE).read_text() == written
+    config = json.loads((out / "config.json").read_text())
+    assert config["run_id"] == run_id and config["identity"] == identity

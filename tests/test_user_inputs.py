@@ -142,24 +142,6 @@ def test_rule_given_as_a_string_says_how_to_make_one():
         Eviction("snapkv")
 
 
-def test_the_rule_field_by_its_old_name_says_what_to_write():
-    """Eviction's scoring rule was the field `policy`: scripts that still pass or read it are
-    told its name now, not only that the keyword is unexpected."""
-    import dataclasses
-
-    from dge_jax.rules.snapkv import SnapKV
-
-    with pytest.raises(TypeError, match=r"rule=, not policy=: Eviction\(rule=SnapKV\(\), "):
-        Eviction(policy=SnapKV())
-    with pytest.raises(TypeError, match=r"rule=, not policy="):
-        dataclasses.replace(Eviction(), policy=SnapKV())
-    with pytest.raises(AttributeError, match=r"Eviction\.policy is now Eviction\.rule"):
-        _ = Eviction().policy
-    with pytest.raises(AttributeError, match="'Eviction' object has no attribute 'polcy'"):
-        _ = Eviction().polcy
-    assert Eviction(rule=SnapKV(window=4)).rule == SnapKV(window=4)
-
-
 @pytest.mark.parametrize(
     "budget, error, message",
     [

@@ -18,16 +18,6 @@ PACKAGES = ("dge_jax", "experiments", "models")
 OLD_WORDS = re.compile(r"polic(y|ies)|methods?", re.IGNORECASE)
 # (file, line): the old names kept on purpose, each for what still uses it.
 KEPT = {
-    # python -m dge_jax generate: deprecated flag names (a warning line, hidden from --help)
-    ("dge_jax/cli.py", '_add_renamed(ev, "--policy", rule)'),
-    ("dge_jax/cli.py", '_add_renamed(ev, "--policy_option", rule_option)'),
-    # Eviction(policy=...) and ev.policy: an error naming `rule`
-    ("dge_jax/eviction/evict.py",
-     '_OLD_RULE_FIELD = "policy"  # Eviction.rule\'s name before the scoring rules were called '
-     "rules"),
-    # python -m experiments.longbench --methods: a deprecated name of --rules
-    ("experiments/run_config.py",
-     'OLD_RULES_FLAG = "methods"  # --rules\' name before the scoring rules were called rules'),
     # config.json's identity key, hashed into run ids and prediction keys: earlier folders
     # resume only if it keeps its spelling
     ("experiments/run_folder.py", 'RULE_OPTIONS_KEY = "policy_options"'),
@@ -78,7 +68,7 @@ def test_one_word_for_a_scoring_rule():
 
 def test_the_command_lines_say_rule():
     """`python -m dge_jax generate --help` and the runner's flag help name rules only; the
-    runner's --methods is listed as the deprecated name of --rules."""
+    runner's old --methods flag is gone."""
     from dge_jax import cli
     from experiments.run_config import FLAGS
 
@@ -86,5 +76,5 @@ def test_the_command_lines_say_rule():
     assert not old_words(generate.format_help()), generate.format_help()
     assert "--rule " in generate.format_help()
     helps = {name: FLAGS[name].help for name in FLAGS if name in ("rules", "methods")}
-    assert helps["methods"] == "deprecated: the old name of --rules"
+    assert "methods" not in helps
     assert not old_words(helps["rules"]) and "scoring rules" in helps["rules"]

@@ -33,7 +33,6 @@ from dge_jax.runtime.multihost import fetch
 from dge_jax.runtime.records import DraftRecord, Observation
 
 HEAD_BUDGETS = ("uniform", "adakv", "global")
-_OLD_RULE_FIELD = "policy"  # Eviction.rule's name before the scoring rules were called rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,20 +77,6 @@ class Eviction:
     ties: str = "later"
     decode: DecodeCompression | None = None
     sliding: str = "window"
-
-    def __new__(cls, *args, **fields):
-        """The rule field's earlier name says what to write instead (the generated __init__
-        would only reject the name)."""
-        if _OLD_RULE_FIELD in fields:
-            raise TypeError(f"Eviction takes the scoring rule as rule=, not {_OLD_RULE_FIELD}=: "
-                            "Eviction(rule=SnapKV(), ...)")
-        return super().__new__(cls)
-
-    def __getattr__(self, name: str):
-        """Only reached for attributes that do not exist: the rule field's earlier name."""
-        if name == _OLD_RULE_FIELD:
-            raise AttributeError(f"Eviction.{name} is now Eviction.rule")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __post_init__(self):
         check_rule(self.rule)
