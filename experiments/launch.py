@@ -13,7 +13,7 @@ is refused before any process starts. Process 0 writes to this terminal, the oth
 to LOG_DIR/process-<i>.log. When a process fails, the launcher stops the others at once (no
 one waits on a dead peer), prints the failed process's last lines and exits with its status;
 rerunning the same command resumes every process's missing samples. Ctrl-C stops all of them.
-On a TPU pod run the command on every host instead (`gcloud ... --worker=all`, README): JAX
+On a TPU pod run the command on every host instead (`gcloud ... --worker=all`, docs/tpu_vm.md): JAX
 finds the pod's processes itself.
 """
 

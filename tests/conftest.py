@@ -358,8 +358,9 @@ def _named_on_command_line(config) -> bool:
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--slow") or _named_on_command_line(config):
         return
-    slow = pytest.mark.skip(reason="slow: run with --slow (CI runs it; see README)")
-    long = pytest.mark.skip(reason="long: run with --slow (minutes; CI leaves it out; see README)")
+    slow = pytest.mark.skip(reason="slow: run with --slow (CI runs it; see docs/usage.md)")
+    long = pytest.mark.skip(
+        reason="long: run with --slow (minutes; CI leaves it out; see docs/usage.md)")
     for item in items:
         if "long" in item.keywords:
             item.add_marker(long)
