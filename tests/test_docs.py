@@ -476,3 +476,17 @@ def test_workspace_rule_recipe_is_the_only_edit(checkpoint, tmp_path):
     assert 1 <= len(out["tokens"][0]) <= 4
     proc = run([sys.executable, "-c", RECIPE_CHECK, fresh])
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("doc", ["RESULTS.md", "benchmarks/RESULTS.md"])
+def test_results_files_open_with_a_complete_index(doc):
+    """Each RESULTS file opens with an index linking every section, in order, before the
+    first one, so a reader finds a figure without scrolling 1,500 lines."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    heads = re.findall(r"^## (.+)$", text, re.M)
+    head = text[:text.index("\n## ")]
+    linked = re.findall(r"^- \[(.+)\]\(#([\w-]+)\)$", head, re.M)
+    assert [title for title, _ in linked] == heads, f"{doc}: the index differs from its sections"
+    for title, anchor in linked:
+        expected = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        assert anchor == expected, (title, anchor)
