@@ -382,3 +382,29 @@ def test_cpu_program_hashes_ignore_source_locations_only():
     assert same == other != changed
     text = cpu_programs.program_text(compiled[0])
     assert "tanh" in text and "metadata" not in text and "FileNames" not in text
+
+
+def test_long_prompts_splits_one_call_by_stage():
+    """benchmarks.long_prompts splits each call's time by the stages the hook saw inside that
+    same call (so the parts add up to the call, never a difference of two runs)."""
+    import time as clock
+
+    from benchmarks.long_prompts import split, timed
+
+    def call(hook):
+        def step(seconds):
+            clock.sleep(seconds)
+            return seconds
+        if hook is None:
+            return step(0.0)
+        hook("prefill", step, 0.03)
+        hook("decode", step, 0.02)
+        hook("decode", step, 0.02)
+        clock.sleep(0.01)
+
+    seconds = timed(call, runs=3)
+    assert seconds["prefill"] >= 0.03 and seconds["decode"] >= 0.04
+    parts = seconds["prefill"] + seconds["decode"] + seconds["other"]
+    assert abs(parts - seconds["total"]) < 5e-3 and seconds["other"] >= 0.01  # medians of parts
+    text = split({"prefill": 7.06, "decode": 18.04, "draft": 0.01, "other": 0.2, "total": 25.3})
+    assert text == "decode 18.0 s, prefill 7.1 s, other 0.2 s"
