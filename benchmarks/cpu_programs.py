@@ -58,7 +58,7 @@ def programs() -> dict[str, str]:
     """{step: hash} for the default path's prefill and decode programs on one CPU device."""
     import dge_jax
     from dge_jax.runtime import decoding
-    from dge_jax.runtime.sampling import Greedy
+    from dge_jax.text.sampling import Greedy
 
     model = dge_jax.load("smollm2-135m-instruct")
     statics = (model.family.forward, model.config, model.params)

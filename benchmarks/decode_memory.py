@@ -106,7 +106,7 @@ def run_dge(model, prompt: list[int], n: int, rule, args, rss) -> dict:
     from dge_jax.eviction.evict import SelectionSpec, round_up_slots
     from dge_jax.runtime import decoding
     from dge_jax.runtime.recorders import QueryWindow, Recording
-    from dge_jax.runtime.sampling import Greedy
+    from dge_jax.text.sampling import Greedy
 
     cfg, params, eos = model.config, model.params, eos_of(model)
     tokens = jnp.asarray([prompt], jnp.int32)

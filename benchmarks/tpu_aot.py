@@ -117,7 +117,8 @@ from collections.abc import Callable
 
 from benchmarks import hlo_cost, tpu_stages
 from dge_jax.cli import ENVIRONMENT, USAGE, Parser, one_line
-from dge_jax.runtime import platform, sharding
+from dge_jax.distribution import sharding
+from dge_jax.runtime import platform
 
 GIB = 2**30
 SOURCES = 12  # sources of HBM bytes reported per stage
