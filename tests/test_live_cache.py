@@ -3,7 +3,7 @@ holds no full cache that no cell still reads, every cell still gets what it gets
 `generate` never touches an array its caller holds. On a tiny random Llama whose head size
 (24) no other test uses, so the live caches counted here are this module's.
 
-`benchmarks/tpu_aot.py` counts the same at a real model's size, in compiled memory on a TPU
+`benchmarks/cost/tpu_aot.py` counts the same at a real model's size, in compiled memory on a TPU
 topology (with `benchmarks/cell_memory.py`'s trace of what the grid holds).
 """
 

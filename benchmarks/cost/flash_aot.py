@@ -1,8 +1,8 @@
 """The Pallas prefill kernel compiled for a TPU without one: memory and counted cost.
 
-    python -m benchmarks.flash_aot                          # Llama-3.1-8B heads, 8k and 32k
-    python -m benchmarks.flash_aot --seq 8192 --topology v6e:2x4 --block_q 1024
-    python -m benchmarks.flash_aot --batch 24 --heads 4 --kv_heads 1 --seq 131072  # 1/8 heads
+    python -m benchmarks.cost.flash_aot                          # Llama-3.1-8B heads, 8k and 32k
+    python -m benchmarks.cost.flash_aot --seq 8192 --topology v6e:2x4 --block_q 1024
+    python -m benchmarks.cost.flash_aot --batch 24 --heads 4 --kv_heads 1 --seq 131072  # 1/8 heads
 
 Deviceless ahead-of-time compilation (libtpu, `jax[tpu]`) on one chip of the topology of one
 layer's prefill attention (`kernels/flash.py`): the whole prompt as one call (T = S), bf16,
@@ -23,7 +23,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.tpu_aot import NoLibtpu, topology_devices
+from benchmarks.cost.tpu_aot import NoLibtpu, topology_devices
 from dge_jax.kernels.attention import written_slot_attention
 from dge_jax.kernels.flash import flash_attention
 
