@@ -16,7 +16,7 @@ then a grid with every kind of cell (FullKV, prefill, dge(2), dge_w(2), lookahea
 decode-time).
 
 This is what the code holds, not what it is assumed to hold; sizes do not change it. At a
-real model's size, `python -m benchmarks.tpu_aot` compiles the cell's steps for a TPU
+real model's size, `python -m benchmarks.cost.tpu_aot` compiles the cell's steps for a TPU
 topology and adds these held caches, at their compiled sizes, to each step's own memory.
 """
 
@@ -127,7 +127,7 @@ TINY_BUDGET = 64
 
 
 def tiny_cell(kind: str, k: int = 2, ahead: int = 8) -> Eviction:
-    """The tiny trace's SnapKV cell of each timing `benchmarks.tpu_aot` compiles: "dge" (k),
+    """The tiny trace's SnapKV cell of each timing `benchmarks.cost.tpu_aot` compiles: "dge" (k),
     "lookahead" (`ahead` tokens, its first stage at half the budget and window 32, as
     LAQ's 512 is of 1024) or "decode" (interval k)."""
     from dge_jax.eviction.decode_spec import DecodeCompression

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import machine
-from dge_jax.runtime.attention import _group_queries, written_slot_attention
+from dge_jax.kernels.attention import _group_queries, written_slot_attention
 
 # (layers, hidden, intermediate, query heads, kv heads, head dim, prompt tokens, chunk):
 # SmolLM2-135M, and the prefill chunk `generate` uses.

@@ -106,7 +106,7 @@ def run_dge(model, prompt: list[int], n: int, rule, args, rss) -> dict:
     from dge_jax.eviction.evict import SelectionSpec, round_up_slots
     from dge_jax.runtime import decoding
     from dge_jax.runtime.recorders import QueryWindow, Recording
-    from dge_jax.runtime.sampling import Greedy
+    from dge_jax.text.sampling import Greedy
 
     cfg, params, eos = model.config, model.params, eos_of(model)
     tokens = jnp.asarray([prompt], jnp.int32)
@@ -170,8 +170,8 @@ def agreement(a: list[int], b: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    from benchmarks.peer_client import Peers
-    from benchmarks.peers import RssSampler
+    from benchmarks.peers.peer_client import Peers
+    from benchmarks.peers.peers import RssSampler
     from dge_jax.rules.snapkv import SnapKV
     from dge_jax.rules.streamingllm import StreamingLLM
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.no_peers and pathlib.Path(args.peer_python).exists():
         peers = Peers(pathlib.Path(args.peer_python))
     elif not args.no_peers:
-        log(f"{args.peer_python} is missing (bash benchmarks/setup_peers.sh): dge_jax only")
+        log(f"{args.peer_python} is missing (bash benchmarks/peers/setup_peers.sh): dge_jax only")
     rss = RssSampler()
     rows = []
     rules = {"FullKV": None, "StreamingLLM": StreamingLLM(), "SnapKV w8": SnapKV(window=8)}

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import machine
+from dge_jax.kernels.attention import cached_attention
 from dge_jax.runtime import decoding as gen
-from dge_jax.runtime.attention import cached_attention
 from dge_jax.runtime.cache import KVCache, init_cache
-from dge_jax.runtime.sampling import Greedy
+from dge_jax.text.sampling import Greedy
 
 SHAPES = ((1, 320), (4, 4160), (27, 640))  # compacted batch 1, full 4k batch 4, a 27-cell grid
 QUICK_SHAPES = ((1, 64), (4, 256))

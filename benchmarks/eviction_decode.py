@@ -33,8 +33,8 @@ from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import compact
-from dge_jax.runtime.sampling import Greedy
 from dge_jax.runtime.selection import apply_keep
+from dge_jax.text.sampling import Greedy
 
 GREEDY = Greedy()
 EOS_IDS: tuple[int, ...] = ()  # no EOS: every run decodes the same number of steps

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from benchmarks.peers import RssSampler
+from benchmarks.peers.peers import RssSampler
 from dge_jax.eviction.evict import select_for_budgets
 from dge_jax.runtime import decoding as gen
 

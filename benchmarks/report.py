@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.peer_client import SETUP_COMMAND
+from benchmarks.peers.peer_client import SETUP_COMMAND
 from benchmarks.work import MIB
 
 FIGURE_HEADER = [

@@ -1,6 +1,6 @@
 """dge_jax side by side with transformers and kvpress: speed, memory, compile cost, agreement.
 
-    bash benchmarks/setup_peers.sh                    # once: the peers' venv (kvpress 0.5.5)
+    bash benchmarks/peers/setup_peers.sh                    # once: the peers' venv (kvpress 0.5.5)
     python -m benchmarks.run --suite cpu              # the full CPU suite (tens of minutes)
     python -m benchmarks.run --suite cpu --quick      # small sizes: every code path, minutes
     python -m benchmarks.run --suite gpu              # one NVIDIA GPU, JAX's CUDA build: batch
@@ -13,8 +13,8 @@ Writes `benchmarks/results/<suite>[-quick].json` and a Markdown twin, and prints
 This module is the command line. What runs: `benchmarks.suites`; its sizes: `benchmarks.plans`;
 how it is timed: `benchmarks.harness`; scenario (a) and the grid: `benchmarks.scenario_a`;
 scenario (b) and the GPU suite's model: `benchmarks.scenario_b`; the peers' worker:
-`benchmarks.peer_client`; agreement: `benchmarks.agreement`; targets: `benchmarks.targets`;
-the Markdown and JSON: `benchmarks.report`.
+`benchmarks.peers.peer_client`; agreement: `benchmarks.peers.agreement`; targets:
+`benchmarks.targets`; the Markdown and JSON: `benchmarks.report`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from benchmarks.work import linear_params, prefill_flops, tree_bytes
 from dge_jax import generation
 from dge_jax.config import ModelConfig
 from dge_jax.eviction.evict import Eviction
-from dge_jax.runtime import prompts
+from dge_jax.text import prompts
 
 PROMPT_TASKS = ("passkey", "niah_multikey", "vt_chain", "essay_qa")
 
@@ -201,7 +201,7 @@ def prefill_profile(
     is what the chunked prefill computes); the rest of the prefill is norms, RoPE, cache
     writes and the LM head. (XLA's cost analysis does not see inside the prefill's scans.)
     """
-    from dge_jax.runtime.attention import written_slot_attention
+    from dge_jax.kernels.attention import written_slot_attention
 
     cfg, params = model.config, model.params
     t = prompts.bucket_length(tokens, chunk)

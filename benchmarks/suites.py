@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 
 import dge_jax
-from benchmarks.agreement import agreement
 from benchmarks.harness import CompileLog, Memory, StageTimer, log
-from benchmarks.peer_client import Peers, peer_row
+from benchmarks.peers.agreement import agreement
+from benchmarks.peers.peer_client import Peers, peer_row
 from benchmarks.plans import GRID_RULES, GRID_TIMINGS, Plan
 from benchmarks.scenario_a import make_prompts, prefill_profile, run_embedded_config, run_grid
 from benchmarks.scenario_b import kv_config, run_kv_config, write_hf_folder

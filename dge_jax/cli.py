@@ -30,8 +30,8 @@ from dge_jax.eviction.timing import KINDS, Lookahead, Timing
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.rules.registry import RULES, make_rule, resolve
 from dge_jax.runtime import platform
-from dge_jax.runtime.sampling import Greedy, Sampling
 from dge_jax.runtime.selection import TIES
+from dge_jax.text.sampling import Greedy, Sampling
 
 # Eviction flags default to None so that a flag the user gave is told from one left out.
 EVICTION_DEFAULTS = {
@@ -200,7 +200,7 @@ def _add_convert(c: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> dict:
     """Converts `--model` into an orbax folder at `--out`; returns the JSON-able summary."""
     from dge_jax.checkpoints import orbax_io
-    from dge_jax.runtime.sharding import parse_mesh
+    from dge_jax.distribution.sharding import parse_mesh
 
     mesh = parse_mesh(args.mesh) if args.mesh else None
     out = orbax_io.convert(args.model, args.out, dtype=args.dtype, mesh=mesh)

@@ -62,7 +62,7 @@ class ModelFamily:
     forward: ForwardFn
     init_params: Callable[..., Any]
     # field ("layers.wq") -> logical axes ("layers", "embed", "heads"): how
-    # `dge_jax.runtime.sharding` lays each parameter out on a mesh.
+    # `dge_jax.distribution.sharding` lays each parameter out on a mesh.
     param_axes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     # (cfg, params) -> [L, Hq, hd, D], each query head's rows of W_o; None if not provided
     # (rules that need it, CriticalKV, then raise).

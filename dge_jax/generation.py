@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import with_fields
+from dge_jax.distribution.sharding import on_model_mesh
 from dge_jax.eviction import lookahead as laq
 from dge_jax.eviction.evict import Eviction, round_up_slots
 from dge_jax.eviction.grid_plan import (
@@ -54,9 +55,6 @@ from dge_jax.eviction.grid_plan import (
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, platform
 from dge_jax.runtime.extend import extend, with_room
-from dge_jax.runtime.prompts import Request, as_prompts, pad_left, prepare
-from dge_jax.runtime.sampling import check_sampler
-from dge_jax.runtime.sharding import on_model_mesh
 from dge_jax.runtime.window_cache import LAYOUTS
 from dge_jax.stages import (
     GREEDY,
@@ -73,6 +71,8 @@ from dge_jax.stages import (
     rewind,
     select,
 )
+from dge_jax.text.prompts import Request, as_prompts, pad_left, prepare
+from dge_jax.text.sampling import check_sampler
 
 __all__ = [
     "STAGES", "GenerationConfig", "GenerationResult", "Hook", "generate", "generate_for_contexts",
@@ -137,7 +137,7 @@ def generate(
     return generate_grid(model, prompts, [eviction], config=config, hook=hook, **options)[0]
 
 
-@on_model_mesh  # a model loaded with a mesh runs every step on it (dge_jax.runtime.sharding)
+@on_model_mesh  # a model loaded with a mesh runs every step on it (dge_jax.distribution.sharding)
 def generate_grid(
     model: Model,
     prompts: Sequence[str] | Sequence[Sequence[int]],

@@ -38,8 +38,8 @@ def load(
     Embedded names (e.g. "smollm2-135m-instruct") are converted once from the GGUF file
     shipped in their PyPI package to a cached folder; nothing is ever downloaded. A folder
     written by `python -m dge_jax convert` is restored with orbax. With a (data, model)
-    `jax.sharding.Mesh` (`dge_jax.runtime.sharding.make_mesh`) the parameters are loaded sharded,
-    each device reading only its slices, and `generate` runs on that mesh.
+    `jax.sharding.Mesh` (`dge_jax.distribution.sharding.make_mesh`) the parameters are loaded
+    sharded, each device reading only its slices, and `generate` runs on that mesh.
     """
     folder = _resolve(name_or_path)
     if orbax_io.is_converted(folder):

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dge_jax.distribution.multihost import fetch
 from dge_jax.eviction import decode_compression, observation
 from dge_jax.eviction import lookahead as laq
 from dge_jax.eviction.decode_spec import CAP_MULTIPLE
@@ -40,11 +41,10 @@ from dge_jax.eviction.grid_plan import CellPlan, GridRecording
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, stacking, window_cache
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
-from dge_jax.runtime.multihost import fetch
-from dge_jax.runtime.prompts import Request, cut_at_eos
 from dge_jax.runtime.records import DraftRecord
-from dge_jax.runtime.sampling import Greedy
 from dge_jax.runtime.selection import kept_positions
+from dge_jax.text.prompts import Request, cut_at_eos
+from dge_jax.text.sampling import Greedy
 
 GREEDY = Greedy()
 # The jitted steps a hook sees, in the order they first run.

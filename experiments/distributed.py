@@ -1,6 +1,6 @@
 """The runner over several processes (`--distributed`), on JAX's multi-controller runtime.
 
-Every process runs the same command; `dge_jax.runtime.multihost.initialize` connects them
+Every process runs the same command; `dge_jax.distribution.multihost.initialize` connects them
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or JAX's detection on a TPU
 pod or GPU cluster). The --mesh decides the mode:
 
@@ -83,8 +83,8 @@ def start(distributed: bool, mesh_spec: str | None):
     or over this process's own (data mode)."""
     import jax
 
-    from dge_jax.runtime import multihost
-    from dge_jax.runtime.sharding import parse_mesh
+    from dge_jax.distribution import multihost
+    from dge_jax.distribution.sharding import parse_mesh
 
     processes = multihost.Processes()
     if distributed:
@@ -114,7 +114,7 @@ def _agree(share: Share, ok: bool, run_id: str) -> None:
     """Process 0's verdict (it opened the folder) and run id to every process, then every
     process's check of that id to every process: all go on, or all stop (process 0 with its
     own error when it could not open the folder)."""
-    from dge_jax.runtime import multihost
+    from dge_jax.distribution import multihost
 
     mine = np.frombuffer(run_id.encode().ljust(64)[:64], np.uint8)
     sent = multihost.broadcast(np.concatenate([np.array([ok], np.uint8), mine]))
@@ -159,7 +159,7 @@ def claimed(share: Share, out_dir: pathlib.Path, open_folder: Callable[[], objec
 
 def all_read(share: Share) -> None:
     """Returns once every process has read the folder's predictions (no one writes before)."""
-    from dge_jax.runtime import multihost
+    from dge_jax.distribution import multihost
 
     if share.count > 1:
         multihost.barrier("dge_jax.runner.predictions_read")
@@ -167,7 +167,7 @@ def all_read(share: Share) -> None:
 
 def all_done(share: Share) -> None:
     """Returns once every process has written its predictions (then the report merges)."""
-    from dge_jax.runtime import multihost
+    from dge_jax.distribution import multihost
 
     if share.count > 1:
         multihost.barrier("dge_jax.runner.predictions_written")

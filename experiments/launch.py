@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from dge_jax.runtime.multihost import (
+from dge_jax.distribution.multihost import (
     COORDINATOR,
     DEFAULT_INIT_TIMEOUT,
     HEARTBEAT,

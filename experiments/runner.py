@@ -106,8 +106,8 @@ def run_backend(config: RunConfig, model):
     """(the `platform.Backend` the run's steps take on the model's devices, its prefill
     chunk: --chunk, or the platform's for --batch_size rows); --attention cudnn off a GPU is
     a UsageError."""
+    from dge_jax.distribution.sharding import mesh_context
     from dge_jax.runtime import platform
-    from dge_jax.runtime.sharding import mesh_context
 
     with mesh_context(model.params):
         try:
@@ -361,7 +361,7 @@ def check_model(config: RunConfig, model, mesh) -> None:
     if model.tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer.json; the runner needs one")
     if mesh is not None:
-        from dge_jax.runtime.sharding import row_multiple
+        from dge_jax.distribution.sharding import row_multiple
 
         rows = row_multiple(model.config, dict(mesh.shape))
         if config.batch_size % rows:

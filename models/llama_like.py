@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import ModelConfig
+from dge_jax.distribution.constraints import constrain_residual
 from dge_jax.families import ForwardOutput
-from dge_jax.runtime.attention import ScoreSpec
+from dge_jax.kernels.attention import ScoreSpec
+from dge_jax.kernels.layer_attention import cache_layer_attention
 from dge_jax.runtime.cache import KVCache, LayerGroup, group_layers
-from dge_jax.runtime.constraints import constrain_residual
-from dge_jax.runtime.layer_attention import cache_layer_attention
 from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables
 from dge_jax.runtime.window_cache import join_layers, make_room
@@ -73,10 +73,10 @@ class Weight:
     """One parameter field: everything the library needs to know about it, in one row.
 
     name: the field ("layers.wq": stacked on a leading [L] axis); axes: its logical axes
-    (`dge_jax.runtime.sharding` maps them onto a mesh); hf_key: the Hugging Face tensor name pattern
-    (a captured group is the layer index); transform: "keep", or "transpose" for torch's
-    [out, in] linear weights (we keep [in, out]); shape and present: from the config (a
-    field may have two rows, one per checkpoint layout, present for different configs);
+    (`dge_jax.distribution.sharding` maps them onto a mesh); hf_key: the Hugging Face tensor
+    name pattern (a captured group is the layer index); transform: "keep", or "transpose" for
+    torch's [out, in] linear weights (we keep [in, out]); shape and present: from the config
+    (a field may have two rows, one per checkpoint layout, present for different configs);
     init: "norm" (a norm's identity weight: 1, or 0 for Gemma's (1 + w)) or "normal"
     (random init for tests and benchmarks).
     """

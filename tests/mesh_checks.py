@@ -31,6 +31,7 @@ from safetensors.numpy import save_file
 
 import dge_jax
 from dge_jax.checkpoints import orbax_io
+from dge_jax.distribution import sharding as sh
 from dge_jax.eviction import evict as eviction
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
@@ -38,9 +39,8 @@ from dge_jax.eviction.timing import dge, prefill
 from dge_jax.generation import generate_grid
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
-from dge_jax.runtime import sharding as sh
-from dge_jax.runtime.prompts import pad_left
-from dge_jax.runtime.sampling import Greedy
+from dge_jax.text.prompts import pad_left
+from dge_jax.text.sampling import Greedy
 
 MESHES = ((8, 1), (2, 4), (1, 8))
 CONFIG = {

@@ -60,7 +60,7 @@ def count_reads(hf) -> dict:
 def main(ckpt: str, out: str) -> None:
     import jax
 
-    from dge_jax.runtime import multihost
+    from dge_jax.distribution import multihost
 
     connected = bool(os.environ.get(multihost.COORDINATOR))
     processes = multihost.initialize() if connected else multihost.current()
@@ -69,8 +69,8 @@ def main(ckpt: str, out: str) -> None:
 
     import dge_jax
     from dge_jax.checkpoints import hf
+    from dge_jax.distribution import sharding as sh
     from dge_jax.generation import generate_grid
-    from dge_jax.runtime import sharding as sh
 
     assert len(jax.devices()) == 8, jax.devices()
     read = count_reads(hf)

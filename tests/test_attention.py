@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.runtime.attention import cached_attention, written_slot_attention
+from dge_jax.kernels.attention import cached_attention, written_slot_attention
 
 B, T, HQ, HKV, D, S, WRITTEN = 2, 8, 6, 2, 16, 37, 30
 

@@ -20,9 +20,7 @@ from tiny_model import build_tiny_llama
 
 import dge_jax
 from benchmarks import (
-    agreement,
     cpu_kernels,
-    cpu_programs,
     gpu_suite,
     harness,
     machine,
@@ -35,7 +33,9 @@ from benchmarks import (
     suites,
     work,
 )
-from benchmarks.peers import ratio_for
+from benchmarks.cost import cpu_programs
+from benchmarks.peers import agreement
+from benchmarks.peers.peers import ratio_for
 from dge_jax.config import ModelConfig
 
 

@@ -105,7 +105,7 @@ def test_sampling_flag_errors_speak_in_flags(capsys, flags, message):
 
 
 def test_sampling_api_error_still_names_greedy():
-    from dge_jax.runtime.sampling import Sampling
+    from dge_jax.text.sampling import Sampling
 
     with pytest.raises(ValueError, match=r"temperature must be > 0 \(got -1\); use Greedy\(\)"):
         Sampling(temperature=-1)

@@ -2,7 +2,7 @@
 
 RMSNorm (`models.llama_like.rms_norm`), RoPE (`dge_jax.runtime.rope`: default, linear and llama3
 scaling), the gated MLP (`models.llama_like.mlp`) and attention over the padded cache
-(`dge_jax.runtime.attention.cached_attention` / `written_slot_attention`) each match the module or
+(`dge_jax.kernels.attention.cached_attention` / `written_slot_attention`) each match the module or
 function in `transformers.models.llama.modeling_llama` within f32 rounding. The whole-model
 parity (tests/test_parity.py) would catch a mismatch too, but not say which component it is.
 
@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("transformers.models.llama.modeling_llama")
 
 from dge_jax.config import RopeConfig  # noqa: E402
-from dge_jax.runtime.attention import cached_attention, written_slot_attention  # noqa: E402
+from dge_jax.kernels.attention import cached_attention, written_slot_attention  # noqa: E402
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables  # noqa: E402
 from models.llama_like import mlp, rms_norm  # noqa: E402
 

@@ -34,11 +34,11 @@ from dge_jax.rules.registry import make_rule
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.prompts import bucket_length, pad_left
 from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.records import Observation
-from dge_jax.runtime.sampling import Greedy
 from dge_jax.runtime.selection import select_slots, top_mask
+from dge_jax.text.prompts import bucket_length, pad_left
+from dge_jax.text.sampling import Greedy
 
 L, B, HKV, G, D = 2, 2, 2, 2, 8
 HQ = HKV * G

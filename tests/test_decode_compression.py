@@ -25,9 +25,9 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.runtime import decoding
 from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.prompts import cut_at_eos, prepare
 from dge_jax.runtime.recorders import QueryWindow, Recording
-from dge_jax.runtime.sampling import Greedy
+from dge_jax.text.prompts import cut_at_eos, prepare
+from dge_jax.text.sampling import Greedy
 
 NEW = 30  # answer tokens
 

@@ -380,7 +380,7 @@ def test_workspace_statistic_example_records_through_every_loop(workspace, check
     from dge_jax.rules.registry import make_rule
     from dge_jax.runtime import decoding
     from dge_jax.runtime.recorders import QueryWindow, Recording
-    from dge_jax.runtime.sampling import Greedy
+    from dge_jax.text.sampling import Greedy
 
     rule, query_sum = workspace["MeanQuery"](), workspace["QuerySum"]()
     assert make_rule("meanquery") == rule and not rule.needs.query_free

@@ -34,9 +34,9 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.tova import TOVA
 from dge_jax.runtime import decoding
 from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.prompts import prepare
 from dge_jax.runtime.recorders import QueryWindow, Recording
-from dge_jax.runtime.sampling import Greedy
+from dge_jax.text.prompts import prepare
+from dge_jax.text.sampling import Greedy
 
 L, HQ, HKV, VOCAB = 2, 4, 2, 128
 NEW = 6

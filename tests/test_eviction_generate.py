@@ -40,10 +40,10 @@ from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.rules.tova import TOVA
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import compact
-from dge_jax.runtime.prompts import pad_left
 from dge_jax.runtime.recorders import QueryWindow, Recording
-from dge_jax.runtime.sampling import Greedy
 from dge_jax.runtime.selection import apply_keep
+from dge_jax.text.prompts import pad_left
+from dge_jax.text.sampling import Greedy
 
 L, HQ, HKV, HD, VOCAB = 2, 4, 2, 16, 128
 WINDOW = 8

@@ -1,4 +1,4 @@
-"""The Pallas flash kernel (`runtime/flash.py`) gives `written_slot_attention`'s results.
+"""The Pallas flash kernel (`kernels/flash.py`) gives `written_slot_attention`'s results.
 
 On CPU the kernels run in Pallas interpret mode (which fills reads past an array's end with
 NaN, so the masking of the last partial key tile is exercised). Compared against
@@ -31,14 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.runtime.attention import (
+from dge_jax.kernels.attention import (
     DEFAULT_SCORES,
     ScoreSpec,
     cached_attention,
     visible,
     written_slot_attention,
 )
-from dge_jax.runtime.flash import _skip_tables, flash_attention
+from dge_jax.kernels.flash import _skip_tables, flash_attention
 
 D = 16
 # Jitted, so each shape compiles once (eager calls re-trace the interpreter every time).

@@ -1,4 +1,4 @@
-"""The Pallas decode kernel (`runtime/flash_decode.py`) gives `cached_attention`'s results.
+"""The Pallas decode kernel (`kernels/flash_decode.py`) gives `cached_attention`'s results.
 
 On CPU the kernel runs in Pallas interpret mode (which fills reads past an array's end with
 NaN, so the masking of a last partial key block is exercised). Compared against
@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.runtime.attention import DEFAULT_SCORES, ScoreSpec, cached_attention
-from dge_jax.runtime.flash_decode import block_table, decode_attention
+from dge_jax.kernels.attention import DEFAULT_SCORES, ScoreSpec, cached_attention
+from dge_jax.kernels.flash_decode import block_table, decode_attention
 
 D = 16
 DECODE = jax.jit(decode_attention, static_argnames=("block_k", "slots_minor", "scores_spec"))
@@ -296,7 +296,7 @@ def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
     )
     state = decoding.start_state(cache, jnp.ones((batch,), jnp.int32), jnp.full((batch,), 8), 4,
                                  (), jax.random.PRNGKey(0))  # fmt: skip
-    mesh = dge_jax.runtime.sharding.make_mesh(1, 2, devices=tpu_devices[:2])
+    mesh = dge_jax.distribution.sharding.make_mesh(1, 2, devices=tpu_devices[:2])
     where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     on = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree
@@ -306,7 +306,7 @@ def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
         assert platform.current() == Backend.of("tpu")
         hlo = decoding.decode_loop.lower(
             family.forward, cfg, on(params), on(state),
-            sampler=dge_jax.runtime.sampling.Greedy(), eos_ids=(),
+            sampler=dge_jax.text.sampling.Greedy(), eos_ids=(),
         ).compile().as_text()  # fmt: skip
     assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
     buffer = rf"bf16\[(?:\d+,)?{batch},\d+,{slots},{cfg.head_dim}\]"

@@ -18,7 +18,7 @@ import dge_jax
 from dge_jax.checkpoints.hf import parse_config
 from dge_jax.config import ConfigError
 from dge_jax.runtime import decoding
-from dge_jax.runtime.prompts import pad_left
+from dge_jax.text.prompts import pad_left
 
 TEXT = dict(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

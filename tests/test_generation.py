@@ -15,8 +15,8 @@ import pytest
 
 import dge_jax
 from dge_jax.runtime import decoding, stacking
-from dge_jax.runtime.prompts import bucket_length, pad_left
-from dge_jax.runtime.sampling import Greedy, Sampling
+from dge_jax.text.prompts import bucket_length, pad_left
+from dge_jax.text.sampling import Greedy, Sampling
 
 # Most tests share prompts of lengths (20, 13) -> bucket 32 and N new tokens, so the jitted
 # prefill compiles once for the module and each sampler compiles only its decode loop.
@@ -279,7 +279,7 @@ def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
     """The decode loop updates its cache buffers in place: its compiled body holds no copy
     of a cache-sized array. (XLA:CPU copied every batch-1 buffer 2-4 times per step while
     attention read the buffer its write had just produced; see
-    dge_jax.runtime.layer_attention.cache_layer_attention.)"""
+    dge_jax.kernels.layer_attention.cache_layer_attention.)"""
     import re
 
     cfg = model.config

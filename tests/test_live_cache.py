@@ -3,7 +3,7 @@ holds no full cache that no cell still reads, every cell still gets what it gets
 `generate` never touches an array its caller holds. On a tiny random Llama whose head size
 (24) no other test uses, so the live caches counted here are this module's.
 
-`benchmarks/tpu_aot.py` counts the same at a real model's size, in compiled memory on a TPU
+`benchmarks/cost/tpu_aot.py` counts the same at a real model's size, in compiled memory on a TPU
 topology (with `benchmarks/cell_memory.py`'s trace of what the grid holds).
 """
 
@@ -27,9 +27,9 @@ from dge_jax.generation import generate, generate_grid
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
-from dge_jax.runtime.prompts import pad_left
 from dge_jax.runtime.recorders import QueryWindow, Recording
-from dge_jax.runtime.sampling import Greedy
+from dge_jax.text.prompts import pad_left
+from dge_jax.text.sampling import Greedy
 
 HD, WINDOW, N_NEW = 24, 8, 6
 PREFILL, DGE2, DGE_W2, DGE3 = (Timing("prefill", 1), Timing("dge", 2), Timing("dge_w", 2),

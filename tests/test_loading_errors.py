@@ -17,9 +17,9 @@ from safetensors.numpy import load_file, save_file
 import dge_jax
 from dge_jax.checkpoints.hf import CheckpointError, load_hf_checkpoint
 from dge_jax.config import ConfigError
+from dge_jax.distribution.sharding import make_mesh
 from dge_jax.generation import generate_grid
-from dge_jax.runtime.prompts import check_request
-from dge_jax.runtime.sharding import make_mesh
+from dge_jax.text.prompts import check_request
 
 _DROP = object()  # edit_config(folder, key=_DROP) removes the key
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from tiny_model import build_tiny_llama
 
-from dge_jax.runtime import multihost
+from dge_jax.distribution import multihost
 from experiments import distributed, launch
 from experiments.distributed import assign, batches_of
 from experiments.predictions import PredictionStore, read_folder

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from dge_jax.runtime import multihost
+from dge_jax.distribution import multihost
 from experiments import launch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def test_what_never_connected_as_far_as_each_process_can_tell(listening):
     assert first.endswith("or give them longer with DGE_JAX_INIT_TIMEOUT_SECONDS (now 5 s)")
 
 
-CONNECT = [sys.executable, "-c", "from dge_jax.runtime import multihost; "
+CONNECT = [sys.executable, "-c", "from dge_jax.distribution import multihost; "
            "multihost.initialize(); print('connected')"]
 
 

@@ -22,7 +22,7 @@ import dge_jax
 from dge_jax.checkpoints import hf, orbax_io
 from dge_jax.checkpoints.hf import CheckpointError, load_hf_checkpoint, plan_tensors
 from dge_jax.cli import main
-from dge_jax.runtime import sharding as sh
+from dge_jax.distribution import sharding as sh
 
 
 def leaves(params) -> dict[str, np.ndarray]:

@@ -30,8 +30,8 @@ import transformers
 import dge_jax
 from dge_jax.config import RopeConfig
 from dge_jax.runtime import decoding
-from dge_jax.runtime.prompts import bucket_length, pad_left
-from dge_jax.runtime.sampling import Greedy
+from dge_jax.text.prompts import bucket_length, pad_left
+from dge_jax.text.sampling import Greedy
 
 PARITY_VARIANTS = [
     "llama",

@@ -36,8 +36,8 @@ import dge_jax
 from dge_jax.checkpoints.hf import CheckpointError, load_hf_checkpoint, parse_config
 from dge_jax.config import ConfigError, RopeConfig
 from dge_jax.runtime import decoding
-from dge_jax.runtime.prompts import pad_left
 from dge_jax.runtime.rope import LongRopeFrequencies, inverse_frequencies, rope_tables
+from dge_jax.text.prompts import pad_left
 from tests.conftest import BASE_CONFIG, VOCAB, to_old_keys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -314,7 +314,7 @@ def test_a_rope_parameter_transformers_is_told_not_to_validate_is_refused(checkp
 MESH_SCRIPT = """
 import sys, numpy as np, jax
 from dge_jax.checkpoints.hf import load_hf_checkpoint
-from dge_jax.runtime import sharding as sh
+from dge_jax.distribution import sharding as sh
 _, _, plain = load_hf_checkpoint(sys.argv[1])
 _, _, sharded = load_hf_checkpoint(sys.argv[1], mesh=sh.make_mesh(data=1, model=2))
 assert len(sharded.layers.wk.sharding.device_set) == 2

@@ -36,16 +36,16 @@ from dge_jax import cli
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge
+from dge_jax.kernels.attention import written_slot_attention
+from dge_jax.kernels.layer_attention import cudnn_attention
 from dge_jax.rules.full import is_full
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.registry import RULES, make_rule, rule_fields
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding, platform
-from dge_jax.runtime.attention import written_slot_attention
-from dge_jax.runtime.layer_attention import cudnn_attention
 from dge_jax.runtime.platform import Backend
-from dge_jax.runtime.prompts import bucket_length, pad_left
 from dge_jax.runtime.recorders import NOTHING, AttentionSums, Recording
+from dge_jax.text.prompts import bucket_length, pad_left
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_a_prefill_step_holds_a_bounded_number_of_tokens():
         8192, 4096, 2560, 2048, 512, 512, 512]  # fmt: skip
     assert [cpu.chunk_for(b) for b in (1, 24)] == [512, 512]
     assert platform.rows_per_device(24) == 24  # no mesh: every row on the one device
-    mesh = dge_jax.runtime.sharding.make_mesh(1, 1)
+    mesh = dge_jax.distribution.sharding.make_mesh(1, 1)
     with jax.set_mesh(mesh):
         assert platform.rows_per_device(5) == 5
 
@@ -309,7 +309,7 @@ def tpu_mesh():
         devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
     except Exception as error:  # no libtpu, or a jax without deviceless TPU topologies
         pytest.skip(f"no deviceless TPU compilation here (pip install 'jax[tpu]'): {error}")
-    return dge_jax.runtime.sharding.make_mesh(1, 2, devices=devices[:2])
+    return dge_jax.distribution.sharding.make_mesh(1, 2, devices=devices[:2])
 
 
 def _on(mesh, tree):
@@ -384,7 +384,7 @@ def test_decode_compiled_for_tpu_keeps_the_cache_in_place_without_the_cpu_trick(
         assert decoding.decode_groups(cache) == (cfg.num_layers,)
         hlo = decoding.decode_loop.lower(
             model.forward, cfg, _on(tpu_mesh, model.params), _on(tpu_mesh, state),
-            sampler=dge_jax.runtime.sampling.Greedy(), eos_ids=(),
+            sampler=dge_jax.text.sampling.Greedy(), eos_ids=(),
         ).compile().as_text()  # fmt: skip
     assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
     buffer = rf"f32\[(?:\d+,)?{batch},\d+,{slots},{cfg.head_dim}\]"

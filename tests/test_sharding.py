@@ -22,8 +22,8 @@ import jax
 import pytest
 
 from dge_jax.config import ModelConfig
-from dge_jax.runtime import constraints
-from dge_jax.runtime import sharding as sh
+from dge_jax.distribution import constraints
+from dge_jax.distribution import sharding as sh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ("8x1", "2x4", "1x8")

@@ -1,5 +1,5 @@
-"""benchmarks.tpu_aot: the tiny model's stages compiled for a TPU topology without a TPU, and
-the loop-aware counting of benchmarks.hlo_cost checked on hand-made loops.
+"""benchmarks.cost.tpu_aot: the tiny model's stages compiled for a TPU topology without a TPU, and
+the loop-aware counting of benchmarks.cost.hlo_cost checked on hand-made loops.
 
 Needs libtpu (``pip install "jax[tpu]==<jax's version>"``, the ``tpu-aot`` extra); without it
 the tests that compile skip and say so (fail under CI=true: .ci/run installs it).
@@ -22,8 +22,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from benchmarks import hlo_cost, tpu_aot, tpu_stages
-from benchmarks.hlo_text import Array
+from benchmarks.cost import hlo_cost, tpu_aot, tpu_stages
+from benchmarks.cost.hlo_text import Array
 from dge_jax.eviction.decode_spec import DecodeCompression
 
 TOPOLOGY = "v5e:2x4"
@@ -161,7 +161,7 @@ def test_largest_batch_search():
 
 @pytest.fixture(scope="module")
 def tiny_report(devices, tmp_path_factory) -> str:
-    """What `python -m benchmarks.tpu_aot ... --json` prints for the tiny model on v5e:2x4
+    """What `python -m benchmarks.cost.tpu_aot ... --json` prints for the tiny model on v5e:2x4
     (data 2 x model 4), every cell (DGE, lookahead, decode) at budget 128, 16 new tokens."""
     config = tmp_path_factory.mktemp("tiny") / "config.json"
     config.write_text(json.dumps(TINY))
@@ -435,8 +435,8 @@ def test_a_mesh_that_does_not_fit_the_topology_is_refused_before_compiling(
 def test_sizes_below_one_are_usage_errors(command, flag, value):
     status, err = command(flag, value)
     assert status == 2
-    assert err == (f"error: {flag} must be >= 1, got {value}; see python -m benchmarks.tpu_aot "
-                   "--help")  # fmt: skip
+    assert err == (f"error: {flag} must be >= 1, got {value}; see python -m "
+                   "benchmarks.cost.tpu_aot --help")  # fmt: skip
 
 
 @pytest.mark.parametrize("cells", ["dge,laq", "dge,dge", ""])
@@ -444,4 +444,4 @@ def test_cells_are_named_among_the_three(command, cells):
     status, err = command("--cells", cells)
     assert status == 2
     assert err == (f"error: --cells takes distinct names among dge, lookahead, decode, got "
-                   f"{cells!r}; see python -m benchmarks.tpu_aot --help")  # fmt: skip
+                   f"{cells!r}; see python -m benchmarks.cost.tpu_aot --help")  # fmt: skip

@@ -110,7 +110,7 @@ def test_text_with_lone_surrogates_names_the_character(chat_model):
 
 
 def test_sampler_given_as_a_string_names_the_sampler_classes(chat_model):
-    from dge_jax.runtime.sampling import Greedy
+    from dge_jax.text.sampling import Greedy
 
     with pytest.raises(TypeError, match=r"sampler must be a sampler object, not the string "
                                         r"'greedy': use Greedy\(\) or Sampling\("):

@@ -300,7 +300,7 @@ def convert(tensors, key_map: KeyMap, cfg: ModelConfig, dtype) -> Any:
 def load_hf_checkpoint(path: str | pathlib.Path, dtype: str = "float32", mesh=None):
     """(family, config, params) from a Hugging Face folder, strictly checked.
 
-    With a `jax.sharding.Mesh`, parameters are laid out by `dge_jax.runtime.sharding` and each
+    With a `jax.sharding.Mesh`, parameters are laid out by `dge_jax.distribution.sharding` and each
     device reads only its own slices of the files (`load_sharded`).
     """
     if dtype not in DTYPES:
@@ -309,7 +309,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, dtype: str = "float32", mesh=No
     family, cfg = parse_config(read_config(folder))
     files = safetensors_files(folder)
     if mesh is not None:
-        from dge_jax.runtime.sharding import param_shardings
+        from dge_jax.distribution.sharding import param_shardings
 
         key_map = family.key_map(cfg)
         shardings = param_shardings(cfg, list(key_map.shapes), mesh)

@@ -32,7 +32,7 @@ from dge_jax.checkpoints.hf import (
     parse_config,
     read_config,
 )
-from dge_jax.runtime.sharding import DEFAULT_RULES, AxisRules, field_name, param_shardings
+from dge_jax.distribution.sharding import DEFAULT_RULES, AxisRules, field_name, param_shardings
 
 FORMAT = "dge_jax.orbax"
 VERSION = 1

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import with_fields
+from dge_jax.distribution.multihost import fetch
 from dge_jax.eviction import sliding as sliding_layers
 from dge_jax.eviction.budgets import expand_budgets, head_budgets
 from dge_jax.eviction.decode_spec import DecodeCompression, check_decode_rule
@@ -29,7 +30,6 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache as kv
 from dge_jax.runtime import selection
 from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.multihost import fetch
 from dge_jax.runtime.records import DraftRecord, Observation
 
 HEAD_BUDGETS = ("uniform", "adakv", "global")

@@ -15,9 +15,9 @@ from dge_jax.eviction.lookahead import first_stage
 from dge_jax.rules.base import Needs
 from dge_jax.rules.full import is_full
 from dge_jax.runtime.decoding import DecodeState
-from dge_jax.runtime.prompts import Request
 from dge_jax.runtime.records import DraftRecord
 from dge_jax.runtime.window_cache import LAYOUTS
+from dge_jax.text.prompts import Request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,13 +43,13 @@ from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require
 from dge_jax.rules.ops import prompt_entries
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.prompts import bucket_length, pad_left
 from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.records import Observation
+from dge_jax.text.prompts import bucket_length, pad_left
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
-_MASKED = -1e30  # as dge_jax.runtime.attention: a fully masked row stays finite
+_MASKED = -1e30  # as dge_jax.kernels.attention: a fully masked row stays finite
 
 
 @dataclasses.dataclass(frozen=True)

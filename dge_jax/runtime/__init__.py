@@ -1,2 +1,2 @@
-"""What a forward pass runs on: the KV cache, attention, RoPE, the prefill, draft and decode
-steps, prompts, sampling, the tokenizer and the device mesh."""
+"""What a forward pass runs on: the KV cache and its selection, RoPE, the recorders, the
+platform's choices, and the prefill, draft and decode steps."""

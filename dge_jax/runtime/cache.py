@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.runtime.multihost import fetch
+from dge_jax.distribution.multihost import fetch
 
 INT32_MAX = np.iinfo(np.int32).max
 

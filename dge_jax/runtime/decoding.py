@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
+from dge_jax.distribution.constraints import constrain_cache, constrain_rows
 from dge_jax.families import ForwardFn
 from dge_jax.runtime import platform
 from dge_jax.runtime.cache import KVCache, group_layers, init_cache, regroup, runs_of_equal
-from dge_jax.runtime.constraints import constrain_cache, constrain_rows
 from dge_jax.runtime.recorders import NOTHING, Recording, Setup
 from dge_jax.runtime.records import DraftRecord, Observation
 
@@ -90,7 +90,7 @@ def prefill_prompt(
     forward = functools.partial(forward, attention=attention)  # every chunk's attention
     cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
     capacity = cache.capacity  # the global layers' (what per-slot records span)
-    # Under jax.set_mesh (dge_jax.runtime.sharding): rows over data, kv heads over model;
+    # Under jax.set_mesh (dge_jax.distribution.sharding): rows over data, kv heads over model;
     # else no-ops.
     tokens, lengths = constrain_rows(cfg, tokens, lengths)
     cache = constrain_cache(cache, cfg)

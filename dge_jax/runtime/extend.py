@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dge_jax.distribution.multihost import fetch
 from dge_jax.runtime.cache import KVCache, LayerGroup
-from dge_jax.runtime.multihost import fetch
 
 # Slots appended at a time (nearby question lengths share compilations).
 ROOM_MULTIPLE = 64

@@ -31,8 +31,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dge_jax.distribution.multihost import fetch
 from dge_jax.runtime.cache import INT32_MAX, KVCache
-from dge_jax.runtime.multihost import fetch
 
 TIES = ("later", "earlier")
 

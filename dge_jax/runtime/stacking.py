@@ -1,7 +1,7 @@
 """Cells of one cache shape decoded as one batch: their states' rows interleaved, and split
 back after; and the full caches the cells of a grid share, until the last one reads them.
 
-Interleaved, not concatenated, so that on a device mesh (`dge_jax.runtime.sharding`) every row
+Interleaved, not concatenated, so that on a device mesh (`dge_jax.distribution.sharding`) every row
 stays on the device that holds it: a device's block of rows of each state becomes one block of
 the stack, and neither stacking nor splitting moves a cache entry.
 

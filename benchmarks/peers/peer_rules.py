@@ -1,10 +1,10 @@
-"""The peers' side of `benchmarks.rule_agreement`: which entries kvpress's presses keep.
+"""The peers' side of `benchmarks.peers.rule_agreement`: which entries kvpress's presses keep.
 
 Runs in the peers' virtual environment (torch, transformers, kvpress and the standard library
 only; never dge_jax or jax):
 
-    benchmarks/.peers/venv/bin/python benchmarks/peer_rules.py --jobs JOBS.json --out OUT.json
-    benchmarks/.peers/venv/bin/python benchmarks/peer_rules.py --tiny FOLDER
+    benchmarks/.peers/venv/bin/python benchmarks/peers/peer_rules.py --jobs JOBS.json --out OUT.json
+    benchmarks/.peers/venv/bin/python benchmarks/peers/peer_rules.py --tiny FOLDER
 
 A job is {"id", "folder", "prompt": [ids], "budget": B, "press": spec}; a press spec is
 {"name": ...} plus the press's fields, wrappers with an "inner" spec (`build_press`). Each
@@ -22,7 +22,7 @@ one prefill per job, the same results). Recorded per layer and kv head:
   a differing head with a gap ~1e-6 is a float near-tie; 0 is an exact tie.
 
 KVzip jobs (press {"name": "kvzip", "chunk_size", "layerwise", "n_sink"}, for
-`benchmarks.kvzip_agreement`) run one prefill each (`run_kvzip`): ``KVzipPress`` is its own
+`benchmarks.peers.kvzip_agreement`) run one prefill each (`run_kvzip`): ``KVzipPress`` is its own
 context manager, repeating the context over the cache after the block and listing the
 evicted entries in ``module.masked_key_indices``. Its ratio is `kvzip_ratio` (kvpress prunes
 ``int(n * ratio)`` of a pool of n entries: every layer's and head's, or one layer's with

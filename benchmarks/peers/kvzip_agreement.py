@@ -1,13 +1,13 @@
 """Agreement with kvpress: KVzip keeps the entries kvpress 0.5.5's ``KVzipPress`` keeps.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.kvzip_agreement [--peer-python PY]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.peers.kvzip_agreement [--peer-python PY]
 
 dge_jax runs `KVzip` through the pipeline (`generate_grid`, ``Timing("prefill", 1)``, its
 reconstruct stage included) at budget B per kv head, allocated as kvpress allocates:
 ``head_budget="adakv", alpha=0.0`` (one pool of Hkv·B per layer, no floor) against
 ``KVzipPress(layerwise=True)``, and ``head_budget="global", alpha=0.0`` (one pool of L·Hkv·B)
 against ``KVzipPress()`` (layerwise False, its default); kept = `GenerationResult.kept`.
-`benchmarks/peer_rules.py`, in the peers' venv, prefills the same token ids under the press,
+`benchmarks/peers/peer_rules.py`, in the peers' venv, prefills the same token ids under the press,
 which repeats the context after the block, and records the complement of each layer's
 ``masked_key_indices`` and the scores it ranked (`peer_rules.run_kvzip`); its ratio prunes
 exactly the pool minus L·Hkv·B (or Hkv·B per layer). Both sides in float32, one prompt per
@@ -53,8 +53,8 @@ import time
 import numpy as np
 
 import dge_jax
-from benchmarks import rule_agreement as ra
-from benchmarks.rule_agreement import Prompt, compare, fmt_gap, notes, run_peer
+from benchmarks.peers import rule_agreement as ra
+from benchmarks.peers.rule_agreement import Prompt, compare, fmt_gap, notes, run_peer
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.kvzip import KVzip, template_parts

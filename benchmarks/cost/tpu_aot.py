@@ -1,8 +1,8 @@
 """Compile every generation stage for a TPU topology without a TPU, and account for it.
 
-    python -m benchmarks.tpu_aot --topology v5e:2x4 --config benchmarks/configs/llama3_1_8b.json \\
-        --seq 32768 --batch 1 [--json] [--max_batch] [--mesh data=1,model=8] \\
-        [--cells dge,lookahead,decode] [--lookahead 8]
+    python -m benchmarks.cost.tpu_aot --topology v5e:2x4 \\
+        --config benchmarks/configs/llama3_1_8b.json --seq 32768 --batch 1 [--json] \\
+        [--max_batch] [--mesh data=1,model=8] [--cells dge,lookahead,decode] [--lookahead 8]
 
 Errors (a topology that is not CHIP:AxB[xC] or that libtpu cannot lay out, a --config that is
 missing or that this library does not run, a --mesh that does not fit the topology's devices,
@@ -13,7 +13,7 @@ environment, as `python -m dge_jax` does; ``--verbose`` shows the traceback inst
 Needs ``jax[tpu]`` (libtpu) installed; no TPU. ``jax.experimental.topologies`` gives the
 abstract devices of the named topology, the library's own sharding rules lay a (data, model)
 mesh and the bf16 parameters over them, and each stage of one DGE-SnapKV cell (budget 1024,
-DGE(2), as `generate_grid` runs it: `benchmarks.tpu_stages`) is lowered and compiled by XLA:TPU
+DGE(2), as `generate_grid` runs it: `benchmarks.cost.tpu_stages`) is lowered and compiled by XLA:TPU
 for that chip. Per stage it prints:
 
 - **compiles**, or the compiler's error (out of HBM is a compile error on TPU);
@@ -23,7 +23,7 @@ for that chip. Per stage it prints:
 - **peak bytes per device**: ``memory_analysis()``'s arguments + outputs - aliased (donated)
   + temporaries, and each of those;
 - **FLOPs and HBM bytes**, with every loop body counted once per trip
-  (`benchmarks.hlo_cost`: its docstring says how and where the count stops being exact);
+  (`benchmarks.cost.hlo_cost`: its docstring says how and where the count stops being exact);
   a Pallas kernel counts the FLOPs and bytes it declares (its ``pl.CostEstimate``: the
   flash kernels declare one layer's keys and values read once per query tile, dense over
   every slot, so skipped tiles are not taken off) in ``hbm_bytes_declared``, what the
@@ -115,9 +115,10 @@ import re
 import sys
 from collections.abc import Callable
 
-from benchmarks import hlo_cost, tpu_stages
+from benchmarks.cost import hlo_cost, tpu_stages
 from dge_jax.cli import ENVIRONMENT, USAGE, Parser, one_line
-from dge_jax.runtime import platform, sharding
+from dge_jax.distribution import sharding
+from dge_jax.runtime import platform
 
 GIB = 2**30
 SOURCES = 12  # sources of HBM bytes reported per stage
@@ -645,7 +646,7 @@ def _peak(row: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; a usage error is one line, `error: <what>; see ... --help` (exit 2)."""
-    p = Parser(prog="python -m benchmarks.tpu_aot", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.cost.tpu_aot", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", required=True, help="a TPU topology, e.g. v5e:2x4, v6e:2x4")
     p.add_argument("--config", required=True, help="a Hugging Face config.json")
     p.add_argument("--seq", type=int, required=True, help="prompt length (tokens)")

@@ -65,8 +65,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dge_jax.runtime.attention import _MASKED, DEFAULT_SCORES, ScoreSpec
-from dge_jax.runtime.flash_tiles import (
+from dge_jax.kernels.attention import _MASKED, DEFAULT_SCORES, ScoreSpec
+from dge_jax.kernels.flash_tiles import (
     _NT,
     _NUM_TABLES,
     _clamp,

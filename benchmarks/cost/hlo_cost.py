@@ -53,7 +53,7 @@ import math
 import re
 from collections.abc import Callable
 
-from benchmarks.hlo_text import (
+from benchmarks.cost.hlo_text import (
     Array,
     Computation,
     Instr,

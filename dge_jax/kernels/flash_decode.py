@@ -65,8 +65,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dge_jax.runtime.attention import _MASKED, DEFAULT_SCORES, ScoreSpec, _group_queries
-from dge_jax.runtime.flash_tiles import _LANES, _NT, _tile, _visible
+from dge_jax.kernels.attention import _MASKED, DEFAULT_SCORES, ScoreSpec, _group_queries
+from dge_jax.kernels.flash_tiles import _LANES, _NT, _tile, _visible
 
 _SUBLANES = 8  # rows of a tile are padded to a multiple of it
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dge_jax.runtime import platform
-from dge_jax.runtime.attention import (
+from dge_jax.distribution.constraints import attention_specs
+from dge_jax.kernels.attention import (
     DEFAULT_SCORES,
     ScoreSpec,
     cached_attention,
     visible,
     written_slot_attention,
 )
-from dge_jax.runtime.constraints import attention_specs
+from dge_jax.runtime import platform
 from dge_jax.runtime.platform import Backend
 
 
@@ -152,7 +152,7 @@ def _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot, wind
     (imported here for the same reason). A head
     under 128 reads the cache slots-minor, the layout the TPU gives such a cache (see
     `flash_decode`), so the kernel's reads need no layout copy of it."""
-    from dge_jax.runtime.flash_decode import decode_attention
+    from dge_jax.kernels.flash_decode import decode_attention
 
     slots_minor = k_all.shape[-1] < 128
 
@@ -232,7 +232,7 @@ def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_pro
     independent, so nothing crosses devices; a Pallas call cannot be partitioned by XLA
     itself. Imported here: Pallas's modules take about a second to import, which CPU runs
     (xla) need not pay."""
-    from dge_jax.runtime.flash import flash_attention
+    from dge_jax.kernels.flash import flash_attention
 
     def fn(q, k_all, v_all, pos_all, query_pos, num_slots, i, window):
         return flash_attention(q, k_all, v_all, pos_all, query_pos, num_slots, layer=i,

@@ -1,12 +1,12 @@
 """Agreement with kvpress: the 2025 scoring rules keep the entries kvpress 0.5.5 keeps.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.rule_agreement [--peer-python PY]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.peers.rule_agreement [--peer-python PY]
 
 For each rule (KeyDiff, LagKV, ExpectedAttention, CriticalKV, ChunkKV, and AdaKV head budgets
 over CriticalKV and ExpectedAttention), model, prompt and per-head budget B, dge_jax evicts
 right after the prefill (``Timing("prefill", 1)``) and reports the original positions each
-kv head keeps (`GenerationResult.kept`); `benchmarks/peer_rules.py`, in the peers' venv
-(kvpress 0.5.5, torch, transformers; `bash benchmarks/setup_peers.sh`), prefills the same
+kv head keeps (`GenerationResult.kept`); `benchmarks/peers/peer_rules.py`, in the peers' venv
+(kvpress 0.5.5, torch, transformers; `bash benchmarks/peers/setup_peers.sh`), prefills the same
 token ids under the matching press and records what the press keeps, with its relative score
 gap at the budget boundary. Both sides run in float32, one prompt per call.
 
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 import dge_jax
-from benchmarks.peer_client import PEERS_PYTHON, SETUP_COMMAND
+from benchmarks.peers.peer_client import PEERS_PYTHON, SETUP_COMMAND
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing
 from dge_jax.rules.chunkkv import ChunkKV

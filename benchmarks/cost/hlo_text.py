@@ -1,7 +1,7 @@
 """The text of a compiled XLA program, read: computations, instructions, shapes (with their
 memory space), and the trip counts of while loops, found by running each loop's scalar state.
 
-`benchmarks.hlo_cost` counts FLOPs and bytes on what this module reads; its docstring says how.
+`benchmarks.cost.hlo_cost` counts FLOPs and bytes on what this module reads; its docstring says how.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Whether a change touched the CPU programs at all: the compiled XLA:CPU programs of the
 default path, hashed without their source locations, at two commits.
 
-    python -m benchmarks.cpu_programs --out after.json                       # here
-    (cd OLD_CHECKOUT && PYTHONPATH=. python -m benchmarks.cpu_programs --out before.json)
-    python -m benchmarks.cpu_programs --compare before.json after.json
+    python -m benchmarks.cost.cpu_programs --out after.json                  # here
+    (cd OLD_CHECKOUT && PYTHONPATH=. python -m benchmarks.cost.cpu_programs --out before.json)
+    python -m benchmarks.cost.cpu_programs --compare before.json after.json
+
+(An OLD_CHECKOUT from before issue #46 holds this module at benchmarks/cpu_programs.py.)
 
 On the embedded SmolLM2-135M-Instruct, one device, batch 1: `decoding.prefill_prompt` (a
 1,024-token prompt in 512-token chunks, capacity 1,088) and `decoding.decode_loop` (FullKV,
@@ -58,7 +60,7 @@ def programs() -> dict[str, str]:
     """{step: hash} for the default path's prefill and decode programs on one CPU device."""
     import dge_jax
     from dge_jax.runtime import decoding
-    from dge_jax.runtime.sampling import Greedy
+    from dge_jax.text.sampling import Greedy
 
     model = dge_jax.load("smollm2-135m-instruct")
     statics = (model.family.forward, model.config, model.params)
@@ -76,7 +78,7 @@ def programs() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_programs",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cost.cpu_programs",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
     p.add_argument("--out", help="write the hashes to this JSON file")
     p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))

@@ -6,7 +6,7 @@ share one compilation. Generated ids come back cut at the first EOS.
 
 What a request needs of a model is its tokenizer (`dge_jax.checkpoints.tokenizer.Tokenizer`,
 or None for a folder without tokenizer.json) and its `ModelConfig`, passed as they are: the
-runtime sits below the checkpoints and the `Model` they load.
+`text/` sits below the checkpoints and the `Model` they load.
 """
 
 from __future__ import annotations

@@ -266,7 +266,7 @@ def check_mesh(mesh: Mesh) -> None:
     if any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
         raise MeshError(
             f"mesh axis types {mesh.axis_types} must be Auto; build the mesh with "
-            "dge_jax.runtime.sharding.make_mesh (jax.make_mesh defaults to Explicit axes)"
+            "dge_jax.distribution.sharding.make_mesh (jax.make_mesh defaults to Explicit axes)"
         )
 
 

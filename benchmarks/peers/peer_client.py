@@ -1,7 +1,8 @@
 """The peers' worker seen from the benchmark: one subprocess in the peers' venv.
 
-`benchmarks/peers.py --serve` runs transformers and kvpress in the peers' virtual environment
-(`bash benchmarks/setup_peers.sh`), after every dge_jax measurement, never concurrently;
+`benchmarks/peers/peers.py --serve` runs transformers and kvpress in the peers' virtual
+environment (`bash benchmarks/peers/setup_peers.sh`: benchmarks/.peers/venv), after every
+dge_jax measurement, never concurrently;
 `peer_row` turns one of its results into a row of the figure tables.
 """
 
@@ -12,12 +13,12 @@ import pathlib
 import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parent
-PEERS_PYTHON = ROOT / ".peers" / "venv" / "bin" / "python"
-SETUP_COMMAND = "bash benchmarks/setup_peers.sh"
+PEERS_PYTHON = ROOT.parent / ".peers" / "venv" / "bin" / "python"  # benchmarks/.peers/venv
+SETUP_COMMAND = "bash benchmarks/peers/setup_peers.sh"
 
 
 class Peers:
-    """The peers' worker: `benchmarks/peers.py --serve` in the peers' venv, one for the run.
+    """The peers' worker: `benchmarks/peers/peers.py --serve` in the peers' venv, one for the run.
 
     `run(jobs)` sends jobs as JSON lines and waits for each result, so a configuration's peer
     runs follow its dge_jax runs within minutes, under the same machine load, and the two

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dge_jax.runtime.attention import ScoreSpec
+from dge_jax.kernels.attention import ScoreSpec
 
 _LANES = 128  # TPU vector lane count: tile sizes are multiples of it
 _NEVER = jnp.iinfo(jnp.int32).max  # a key tile's smallest visible position when it has none

@@ -16,8 +16,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from dge_jax.config import ModelConfig
-from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.sharding import (
+from dge_jax.distribution.sharding import (
     DEFAULT_RULES,
     MESH_AXES,
     AxisRules,
@@ -26,6 +25,7 @@ from dge_jax.runtime.sharding import (
     cache_specs,
     rows_spec,
 )
+from dge_jax.runtime.cache import KVCache
 
 
 def context_mesh() -> dict[str, int] | None:

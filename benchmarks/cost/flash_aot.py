@@ -1,11 +1,11 @@
 """The Pallas prefill kernel compiled for a TPU without one: memory and counted cost.
 
-    python -m benchmarks.flash_aot                          # Llama-3.1-8B heads, 8k and 32k
-    python -m benchmarks.flash_aot --seq 8192 --topology v6e:2x4 --block_q 1024
-    python -m benchmarks.flash_aot --batch 24 --heads 4 --kv_heads 1 --seq 131072  # 1/8 heads
+    python -m benchmarks.cost.flash_aot                          # Llama-3.1-8B heads, 8k and 32k
+    python -m benchmarks.cost.flash_aot --seq 8192 --topology v6e:2x4 --block_q 1024
+    python -m benchmarks.cost.flash_aot --batch 24 --heads 4 --kv_heads 1 --seq 131072  # 1/8 heads
 
 Deviceless ahead-of-time compilation (libtpu, `jax[tpu]`) on one chip of the topology of one
-layer's prefill attention (`runtime/flash.py`): the whole prompt as one call (T = S), bf16,
+layer's prefill attention (`kernels/flash.py`): the whole prompt as one call (T = S), bf16,
 32 query / 8 kv heads of 128 (Llama-3.1-8B) by default, with and without H2O's probs sum;
 `written_slot_attention`, the XLA path it replaces, at the same shape; and each inside a
 layer (x @ W_q -> attention -> @ W_o, hidden 4096), where XLA may fold the kernel's q
@@ -23,9 +23,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.tpu_aot import NoLibtpu, topology_devices
-from dge_jax.runtime.attention import written_slot_attention
-from dge_jax.runtime.flash import flash_attention
+from benchmarks.cost.tpu_aot import NoLibtpu, topology_devices
+from dge_jax.kernels.attention import written_slot_attention
+from dge_jax.kernels.flash import flash_attention
 
 HIDDEN, HEAD_DIM = 4096, 128  # Llama-3.1-8B
 GIB = 2**30

@@ -1,9 +1,9 @@
 """The peers' side of the benchmark: transformers `generate` (FullKV) and kvpress presses.
 
-Runs inside the peers' virtual environment (`bash benchmarks/setup_peers.sh`), never in
+Runs inside the peers' virtual environment (`bash benchmarks/peers/setup_peers.sh`), never in
 dge_jax's own: kvpress 0.5.5 needs transformers < 5.3. `python -m benchmarks.run` starts
 
-    benchmarks/.peers/venv/bin/python benchmarks/peers.py --serve
+    benchmarks/.peers/venv/bin/python benchmarks/peers/peers.py --serve
 
 once and exchanges JSON lines with it (a job in, its figures out); `--jobs JOBS.json --out
 OUT.json` runs a file of jobs by hand. Self-contained on purpose: it imports only torch,

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Creates the peers' virtual environment, benchmarks/.peers/venv (gitignored), in one command:
 #
-#     bash benchmarks/setup_peers.sh
+#     bash benchmarks/peers/setup_peers.sh
 #
 # kvpress 0.5.5 pins transformers < 5.3, while dge_jax's own environment (and its parity tests)
 # run on current transformers, so the peers (transformers' generate and kvpress's SnapKVPress)
-# live in a clean venv of their own; `python -m benchmarks.run` runs benchmarks/peers.py with
-# this venv's python as a subprocess and exchanges JSON with it.
+# live in a clean venv of their own; `python -m benchmarks.run` runs benchmarks/peers/peers.py
+# with this venv's python as a subprocess and exchanges JSON with it.
 #
 # torch is pinned to 2.13.0, the version of the main environment. On a machine without a local
 # CPU wheel, export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu first to avoid
 # pulling the (much larger) CUDA build. PYTHON picks the interpreter (default: python3).
 set -euo pipefail
 
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # benchmarks/
 venv="$root/.peers/venv"
 python="${PYTHON:-python3}"
 

@@ -61,7 +61,7 @@ def check_sampler(sampler: object) -> None:
     """A clear error for a sampler that is not one: a name, a class, or something that cannot
     be called on (logits, key) or passed to jit as a static argument (unhashable)."""
     use = (
-        "Greedy() or Sampling(temperature=..., top_k=..., top_p=...) from dge_jax.runtime.sampling"
+        "Greedy() or Sampling(temperature=..., top_k=..., top_p=...) from dge_jax.text.sampling"
     )
     if isinstance(sampler, str):
         raise TypeError(f"sampler must be a sampler object, not the string {sampler!r}: use {use}")

@@ -14,7 +14,7 @@ stages give it (`grid_plan.GridRecording`, `grid_plan.cache_room`, the evict sta
 capacity rule, `lookahead.first_stage`, the decode loop's `CompressionLoop`) and donating
 what it donates today; each stage's inputs are
 the previous stages' outputs, with the shardings the compiler gave them. Parameters are bf16
-and laid out by `dge_jax.runtime.sharding` (its rules, `param_shardings`, `cache_shardings`,
+and laid out by `dge_jax.distribution.sharding` (its rules, `param_shardings`, `cache_shardings`,
 `rows_spec`), under `jax.set_mesh` as `generate_grid` runs (`on_model_mesh`). The small eager
 glue between steps (`start_state`, `observation.for_rule`, `selection.apply_keep`,
 `lookahead.start`, `lookahead.observed_steps`) is traced
@@ -47,17 +47,18 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import work
 from dge_jax import stages
 from dge_jax.checkpoints.hf import parse_config
+from dge_jax.distribution import sharding
 from dge_jax.eviction import decode_compression, evict, grid_plan, observation
 from dge_jax.eviction import lookahead as laq
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing, dge, lookahead
+from dge_jax.kernels.flash_tiles import _tile
 from dge_jax.rules.snapkv import SnapKV
-from dge_jax.runtime import decoding, platform, selection, sharding
+from dge_jax.runtime import decoding, platform, selection
 from dge_jax.runtime.cache import init_cache
-from dge_jax.runtime.flash_tiles import _tile
 from dge_jax.runtime.platform import Backend
-from dge_jax.runtime.prompts import Request, bucket_length
+from dge_jax.text.prompts import Request, bucket_length
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The XLA cost model: compiled programs read, counted and compared (TPU without a TPU, CPU)."""

@@ -1,0 +1,1 @@
+"""The attention kernels (XLA, Pallas flash prefill and decode) and the per-layer dispatch."""

@@ -1,0 +1,1 @@
+"""Text in and out: prompt requests, tokenization and padding, and the samplers."""
