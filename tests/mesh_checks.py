@@ -38,6 +38,7 @@ from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge, prefill
 from dge_jax.generation import generate_grid
 from dge_jax.rules.snapkv import SnapKV
+from dge_jax.runtime import cache_layout
 from dge_jax.runtime import decoding as gen
 from dge_jax.text.prompts import pad_left
 from dge_jax.text.sampling import Greedy
@@ -224,7 +225,7 @@ def step_facts(before: str, after: str, cfg, mesh_shape: dict, batch: int) -> di
     slots, whole = [], []
     text = after.replace(" ", "")
     for lg, batch, cap in groups:
-        spec = sh.cache_specs(cfg, batch, mesh_shape).groups[0].k
+        spec = cache_layout.cache_specs(cfg, batch, mesh_shape).groups[0].k
         rows = batch // axis_size(mesh_shape, spec[1])
         heads = hkv // axis_size(mesh_shape, spec[2])
         if f"f32[{lg},{rows},{heads},{cap},{hd}]" in entry and [batch, cap] not in slots:
@@ -352,7 +353,7 @@ def main(out_path: str, dump_dir: str) -> None:
         # The Pallas flash prefill (interpret mode here) inside its shard_map over rows and
         # kv heads; its compiled prefill joins the steps checked for moved keys and values.
         pallas = generate_grid(model, ids, CELLS[:2], max_new_tokens=MAX_NEW, attention="pallas")
-        cache = sh.init_sharded_cache(cfg, len(ids), CAPACITY, mesh)
+        cache = cache_layout.init_sharded_cache(cfg, len(ids), CAPACITY, mesh)
         steps: dict[str, list] = {}
         for name, before, after in compiled_modules(dump, seen):
             facts_of = step_facts(before, after, cfg, dict(mesh.shape), len(ids))

@@ -278,18 +278,12 @@ def test_dge_jax_never_imports_models(edges):
 # The layers of dge_jax/, lowest first: a module imports only modules of its own layer or of
 # the layers below it. An entry is a module, or a package with every module under it; the
 # entry "dge_jax" is the package's __init__.py alone (the public API, above what it exports).
-# An entry names the first layer holding a module, so a module listed before its package's
-# entry sits below the rest of the package: distribution/ and runtime/ import each other
-# (the cache fetches through multihost and the decode steps pin layouts with constraints;
-# sharding lays out the cache's own type), so they are layered module by module there.
 LAYERS = (
     "dge_jax.config",  # ModelConfig / RopeConfig: static values
     "dge_jax.families",  # the protocol a model family implements, and the registry
     "dge_jax.text",  # prompts in (given a tokenizer and a config), samplers: host side
-    "dge_jax.distribution.multihost",  # fetch / initialize: imports nothing of dge_jax
-    "dge_jax.runtime.cache",  # KVCache and its layer groups (host reads through fetch)
-    "dge_jax.distribution",  # sharding (the cache's layout among the rest) and constraints
-    "dge_jax.runtime",  # what a forward pass runs on: it runs a family's forward
+    "dge_jax.distribution",  # meshes, axis rules, constraints in jit, several processes
+    "dge_jax.runtime",  # the cache (and its mesh layout) and the loops that run a forward
     "dge_jax.kernels",  # the attention kernels: platform's choice, constraints' shard_map specs
     "dge_jax.checkpoints",  # files in: laid out with distribution.sharding, families' key tables
     "dge_jax.rules",  # what entries are ranked by (KVzip's repeat prompt: the tokenizer)

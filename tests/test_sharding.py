@@ -24,6 +24,7 @@ import pytest
 from dge_jax.config import ModelConfig
 from dge_jax.distribution import constraints
 from dge_jax.distribution import sharding as sh
+from dge_jax.runtime import cache_layout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MESHES = ("8x1", "2x4", "1x8")
@@ -84,7 +85,7 @@ def test_fewer_kv_heads_than_model_axis_shards_the_batch_else_replicates():
     fitted = sh.DEFAULT_RULES.fit(config(kv_heads=4), {"data": 1, "model": 8}, batch_size=8)
     assert fitted.kv_heads is None and fitted.heads is None
     assert fitted.batch == ("data", "model") and fitted.mlp == "model"
-    specs = sh.cache_specs(config(kv_heads=4), 8, {"data": 1, "model": 8})
+    specs = cache_layout.cache_specs(config(kv_heads=4), 8, {"data": 1, "model": 8})
     assert specs.groups[0].k == jax.P(None, ("data", "model"), None, None, None)
     # ... unless the batch does not divide data x model: then kv heads are replicated.
     fitted = sh.DEFAULT_RULES.fit(config(kv_heads=4), {"data": 2, "model": 8}, batch_size=6)
@@ -132,14 +133,14 @@ def test_cache_placement_and_no_op_constraints_without_a_mesh():
     from dge_jax.runtime.cache import init_cache
 
     cache = init_cache(2, 8, 4, 16, 16)
-    assert constraints.constrain_cache(cache, config()) is cache
+    assert cache_layout.constrain_cache(cache, config()) is cache
     assert sh.mesh_of(cache) is None
     mesh = sh.make_mesh()
-    placed = sh.shard_cache(cache, config(), mesh)
+    placed = cache_layout.shard_cache(cache, config(), mesh)
     assert sh.mesh_of(placed) is mesh and placed.k.sharding.spec == jax.P(
         None, "data", "model", None, None
     )
-    fresh = sh.init_sharded_cache(config(), 8, 16, mesh)
+    fresh = cache_layout.init_sharded_cache(config(), 8, 16, mesh)
     assert fresh.pos.sharding == placed.pos.sharding and int(fresh.pos.max()) == -1
 
 

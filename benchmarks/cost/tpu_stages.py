@@ -14,11 +14,11 @@ stages give it (`grid_plan.GridRecording`, `grid_plan.cache_room`, the evict sta
 capacity rule, `lookahead.first_stage`, the decode loop's `CompressionLoop`) and donating
 what it donates today; each stage's inputs are
 the previous stages' outputs, with the shardings the compiler gave them. Parameters are bf16
-and laid out by `dge_jax.distribution.sharding` (its rules, `param_shardings`, `cache_shardings`,
-`rows_spec`), under `jax.set_mesh` as `generate_grid` runs (`on_model_mesh`). The small eager
-glue between steps (`start_state`, `observation.for_rule`, `selection.apply_keep`,
-`lookahead.start`, `lookahead.observed_steps`) is traced
-with `jax.eval_shape`, and its outputs keep the layout of the arrays they come from.
+and laid out by `dge_jax.distribution.sharding` (its rules, `param_shardings`, `rows_spec`;
+the cache's `runtime.cache_layout.cache_shardings`), under `jax.set_mesh` as `generate_grid`
+runs (`on_model_mesh`). The small eager glue between steps (`start_state`,
+`observation.for_rule`, `selection.apply_keep`, `lookahead.start`, `lookahead.observed_steps`)
+is traced with `jax.eval_shape`, and its outputs keep the layout of the arrays they come from.
 
 The platform's choices are the TPU's, as `generate_grid` makes them under a mesh of TPU
 devices (`dge_jax.runtime.platform.Backend`): prefill steps of its `chunk_for` the batch,
@@ -55,7 +55,7 @@ from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import Timing, dge, lookahead
 from dge_jax.kernels.flash_tiles import _tile
 from dge_jax.rules.snapkv import SnapKV
-from dge_jax.runtime import decoding, platform, selection
+from dge_jax.runtime import cache_layout, decoding, platform, selection
 from dge_jax.runtime.cache import init_cache
 from dge_jax.runtime.platform import Backend
 from dge_jax.text.prompts import Request, bucket_length
@@ -255,7 +255,7 @@ class Sizes:
 
 def sizes_of(setup: Setup, params) -> Sizes:
     cfg, b = setup.cfg, setup.batch
-    shardings = sharding.cache_shardings(cfg, b, setup.mesh)
+    shardings = cache_layout.cache_shardings(cfg, b, setup.mesh)
     group = shardings.groups[0]
     k_shape = group.k.shard_shape((cfg.num_layers, b, cfg.num_kv_heads, 1, cfg.head_dim))
     pos_shape = group.pos.shard_shape((cfg.num_layers, b, cfg.num_kv_heads, 1))
@@ -495,7 +495,7 @@ class Cell:
             shape = jax.eval_shape(
                 lambda: init_cache(cfg.num_layers, b, cfg.num_kv_heads, cap,
                                             cfg.head_dim, jnp.bfloat16))  # fmt: skip
-            cache = _like(self.mesh, shape, sharding.cache_shardings(cfg, b, self.mesh))
+            cache = _like(self.mesh, shape, cache_layout.cache_shardings(cfg, b, self.mesh))
         steps = self.setup.max_new_tokens - 1
         run = self._decode("decode_full", self.start_state(cache), steps,
                            self.setup.seq + steps / 2, cap)  # fmt: skip

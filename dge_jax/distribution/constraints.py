@@ -2,10 +2,10 @@
 
 `sharding` says where arrays live on a (data, model) mesh; these functions apply it to
 values being traced: the cache and the model inputs where a step creates them
-(`constrain_cache`, `constrain_rows`), the residual stream between a layer's blocks
-(`constrain_residual`: sequence parallelism, the one annotation in the model code), and the
-per-device blocks a kernel's shard_map takes (`attention_specs`). Each is a no-op without
-such a mesh (one device), so the program traced is the same either way.
+(`constrain_rows`; the cache's own, `runtime.cache_layout`), the residual stream between a
+layer's blocks (`constrain_residual`: sequence parallelism, the one annotation in the model
+code), and the per-device blocks a kernel's shard_map takes (`attention_specs`). Each is a
+no-op without such a mesh (one device), so the program traced is the same either way.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from dge_jax.distribution.sharding import (
     AxisRules,
     as_axes,
     axis_size,
-    cache_specs,
     rows_spec,
 )
-from dge_jax.runtime.cache import KVCache
 
 
 def context_mesh() -> dict[str, int] | None:
@@ -36,25 +34,13 @@ def context_mesh() -> dict[str, int] | None:
     return dict(mesh.shape)
 
 
-def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT_RULES):
-    """Inside jit: pins the cache to its mesh layout when a (data, model) mesh is set.
-
-    A no-op without `jax.set_mesh` (one device), so the jitted code is the same either way;
-    called where a cache is created, so that no step has to guess its layout.
-    """
-    mesh = context_mesh()
-    if mesh is None:
-        return cache
-    specs = cache_specs(cfg, cache.batch_size, mesh, rules, len(cache.groups))
-    return jax.tree.map(jax.lax.with_sharding_constraint, cache, specs)
-
-
 def constrain_rows(
     cfg: ModelConfig, *arrays: jax.Array, rules: AxisRules = DEFAULT_RULES
 ) -> tuple[jax.Array, ...]:
     """Inside jit: model inputs [B, ...] laid out by `rows_spec` when a mesh is set.
 
-    A no-op without a (data, model) mesh set by `jax.set_mesh`, like `constrain_cache`.
+    A no-op without a (data, model) mesh set by `jax.set_mesh`, like
+    `runtime.cache_layout.constrain_cache`.
     """
     mesh = context_mesh()
     if mesh is None:

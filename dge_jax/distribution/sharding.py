@@ -52,7 +52,8 @@ the stream whole.
   multiple of data, or of data × model in the case above, as the LongBench runner does).
 
 Meshes use `AxisType.Auto` axes: JAX's partitioner propagates the parameter shardings;
-`constraints.py` applies these rules inside jit: `constrain_rows` and `constrain_cache` pin the
+`constraints.py` applies these rules inside jit: `constrain_rows` and (for the cache, in
+`runtime/cache_layout.py`) `constrain_cache` pin the
 inputs and the cache where the decoding steps create or update them, and the model's layers
 carry one annotation, `constrain_residual` (all no-ops without a mesh). Errors for meshes that
 cannot work (`make_mesh`, `AxisRules.fit`) come before anything compiles.
@@ -68,14 +69,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dge_jax.config import ModelConfig
 from dge_jax.families import get_family
-from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache
 
 MESH_AXES = ("data", "model")
 MeshAxes = str | tuple[str, ...] | None
@@ -188,16 +187,6 @@ class AxisRules:
 
 
 DEFAULT_RULES = AxisRules()
-
-
-# One layer group of the cache (dge_jax.runtime.cache.LayerGroup): k, v [Lg, B, Hkv, S, D],
-# pos [Lg, B, Hkv, S], index [Lg] (replicated).
-GROUP_AXES = LayerGroup(
-    k=("layers", "batch", "kv_heads", "seq", "head_dim"),
-    v=("layers", "batch", "kv_heads", "seq", "head_dim"),
-    pos=("layers", "batch", "kv_heads", "seq"),
-    index=(),
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,55 +322,6 @@ def shard_params(params: Any, cfg: ModelConfig, mesh: Mesh, rules: AxisRules = D
 # ---------------------------------------------------------------------------------------------
 # Caches and batches
 # ---------------------------------------------------------------------------------------------
-
-
-def cache_specs(
-    cfg: ModelConfig,
-    batch_size: int,
-    mesh_shape: Mapping[str, int],
-    rules: AxisRules = DEFAULT_RULES,
-    num_groups: int = 1,
-) -> KVCache:
-    """A KVCache of PartitionSpecs with `num_groups` layer groups: rows over data, kv heads
-    over model (see module docstring); the same spec for every group."""
-    fitted = rules.fit(cfg, mesh_shape, batch_size)
-    group = jax.tree.map(fitted.spec, GROUP_AXES, is_leaf=lambda x: isinstance(x, tuple))
-    return KVCache((group,) * num_groups)
-
-
-def cache_shardings(
-    cfg: ModelConfig,
-    batch_size: int,
-    mesh: Mesh,
-    rules: AxisRules = DEFAULT_RULES,
-    num_groups: int = 1,
-) -> KVCache:
-    """A KVCache of NamedShardings on `mesh` for a batch of `batch_size` rows."""
-    specs = cache_specs(cfg, batch_size, mesh.shape, rules, num_groups)
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
-
-
-def shard_cache(
-    cache: KVCache, cfg: ModelConfig, mesh: Mesh, rules: AxisRules = DEFAULT_RULES
-) -> KVCache:
-    """An existing cache laid out on `mesh`: rows over data, kv heads over model."""
-    shardings = cache_shardings(cfg, cache.batch_size, mesh, rules, len(cache.groups))
-    return jax.tree.map(jax.device_put, cache, shardings)
-
-
-def init_sharded_cache(
-    cfg: ModelConfig,
-    batch_size: int,
-    capacity: int,
-    mesh: Mesh,
-    dtype=jnp.float32,
-    rules: AxisRules = DEFAULT_RULES,
-) -> KVCache:
-    """An empty cache created in place on `mesh`: each device allocates only its block (no
-    whole cache is ever built on one device, unlike `shard_cache(init_cache(...))`)."""
-    shardings = cache_shardings(cfg, batch_size, mesh, rules)
-    dims = (cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
-    return jax.jit(lambda: init_cache(*dims), out_shardings=shardings)()
 
 
 def rows_spec(

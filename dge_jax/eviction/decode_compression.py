@@ -39,13 +39,13 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
-from dge_jax.distribution.constraints import constrain_cache
 from dge_jax.distribution.multihost import fetch
 from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
 from dge_jax.eviction.observation import with_drafts
 from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, compact_heads, group_layers, regroup
+from dge_jax.runtime.cache_layout import constrain_cache
 from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats

@@ -26,10 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
-from dge_jax.distribution.constraints import constrain_cache, constrain_rows
+from dge_jax.distribution.constraints import constrain_rows
 from dge_jax.families import ForwardFn
 from dge_jax.runtime import platform
 from dge_jax.runtime.cache import KVCache, group_layers, init_cache, regroup, runs_of_equal
+from dge_jax.runtime.cache_layout import constrain_cache
 from dge_jax.runtime.recorders import NOTHING, Recording, Setup
 from dge_jax.runtime.records import DraftRecord, Observation
 
