@@ -1,5 +1,9 @@
 """Command line: `python -m dge_jax generate --model PATH --prompt TEXT [--chat] [--json]`.
 
+`--dtype bfloat16 --mesh data=1,model=8` loads the model sharded over a (data, model) mesh of
+this process's devices (the syntax of `convert --mesh` and the runner's `--mesh`), e.g. an 8B
+checkpoint over the 8 chips of one TPU VM: the same tokens and kept positions as without it.
+
 `python -m dge_jax convert --model PATH_OR_NAME --out DIR` writes an orbax folder (params +
 config + tokenizer) that `dge_jax.load(DIR, mesh=...)` restores sharded.
 
@@ -112,6 +116,11 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max_new_tokens", type=int, default=64)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument(
+        "--mesh", default=None,
+        help="load the model sharded over a mesh of this process's devices, e.g. "
+        "data=1,model=8 (the syntax of convert --mesh and the runner's --mesh)",
+    )  # fmt: skip
     g.add_argument("--temperature", type=float, default=0.0, help=">= 0; 0 = greedy")
     g.add_argument("--top_k", type=int, default=None, help="sampling: >= 0, 0 = no cut")
     g.add_argument("--top_p", type=float, default=None, help="sampling: in (0, 1], 1 = no cut")
@@ -200,10 +209,8 @@ def _add_convert(c: argparse.ArgumentParser) -> None:
 def run_convert(args: argparse.Namespace) -> dict:
     """Converts `--model` into an orbax folder at `--out`; returns the JSON-able summary."""
     from dge_jax.checkpoints import orbax_io
-    from dge_jax.distribution.sharding import parse_mesh
 
-    mesh = parse_mesh(args.mesh) if args.mesh else None
-    out = orbax_io.convert(args.model, args.out, dtype=args.dtype, mesh=mesh)
+    out = orbax_io.convert(args.model, args.out, dtype=args.dtype, mesh=mesh_from_args(args))
     return {"out": str(out)}
 
 
@@ -357,6 +364,19 @@ def check_prompt_text(text: str) -> None:
         ) from None
 
 
+def mesh_from_args(args: argparse.Namespace):
+    """--mesh as a (data, model) mesh of this process's devices (None without it); a spec
+    that does not parse or does not fit the devices raises, naming the flag."""
+    if args.mesh is None:
+        return None
+    from dge_jax.distribution.sharding import parse_mesh
+
+    try:
+        return parse_mesh(args.mesh)
+    except ValueError as e:
+        raise ValueError(f"--mesh {args.mesh}: {e}") from None
+
+
 def run_generate(args: argparse.Namespace) -> dict:
     """Checks the flags, loads the model, generates, and returns the JSON-able result."""
     import dge_jax
@@ -364,7 +384,8 @@ def run_generate(args: argparse.Namespace) -> dict:
     check_prompt_text(args.prompt)
     sampler, eviction = sampler_from_args(args), eviction_from_args(args)  # before loading
     platform.current(args.attention)  # cudnn off a GPU is refused before loading too
-    model = dge_jax.load(args.model, dtype=args.dtype)
+    mesh = mesh_from_args(args)  # a bad --mesh is refused before loading too
+    model = dge_jax.load(args.model, dtype=args.dtype, mesh=mesh)
     result = dge_jax.generate(
         model,
         [args.prompt],

@@ -185,3 +185,86 @@ def test_the_flags_old_names_are_gone(capsys):
             cli.main(["generate", "--prompt", "x", *old])
         assert refused.value.code == 2
         assert f"unrecognized arguments: {' '.join(old)}" in capsys.readouterr().err
+
+
+# --- --mesh: 8 simulated CPU devices, in a subprocess -----------------------------------------
+
+MESH_RUNS = """
+import contextlib, io, json, sys
+import jax
+import dge_jax
+from dge_jax import cli
+loaded = []  # the mesh each load laid the parameters on (its axis sizes), None for none
+def load(*args, _load=dge_jax.load, **kwargs):
+    model = _load(*args, **kwargs)
+    mesh = getattr(jax.tree.leaves(model.params)[0].sharding, "mesh", None)
+    loaded.append(None if mesh is None else dict(mesh.shape))
+    return model
+dge_jax.load = load
+outs = {"devices": jax.device_count()}
+for name, argv in json.loads(sys.argv[1]).items():
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli.main(["generate", *argv, "--json"])
+    outs[name] = {"code": code, "mesh": loaded[-1] if loaded else None,
+                  "out": json.loads(buf.getvalue()) if code == 0 else None}
+print(json.dumps(outs))
+"""
+
+
+def test_mesh_gives_the_same_tokens_and_kept_positions(checkpoint):
+    """`generate --mesh` loads the model sharded over a (data, model) mesh, as `convert --mesh`
+    and the runner's `--mesh` do: on 8 simulated CPU devices (a subprocess, so they exist
+    before JAX starts) the tokens and kept positions are the unsharded run's, with the kv
+    heads split over the model axis (data=1,model=2) and with more model devices than kv
+    heads plus a data axis the one row cannot fill (data=2,model=4)."""
+    folder = str(checkpoint("llama_chat"))
+    prompt = " ".join(f"w{i % 50}" for i in range(30))
+    flags = ["--model", folder, "--prompt", prompt, "--max_new_tokens", "5", "--rule",
+             "snapkv", "--window", "4", "--budget", "8", "--timing", "dge", "--k", "2"]  # fmt: skip
+    runs = {"none": flags}
+    for mesh in ("data=1,model=2", "data=2,model=4"):
+        runs[mesh] = [*flags, "--mesh", mesh]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # LLVM optimisation off, as tests/test_sharding.py: less compile time, same HLO passes
+    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                        "--xla_backend_optimization_level=0")  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", MESH_RUNS, json.dumps(runs)],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outs["devices"] == 8
+    base = outs["none"]
+    assert base["code"] == 0 and base["mesh"] is None
+    assert base["out"]["tokens"][0] and base["out"]["kept"]
+    for mesh, shape in (("data=1,model=2", {"data": 1, "model": 2}),
+                        ("data=2,model=4", {"data": 2, "model": 4})):  # fmt: skip
+        assert outs[mesh]["code"] == 0, (mesh, proc.stderr[-3000:])
+        assert outs[mesh]["mesh"] == shape  # the parameters were laid on that mesh
+        assert outs[mesh]["out"] == base["out"], mesh  # tokens, text and kept positions
+
+
+@pytest.mark.parametrize(
+    "command, mesh, message",
+    [
+        ("generate", "data=x", "--mesh data=x: bad mesh spec 'data=x': write data=D,model=M"),
+        ("generate", "rows=2", "--mesh rows=2: bad mesh spec 'rows=2'"),
+        ("generate", "", "--mesh : empty mesh spec ''"),
+        ("generate", "data=1,model=16", "--mesh data=1,model=16: a mesh of data=1 x model=16 "
+         "needs 16 devices, but only 1 are available"),
+        ("convert", "model=0", "--mesh model=0: mesh axis model must be a positive integer"),
+    ],
+)  # fmt: skip
+def test_a_bad_mesh_is_one_error_line_before_loading(capsys, tmp_path, command, mesh, message):
+    """A --mesh that does not parse or does not fit the devices is refused in one line (exit
+    2) before the model is read: the folder named here does not exist."""
+    argv = [command, "--model", str(tmp_path / "no_such_model"), "--mesh", mesh]
+    argv += ["--prompt", "hi"] if command == "generate" else ["--out", str(tmp_path / "out")]
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and captured.out == "" and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {message}"), lines[0]

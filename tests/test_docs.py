@@ -37,7 +37,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = (
-    "README.md", "WORKSPACE.md", "RESULTS.md", "docs/usage.md", "docs/runner.md", "docs/design.md"
+    "README.md", "WORKSPACE.md", "RESULTS.md", "docs/usage.md", "docs/runner.md", "docs/design.md",
+    "docs/tpu_vm.md",
 )
 FENCE = re.compile(r"^```([\w+-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 QUICK_START = (
@@ -192,6 +193,55 @@ def test_usage_python_blocks_run():
     assert steps[:2] == [33, 65]  # a compression every 32 decode steps
     assert all(len(h) <= 64 for c in ns["story"].compressions[0] for layer in c["kept"]
                for h in layer)  # fmt: skip
+
+
+# docs/tpu_vm.md's block loads an 8B folder over a v5e-8's chips; the test swaps in a tiny one
+TPU_VM_FOLDER = '"/data/Llama-3.1-8B-Instruct"'
+TPU_VM_FACTS = """
+import json
+leaf = jax.tree.leaves(model.params)[0]
+print(json.dumps({"mesh": dict(leaf.sharding.mesh.shape), "dtype": str(leaf.dtype),
+                  "devices": len(leaf.sharding.device_set), "text": result.texts[0]}))
+"""
+
+
+def test_tpu_vm_python_block_uses_the_public_face():
+    """docs/tpu_vm.md's one Python block imports jax and dge_jax only, and names only what
+    `dge_jax.__all__` exports (no module path that may move)."""
+    import dge_jax
+
+    (block,) = blocks("docs/tpu_vm.md", "python")
+    block.compiled()  # it parses
+    imports = [line for line in block.source.splitlines() if re.match(r"(import|from) ", line)]
+    assert imports == ["import jax", "import dge_jax"], imports
+    used = set(re.findall(r"\bdge_jax\.(\w+)", block.source))
+    assert used and used <= set(dge_jax.__all__), used - set(dge_jax.__all__)
+    assert TPU_VM_FOLDER in block.source
+
+
+@pytest.mark.slow
+def test_tpu_vm_python_block_runs_on_eight_cpu_devices(tmp_path):
+    """The block runs as written on 8 simulated CPU devices (a subprocess, so they exist
+    before JAX starts), a tiny checkpoint with 8 kv heads in place of the 8B folder: the
+    parameters are bf16 and laid over the (data 1, model 8) mesh it builds."""
+    import conftest
+
+    (block,) = blocks("docs/tpu_vm.md", "python")
+    tiny = conftest.Variant(
+        "llama", dict(num_attention_heads=8, num_key_value_heads=8), seed=7, tokenizer=True
+    )
+    folder = conftest.build_checkpoint(tiny, tmp_path / "tiny")
+    source = block.source.replace(TPU_VM_FOLDER, repr(str(folder))) + TPU_VM_FACTS
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                        "--xla_backend_optimization_level=0")  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", source], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["mesh"] == {"data": 1, "model": 8} and facts["devices"] == 8, facts
+    assert facts["dtype"] == "bfloat16", facts
 
 
 def test_readme_figure_is_drawn_by_the_script(tmp_path):
