@@ -1,0 +1,1 @@
+"""Speed, memory and compile benchmarks, run from a checkout (`python -m benchmarks.run`)."""

@@ -1,0 +1,1 @@
+"""The evaluation runner (`python -m experiments.longbench`): suites, runs, reports."""

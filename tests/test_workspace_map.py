@@ -1,91 +1,72 @@
-"""WORKSPACE.md's map matches the tree: every path it names exists, and every module of the
-library, the families, the runner and the benchmarks is named in it.
+"""The contributors' map cannot go stale.
 
-The map is the ```text block under "## Layout". A line indented less than the description
-column is an entry (a folder `name/` or a file), nested by indentation; everything after the
-name, continuation lines included, is its description. A `*.py` name in a description refers
-to a file inside the entry's folder (a file entry: its parent folder) at any depth, or else in
-the nearest folder above it that has one.
+- docs/modules.md, the list of every module with the first sentence of its docstring, is what
+  `docs/make_module_map.py` generates from the tree as it is (so a new, moved or re-described
+  module shows there, or this fails), and every module has a docstring to describe it.
+- Every path WORKSPACE.md names exists, and WORKSPACE.md stays a map (at most 350 lines).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DESCRIPTION_COLUMN = 20
-NAMED = ("dge_jax", "models", "experiments", "benchmarks")  # every module must be in the map
-PY_NAME = re.compile(r"(?<![\w./<])([\w/]+\.py)\b")
+PATH = re.compile(r"(?<![\w./<-])((?:[\w-]+/)*[\w-]+\.(?:py|md|ipynb))\b")
+MAX_WORKSPACE_LINES = 350
 
 
-def layout() -> str:
-    text = (ROOT / "WORKSPACE.md").read_text()
-    section = text.split("## Layout", 1)[1]
-    return section.split("```text\n", 1)[1].split("```", 1)[0]
+def module_map():
+    spec = importlib.util.spec_from_file_location("make_module_map",
+                                                  ROOT / "docs" / "make_module_map.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def entries() -> list[tuple[pathlib.Path, str]]:
-    """(path relative to the repository, its description) for every entry of the map."""
-    out: list[tuple[pathlib.Path, str]] = []
-    stack: list[tuple[int, pathlib.Path]] = []
-    for line in layout().splitlines():
-        indent = len(line) - len(line.lstrip())
-        if not line.strip():
-            continue
-        if indent >= DESCRIPTION_COLUMN:  # continuation of the last entry's description
-            path, text = out[-1]
-            out[-1] = (path, text + " " + line.strip())
-            continue
-        name, _, text = line.strip().partition(" ")
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        parent = stack[-1][1] if stack else pathlib.Path()
-        path = parent / name.rstrip("/")
-        if name.endswith("/"):
-            stack.append((indent, path))
-        out.append((path, text.strip()))
-    return out
+def test_the_module_map_is_generated_from_the_tree():
+    mm = module_map()
+    assert (ROOT / "docs" / "modules.md").read_text(encoding="utf-8") == mm.render(), (
+        "docs/modules.md is stale: run python docs/make_module_map.py")
 
 
-def mentioned(path: pathlib.Path, text: str) -> list[pathlib.Path]:
-    """The files a description names, each resolved inside the entry's folder, else in the
-    nearest folder above it that has one (a suite's description may name `rows.py` beside
-    the suites' folder)."""
-    folder = path if (ROOT / path).is_dir() else path.parent
-    found = []
-    for name in PY_NAME.findall(text):
-        place = folder / name
-        for above in [folder, *folder.parents][:-1]:  # never the repository root itself
-            hits = sorted((ROOT / above).rglob(name)) if "/" not in name else [ROOT / above / name]
-            hits = [h for h in hits if h.exists()]
-            if hits:
-                place = hits[0].relative_to(ROOT)
-                break
-        found.append(place)
-    return found
+def test_every_module_has_a_docstring_the_map_shows():
+    mm = module_map()
+    bare = [str(p) for p in mm.modules() if not mm.summary(ROOT / p)]
+    assert not bare, "modules without a docstring:\n  " + "\n  ".join(bare)
 
 
-def test_every_path_the_map_names_exists():
-    missing = [str(p) for p, _ in entries() if not (ROOT / p).exists()]
-    missing += [
-        f"{m} (named in {p}'s description)"
-        for p, text in entries()
-        for m in mentioned(p, text)
-        if not (ROOT / m).exists()
-    ]
+def test_the_map_follows_a_new_module(tmp_path):
+    """The check can fail: a module added to a package shows in the rendered map (and one
+    without a docstring is named as such)."""
+    mm = module_map()
+    (tmp_path / "dge_jax" / "new").mkdir(parents=True)
+    (tmp_path / "dge_jax" / "new" / "thing.py").write_text('"""Does a thing. More."""\n')
+    (tmp_path / "dge_jax" / "bare.py").write_text("x = 1\n")
+    text = mm.render(tmp_path)
+    assert "## dge_jax/new/\n\n- `thing.py`: Does a thing." in text
+    assert "- `bare.py`: (no docstring)" in text
+
+
+def _resolve(name: str) -> bool:
+    """A path WORKSPACE names: from the repository root, or inside one of its packages."""
+    roots = [ROOT, *(ROOT / p for p in ("dge_jax", "experiments", "benchmarks", "models"))]
+    if any((r / name).exists() for r in roots):
+        return True
+    return any(p.as_posix().endswith("/" + name) for p in ROOT.rglob(pathlib.Path(name).name))
+
+
+def test_every_path_workspace_names_exists():
+    """Every path exists, but the files a recipe block creates (its first line names them)."""
+    text = (ROOT / "WORKSPACE.md").read_text(encoding="utf-8")
+    firsts = re.findall(r"^```python\n(#[^\n]*)", text, re.M)
+    recipes = {name for line in firsts for name in PATH.findall(line)}
+    missing = sorted({name for name in PATH.findall(text)
+                      if name not in recipes and not _resolve(name)})
     assert not missing, "WORKSPACE.md names paths that do not exist:\n  " + "\n  ".join(missing)
 
 
-def test_every_module_is_named():
-    named = {p for p, _ in entries()}
-    named |= {m for p, text in entries() for m in mentioned(p, text)}
-    unnamed = [
-        str(path.relative_to(ROOT))
-        for top in NAMED
-        for path in sorted((ROOT / top).rglob("*.py"))
-        if path.name != "__init__.py"
-        and not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
-        and path.relative_to(ROOT) not in named
-    ]
-    assert not unnamed, "modules WORKSPACE.md's map does not name:\n  " + "\n  ".join(unnamed)
+def test_workspace_stays_a_map():
+    lines = len((ROOT / "WORKSPACE.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_WORKSPACE_LINES, f"WORKSPACE.md has {lines} lines"
