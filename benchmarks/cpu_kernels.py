@@ -30,7 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import machine
-from dge_jax.kernels.attention import _group_queries, written_slot_attention
+from dge_jax.kernels.attention import (
+    AttentionSpec,
+    LayerCache,
+    _group_queries,
+    written_slot_attention,
+)
 
 # (layers, hidden, intermediate, query heads, kv heads, head dim, prompt tokens, chunk):
 # SmolLM2-135M, and the prefill chunk `generate` uses.
@@ -134,7 +139,9 @@ def attention_figures(shape, runs: int) -> dict:
         return jax.jit(run)
 
     library = over_chunks(
-        lambda q, k, v, sp, qp, w: written_slot_attention(q, k, v, sp, qp, w, block=chunk)[0]
+        lambda q, k, v, sp, qp, w: written_slot_attention(
+            q, qp, LayerCache.one(k, v, sp), w, AttentionSpec(key_block=chunk)
+        )[0]
     )
     dots, dots_exp = (over_chunks(_blocks_only(e, chunk)) for e in (False, True))
     # Chunk i computes (i + 1) full blocks: 2 matmuls x 2 FLOPs per multiply-add.

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import machine
-from dge_jax.kernels.attention import cached_attention
+from dge_jax.kernels.attention import AttentionSpec, LayerCache, cached_attention
 from dge_jax.runtime import decoding as gen
 from dge_jax.runtime.cache import KVCache, init_cache
 from dge_jax.text.sampling import Greedy
@@ -117,7 +117,8 @@ def attention_ms(cfg, cache: KVCache, keys_major: bool, runs: int) -> float:
     b = cache.batch_size
     q = jax.random.normal(jax.random.PRNGKey(2), (b, 1, cfg.num_heads, cfg.head_dim))
     qpos = jnp.full((b, 1), int(cache.index[0]), jnp.int32)
-    f = jax.jit(lambda q, k, v, p: cached_attention(q, k, v, p, qpos, keys_major=keys_major)[0])
+    spec = AttentionSpec(keys_major=keys_major)
+    f = jax.jit(lambda q, k, v, p: cached_attention(q, qpos, LayerCache.one(k, v, p), spec)[0])
     layer = (cache.k[0], cache.v[0], cache.pos[0])
     return machine.median_ms(f, q, *layer, runs=max(runs, 5))
 

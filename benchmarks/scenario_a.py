@@ -201,7 +201,7 @@ def prefill_profile(
     is what the chunked prefill computes); the rest of the prefill is norms, RoPE, cache
     writes and the LM head. (XLA's cost analysis does not see inside the prefill's scans.)
     """
-    from dge_jax.kernels.attention import written_slot_attention
+    from dge_jax.kernels.attention import AttentionSpec, LayerCache, written_slot_attention
 
     cfg, params = model.config, model.params
     t = prompts.bucket_length(tokens, chunk)
@@ -227,8 +227,9 @@ def prefill_profile(
             )
 
             def per_layer(acc, kv):
+                layer = LayerCache.one(kv[0], kv[1], slot_pos)
                 out, _ = written_slot_attention(
-                    q[i], kv[0], kv[1], slot_pos, query_pos, (i + 1) * c, block=c
+                    q[i], query_pos, layer, (i + 1) * c, AttentionSpec(key_block=c)
                 )
                 return acc + jnp.sum(out), None
 

@@ -22,7 +22,7 @@ import numpy as np
 from dge_jax.config import ModelConfig
 from dge_jax.distribution.constraints import constrain_residual
 from dge_jax.families import ForwardOutput
-from dge_jax.kernels.attention import ScoreSpec
+from dge_jax.kernels.attention import AttentionSpec, LayerCache, NewEntries, ScoreSpec
 from dge_jax.kernels.layer_attention import cache_layer_attention
 from dge_jax.runtime.cache import KVCache, LayerGroup, group_layers
 from dge_jax.runtime.recorders import NOTHING, LayerView, Recording
@@ -304,8 +304,9 @@ def forward(
     # stacked once here, [R, B, T, hd] each, so a layer only indexes its table
     tables = tuple(jnp.stack(t) for t in zip(*tables, strict=True))
     new_pos = jnp.broadcast_to(positions[:, None, :], (b, cfg.num_kv_heads, t)).astype(jnp.int32)
-    scores = ScoreSpec(cfg.attn_scale, cfg.attn_softcap)
-    call = _Call(cfg, positions, new_pos, tables, recording, key_block, attention, scores)
+    spec = AttentionSpec(key_block=key_block, record_attn=recording.reads_probs_sum,
+                         attention=attention, scores=ScoreSpec(cfg.attn_scale, cfg.attn_softcap))
+    call = _Call(cfg, positions, new_pos, tables, recording, spec)
     # Per layer, scanned beside its weights: its sliding window (0: global) and RoPE table.
     windows = np.asarray([cfg.window(i) for i in range(cfg.num_layers)], np.int32)
     rope_ids = np.asarray([ropes.index(r) for r in cfg.rope_of_layers], np.int32)
@@ -358,17 +359,16 @@ def forward(
 class _Call(NamedTuple):
     """What every layer of one forward call shares: the config, the new tokens' positions
     [B, T] (and per kv head [B, Hkv, T]), their RoPE tables (cos, sin [R, B, T, hd]: one per
-    distinct RoPE of the layers), what to record, the prefill key block (0: decode and draft
-    steps), its attention implementation and the model's logit scale and soft cap."""
+    distinct RoPE of the layers), what to record, and the attention's static settings (the
+    prefill key block, 0 for decode and draft steps; whether the recording reads attention
+    sums; the implementation; the model's logit scale and soft cap: `AttentionSpec`)."""
 
     cfg: ModelConfig
     positions: jax.Array
     new_pos: jax.Array
     rope_tables: tuple[jax.Array, jax.Array]
     recording: Recording
-    key_block: int
-    attention: str = "auto"
-    scores: ScoreSpec = ScoreSpec()
+    spec: AttentionSpec
 
     def rope(self, rope_id: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos, sin [B, T, hd] of the layer whose RoPE is table `rope_id` (traced)."""
@@ -400,12 +400,10 @@ def _layer(call: _Call, x, lp, buffers, i, slot, window, rope_id):
     rotated = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
 
-    attn, probs_sum, *buffers = cache_layer_attention(
-        rotated, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), call.new_pos, positions,
-        *buffers, i, slot, key_block=call.key_block,
-        record_attn=call.recording.reads_probs_sum, attention=call.attention,
-        window=window if cfg.layer_windows else None, scores_spec=call.scores,
-    )  # fmt: skip
+    new = NewEntries(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), call.new_pos)
+    layer = LayerCache(*buffers, i, slot, window if cfg.layer_windows else None)
+    attn, probs_sum, layer = cache_layer_attention(rotated, positions, new, layer, call.spec)
+    buffers = (layer.k, layer.v, layer.pos)
     recorded = call.recording.layer(LayerView(x, q, rotated, positions, probs_sum))
     out = _linear(attn.reshape(b, t, hq * hd), lp.wo, lp.bo)
     if cfg.sandwich_norms:  # Gemma: attention's and the MLP's outputs are normalised too
@@ -416,7 +414,7 @@ def _layer(call: _Call, x, lp, buffers, i, slot, window, rope_id):
         x = constrain_residual(cfg, x + out)
         h = constrain_residual(cfg, _norm(cfg, x, lp.mlp_norm), split=False)
         mlp_out = mlp(h, lp, cfg.hidden_act)
-    return constrain_residual(cfg, x + mlp_out), tuple(buffers), recorded
+    return constrain_residual(cfg, x + mlp_out), buffers, recorded
 
 
 def check_shapes(cfg: ModelConfig, params: Params) -> None:

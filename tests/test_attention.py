@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from dge_jax.kernels.attention import cached_attention, written_slot_attention
+from loose_attention import cached as cached_attention
+from loose_attention import written as written_slot_attention
 
 B, T, HQ, HKV, D, S, WRITTEN = 2, 8, 6, 2, 16, 37, 30
 

@@ -23,8 +23,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("transformers.models.llama.modeling_llama")
 
+from loose_attention import cached as cached_attention  # noqa: E402
+from loose_attention import written as written_slot_attention  # noqa: E402
+
 from dge_jax.config import RopeConfig  # noqa: E402
-from dge_jax.kernels.attention import cached_attention, written_slot_attention  # noqa: E402
 from dge_jax.runtime.rope import apply_rope, inverse_frequencies, rope_tables  # noqa: E402
 from models.llama_like import mlp, rms_norm  # noqa: E402
 

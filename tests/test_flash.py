@@ -30,15 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from loose_attention import cached as cached_attention
+from loose_attention import flash as flash_attention
+from loose_attention import written as written_slot_attention
 
-from dge_jax.kernels.attention import (
-    DEFAULT_SCORES,
-    ScoreSpec,
-    cached_attention,
-    visible,
-    written_slot_attention,
-)
-from dge_jax.kernels.flash import _skip_tables, flash_attention
+from dge_jax.kernels.attention import DEFAULT_SCORES, ScoreSpec, visible
+from dge_jax.kernels.flash import _skip_tables
 
 D = 16
 # Jitted, so each shape compiles once (eager calls re-trace the interpreter every time).

@@ -38,9 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from loose_attention import cached as cached_attention
+from loose_attention import decode as decode_attention
 
-from dge_jax.kernels.attention import DEFAULT_SCORES, ScoreSpec, cached_attention
-from dge_jax.kernels.flash_decode import block_table, decode_attention
+from dge_jax.kernels.attention import DEFAULT_SCORES, ScoreSpec
+from dge_jax.kernels.flash_decode import block_table
 
 D = 16
 DECODE = jax.jit(decode_attention, static_argnames=("block_k", "slots_minor", "scores_spec"))

@@ -30,14 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from loose_attention import cudnn as cudnn_attention
+from loose_attention import written as written_slot_attention
 
 import dge_jax
 from dge_jax import cli
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge
-from dge_jax.kernels.attention import written_slot_attention
-from dge_jax.kernels.layer_attention import cudnn_attention
 from dge_jax.rules.full import is_full
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.registry import RULES, make_rule, rule_fields

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.cost.tpu_aot import NoLibtpu, topology_devices
-from dge_jax.kernels.attention import written_slot_attention
+from dge_jax.kernels.attention import AttentionSpec, LayerCache, Tiles, written_slot_attention
 from dge_jax.kernels.flash import flash_attention
 
 HIDDEN, HEAD_DIM = 4096, 128  # Llama-3.1-8B
@@ -88,12 +88,17 @@ def main() -> None:
         f"{flags.heads} Hkv {flags.kv_heads} D {HEAD_DIM}, blocks {flags.block_q} x "
         f"{flags.block_k}"
     )
-    blocks = dict(block_q=flags.block_q, block_k=flags.block_k)
+    tiles = Tiles(block_q=flags.block_q, block_k=flags.block_k)
+
+    def loose(fn, spec, *extra):
+        """fn over one layer, from the loose (q, k, v, slot_pos, query_pos, num_slots)."""
+        return lambda q, k, v, sp, qp, n: fn(q, qp, LayerCache.one(k, v, sp), n, spec, *extra)
+
     variants = {
-        "flash": lambda *a: flash_attention(*a, **blocks),
-        "flash + probs sum": lambda *a: flash_attention(*a, return_probs_sum=True, **blocks),
-        "written_slot_attention (XLA)": (
-            lambda *a: written_slot_attention(*a, block=flags.xla_block)
+        "flash": loose(flash_attention, AttentionSpec(), tiles),
+        "flash + probs sum": loose(flash_attention, AttentionSpec(record_attn=True), tiles),
+        "written_slot_attention (XLA)": loose(
+            written_slot_attention, AttentionSpec(key_block=flags.xla_block)
         ),
     }
     for seq in flags.seq:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -35,6 +36,71 @@ class ScoreSpec(NamedTuple):
 DEFAULT_SCORES = ScoreSpec()
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention call is, fixed at trace time (hashable: a static argument).
+
+    key_block: a prefill chunk's key block (> 0: the chunk's entries are written first and it
+    attends over the written slots, in blocks of this many keys), 0 for decode and draft
+    steps; record_attn: also return the per-slot attention sums (H2O); attention: the
+    implementation (`platform.ATTENTION`; "auto": the platform's); scores: the model's logit
+    scale and soft cap; keys_major: the XLA path's K @ Q^T score layout (None: the
+    platform's `Backend.keys_major_max_rows`; same numbers either way)."""
+
+    key_block: int = 0
+    record_attn: bool = False
+    attention: str = "auto"
+    scores: ScoreSpec = DEFAULT_SCORES
+    keys_major: bool | None = None
+
+
+DEFAULT_ATTENTION = AttentionSpec()
+
+
+class LayerCache(NamedTuple):
+    """One layer's view of its layer group's cache (a pytree): the group's stacked buffers
+    k, v [Lg, B, Hkv, S, D] and pos [Lg, B, Hkv, S], the layer read (an int or a traced
+    int32), the slot this step's entries go to (traced or not; decode and draft steps: the
+    first of their T slots, `cached_attention`'s ``new``) and the layer's sliding window
+    (traced; 0: global), None when no layer of the model slides."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    layer: jax.Array | int = 0
+    slot: jax.Array | int = 0
+    window: jax.Array | int | None = None
+
+    @classmethod
+    def one(cls, k, v, pos, slot=0, window=None) -> LayerCache:
+        """A single layer k, v [B, Hkv, S, D], pos [B, Hkv, S] as a group of one."""
+        return cls(k[None], v[None], pos[None], 0, slot, window)
+
+
+class NewEntries(NamedTuple):
+    """A step's own entries, not yet in the cache: k, v [B, Hkv, T, D] (post-RoPE) and their
+    positions [B, Hkv, T]."""
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+
+
+class Tiles(NamedTuple):
+    """The Pallas kernels' static tiling (`flash.flash_attention`, `flash_decode`): row and
+    key tile sizes (multiples of 128; shrunk to the padded T / S when larger), interpret
+    (None: Mosaic when compiled for TPU, interpret mode elsewhere; True / False force it),
+    and slots_minor (the decode kernel reads k and v through their [.., D, S] view)."""
+
+    block_q: int = 512
+    block_k: int = 512
+    interpret: bool | None = None
+    slots_minor: bool = False
+
+
+DEFAULT_TILES = Tiles()
+
+
 def visible(slot_pos: jax.Array, query_pos: jax.Array, window: jax.Array | int | None) -> jax.Array:
     """Which slots a query sees: 0 <= slot pos <= query pos, and on a sliding layer (window >
     0) only the last `window` positions, query pos - slot pos < window (transformers'
@@ -48,34 +114,30 @@ def visible(slot_pos: jax.Array, query_pos: jax.Array, window: jax.Array | int |
 
 def cached_attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_pos: jax.Array,
     query_pos: jax.Array,
-    *,
-    return_probs_sum: bool = False,
-    keys_major: bool | None = None,
-    new: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-    new_slot: jax.Array | int = 0,
-    window: jax.Array | int | None = None,
-    scores_spec: ScoreSpec = DEFAULT_SCORES,
+    cache: LayerCache,
+    spec: AttentionSpec = DEFAULT_ATTENTION,
+    new: NewEntries | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Softmax attention of q over the cache layer; returns (out, per-slot prob sums or None).
 
-    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [B, Hkv, S]; query_pos: [B, T].
-    out: [B, T, Hq, D] in q's dtype. probs sum: [B, Hq, S] f32, the attention each slot got
+    q: [B, T, Hq, D]; query_pos: [B, T]; cache: the layer read (its k, v [B, Hkv, S, D] and
+    slot positions [B, Hkv, S]) and its window (`visible`). out: [B, T, Hq, D] in q's dtype.
+    probs sum (spec.record_attn, else None): [B, Hq, S] f32, the attention each slot got
     summed over the T queries (H2O's accumulated attention), padding queries contributing 0.
-    Scores and softmax are f32 whatever the parameter dtype. keys_major: K @ Q^T scores, not
-    Q @ K^T (None: the platform's `Backend.keys_major_max_rows`); same numbers either way.
-    window: the layer's sliding window (`visible`); scores_spec: logit scale and soft cap.
+    Scores and softmax are f32 whatever the parameter dtype. spec.keys_major: K @ Q^T scores,
+    not Q @ K^T (`AttentionSpec`); spec.scores: logit scale and soft cap.
 
-    new: (k_new, v_new [B, Hkv, T, D], pos_new [B, Hkv, T]), this call's own entries, not yet
-    written: the attention is the one the cache would give with them written at slots
-    [new_slot, new_slot + T) (whatever those slots hold now is ignored), and the probs sum
+    new: (k, v [B, Hkv, T, D], pos [B, Hkv, T]), this call's own entries, not yet written:
+    the attention is the one the cache would give with them written at slots
+    [cache.slot, cache.slot + T) (whatever those slots hold now is ignored), and the probs sum
     counts them there. Reading the cache before the write lets the write happen in place:
     when attention read the written buffer, XLA:CPU copied every batch-1 cache buffer
     several times per decode step.
     """
+    slot_pos, k, v = cache.pos[cache.layer], cache.k[cache.layer], cache.v[cache.layer]
+    return_probs_sum, keys_major, new_slot = spec.record_attn, spec.keys_major, cache.slot
+    window, scores_spec = cache.window, spec.scores
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -138,16 +200,10 @@ def _group_queries(q: jax.Array, hkv: int) -> jax.Array:
 
 def written_slot_attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_pos: jax.Array,
     query_pos: jax.Array,
-    num_slots: jax.Array,
-    *,
-    block: int,
-    return_probs_sum: bool = False,
-    window: jax.Array | int | None = None,
-    scores_spec: ScoreSpec = DEFAULT_SCORES,
+    cache: LayerCache,
+    num_slots: jax.Array | int,
+    spec: AttentionSpec,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`cached_attention` over slots [0, num_slots) only, in key blocks with an online softmax.
 
@@ -156,10 +212,14 @@ def written_slot_attention(
     (i + 1) blocks instead of the whole capacity, about half the FLOPs of a causal prompt,
     and its score tiles are [G*T, block] instead of [G*T, S] (they stay in cache memory).
 
-    Same arguments and results as `cached_attention`, up to float summation order. Blocks:
-    block j covers slots [j*block, (j+1)*block); the last one is clamped to end at S, and
-    its slots that an earlier block already covered are masked out, so any S works.
+    Same arguments and results as `cached_attention`, up to float summation order (no
+    ``new``: the chunk's entries are written). Blocks of block = spec.key_block slots: block j
+    covers slots [j*block, (j+1)*block); the last one is clamped to end at S, and its slots
+    that an earlier block already covered are masked out, so any S works.
     """
+    k, v, slot_pos = cache.k[cache.layer], cache.v[cache.layer], cache.pos[cache.layer]
+    block, return_probs_sum = spec.key_block, spec.record_attn
+    window, scores_spec = cache.window, spec.scores
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
     g = hq // hkv

@@ -6,25 +6,25 @@ either. On TPU it runs two Mosaic kernels; elsewhere (CPU tests) the same kernel
 Pallas interpret mode.
 
 Layout. q is regrouped as `written_slot_attention` groups it: the G query heads of a kv head
-become rows g * T' + t of one [G * T', D] array (T' = T padded to whole query tiles), which
-the forward kernel reads as [G, T', D] (the same memory): its grid is (batch, kv head, query
-tile, key tile) and each step's block holds query tile i of all G heads, so every key and
-value tile a step loads serves G * bq rows. Loading them once per query head instead read a
-layer's keys and values G times as often (the prefill's largest HBM cost at 8k before
-sequence parallelism, compiled for a v5e-8: benchmarks/RESULTS.md). Keys and
-values are read in place (never padded or copied), from the layer group's stacked cache
-[Lg, B, Hkv, S, D] itself: the layer index is scalar-prefetched with the skip tables and
-the k / v index maps pick that layer's tiles (``layer=``), as `flash_decode` does. Passed
-k_all[i] instead, a prefill under the layer scan materialised a copy of the layer's whole
-capacity for every chunk and layer before the kernel read it (for Llama-8B at 32k, batch 24
-on a v5e-8, the prefill's largest HBM cost). A plain [B, Hkv, S, D] layer works too (read as
-a stack of one). The slot and query positions (small; the layer's are sliced out) are
-padded with -1 to whole tiles, and the last key tile's rows past S (undefined, maybe NaN)
-are masked, so any T and S work. The regrouping is one transposing copy of q (and one of
-the output back); in a layer, XLA folds both into the q projection and o_proj (a Llama-8B
-layer at 8k compiled for v5e holds 65 MiB of temporaries this way). Reading q in its own
-[B, T, Hq * D] layout in D-wide column blocks was tried: 257 MiB there, as the TPU's tiled
-layouts make the [B, T, Hq, D] <-> [B, T, Hq * D] reshapes copies.
+become rows g * T' + t of one [G * T', D] array (T' = T padded to whole query tiles), which the
+forward kernel reads as [G, T', D] (the same memory): its grid is (batch, kv head, query tile,
+key tile) and each step's block holds query tile i of all G heads, so every key and value tile
+a step loads serves G * bq rows. Loading them once per query head instead read a layer's keys
+and values G times as often (the prefill's largest HBM cost at 8k before sequence parallelism,
+compiled for a v5e-8: benchmarks/RESULTS.md). Keys and values are read in place (never padded
+or copied), from the layer group's stacked cache [Lg, B, Hkv, S, D] itself: the layer index is
+scalar-prefetched with the skip tables and the k / v index maps pick that layer's tiles
+(`LayerCache.layer`), as `flash_decode` does. Passed k_all[i] instead, a prefill under the
+layer scan materialised a copy of the layer's whole capacity for every chunk and layer before
+the kernel read it (for Llama-8B at 32k, batch 24 on a v5e-8, the prefill's largest HBM cost).
+A plain [B, Hkv, S, D] layer works too (read as a stack of one: `LayerCache.one`). The slot and
+query positions (small; the layer's are sliced out) are padded with -1 to whole tiles, and the
+last key tile's rows past S (undefined, maybe NaN) are masked, so any T and S work. The
+regrouping is one transposing copy of q (and one of the output back); in a layer, XLA folds
+both into the q projection and o_proj (a Llama-8B layer at 8k compiled for v5e holds 65 MiB of
+temporaries this way). Reading q in its own [B, T, Hq * D] layout in D-wide column blocks was
+tried: 257 MiB there, as the TPU's tiled layouts make the [B, T, Hq, D] <-> [B, T, Hq * D]
+reshapes copies.
 
 Masking is by position only: slot s is visible to row r iff 0 <= slot_pos[s] <= the row's
 query position and s < num_slots, and on a sliding layer (window > 0) query position -
@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dge_jax.kernels.attention import _MASKED, DEFAULT_SCORES, ScoreSpec
+from dge_jax.kernels.attention import _MASKED, DEFAULT_TILES, AttentionSpec, LayerCache, Tiles
 from dge_jax.kernels.flash_tiles import (
     _NT,
     _NUM_TABLES,
@@ -84,35 +84,28 @@ from dge_jax.kernels.flash_tiles import (
 
 def flash_attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_pos: jax.Array,
     query_pos: jax.Array,
+    cache: LayerCache,
     num_slots: jax.Array | int,
-    *,
-    layer: jax.Array | int | None = None,
-    window: jax.Array | int | None = None,
-    scores_spec: ScoreSpec = DEFAULT_SCORES,
-    return_probs_sum: bool = False,
-    block_q: int = 512,
-    block_k: int = 512,
-    interpret: bool | None = None,
+    spec: AttentionSpec,
+    tiles: Tiles = DEFAULT_TILES,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`written_slot_attention` as Pallas kernels; returns (out, per-slot prob sums or None).
 
-    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D] and slot_pos: [B, Hkv, S], or with layer= the
-    stacked k, v [Lg, B, Hkv, S, D] and slot_pos [Lg, B, Hkv, S] of which layer `layer` (an
-    int32, may be traced) is read in place; query_pos: [B, T]; num_slots: slots at or past it
-    are never read; window: the layer's sliding window (an int32, may be traced; 0 or None:
-    global); scores_spec: the logits' scale and soft cap (static). out: [B, T, Hq, D] in v's
-    dtype; probs sum: [B, Hq, S] f32 summed over the T queries, padding queries contributing
-    0. block_q / block_k: row and key tile sizes (multiples of 128; shrunk to the padded T / S when
-    larger). interpret: None runs Mosaic when compiled for TPU and interpret mode on any
-    other platform (decided at lowering, from where the computation is compiled); True /
-    False force it.
+    q: [B, T, Hq, D]; query_pos: [B, T]; cache: the stacked k, v [Lg, B, Hkv, S, D] and
+    slot positions [Lg, B, Hkv, S], of which layer cache.layer (an int32, may be traced) is
+    read in place (a single layer: `LayerCache.one`), and its sliding window cache.window (an
+    int32, may be traced; 0 or None: global); num_slots: slots at or past it are never read;
+    spec: record_attn (the probs sums) and scores (the logits' scale and soft cap). out:
+    [B, T, Hq, D] in v's dtype; probs sum: [B, Hq, S] f32 summed over the T queries, padding
+    queries contributing 0. tiles.block_q / block_k: row and key tile sizes (multiples of
+    128; shrunk to the padded T / S when larger). tiles.interpret: None runs Mosaic when
+    compiled for TPU and interpret mode on any other platform (decided at lowering, from
+    where the computation is compiled); True / False force it.
     """
-    if layer is None:
-        k, v, slot_pos, layer = k[None], v[None], slot_pos[None], 0
+    k, v, slot_pos, layer, window = cache.k, cache.v, cache.pos, cache.layer, cache.window
+    scores_spec, return_probs_sum = spec.scores, spec.record_attn
+    block_q, block_k, interpret = tiles.block_q, tiles.block_k, tiles.interpret
     layer = jnp.asarray(layer, jnp.int32)
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[2], k.shape[3]

@@ -30,23 +30,23 @@ The stacked cache. A decode loop holds a layer group's cache as [Lg, B, Hkv, S, 
 layer i inside a scan is a slice of it. Passed to a custom call, that slice would be
 materialised: a copy of the layer's whole capacity per step, the very read the kernel
 avoids. So the kernel takes the stacked buffers and the layer index (scalar-prefetched) and
-its index maps pick layer i's blocks in place (``layer=``); a plain [B, Hkv, S, D] layer
-works too. The TPU lays a cache whose head dim is under 128 lanes out slots-minor
-(physically [.., D, S], so D is not padded to 128), and a Pallas call takes operands
-row-major: read as [.., S, D] such a cache is converted (two whole-cache copies per decode
-loop, around it) and held padded. ``slots_minor=True`` reads k and v through a [.., D, S]
+its index maps pick layer i's blocks in place (`LayerCache.layer`); a plain [B, Hkv, S, D]
+layer works too (`LayerCache.one`). The TPU lays a cache whose head dim is under 128 lanes
+out slots-minor (physically [.., D, S], so D is not padded to 128), and a Pallas call takes
+operands row-major: read as [.., S, D] such a cache is converted (two whole-cache copies per
+decode loop, around it) and held padded. ``Tiles.slots_minor`` reads k and v through a [.., D, S]
 transposed view instead, which that layout makes free: blocks are [D, bk] and the products
 q @ k and p @ v^T. `layer_attention` sets it for heads under 128.
 
 The step's own entries (``new``: k, v [B, Hkv, T, D], pos [B, Hkv, T]). The contract is
-`cached_attention`'s: attention as if they were written at slots [new_slot, new_slot + T),
-whatever those slots hold now ignored. The kernel reads the cache with those slots' positions
-set to -1 (a where on the small position array, before the table is made), returns its
-normalised output and log-sum-exp per row (f32), and the T new entries, [rows, T] scores, are
-folded in after it in XLA with that log-sum-exp. Reading the cache before the write keeps the
-caller's write (`layer_attention.cache_layer_attention`) an in-place update after the read,
-as on the XLA path; writing them first and attending over the cache would need nothing
-folded, but would order the write before the kernel's reads.
+`cached_attention`'s: attention as if they were written at slots [slot, slot + T)
+(`LayerCache.slot`), whatever those slots hold now ignored. The kernel reads the cache with
+those slots' positions set to -1 (a where on the small position array, before the table is
+made), returns its normalised output and log-sum-exp per row (f32), and the T new entries,
+[rows, T] scores, are folded in after it in XLA with that log-sum-exp. Reading the cache before
+the write keeps the caller's write (`layer_attention.cache_layer_attention`) an in-place update
+after the read, as on the XLA path; writing them first and attending over the cache would need
+nothing folded, but would order the write before the kernel's reads.
 
 Probs sums (H2O's per-slot attention) are not computed here: only H2O's decode-time rule and
 its draft steps record them, and those steps keep the XLA path (`cache_layer_attention`).
@@ -65,7 +65,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dge_jax.kernels.attention import _MASKED, DEFAULT_SCORES, ScoreSpec, _group_queries
+from dge_jax.kernels.attention import (
+    _MASKED,
+    DEFAULT_TILES,
+    AttentionSpec,
+    LayerCache,
+    NewEntries,
+    ScoreSpec,
+    Tiles,
+    _group_queries,
+)
 from dge_jax.kernels.flash_tiles import _LANES, _NT, _tile, _visible
 
 _SUBLANES = 8  # rows of a tile are padded to a multiple of it
@@ -73,34 +82,30 @@ _SUBLANES = 8  # rows of a tile are padded to a multiple of it
 
 def decode_attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_pos: jax.Array,
     query_pos: jax.Array,
-    *,
-    new: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-    new_slot: jax.Array | int = 0,
-    layer: jax.Array | int | None = None,
-    window: jax.Array | int | None = None,
-    scores_spec: ScoreSpec = DEFAULT_SCORES,
-    slots_minor: bool = False,
-    block_k: int = 512,
-    interpret: bool | None = None,
+    cache: LayerCache,
+    spec: AttentionSpec,
+    new: NewEntries | None = None,
+    tiles: Tiles = DEFAULT_TILES,
 ) -> jax.Array:
     """`cached_attention`'s output [B, T, Hq, D] (v's dtype), read block by block (module
     docstring).
 
-    q: [B, T, Hq, D]; k, v: [B, Hkv, S, D], or with layer= the stacked [Lg, B, Hkv, S, D] of
-    which layer `layer` is read in place; slot_pos: [B, Hkv, S] (that layer's); query_pos:
-    [B, T]; new / new_slot: as in `cached_attention`; window: the layer's sliding window (an
-    int32, may be traced; 0 or None: global); scores_spec: the logits' scale and soft cap
-    (static); slots_minor: read k and v through
-    their [.., D, S] view (module docstring; same results). block_k: keys per block (a multiple of
-    128, shrunk to S rounded up to 128 when larger). interpret: None runs Mosaic when
-    compiled for TPU and interpret mode elsewhere; True / False force it.
+    q: [B, T, Hq, D]; query_pos: [B, T]; cache: the stacked k, v [Lg, B, Hkv, S, D] and
+    positions [Lg, B, Hkv, S], of which layer cache.layer is read in place (a single layer:
+    `LayerCache.one`), its sliding window cache.window (an int32, may be traced; 0 or None:
+    global) and cache.slot, where `new` goes (as in `cached_attention`); spec.scores: the
+    logits' scale and soft cap (static; no probs sums: spec.record_attn is not read).
+    tiles.slots_minor: read k and v through their [.., D, S] view (module docstring; same
+    results). tiles.block_k: keys per block (a multiple of 128, shrunk to S rounded up to 128
+    when larger). tiles.interpret: None runs Mosaic when compiled for TPU and interpret mode
+    elsewhere; True / False force it.
     """
-    if layer is None:
-        k, v, layer = k[None], v[None], 0
+    k, v, layer, new_slot, window = cache.k, cache.v, cache.layer, cache.slot, cache.window
+    slot_pos = jax.lax.dynamic_index_in_dim(cache.pos, jnp.asarray(layer, jnp.int32),
+                                            keepdims=False)  # fmt: skip
+    scores_spec, slots_minor, block_k = spec.scores, tiles.slots_minor, tiles.block_k
+    interpret = tiles.interpret
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[2], k.shape[3]
     g = hq // hkv

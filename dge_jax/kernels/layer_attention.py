@@ -12,13 +12,17 @@ layout the platform prefers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from dge_jax.distribution.constraints import attention_specs
 from dge_jax.kernels.attention import (
-    DEFAULT_SCORES,
-    ScoreSpec,
+    AttentionSpec,
+    LayerCache,
+    NewEntries,
+    Tiles,
     cached_attention,
     visible,
     written_slot_attention,
@@ -29,35 +33,26 @@ from dge_jax.runtime.platform import Backend
 
 def cache_layer_attention(
     q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    new_pos: jax.Array,
     positions: jax.Array,
-    k_all: jax.Array,
-    v_all: jax.Array,
-    pos_all: jax.Array,
-    i: jax.Array | int,
-    slot: jax.Array | int,
-    *,
-    key_block: int = 0,
-    record_attn: bool = False,
-    attention: str = "auto",
-    window: jax.Array | None = None,
-    scores_spec: ScoreSpec = DEFAULT_SCORES,
-) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array, jax.Array]:
-    """Layer i's attention over its layer group's cache, with this step's T entries written.
+    new: NewEntries,
+    cache: LayerCache,
+    spec: AttentionSpec,
+) -> tuple[jax.Array, jax.Array | None, LayerCache]:
+    """Layer cache.layer's attention over its layer group's cache, with this step's T entries
+    written.
 
-    q [B, T, Hq, D] and k_new, v_new [B, Hkv, T, D] (post-RoPE), new_pos [B, Hkv, T],
-    positions [B, T]; k_all, v_all [Lg, B, Hkv, S, D] and pos_all [Lg, B, Hkv, S]: the
-    group's buffers, layer i written at slots [slot, slot + T). Returns (attention output
-    [B, T, Hq, D], per-slot attention sums [B, Hq, S] or None, k_all, v_all, pos_all).
-    attention: the prefill implementation (`platform.ATTENTION`; "auto": the platform's).
-    window: layer i's sliding window (traced; 0 = global), None when no layer of the model
-    slides; scores_spec: the model's logit scale and soft cap (every kernel takes them but
-    cuDNN's, which takes no soft cap: `kernel_backend`).
+    q [B, T, Hq, D] (post-RoPE) at positions [B, T]; new: the step's k, v [B, Hkv, T, D]
+    (post-RoPE) and positions [B, Hkv, T]; cache: the group's buffers k, v [Lg, B, Hkv, S, D]
+    and pos [Lg, B, Hkv, S], the layer written at slots [cache.slot, cache.slot + T), and its
+    sliding window (traced; 0 = global; None when no layer of the model slides). Returns
+    (attention output [B, T, Hq, D], per-slot attention sums [B, Hq, S] or None, the cache
+    with the entries written). spec: the call's static settings (`AttentionSpec`): key_block,
+    record_attn (the sums), attention (the implementation, `platform.ATTENTION`; "auto": the
+    platform's) and scores (the model's logit scale and soft cap: every kernel takes them
+    but cuDNN's, which takes no soft cap: `kernel_backend`).
 
-    key_block > 0 (a prefill chunk of that many tokens): the entries are written first and
-    the chunk attends over the written slots [0, slot + T) (`prefill_attention`).
+    spec.key_block > 0 (a prefill chunk of that many tokens): the entries are written first
+    and the chunk attends over the written slots [0, slot + T) (`prefill_attention`).
     Otherwise (decode and draft steps) attention reads the cache with this step's entries
     passed beside it, then they are written. On CPU the written values take a zero computed
     from the attention output, so the write must run after attention's reads: XLA:CPU then
@@ -66,45 +61,41 @@ def cache_layer_attention(
     zero is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a. Every model family
     calls this one function, so none has to repeat the trick.
     """
-    backend = kernel_backend(platform.current(attention), attention, window, scores_spec)
+    backend = kernel_backend(platform.current(spec.attention), spec)
     t = q.shape[1]
+    i, slot = cache.layer, cache.slot
 
     def write(buf, new):
         """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of layer i."""
         start = (i, 0, 0, slot) + (0,) * (new.ndim - 3)
         return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), start)
 
-    if key_block:
-        k_all, v_all, pos_all = write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
-        attn, probs_sum = prefill_attention(
-            backend, q, k_all, v_all, pos_all, positions, slot + t, i,
-            block=backend.key_block or key_block, return_probs_sum=record_attn, window=window,
-            scores_spec=scores_spec,
-        )  # fmt: skip
-        return attn, probs_sum, k_all, v_all, pos_all
-    attn, probs_sum = decode_step_attention(
-        backend, q, k_all, v_all, pos_all[i], positions, i, new=(k_new, v_new, new_pos),
-        new_slot=slot, return_probs_sum=record_attn, window=window, scores_spec=scores_spec,
-    )  # fmt: skip
+    if spec.key_block:
+        cache = cache._replace(k=write(cache.k, new.k), v=write(cache.v, new.v),
+                               pos=write(cache.pos, new.pos))  # fmt: skip
+        block = dataclasses.replace(spec, key_block=backend.key_block or spec.key_block)
+        attn, probs_sum = prefill_attention(backend, q, positions, cache, slot + t, block)
+        return attn, probs_sum, cache
+    attn, probs_sum = decode_step_attention(backend, q, positions, cache, new, spec)
+    k_new, v_new = new.k, new.v
     if backend.write_after_attention:
         after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
         k_new, v_new = k_new + after, v_new + after
-    return attn, probs_sum, write(k_all, k_new), write(v_all, v_new), write(pos_all, new_pos)
+    written = cache._replace(k=write(cache.k, k_new), v=write(cache.v, v_new),
+                             pos=write(cache.pos, new.pos))  # fmt: skip
+    return attn, probs_sum, written
 
 
-def kernel_backend(
-    backend: Backend, attention: str, window: jax.Array | None, scores_spec: ScoreSpec
-) -> Backend:
+def kernel_backend(backend: Backend, spec: AttentionSpec) -> Backend:
     """`backend`, unless its kernel cannot run this model's attention: cuDNN's takes no soft
     cap (the Pallas kernels and the XLA path take sliding windows, soft caps and any logit
-    scale). Asked for by name, such a kernel is a ValueError saying what to use; chosen by
-    "auto", the XLA path runs instead (it is exact for all of them)."""
-    del window  # every kernel takes sliding windows
-    if backend.attention != "cudnn" or not scores_spec.softcap:
+    scale). Asked for by name (spec.attention), such a kernel is a ValueError saying what to
+    use; chosen by "auto", the XLA path runs instead (it is exact for all of them)."""
+    if backend.attention != "cudnn" or not spec.scores.softcap:
         return backend
-    if attention != "auto":
+    if spec.attention != "auto":
         raise ValueError(
-            f"attention={attention!r} does not take this model's soft-capped logits: use "
+            f"attention={spec.attention!r} does not take this model's soft-capped logits: use "
             "attention='xla' (or 'auto', which picks it for such models)"
         )
     return platform.current("xla")
@@ -113,66 +104,52 @@ def kernel_backend(
 def decode_step_attention(
     backend: Backend,
     q: jax.Array,
-    k_all: jax.Array,
-    v_all: jax.Array,
-    slot_pos: jax.Array,
     query_pos: jax.Array,
-    i: jax.Array | int,
-    *,
-    new: tuple[jax.Array, jax.Array, jax.Array],
-    new_slot: jax.Array | int,
-    return_probs_sum: bool = False,
-    window: jax.Array | None = None,
-    scores_spec: ScoreSpec = DEFAULT_SCORES,
+    cache: LayerCache,
+    new: NewEntries,
+    spec: AttentionSpec,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """`cached_attention` over layer i of the stacked k_all, v_all [Lg, B, Hkv, S, D]
-    (slot_pos: layer i's [B, Hkv, S]), with the step's entries `new` beside the cache.
+    """`cached_attention` over layer cache.layer of the stacked k, v [Lg, B, Hkv, S, D], with
+    the step's entries `new` beside the cache (to go to slots from cache.slot).
 
     "pallas" without probs sums: `flash_decode.decode_attention` on the stacked buffers (the
     layer picked by its index maps, so no slice of the cache is materialised; the window
     scalar-prefetched likewise), in a shard_map under a mesh. Everything else, and steps that
     record probs sums (H2O's draft and decode-time steps; the kernel computes none), run the
     XLA path."""
-    if backend.attention == "pallas" and not return_probs_sum:
-        out = _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot, window,
-                              scores_spec)  # fmt: skip
-        return out, None
-    rows = q.shape[2] // k_all.shape[2] * q.shape[1]  # query rows per kv head
-    return cached_attention(
-        q, k_all[i], v_all[i], slot_pos, query_pos, return_probs_sum=return_probs_sum,
-        keys_major=rows <= backend.keys_major_max_rows, new=new, new_slot=new_slot,
-        window=window, scores_spec=scores_spec,
-    )  # fmt: skip
+    if backend.attention == "pallas" and not spec.record_attn:
+        return _sharded_decode(q, query_pos, cache, new, spec), None
+    rows = q.shape[2] // cache.k.shape[2] * q.shape[1]  # query rows per kv head
+    layout = dataclasses.replace(spec, keys_major=rows <= backend.keys_major_max_rows)
+    return cached_attention(q, query_pos, cache, layout, new)
 
 
-def _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot, window,
-                    scores_spec):  # fmt: skip
-    """`decode_attention` of layer i (its window: a replicated scalar, 0 when None); under a
-    (data, model) mesh one call per device on its own rows and kv heads, as `_sharded_flash`
-    (imported here for the same reason). A head
-    under 128 reads the cache slots-minor, the layout the TPU gives such a cache (see
-    `flash_decode`), so the kernel's reads need no layout copy of it."""
+def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries, spec: AttentionSpec):
+    """`decode_attention` of layer cache.layer (its window: a replicated scalar, 0 when None);
+    under a (data, model) mesh one call per device on its own rows and kv heads, as
+    `_sharded_flash` (imported here for the same reason). A head under 128 reads the cache
+    slots-minor, the layout the TPU gives such a cache (see `flash_decode`), so the kernel's
+    reads need no layout copy of it."""
     from dge_jax.kernels.flash_decode import decode_attention
 
-    slots_minor = k_all.shape[-1] < 128
+    tiles = Tiles(slots_minor=cache.k.shape[-1] < 128)
 
-    def fn(q, k_all, v_all, slot_pos, query_pos, k_new, v_new, pos_new, new_slot, i, window):
-        new = (k_new, v_new, pos_new)
-        return decode_attention(
-            q, k_all, v_all, slot_pos, query_pos, new=new, new_slot=new_slot, layer=i,
-            window=window, scores_spec=scores_spec, slots_minor=slots_minor,
-        )  # fmt: skip
+    def fn(q, k_all, v_all, pos_all, query_pos, k_new, v_new, pos_new, new_slot, i, window):
+        layer = LayerCache(k_all, v_all, pos_all, i, new_slot, window)
+        return decode_attention(q, query_pos, layer, spec, NewEntries(k_new, v_new, pos_new),
+                                tiles)  # fmt: skip
 
-    args = (q, k_all, v_all, slot_pos, query_pos, *new, jnp.asarray(new_slot, jnp.int32),
-            jnp.asarray(i, jnp.int32), _window(window))  # fmt: skip
-    specs = attention_specs(q.shape[0], k_all.shape[2])
+    args = (q, cache.k, cache.v, cache.pos, query_pos, *new,
+            jnp.asarray(cache.slot, jnp.int32), jnp.asarray(cache.layer, jnp.int32),
+            _window(cache.window))  # fmt: skip
+    specs = attention_specs(q.shape[0], cache.k.shape[2])
     if specs is None:
         return fn(*args)
     rows, keys, slots, qpos, _ = specs
     stacked, scalar = jax.sharding.PartitionSpec(None, *keys), jax.sharding.PartitionSpec()
     return jax.shard_map(
-        fn, in_specs=(rows, stacked, stacked, slots, qpos, keys, keys, slots, scalar, scalar,
-                      scalar),
+        fn, in_specs=(rows, stacked, stacked, jax.sharding.PartitionSpec(None, *slots), qpos,
+                      keys, keys, slots, scalar, scalar, scalar),
         out_specs=rows, check_vma=False,
     )(*args)  # fmt: skip
 
@@ -180,28 +157,22 @@ def _sharded_decode(q, k_all, v_all, slot_pos, query_pos, i, new, new_slot, wind
 def prefill_attention(
     backend: Backend,
     q: jax.Array,
-    k_all: jax.Array,
-    v_all: jax.Array,
-    pos_all: jax.Array,
     query_pos: jax.Array,
+    cache: LayerCache,
     num_slots: jax.Array | int,
-    i: jax.Array | int,
-    *,
-    block: int,
-    return_probs_sum: bool = False,
-    window: jax.Array | None = None,
-    scores_spec: ScoreSpec = DEFAULT_SCORES,
+    spec: AttentionSpec,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """`attention.written_slot_attention`'s contract over layer i of the stacked k_all, v_all
-    [Lg, B, Hkv, S, D] and pos_all [Lg, B, Hkv, S], run by `backend.attention`.
+    """`attention.written_slot_attention`'s contract over layer cache.layer of the stacked
+    k, v [Lg, B, Hkv, S, D] and pos [Lg, B, Hkv, S], run by `backend.attention`.
 
-    "xla": `written_slot_attention` in key blocks of `block`. "pallas": `flash_attention`
-    (Mosaic on TPU, interpret mode elsewhere) on the stacked buffers, its index maps picking
-    layer i, so no slice of the layer's capacity is materialised (under a layer scan it would
-    be a copy per chunk and layer), and the window scalar-prefetched beside it (one
-    compilation for the group's sliding and global layers); under a mesh inside a shard_map
-    over rows and kv heads (`_sharded_flash`). "cudnn": `cudnn_attention`; its kernel
-    returns no per-slot sums, so a chunk that records them (H2O) runs the XLA path.
+    "xla": `written_slot_attention` in key blocks of spec.key_block. "pallas":
+    `flash_attention` (Mosaic on TPU, interpret mode elsewhere) on the stacked buffers, its
+    index maps picking the layer, so no slice of the layer's capacity is materialised (under
+    a layer scan it would be a copy per chunk and layer), and the window scalar-prefetched
+    beside it (one compilation for the group's sliding and global layers); under a mesh
+    inside a shard_map over rows and kv heads (`_sharded_flash`). "cudnn": `cudnn_attention`;
+    its kernel returns no per-slot sums, so a chunk that records them (H2O) runs the XLA
+    path.
 
     Rows that see no slot (padding queries) differ: zeros from the flash kernel, a mean of
     values from the others. Nothing reads them: such a row's key and value are written at
@@ -210,38 +181,30 @@ def prefill_attention(
     repeat scores all skip position -1.
     """
     if backend.attention == "pallas":
-        return _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i,
-                              return_probs_sum, window, scores_spec)  # fmt: skip
-    k, v, slot_pos = k_all[i], v_all[i], pos_all[i]
-    if backend.attention == "cudnn" and not return_probs_sum:
-        out = cudnn_attention(q, k, v, slot_pos, query_pos, num_slots, window=window,
-                              scale=scores_spec.scale)  # fmt: skip
-        return out, None
-    return written_slot_attention(
-        q, k, v, slot_pos, query_pos, num_slots, block=block, return_probs_sum=return_probs_sum,
-        window=window, scores_spec=scores_spec,
-    )  # fmt: skip
+        return _sharded_flash(q, query_pos, cache, num_slots, spec)
+    if backend.attention == "cudnn" and not spec.record_attn:
+        return cudnn_attention(q, query_pos, cache, num_slots, spec), None
+    return written_slot_attention(q, query_pos, cache, num_slots, spec)
 
 
-def _sharded_flash(q, k_all, v_all, pos_all, query_pos, num_slots, i, return_probs_sum: bool,
-                   window, scores_spec):  # fmt: skip
-    """`flash_attention` of layer i of the stacked buffers (its window: a replicated scalar, 0
-    when None); under a (data, model) mesh, one
-    call per device on its own rows and kv heads (jax.shard_map with the cache's layout:
-    `constraints.attention_specs`, the layer axis unsplit). Each (row, kv head) pair is
-    independent, so nothing crosses devices; a Pallas call cannot be partitioned by XLA
-    itself. Imported here: Pallas's modules take about a second to import, which CPU runs
-    (xla) need not pay."""
+def _sharded_flash(q, query_pos, cache: LayerCache, num_slots, spec: AttentionSpec):
+    """`flash_attention` of layer cache.layer of the stacked buffers (its window: a replicated
+    scalar, 0 when None); under a (data, model) mesh, one call per device on its own rows and
+    kv heads (jax.shard_map with the cache's layout: `constraints.attention_specs`, the
+    layer axis unsplit). Each (row, kv head) pair is independent, so nothing crosses
+    devices; a Pallas call cannot be partitioned by XLA itself. Imported here: Pallas's
+    modules take about a second to import, which CPU runs (xla) need not pay."""
     from dge_jax.kernels.flash import flash_attention
 
-    def fn(q, k_all, v_all, pos_all, query_pos, num_slots, i, window):
-        return flash_attention(q, k_all, v_all, pos_all, query_pos, num_slots, layer=i,
-                               window=window, scores_spec=scores_spec,
-                               return_probs_sum=return_probs_sum)  # fmt: skip
+    return_probs_sum = spec.record_attn
 
-    args = (q, k_all, v_all, pos_all, query_pos, jnp.asarray(num_slots, jnp.int32),
-            jnp.asarray(i, jnp.int32), _window(window))  # fmt: skip
-    specs = attention_specs(q.shape[0], k_all.shape[2])
+    def fn(q, k_all, v_all, pos_all, query_pos, num_slots, i, window):
+        layer = LayerCache(k_all, v_all, pos_all, i, 0, window)
+        return flash_attention(q, query_pos, layer, num_slots, spec)
+
+    args = (q, cache.k, cache.v, cache.pos, query_pos, jnp.asarray(num_slots, jnp.int32),
+            jnp.asarray(cache.layer, jnp.int32), _window(cache.window))  # fmt: skip
+    specs = attention_specs(q.shape[0], cache.k.shape[2])
     if specs is None:
         return fn(*args)
     rows, keys, slots, qpos, sums = specs
@@ -267,18 +230,15 @@ def _window(window: jax.Array | None) -> jax.Array:
 
 def cudnn_attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    slot_pos: jax.Array,
     query_pos: jax.Array,
+    cache: LayerCache,
     num_slots: jax.Array | int,
-    *,
+    spec: AttentionSpec,
     implementation: str = "cudnn",
-    window: jax.Array | None = None,
-    scale: float | None = None,
 ) -> jax.Array:
-    """out [B, T, Hq, D] of `jax.nn.dot_product_attention` over the slots [0, num_slots)
-    visible by position (slot s to query t iff 0 <= slot_pos[s] <= query_pos[t]).
+    """out [B, T, Hq, D] of `jax.nn.dot_product_attention` over the slots [0, num_slots) of
+    layer cache.layer visible by position (slot s to query t iff 0 <= slot_pos[s] <=
+    query_pos[t]).
 
     Each (row, kv head) is one batch entry of a multi-query call: q regrouped as [B * Hkv, T,
     G, D], the cache read as [B * Hkv, S, 1, D] (a reshape of [B, Hkv, S, D]: no copy), and
@@ -286,9 +246,11 @@ def cudnn_attention(
     additive bias: B * Hkv * T * S elements per call, bounded by the prefill chunk T).
     Scores are scaled by D^-1/2 inside the kernel. cuDNN needs bf16 or f16 inputs on a GPU;
     ``implementation="xla"`` runs the same call through XLA (how CPU tests check the
-    regrouping and the mask). A sliding window joins the mask (`attention.visible`); scale:
-    the logits' scale (None: D^-1/2).
+    regrouping and the mask). A sliding window (cache.window) joins the mask
+    (`attention.visible`); spec.scores.scale: the logits' scale (None: D^-1/2; no soft cap).
     """
+    k, v, slot_pos = cache.k[cache.layer], cache.v[cache.layer], cache.pos[cache.layer]
+    window, scale = cache.window, spec.scores.scale
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
     g = hq // hkv
