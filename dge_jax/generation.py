@@ -45,13 +45,7 @@ from dge_jax.config import with_fields
 from dge_jax.distribution.sharding import on_model_mesh
 from dge_jax.eviction import lookahead as laq
 from dge_jax.eviction.evict import Eviction, round_up_slots
-from dge_jax.eviction.grid_plan import (
-    CellPlan,
-    GridRecording,
-    bounded_sliding,
-    cache_room,
-    check_cells,
-)
+from dge_jax.eviction.grid_plan import CellPlan, check_cells, plan_grid
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, platform
 from dge_jax.runtime.extend import extend, with_room
@@ -97,7 +91,7 @@ class GenerationConfig:
     passes; draft and decode steps run xla); sliding_cache: how prefill's cache holds
     sliding-window layers, "bounded" (their window plus one prefill step:
     `dge_jax.runtime.window_cache`), "full" (the prompt's length, like global layers) or
-    "auto" (bounded unless a cell needs the full layout: `grid_plan.bounded_sliding`).
+    "auto" (bounded unless a cell needs the full layout: `grid_plan.plan_grid`).
     """
 
     max_new_tokens: int = 64
@@ -187,13 +181,10 @@ def evicted_plans(
         extra_eos_ids=cfg.extra_eos_ids, granule=granule, attention=cfg.attention,
         path=model.path,
     )  # fmt: skip
-    cells = check_cells(cells, cfg.max_new_tokens, model.config.layer_windows)
-    recording = GridRecording.of(cells)
     layout = sliding_cache or cfg.sliding_cache
-    bounded = bounded_sliding(cells, model.config.layer_windows, layout)
-    prefilled = prefill(
-        model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells), bounded
-    )
+    grid = plan_grid(cells, request, model.config.layer_windows, layout)
+    cells, recording = grid.cells, grid.recording
+    prefilled = prefill(model, request, recording, sampler, cfg.seed, hook, grid.room, grid.bounded)
     prefilled = reconstruct(model, request, prefilled, recording, hook)
     looked = lookahead(model, request, prefilled, cells, recording, sampler, hook)
     # The draft writes into prefill's cache in place, unless a FullKV cell decodes from it.

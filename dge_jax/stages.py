@@ -110,7 +110,7 @@ def prefill(
     """Prefill once for every cell, recording what any cell's rule reads (the largest
     query window, attention sums, query statistics, rules' own recorders); choose the first
     answer token. room: slots after the prompt (default: the token buffer, room for every
-    new token; `cache_room`); bounded: sliding layers hold their window plus one prefill
+    new token; `GridPlan.room`); bounded: sliding layers hold their window plus one prefill
     step, not the prompt (`dge_jax.runtime.window_cache`)."""
     capacity = request.tokens.shape[1] + (request.buffer if room is None else room)
     if bounded:

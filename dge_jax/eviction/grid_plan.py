@@ -1,5 +1,6 @@
-"""What a grid of cells needs before it runs: the checked cells, what their shared prefill
-and draft record together, how much room prefill's cache needs, and each cell's `CellPlan`
+"""What a grid of cells needs before it runs, planned once (`plan_grid` -> `GridPlan`): the
+checked cells, what their shared prefill and draft record together, whether sliding layers
+get the bounded layout, how much room prefill's cache needs; and each cell's `CellPlan`
 (what `dge_jax.stages` carries one cell through the stages in)."""
 
 from __future__ import annotations
@@ -43,11 +44,41 @@ class CellPlan:
     positions: jax.Array | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class GridPlan:
+    """A grid planned once, before its prefill (`plan_grid`).
+
+    cells: the checked cells (`check_cells`: FullKV as None); recording: what the shared
+    prefill and draft record (`GridRecording`); bounded: whether prefill's cache gives
+    sliding layers the bounded layout (`dge_jax.runtime.window_cache`); room: the slots
+    after the prompt prefill's cache holds.
+    """
+
+    cells: tuple[Eviction | None, ...]
+    recording: GridRecording
+    bounded: bool
+    room: int
+
+
+def plan_grid(
+    cells: Sequence[Eviction | None], request: Request, windows: tuple[int, ...], layout: str
+) -> GridPlan:
+    """The plan of a grid of `cells` for `request`: the cells checked (clear errors before
+    compiling), their recording, the sliding layout (`layout`: `GenerationConfig.sliding_cache`)
+    and the cache room. windows: the model's layer windows."""
+    checked = check_cells(cells, request.max_new_tokens, windows)
+    recording = GridRecording.of(checked)
+    bounded = _bounded_sliding(checked, windows, layout)
+    return GridPlan(tuple(checked), recording, bounded, _cache_room(request, checked))
+
+
 def check_cells(
     cells: Sequence[Eviction | None], max_new_tokens: int, windows: tuple[int, ...] = ()
 ) -> list[Eviction | None]:
     """The cells with FullKV as None, each eviction checked (clear errors before compiling);
-    windows: the model's layer windows (a compressing decode loop must hold a window)."""
+    windows: the model's layer windows (a compressing decode loop must hold a window).
+    `plan_grid` starts here; `generate_for_contexts` checks alone, to split its cells into
+    grids before it has their requests."""
     if isinstance(cells, Eviction):
         raise TypeError("cells must be a list of Eviction / None; for one eviction pass [ev]")
     for i, ev in enumerate(cells):
@@ -101,7 +132,7 @@ class GridRecording:
         return cls(needs=needs, draft_steps=steps)
 
 
-def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
+def _cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
     """Slots after the prompt the shared prefill cache needs: room for every new token when a
     cell decodes in that cache (FullKV, a masked eviction); otherwise only for the drafts and
     for the first block of a cell that evicts only while decoding (every other cell decodes
@@ -113,7 +144,7 @@ def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
     return min(request.buffer, round_up_slots(max(need + [1])))
 
 
-def bounded_sliding(
+def _bounded_sliding(
     cells: Sequence[Eviction | None], windows: tuple[int, ...], layout: str
 ) -> bool:
     """Whether prefill's cache gives sliding layers the bounded layout
