@@ -1,7 +1,8 @@
 """What a grid of cells needs before it runs, planned once (`plan_grid` -> `GridPlan`): the
 checked cells, what their shared prefill and draft record together, whether sliding layers
-get the bounded layout, how much room prefill's cache needs; and each cell's `CellPlan`
-(what `dge_jax.stages` carries one cell through the stages in)."""
+get the bounded layout, how much room prefill's cache needs. Then what `dge_jax.stages`
+hands on for each cell, one type per stage: `Rewound` -> `Selected` -> `Evicted`, each
+complete when made (no field is filled in by a later stage)."""
 
 from __future__ import annotations
 
@@ -22,26 +23,51 @@ from dge_jax.text.prompts import Request
 
 
 @dataclasses.dataclass(frozen=True)
-class CellPlan:
-    """One cell's way through the stages.
+class Rewound:
+    """One cell at its eviction point (the rewind stage's output).
 
-    eviction: None for FullKV. steps: draft steps each row ran before eviction ([B] int, None
-    without a draft). state: the decode state at the eviction point (None after the evict
-    stage: no plan holds a full cache it no longer reads); drafts: the draft record rewound
-    to `steps` (None without a draft). keep: the keep mask [L, B, Hkv, S] (select stage);
-    positions: its cache's slot positions, that `keep` indexes; evicted: the state decoding
-    starts from (evict stage); attn: the attention sums aligned with its cache, for a
-    decode-time rule that reads them (H2O).
+    eviction: None for FullKV; state: the decode state it evicts from (or, evicting nothing
+    before decoding, decodes from); steps: draft steps each row ran before that point ([B]
+    int; None: the grid ran no draft, so the state is prefill's); drafts: the record its rule
+    observes, the draft rewound to `steps` or its lookahead's (None: it observes none).
     """
 
     eviction: Eviction | None
-    state: DecodeState | None
-    steps: np.ndarray | None = None
-    drafts: DraftRecord | None = None
-    keep: jax.Array | None = None
-    evicted: DecodeState | None = None
-    attn: jax.Array | None = None
-    positions: jax.Array | None = None
+    state: DecodeState
+    steps: np.ndarray | None
+    drafts: DraftRecord | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """One cell with what it keeps (the select stage's output): `Rewound`'s fields and keep,
+    the keep mask [L, B, Hkv, S] over `state`'s cache (None: the cell evicts nothing before
+    decoding, FullKV or timing "decode")."""
+
+    eviction: Eviction | None
+    state: DecodeState
+    steps: np.ndarray | None
+    drafts: DraftRecord | None
+    keep: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Evicted:
+    """One cell ready to decode (the evict stage's output); it holds no full cache it no
+    longer reads.
+
+    state: the state decoding starts from (evicted: masked or compacted); keep: `Selected`'s
+    mask; positions: the slot positions of the cache it indexes (both None: nothing was
+    evicted before decoding); steps: as `Rewound`'s; attn: the attention sums aligned with
+    the cache, for a decode-time rule that reads them (H2O; None: it reads none).
+    """
+
+    eviction: Eviction | None
+    state: DecodeState
+    keep: jax.Array | None
+    positions: jax.Array | None
+    steps: np.ndarray | None
+    attn: jax.Array | None
 
 
 @dataclasses.dataclass(frozen=True)
