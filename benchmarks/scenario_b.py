@@ -199,10 +199,7 @@ def time_kv_steps(
         params,
         ids,
         lengths,
-        capacity=capacity,
-        chunk=chunk,
-        recording=rule.needs.recording,
-        attention=attention,
+        gen.PrefillSpec(capacity, chunk, rule.needs.recording, attention=attention),
     )
     t_prefill, pre = ed.timed(prefill, params, ids, lengths)
     start_time = time.perf_counter()
@@ -217,8 +214,7 @@ def time_kv_steps(
         cfg,
         params,
         start,
-        sampler=ed.GREEDY,
-        eos_ids=ed.EOS_IDS,
+        ed.STEPS,
         num_steps=timing.draft_steps,
     )
     t_draft, (state, drafts) = ed.timed(draft, params, start)
@@ -233,9 +229,7 @@ def time_kv_steps(
     t_compact, small_cache = ed.timed(shrink, state.cache, keep, runs=runs)
     decode_rows = {}
     for name, st in (("full", state), ("compacted", dataclasses.replace(state, cache=small_cache))):
-        decode = cost.compile(
-            gen.decode_loop, fwd, cfg, params, st, sampler=ed.GREEDY, eos_ids=ed.EOS_IDS
-        )
+        decode = cost.compile(gen.decode_loop, fwd, cfg, params, st, ed.STEPS)
         ed.timed(decode, prepare=lambda st=st: (params, *ed.fresh(st)))  # warm up
         seconds, out = ed.timed(decode, runs=runs, prepare=lambda st=st: (params, *ed.fresh(st)))
         assert np.all(np.asarray(out.step) == n_new), out.step

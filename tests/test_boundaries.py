@@ -25,9 +25,6 @@ MAX_PARAMS = 6
 NOT_YET = {
     "dge_jax.eviction.decode_compression.decode_compressed": 7,
     "dge_jax.eviction.evict.select_for_budgets": 9,
-    "dge_jax.runtime.decoding.decode_loop": 9,
-    "dge_jax.runtime.decoding.draft_tokens": 10,
-    "dge_jax.runtime.decoding.prefill_prompt": 10,
     "dge_jax.runtime.extend.extend": 7,
 }
 

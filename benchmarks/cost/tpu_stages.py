@@ -367,11 +367,9 @@ class Cell:
         )
         tokens = _rows(setup, (setup.batch, t), jnp.int32)
         lengths = _rows(setup, (setup.batch,), jnp.int32)
-        return _compile(
-            run, decoding.prefill_prompt, *self._statics(), tokens, lengths,
-            capacity=self.capacity, chunk=setup.prefill_chunk, recording=needs.recording,
-            attention=setup.attention,
-        )  # fmt: skip
+        spec = decoding.PrefillSpec(self.capacity, setup.prefill_chunk, needs.recording,
+                                    attention=setup.attention)  # fmt: skip
+        return _compile(run, decoding.prefill_prompt, *self._statics(), tokens, lengths, spec)
 
     def start_state(self, cache):
         """`decoding.start_state` after prefill, abstract: the cache keeps its layout."""
@@ -391,11 +389,9 @@ class Cell:
         setup, needs = self.setup, self.recording.needs
         bytes_, flops = self._decode_cost(steps, slots)
         run = StageRun(name, ideal_hbm_bytes=bytes_, ideal_flops=flops, slots=(capacity,))
-        return _compile(
-            run, decoding.draft_tokens, *self._statics(), state, sampler=stages.GREEDY,
-            eos_ids=setup.eos_ids, num_steps=steps, recording=needs.recording.steps,
-            min_new_tokens=0,
-        )  # fmt: skip
+        spec = decoding.StepSpec(stages.GREEDY, setup.eos_ids, 0, needs.recording.steps)
+        return _compile(run, decoding.draft_tokens, *self._statics(), state, spec,
+                        num_steps=steps)  # fmt: skip
 
     def draft(self) -> StageRun:
         k = self.draft_steps
@@ -473,10 +469,9 @@ class Cell:
             unknown_trips=lambda depth, op: steps if depth == 0 else None,
             ideal_hbm_bytes=bytes_, ideal_flops=flops, slots=(capacity,),
         )  # fmt: skip
-        return _compile(
-            run, decoding.decode_loop, *self._statics(), state, sampler=stages.GREEDY,
-            eos_ids=setup.eos_ids, min_new_tokens=0, layer_loop=setup.decode_layer_loop,
-        )  # fmt: skip
+        spec = decoding.StepSpec(stages.GREEDY, setup.eos_ids)
+        return _compile(run, decoding.decode_loop, *self._statics(), state, spec,
+                        layer_loop=setup.decode_layer_loop)  # fmt: skip
 
     def decode(self) -> StageRun:
         """`decode_loop` over the compacted cache, from the rewound state (as `evict` builds

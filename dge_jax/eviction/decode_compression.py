@@ -46,7 +46,13 @@ from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, compact_heads, group_layers, regroup
 from dge_jax.runtime.cache_layout import constrain_cache
-from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
+from dge_jax.runtime.decoding import (
+    DecodeState,
+    StepSpec,
+    decode_body,
+    decode_groups,
+    until_done,
+)
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import fixed_frequencies
@@ -136,8 +142,8 @@ class CompressionLoop:
     """The static settings of one decode-compression loop (one compilation each), and its two
     stages, `block` and `compress`.
 
-    forward / cfg: the model's; sampler, eos_ids, min_new_tokens: as `decoding.decode_loop`
-    takes them; selection: the rule, head budgets, ties and `head_cap` (the most entries a
+    forward / cfg: the model's; sampler, eos_ids, min_new_tokens: as `decoding.StepSpec`
+    holds them; selection: the rule, head budgets, ties and `head_cap` (the most entries a
     head keeps, `DecodeCompression.head_cap`) each compression selects with; interval: decode
     steps between compressions; capacity: the loop's slots per head
     (`DecodeCompression.capacity`); layer_loop: `decoding.decode_groups`'s grouping;
@@ -169,6 +175,13 @@ class CompressionLoop:
         query (a window of 1) and its attention sums, as it reads them."""
         return self.rule.needs.recording.steps
 
+    @property
+    def step(self) -> StepSpec:
+        """Each decode step's settings (`decoding.decode_body`), recording what the rule
+        reads."""
+        return StepSpec(self.sampler, self.eos_ids, self.min_new_tokens, self.recording,
+                        self.attention)  # fmt: skip
+
     def block(self, params, state: DecodeState, attn, layers):
         """Up to `interval` decode steps (fewer once every row is done). Returns the state,
         the steps' queries [L, B, Hq, interval, D] (None if the rule reads none), positions
@@ -180,6 +193,7 @@ class CompressionLoop:
         shape = (cfg.num_layers, b, cfg.num_heads, interval, cfg.head_dim)
         ring_q = jnp.zeros(shape, dtype) if reads_q else None
         ring_pos = jnp.full((b, interval), -1, jnp.int32)
+        step = self.step
 
         def cond(carry):
             return (carry[0] < interval) & ~jnp.all(carry[1].done)
@@ -187,11 +201,7 @@ class CompressionLoop:
         def body(carry):
             i, s, rq, rp, at = carry
             active, pos = ~s.done, s.pos
-            s, out = decode_body(
-                self.forward, cfg, params, self.sampler, self.eos_ids, s, layers=layers,
-                recording=recording, min_new_tokens=self.min_new_tokens,
-                attention=self.attention,
-            )  # fmt: skip
+            s, out = decode_body(self.forward, cfg, params, s, step, layers)
             s = _finished_rows_write_nothing(s, active)
             if reads_q:  # step i's query goes to ring slot i
                 q = recording.get(out.recorded, QueryWindow).astype(dtype)
