@@ -452,7 +452,7 @@ def _decode_compressed(
     loop = decode_compression.CompressionLoop(
         model.forward, model.config, sampler, request.eos_ids, selection, spec.interval,
         spec.capacity(spread), min_new_tokens=request.min_new_tokens,
-        attention=request.attention,
+        attention=request.attention, history=history,
     )  # fmt: skip
     with warnings.catch_warnings():
         # A cache that enters bigger than the loop's capacity is compacted at the first
@@ -461,7 +461,7 @@ def _decode_compressed(
         state, _, log = _call(
             hook, "decode_compressed", decode_compression.decode_compressed, loop, model.params,
             state, jnp.asarray(spec.budget, jnp.int32), plan.attn,
-            out_projection(model) if ev.rule.needs.out_proj else None, history=history,
+            out_projection(model) if ev.rule.needs.out_proj else None,
         )  # fmt: skip
     return fetch(state.tokens), log
 

@@ -624,7 +624,7 @@ class DecodeCell(Cell):
         loop = decode_compression.CompressionLoop(
             setup.family.forward, setup.cfg, stages.GREEDY, setup.eos_ids, select,
             spec.interval, self.compact_capacity, min_new_tokens=0,
-            layer_loop=setup.decode_layer_loop, attention=setup.attention,
+            layer_loop=setup.decode_layer_loop, attention=setup.attention, history=0,
         )  # fmt: skip
         state = self.start_state(self.runs["prefill"].outputs.cache)
         budget = _replicated(self.mesh, jax.ShapeDtypeStruct((), jnp.int32))
@@ -641,7 +641,7 @@ class DecodeCell(Cell):
             slots=(self.capacity, self.compact_capacity),
         )  # fmt: skip
         return _compile(run, decode_compression.decode_compressed, loop, self.params, state,
-                        budget, None, None, history=0)  # fmt: skip
+                        budget, None, None)  # fmt: skip
 
 
 TIMINGS = {"dge": Cell, "lookahead": LookaheadCell, "decode": DecodeCell}

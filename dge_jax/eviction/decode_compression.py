@@ -147,7 +147,8 @@ class CompressionLoop:
     head keeps, `DecodeCompression.head_cap`) each compression selects with; interval: decode
     steps between compressions; capacity: the loop's slots per head
     (`DecodeCompression.capacity`); layer_loop: `decoding.decode_groups`'s grouping;
-    attention: the steps' implementation (`platform.ATTENTION`).
+    attention: the steps' implementation (`platform.ATTENTION`); history: record up to this
+    many compressions (`Compressions`, `max_compressions`; 0 = none).
     """
 
     forward: ForwardFn
@@ -160,6 +161,7 @@ class CompressionLoop:
     min_new_tokens: int = 0
     layer_loop: str | None = None
     attention: str = "auto"
+    history: int = 0
 
     @property
     def rule(self) -> Rule:
@@ -243,7 +245,7 @@ class CompressionLoop:
         return dataclasses.replace(state, cache=cache), attn
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "history"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
 def decode_compressed(
     loop: CompressionLoop,
     params,
@@ -251,8 +253,6 @@ def decode_compressed(
     budget: jax.Array,
     attn: jax.Array | None = None,
     out_proj: jax.Array | None = None,
-    *,
-    history: int = 0,
 ) -> tuple[DecodeState, jax.Array | None, Compressions | None]:
     """`decoding.decode_loop` with compression every `loop.interval` steps (module docstring).
 
@@ -260,7 +260,7 @@ def decode_compressed(
     `interval` (or all remaining) tokens after its next write slot, and a uniform capacity.
     budget: [] int32, traced. attn: [L, B, Hq, S] f32 attention sums aligned with the cache's
     slots, for rules that read them (H2O), else None. out_proj: CriticalKV's [L, Hq, D, E].
-    history (static): record up to this many compressions (`Compressions`; 0 = none).
+    loop.history (static): record up to this many compressions (`Compressions`; 0 = none).
     Returns (state, attn, compressions); the final cache has `loop.capacity` slots per head.
     """
     if state.cache.ragged:
@@ -270,7 +270,7 @@ def decode_compressed(
         )
     if loop.rule.needs.attn_sum and attn is None:
         raise ValueError(f"{type(loop.rule).__name__} reads attention sums: pass attn")
-    cfg, capacity, layer_loop = loop.cfg, loop.capacity, loop.layer_loop
+    cfg, capacity, layer_loop, history = loop.cfg, loop.capacity, loop.layer_loop, loop.history
     state, attn = _grown(state, attn, capacity)
     nl = cfg.num_layers
     log = None
