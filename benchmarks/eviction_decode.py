@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import ModelConfig, RopeConfig
-from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
+from dge_jax.eviction.evict import SelectionInputs, SelectionSpec, select_for_budgets
 from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, n_new, EOS_IDS, key)
     state, drafts = gen.draft_tokens(fwd, cfg, params, start, STEPS, num_steps=timing.draft_steps)
     budget, observe = jnp.asarray(args.budget, jnp.int32), jnp.asarray(timing.observes_drafts)
-    select_args = (state.cache, pre.obs, drafts, (budget,), observe)
+    select_args = (state.cache, pre.obs, drafts, (budget,), SelectionInputs(observe))
     select = select_for_budgets.lower(*select_args, spec=SelectionSpec(rule)).compile()
     t_select, (keep,) = timed(select, *select_args, runs=args.runs)
 

@@ -29,7 +29,12 @@ from benchmarks.harness import CompileCost, CompileLog, Memory
 from benchmarks.plans import DGE2, Plan
 from benchmarks.work import prefill_flops, tree_bytes
 from dge_jax.config import ModelConfig
-from dge_jax.eviction.evict import SelectionSpec, capacity_for, select_for_budgets
+from dge_jax.eviction.evict import (
+    SelectionInputs,
+    SelectionSpec,
+    capacity_for,
+    select_for_budgets,
+)
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
@@ -219,7 +224,7 @@ def time_kv_steps(
     )
     t_draft, (state, drafts) = ed.timed(draft, params, start)
     budget, observe = jnp.asarray(plan.b_budget, jnp.int32), jnp.asarray(timing.observes_drafts)
-    select_args = (state.cache, pre.obs, drafts, (budget,), observe)
+    select_args = (state.cache, pre.obs, drafts, (budget,), SelectionInputs(observe))
     select = cost.compile(select_for_budgets, *select_args, spec=SelectionSpec(rule))
     t_select, (keep,) = ed.timed(select, *select_args, runs=runs)
     remaining = n_new - int(np.min(np.asarray(state.step)))

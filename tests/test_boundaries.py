@@ -23,7 +23,6 @@ MAX_PARAMS = 6
 
 # Still wider than MAX_PARAMS (issue #46, to narrow next): name -> parameters today.
 NOT_YET = {
-    "dge_jax.eviction.evict.select_for_budgets": 9,
     "dge_jax.runtime.extend.extend": 7,
 }
 

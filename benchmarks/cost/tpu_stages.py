@@ -420,8 +420,9 @@ class Cell:
         obs, drafts = _like(self.mesh, cut, (pre.obs, record))
         scalars = _replicated(self.mesh, (
             (jax.ShapeDtypeStruct(np.shape(ev.budget), jnp.int32),),
-            jax.ShapeDtypeStruct((), jnp.bool_),
-            jax.ShapeDtypeStruct((), jnp.float32),
+            evict.SelectionInputs(
+                jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.float32)
+            ),
         ))  # fmt: skip
         spec = evict.SelectionSpec.for_eviction(ev, windows=self.setup.cfg.layer_windows)
         s = self.sizes

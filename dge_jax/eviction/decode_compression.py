@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
 from dge_jax.distribution.multihost import fetch
-from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
+from dge_jax.eviction.evict import SelectionInputs, SelectionSpec, select_for_budgets
 from dge_jax.eviction.observation import with_drafts
 from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Rule
@@ -230,9 +230,9 @@ class CompressionLoop:
         newest = jnp.max(ring_pos, axis=1)
         newest = jnp.where(newest >= 0, newest, state.pos - 1)
         obs = _observation(cfg, self.rule, ring_q, ring_pos, attn, newest, out_proj)
-        keep = select_for_budgets(
-            flat, obs, None, (budget,), jnp.asarray(False), spec=self.selection
-        )[0]
+        nothing_drafted = SelectionInputs(jnp.asarray(False))
+        keep = select_for_budgets(flat, obs, None, (budget,), nothing_drafted,
+                                  spec=self.selection)[0]  # fmt: skip
         group = flat.groups[0]
         pos = jnp.where(keep, group.pos, -1)
         k, v, kept_pos, count = compact_heads(group.k, group.v, pos, self.capacity)
