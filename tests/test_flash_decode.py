@@ -308,7 +308,7 @@ def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
         assert platform.current() == Backend.of("tpu")
         hlo = decoding.decode_loop.lower(
             family.forward, cfg, on(params), on(state),
-            sampler=dge_jax.text.sampling.Greedy(), eos_ids=(),
+            decoding.StepSpec(dge_jax.text.sampling.Greedy(), ()),
         ).compile().as_text()  # fmt: skip
     assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
     buffer = rf"bf16\[(?:\d+,)?{batch},\d+,{slots},{cfg.head_dim}\]"
