@@ -321,10 +321,8 @@ def _grown(state: DecodeState, attn, capacity: int):
         return state, attn
     g = regroup(state.cache, (state.cache.num_layers,)).groups[0]
     pad = ((0, 0),) * 3 + ((0, extra),)
-    grown = KVCache.stacked(
-        jnp.pad(g.k, pad + ((0, 0),)), jnp.pad(g.v, pad + ((0, 0),)),
-        jnp.pad(g.pos, pad, constant_values=-1), g.index,
-    )  # fmt: skip
+    k, v = jax.tree.map(lambda x: jnp.pad(x, pad + ((0, 0),)), (g.k, g.v))
+    grown = KVCache.stacked(k, v, jnp.pad(g.pos, pad, constant_values=-1), g.index)
     attn = None if attn is None else jnp.pad(attn, pad)
     return dataclasses.replace(state, cache=grown), attn
 

@@ -225,10 +225,9 @@ def chunk_scores(
     tokens, lengths, lo, hi = chunk.tokens, chunk.lengths, chunk.lo, chunk.hi
     b, tr = tokens.shape
     pad = ((0, 0), (0, 0), (0, 0), (0, tr))
-    grown = KVCache.stacked(
-        k=jnp.pad(cache.k, pad + ((0, 0),)), v=jnp.pad(cache.v, pad + ((0, 0),)),
-        pos=jnp.pad(cache.pos, pad, constant_values=-1), index=cache.index,
-    )  # fmt: skip
+    group = cache.groups[0]  # padded as stored: an int8 cache's repeat entries are int8 too
+    k, v = jax.tree.map(lambda x: jnp.pad(x, pad + ((0, 0),)), (group.k, group.v))
+    grown = KVCache.stacked(k, v, jnp.pad(group.pos, pad, constant_values=-1), group.index)
     offset = jnp.arange(tr, dtype=jnp.int32)[None, :] - (tr - lengths)[:, None]
     positions = jnp.where(offset >= 0, prompt_lengths[:, None] + offset, -1)
     every_query = Recording.of(QueryWindow(tr))  # the repeat tokens' queries, post-RoPE

@@ -3,7 +3,9 @@
 One type, one form: a `KVCache` is a tuple of *layer groups*, runs of consecutive layers
 stacked on a leading axis:
 
-    group.k, group.v : [Lg, B, Hkv, S, D]   keys stored after RoPE
+    group.k, group.v : [Lg, B, Hkv, S, D]   keys stored after RoPE, and values: plain
+                                            arrays, or int8 with per-token scales
+                                            (`dge_jax.runtime.quantized`)
     group.pos        : [Lg, B, Hkv, S]      original token position of each slot, -1 = empty
     group.index      : [Lg]                 each layer's next slot to write
 
@@ -43,6 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.distribution.multihost import fetch
+from dge_jax.runtime.quantized import (
+    Entries,
+    dequantize,
+    empty_entries,
+    entries_nbytes,
+    kv_quant_of,
+)
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -52,8 +61,8 @@ INT32_MAX = np.iinfo(np.int32).max
 class LayerGroup:
     """Consecutive layers of one capacity, stacked on a leading [Lg] axis (module docstring)."""
 
-    k: jax.Array  # [Lg, B, Hkv, S, D]
-    v: jax.Array  # [Lg, B, Hkv, S, D]
+    k: Entries  # [Lg, B, Hkv, S, D]: an array, or `Int8Entries` (values and scales)
+    v: Entries  # [Lg, B, Hkv, S, D]
     pos: jax.Array  # [Lg, B, Hkv, S] int32, -1 = empty
     index: jax.Array  # [Lg] int32, next slot to write per layer
 
@@ -75,6 +84,8 @@ class KVCache:
 
     ``k``, ``v``, ``pos`` and ``index`` read every layer at once, stacked on a leading [L]
     axis (what scoring rules and selection read); they need one capacity for all layers.
+    ``k`` and ``v`` are what attention reads (dequantized where the cache is int8); the
+    stored entries are each group's own.
     """
 
     groups: tuple[LayerGroup, ...]
@@ -103,8 +114,13 @@ class KVCache:
 
     @property
     def dtype(self) -> jnp.dtype:
-        """dtype of the stored keys and values."""
+        """dtype the keys and values are read in (the stored one, or an int8 cache's scales')."""
         return self.groups[0].k.dtype
+
+    @property
+    def kv_quant(self) -> str:
+        """How the keys and values are stored (`quantized.KV_QUANTS`)."""
+        return kv_quant_of(self.groups[0].k)
 
     @property
     def ragged(self) -> bool:
@@ -128,16 +144,18 @@ class KVCache:
                 f"{self.capacities}; read each group's arrays (cache.groups[i].{name}) of a "
                 "cache compacted to per-layer capacities"
             )
-        return jnp.concatenate([getattr(g, name) for g in self.groups])
+        return jnp.concatenate([dequantize(getattr(g, name)) for g in self.groups])
 
     @property
     def k(self) -> jax.Array:
-        """[L, B, Hkv, S, D] every layer's keys (one capacity for all layers)."""
+        """[L, B, Hkv, S, D] every layer's keys as attention reads them (one capacity for all
+        layers)."""
         return self._all_layers("k")
 
     @property
     def v(self) -> jax.Array:
-        """[L, B, Hkv, S, D] every layer's values (one capacity for all layers)."""
+        """[L, B, Hkv, S, D] every layer's values as attention reads them (one capacity for all
+        layers)."""
         return self._all_layers("v")
 
     @property
@@ -188,9 +206,8 @@ class KVCache:
         return KVCache(tuple(groups))
 
     def nbytes(self) -> int:
-        """Bytes held by the cache arrays (k, v and pos)."""
-        arrays = [x for g in self.groups for x in (g.k, g.v, g.pos)]
-        return sum(int(x.size) * x.dtype.itemsize for x in arrays)
+        """Bytes held by the cache arrays (k, v with their scales, and pos)."""
+        return sum(entries_nbytes((g.k, g.v, g.pos)) for g in self.groups)
 
 
 def group_bounds(sizes: Sequence[int]) -> list[int]:
@@ -227,12 +244,14 @@ def init_cache(
     capacity: int | Sequence[int],
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
+    kv_quant: str = "none",
 ) -> KVCache:
     """An empty cache of static ``capacity`` slots per head: one group of every layer, or,
     given one capacity per layer, one group per run of layers of one capacity.
 
-    k, v: [Lg, B, Hkv, capacity, D] zeros of `dtype`; pos: [Lg, B, Hkv, capacity] int32 all
-    -1; index: [Lg] int32 zeros.
+    k, v: [Lg, B, Hkv, capacity, D] zeros of `dtype`, stored as `kv_quant` asks ("int8":
+    `quantized.Int8Entries` read in `dtype`); pos: [Lg, B, Hkv, capacity] int32 all -1;
+    index: [Lg] int32 zeros.
     """
     caps = (capacity,) * num_layers if isinstance(capacity, int | np.integer) else capacity
     caps = tuple(int(c) for c in caps)
@@ -242,8 +261,8 @@ def init_cache(
     for a, b in itertools.pairwise(group_bounds(runs_of_equal(caps))):
         shape = (b - a, batch_size, num_kv_heads, caps[a], head_dim)
         groups.append(LayerGroup(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=empty_entries(shape, dtype, kv_quant),
+            v=empty_entries(shape, dtype, kv_quant),
             pos=jnp.full(shape[:-1], -1, jnp.int32),
             index=jnp.zeros((b - a,), jnp.int32),
         ))  # fmt: skip
@@ -290,8 +309,9 @@ def regroup(cache: KVCache, sizes: Sequence[int]) -> KVCache:
                 pieces.append([g, i, i + 1])
 
         def take(name, pieces=pieces):
-            parts = [getattr(cache.groups[g], name)[i:j] for g, i, j in pieces]
-            return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            parts = [jax.tree.map(lambda x, i=i, j=j: x[i:j], getattr(cache.groups[g], name))
+                     for g, i, j in pieces]  # fmt: skip
+            return parts[0] if len(parts) == 1 else jax.tree.map(concat, *parts)
 
         groups.append(LayerGroup(k=take("k"), v=take("v"), pos=take("pos"), index=take("index")))
     return KVCache(tuple(groups))
@@ -368,27 +388,35 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
                 n = arrays[0].shape[0]
                 lo, hi = max(a, first), min(b, first + n)
                 if lo < hi:
-                    x = arrays[j - 1][lo - first : hi - first]
-                    pieces.append(x[..., :cap, :] if j < 3 else x[..., :cap])
-            return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
+                    part = slice(lo - first, hi - first)
+                    x = jax.tree.map(lambda a, part=part: a[part], arrays[j - 1])
+                    pieces.append(jax.tree.map(lambda a: a[..., :cap, :], x) if j < 3
+                                  else x[..., :cap])  # fmt: skip
+            return pieces[0] if len(pieces) == 1 else jax.tree.map(concat, *pieces)
 
         groups.append(LayerGroup(k=take(1), v=take(2), pos=take(3), index=index[a:b]))
     return KVCache(tuple(groups))
 
 
+def concat(*parts: jax.Array) -> jax.Array:
+    """The parts joined on their leading (layer) axis: `jax.tree.map`'s leaf function, so
+    int8 entries join their values and their scales."""
+    return jnp.concatenate(parts)
+
+
 def compact_heads(
-    k: jax.Array, v: jax.Array, pos: jax.Array, capacity: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    k: Entries, v: Entries, pos: jax.Array, capacity: int
+) -> tuple[Entries, Entries, jax.Array, jax.Array]:
     """`compact` of arrays with any leading axes: k, v [..., S, D], pos [..., S] ->
     [..., capacity(, D)], and count [...] int32, the entries each head now holds. The order
     depends on ``pos`` alone, so other per-slot arrays ([..., S, X]) passed as k or v with the
-    same ``pos`` land in the same slots (decode-time H2O carries its attention sums so)."""
+    same ``pos`` land in the same slots (decode-time H2O carries its attention sums so, and
+    int8 entries their scales [..., S, 1])."""
     length = pos.shape[-1]
     if capacity > length:  # growing: append empty slots so the gather below can fill them
         extra = capacity - length
         lead = ((0, 0),) * (pos.ndim - 1)
-        k = jnp.pad(k, lead + ((0, extra), (0, 0)))
-        v = jnp.pad(v, lead + ((0, extra), (0, 0)))
+        k, v = jax.tree.map(lambda x: jnp.pad(x, lead + ((0, extra), (0, 0))), (k, v))
         pos = jnp.pad(pos, lead + ((0, extra),), constant_values=-1)
     valid = pos >= 0
     count = jnp.sum(valid, axis=-1, keepdims=True, dtype=jnp.int32)
@@ -415,8 +443,11 @@ def compact_heads(
     )
     new_pos = jnp.where(empty, -1, jnp.take_along_axis(pos, order, axis=-1))
     filled = (new_pos >= 0)[..., None]
-    new_k = jnp.where(filled, jnp.take_along_axis(k, order[..., None], axis=-2), 0)
-    new_v = jnp.where(filled, jnp.take_along_axis(v, order[..., None], axis=-2), 0)
+
+    def gather(x):
+        return jnp.where(filled, jnp.take_along_axis(x, order[..., None], axis=-2), 0)
+
+    new_k, new_v = jax.tree.map(gather, (k, v))
     # Why one shared next-write slot = max kept count is right. cache.index is a single
     # next-write slot for every row and head of a layer (every layer, unless capacities are
     # per layer): decode writes token t of all heads into slot `index`. After compaction head

@@ -1,0 +1,165 @@
+"""The int8 KV cache's pieces: the scheme against a NumPy reference, and every cache operation
+moving each entry's scale with it (`dge_jax.runtime.quantized`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dge_jax.kernels.attention import AttentionSpec, LayerCache, NewEntries
+from dge_jax.kernels.layer_attention import cache_layer_attention, kernel_backend
+from dge_jax.runtime import platform
+from dge_jax.runtime.cache import KVCache, LayerGroup, compact, init_cache, regroup
+from dge_jax.runtime.cache_layout import cache_specs
+from dge_jax.runtime.extend import with_room
+from dge_jax.runtime.quantized import (
+    Int8Entries,
+    check_kv_quant,
+    dequantize,
+    quantize_int8,
+    round_trip,
+)
+from dge_jax.runtime.window_cache import make_room
+
+
+def reference_int8(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The scheme in NumPy: scale = max |x| * (1 / 127) per token (rounded to the activation dtype),
+    q = round-half-even(x / scale) clipped to [-127, 127]; an all-zero token gets 0 and 0."""
+    x = x.astype(np.float32)
+    scale = (np.abs(x).max(axis=-1, keepdims=True) * np.float32(1 / 127)).astype(dtype)
+    safe = np.where(scale == 0, 1, scale).astype(np.float32)
+    q = np.clip(np.round(x / safe), -127, 127).astype(np.int8)
+    return q, scale
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_int8_matches_the_numpy_reference_and_its_bound(dtype):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2, 3, 17, 8)) * rng.uniform(0.01, 30, (2, 3, 17, 1))).astype(dtype)
+    x[0, 0, 4] = 0  # an all-zero token
+    got = quantize_int8(jnp.asarray(x))
+    q, scale = reference_int8(x, dtype)
+    np.testing.assert_array_equal(np.asarray(got.q), q)
+    np.testing.assert_array_equal(np.asarray(got.scale), scale)
+    assert got.q.dtype == jnp.int8 and got.scale.dtype == x.dtype and got.shape == x.shape
+    back = np.asarray(dequantize(got), np.float32)
+    # |x - x'| <= scale / 2, plus the rounding of q * scale to the activation dtype.
+    eps = np.finfo(dtype).eps
+    bound = scale.astype(np.float32) / 2 + np.abs(x.astype(np.float32)) * eps + 1e-30
+    assert np.all(np.abs(back - x.astype(np.float32)) <= bound)
+    np.testing.assert_array_equal(back[0, 0, 4], 0)
+    # the largest entry of each token maps to +-127 (the scale is used in full)
+    assert np.all(np.abs(q[..., :]).max(axis=-1)[scale[..., 0] > 0] >= 126)
+
+
+def test_round_trip_and_check():
+    x = jnp.linspace(-3, 3, 40, dtype=jnp.float32).reshape(1, 1, 5, 8)
+    stored = init_cache(1, 1, 1, 5, 8, jnp.float32, kv_quant="int8").groups[0].k
+    np.testing.assert_array_equal(round_trip(stored, x), dequantize(quantize_int8(x)))
+    np.testing.assert_array_equal(round_trip(jnp.zeros((1, 1, 5, 8)), x), x)
+    with pytest.raises(ValueError, match="kv_quant must be one of"):
+        check_kv_quant("fp8")
+    with pytest.raises(ValueError, match="kv_quant must be one of"):
+        init_cache(1, 1, 1, 4, 8, kv_quant="int3")
+
+
+def int8_cache(seed=0, layers=3, b=2, h=2, s=12, d=8, dtype=jnp.float32):
+    """A filled int8 cache (positions 0 .. s-1, a few slots empty) and its plain twin holding
+    exactly the values the int8 one reads."""
+    rng = np.random.default_rng(seed)
+    k = jnp.asarray(rng.standard_normal((layers, b, h, s, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((layers, b, h, s, d)), dtype)
+    pos = np.broadcast_to(np.arange(s, dtype=np.int32), (layers, b, h, s)).copy()
+    pos[:, 0, :, :3] = -1  # left padding of row 0
+    qk, qv = quantize_int8(k), quantize_int8(v)
+    quant = KVCache((LayerGroup(qk, qv, jnp.asarray(pos), jnp.full((layers,), s, jnp.int32)),))
+    plain = KVCache.stacked(dequantize(qk), dequantize(qv), jnp.asarray(pos), s)
+    return quant, plain
+
+
+def assert_same_reads(quant: KVCache, plain: KVCache):
+    """The int8 cache reads exactly as the plain one, group by group."""
+    assert quant.kv_quant == "int8" and plain.kv_quant == "none"
+    assert quant.group_sizes == plain.group_sizes and quant.capacities == plain.capacities
+    for gq, gp in zip(quant.groups, plain.groups, strict=True):
+        assert isinstance(gq.k, Int8Entries) and gq.k.q.dtype == jnp.int8
+        np.testing.assert_array_equal(dequantize(gq.k), gp.k)
+        np.testing.assert_array_equal(dequantize(gq.v), gp.v)
+        np.testing.assert_array_equal(gq.pos, gp.pos)
+        np.testing.assert_array_equal(gq.index, gp.index)
+
+
+def test_compaction_moves_each_entry_with_its_scale():
+    quant, plain = int8_cache()
+    rng = np.random.default_rng(1)
+    keep = jnp.asarray(rng.random(quant.pos.shape) < 0.4) & (quant.pos >= 0)
+    masked_q, masked_p = (c.with_pos(jnp.where(keep, c.pos, -1)) for c in (quant, plain))
+    assert_same_reads(compact(masked_q, 8), compact(masked_p, 8))
+    # per-layer capacities: one group per run of one capacity
+    assert_same_reads(compact(masked_q, (8, 8, 10)), compact(masked_p, (8, 8, 10)))
+    np.testing.assert_array_equal(quant.k, plain.k)  # the stacked view reads dequantized
+    assert quant.nbytes() < plain.nbytes() / 2
+
+
+def test_regroup_room_and_sliding_moves_keep_scales():
+    quant, plain = int8_cache()
+    assert_same_reads(regroup(quant, (1, 1, 1)), regroup(plain, (1, 1, 1)))
+    assert_same_reads(regroup(regroup(quant, (1, 2)), (3,)), plain)
+    assert_same_reads(with_room(quant, 5), with_room(plain, 5))
+    g_q, g_p = quant.groups[0], plain.groups[0]
+    moved_q, moved_p = make_room(g_q, 4, 3), make_room(g_p, 4, 3)
+    assert_same_reads(KVCache((moved_q,)), KVCache((moved_p,)))
+
+
+def test_specs_follow_the_int8_structure():
+    from dge_jax.config import ModelConfig
+
+    cfg = ModelConfig(family="llama", vocab_size=16, hidden_size=16, intermediate_size=32,
+                      num_layers=3, num_heads=2, num_kv_heads=2, head_dim=8)  # fmt: skip
+    quant, _ = int8_cache()
+    specs = cache_specs(cfg, 2, {"data": 1, "model": 1}, kv_quant="int8")
+    assert jax.tree.structure(specs) == jax.tree.structure(quant)
+
+
+@pytest.mark.parametrize("key_block", [0, 4])
+def test_the_layer_writes_int8_and_attends_over_what_it_reads(key_block):
+    """A step's entries are stored quantized, and its attention (prefill chunk or decode
+    step, own entries included) equals the plain cache's over the round-tripped values."""
+    quant, plain = int8_cache(s=16)
+    rng = np.random.default_rng(2)
+    b, h, t, d, hq = 2, 2, 4 if key_block else 1, 8, 4
+    # Slots 12 .. 12 + t are empty, to be written at positions 12 .. 12 + t.
+    empty = jnp.arange(16) >= 12
+    quant, plain = (c.with_pos(jnp.where(empty, -1, c.pos)) for c in (quant, plain))
+    k_new = jnp.asarray(rng.standard_normal((b, h, t, d)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((b, h, t, d)), jnp.float32)
+    pos_new = jnp.broadcast_to(jnp.arange(12, 12 + t, dtype=jnp.int32), (b, h, t))
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+    spec = AttentionSpec(key_block=key_block, attention="xla")
+
+    def layer(cache):
+        g = cache.groups[0]
+        return LayerCache(g.k, g.v, g.pos, 1, 12)
+
+    got, _, written = cache_layer_attention(q, pos_new[:, 0], NewEntries(k_new, v_new, pos_new),
+                                            layer(quant), spec)  # fmt: skip
+    rt = NewEntries(dequantize(quantize_int8(k_new)), dequantize(quantize_int8(v_new)), pos_new)
+    want, _, plain_written = cache_layer_attention(q, pos_new[:, 0], rt, layer(plain), spec)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    stored = jax.tree.map(lambda x: x[1, :, :, 12 : 12 + t], written.k)
+    want_stored = quantize_int8(k_new)
+    np.testing.assert_array_equal(stored.q, want_stored.q)
+    np.testing.assert_array_equal(stored.scale, want_stored.scale)
+    np.testing.assert_array_equal(dequantize(written.v), plain_written.v)
+
+
+def test_pallas_does_not_read_int8():
+    spec = AttentionSpec(attention="pallas")
+    with pytest.raises(ValueError, match="does not read an int8 cache: use attention='xla'"):
+        kernel_backend(platform.current("pallas"), spec, "int8")
+    auto = kernel_backend(platform.current("pallas"), AttentionSpec(attention="auto"), "int8")
+    assert auto.attention == "xla"
+    assert kernel_backend(platform.current("pallas"), spec).attention == "pallas"
