@@ -34,6 +34,7 @@ from dge_jax.eviction.timing import KINDS, Lookahead, Timing
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.rules.registry import RULES, make_rule, resolve
 from dge_jax.runtime import platform
+from dge_jax.runtime.quantized import KV_QUANTS
 from dge_jax.runtime.selection import TIES
 from dge_jax.text.sampling import Greedy, Sampling
 
@@ -131,6 +132,11 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
         "pallas (the Pallas flash kernel for prefill and KVzip's passes, a decode kernel for "
         "draft and decode steps; interpret mode off TPU, slow) or cudnn (GPU only: cuDNN's "
         "flash attention for prefill and KVzip's passes; draft and decode steps on xla)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv_quant", default="none", choices=KV_QUANTS,
+        help="how the cache stores keys and values: none (the model's dtype) or int8 (one "
+        "scale per token per kv head; attention and every rule read them dequantized)",
     )  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object")
     ev = g.add_argument_group("eviction")
@@ -395,6 +401,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         seed=args.seed,
         eviction=eviction,
         attention=args.attention,
+        kv_quant=args.kv_quant,
         record_compressions=args.json and eviction is not None and eviction.decode is not None,
     )
     out = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.texts}

@@ -465,11 +465,18 @@ def until_done(
     ), extra
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg"))
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "kv_quant"))
 def teacher_forced_logits(
-    forward: ForwardFn, cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array
+    forward: ForwardFn,
+    cfg: ModelConfig,
+    params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    kv_quant: str = "none",
 ) -> jax.Array:
-    """[B, T, V] f32 logits of one forward over left-padded sequences (the decode reference)."""
+    """[B, T, V] f32 logits of one forward over left-padded sequences (the decode reference);
+    kv_quant: the cache's storage, whose round trip every query then reads through."""
     b, t = tokens.shape
-    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, params.embed.dtype)
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, params.embed.dtype,
+                       kv_quant)  # fmt: skip
     return forward(cfg, params, tokens, prompt_positions(lengths, t), cache, logits="all").logits
