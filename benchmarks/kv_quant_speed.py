@@ -1,6 +1,6 @@
 """An int8 cache against the plain one on CPU, end to end and per stage, and its bytes.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.kv_quant_speed [--model smollm2-135m-instruct]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.kv_quant_speed [--length 2048]
 
 One grid per run, the same for both caches: FullKV, SnapKV at prefill and DGE-SnapKV (k = 4),
 budget `--budget`, compacted; `--batch` prompts of `--length` random tokens, exactly
