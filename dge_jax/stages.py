@@ -125,6 +125,7 @@ def prefill(
         attention=request.attention,
         chunk=request.chunk,
         recording=recording.needs.recording,
+        kv_quant=request.kv_quant,
     )  # fmt: skip
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     eos_ids = request.eos_ids

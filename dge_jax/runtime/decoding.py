@@ -53,7 +53,8 @@ class PrefillOutput(NamedTuple):
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "forward", "cfg", "capacity", "chunk", "recording", "cache_dtype", "attention"
+        "forward", "cfg", "capacity", "chunk", "recording", "cache_dtype", "attention",
+        "kv_quant",
     ),
 )
 def prefill_prompt(
@@ -68,6 +69,7 @@ def prefill_prompt(
     recording: Recording = NOTHING,
     cache_dtype=None,
     attention: str = "auto",
+    kv_quant: str = "none",
 ) -> PrefillOutput:
     """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache.
 
@@ -89,7 +91,8 @@ def prefill_prompt(
     _check_capacity(cfg, capacity, t, c)
     dtype = cache_dtype or params.embed.dtype
     forward = functools.partial(forward, attention=attention)  # every chunk's attention
-    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype,
+                       kv_quant)  # fmt: skip
     capacity = cache.capacity  # the global layers' (what per-slot records span)
     # Under jax.set_mesh (dge_jax.distribution.sharding): rows over data, kv heads over model;
     # else no-ops.
