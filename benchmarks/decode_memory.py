@@ -100,7 +100,7 @@ def eos_of(model) -> tuple[int, ...]:
 def run_dge(model, prompt: list[int], n: int, rule, args, rss) -> dict:
     """One dge_jax run: FullKV (rule None) or decode-time compression with `rule`. The
     prefill cache holds prompt + N slots for FullKV, prompt + one interval (rounded as the
-    pipeline rounds it, `generation.cache_room`) for compression."""
+    pipeline rounds it, `grid_plan.GridPlan.room`) for compression."""
     from dge_jax.eviction import decode_compression
     from dge_jax.eviction.decode_spec import DecodeCompression
     from dge_jax.eviction.evict import SelectionSpec, round_up_slots

@@ -43,15 +43,8 @@ import numpy as np
 
 from dge_jax.config import with_fields
 from dge_jax.distribution.sharding import on_model_mesh
-from dge_jax.eviction import lookahead as laq
 from dge_jax.eviction.evict import Eviction, round_up_slots
-from dge_jax.eviction.grid_plan import (
-    CellPlan,
-    GridRecording,
-    bounded_sliding,
-    cache_room,
-    check_cells,
-)
+from dge_jax.eviction.grid_plan import Evicted, check_cells, plan_grid
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, platform
 from dge_jax.runtime.extend import extend, with_room
@@ -98,7 +91,7 @@ class GenerationConfig:
     passes; draft and decode steps run xla); sliding_cache: how prefill's cache holds
     sliding-window layers, "bounded" (their window plus one prefill step:
     `dge_jax.runtime.window_cache`), "full" (the prompt's length, like global layers) or
-    "auto" (bounded unless a cell needs the full layout: `grid_plan.bounded_sliding`);
+    "auto" (bounded unless a cell needs the full layout: `grid_plan.plan_grid`);
     kv_quant: how the cache stores keys and values, "none" (the activation dtype) or "int8"
     (one scale per token per kv head: `dge_jax.runtime.quantized`; every attention reads
     them dequantized, every rule scores what attention reads, and eviction moves each
@@ -176,9 +169,9 @@ def evicted_plans(
     hook: Hook | None = None,
     context_end: Sequence[int] | None = None,
     sliding_cache: str | None = None,
-) -> tuple[Request, list[CellPlan]]:
-    """The grid through its evict stage: the checked request and each cell's plan, its
-    evicted state ready to decode. context_end: per row, the last position a cell may keep
+) -> tuple[Request, list[Evicted]]:
+    """The grid through its evict stage: the checked request and each cell's `Evicted`, its
+    state ready to decode. context_end: per row, the last position a cell may keep
     (`generate_for_contexts`; None: the whole prompt); sliding_cache: over `cfg.sliding_cache`."""
     sampler = cfg.sampler
     check_sampler(sampler)
@@ -194,23 +187,20 @@ def evicted_plans(
         extra_eos_ids=cfg.extra_eos_ids, granule=granule, attention=cfg.attention,
         path=model.path, kv_quant=cfg.kv_quant,
     )  # fmt: skip
-    cells = check_cells(cells, cfg.max_new_tokens, model.config.layer_windows)
-    recording = GridRecording.of(cells)
     layout = sliding_cache or cfg.sliding_cache
-    bounded = bounded_sliding(cells, model.config.layer_windows, layout)
-    prefilled = prefill(
-        model, request, recording, sampler, cfg.seed, hook, cache_room(request, cells), bounded
-    )
+    grid = plan_grid(cells, request, model.config.layer_windows, layout)
+    cells, recording = grid.cells, grid.recording
+    prefilled = prefill(model, request, recording, sampler, cfg.seed, hook, grid.room, grid.bounded)
     prefilled = reconstruct(model, request, prefilled, recording, hook)
     looked = lookahead(model, request, prefilled, cells, recording, sampler, hook)
     # The draft writes into prefill's cache in place, unless a FullKV cell decodes from it.
     keep_start = any(ev is None for ev in cells)
     drafted = draft(model, request, prefilled, recording, sampler, hook, keep_start)
-    plans = laq.observing(rewind(request, prefilled, drafted, cells, hook), looked)
+    rewound = rewind(request, prefilled, drafted, looked, cells, hook)
     end = None if context_end is None else jnp.asarray(np.asarray(context_end, np.int32))
-    plans = select(model, prefilled, plans, hook, end)
-    # their full caches now live only in the plans that decode in them
-    return request, evict(request, prefilled, plans, hook)
+    selected = select(model, prefilled, rewound, hook, end)
+    # their full caches now live only in the cells that decode in them
+    return request, evict(request, prefilled, selected, hook)
 
 
 def _ids(model: Model, items: Sequence, special: bool, what: str) -> list[list[int]]:
@@ -309,8 +299,8 @@ def generate_for_contexts(
         # Room for the longest question and the answer, once per cell: every question is fed
         # to the same grown cache (one host read of the write index, one shape to compile).
         room = _bucket(max(len(q) for row in asked for q in row)) + request.buffer
-        plans = [dataclasses.replace(p, evicted=dataclasses.replace(
-            p.evicted, cache=with_room(p.evicted.cache, room))) for p in plans]  # fmt: skip
+        plans = [dataclasses.replace(p, state=dataclasses.replace(
+            p.state, cache=with_room(p.state.cache, room))) for p in plans]  # fmt: skip
         answers = [_answer(model, cfg, dataclasses.replace(request, max_new_tokens=lengths[j]),
                            plans, ctx, [q[j] for q in asked], hook)
                    for j in range(n)]  # fmt: skip
@@ -355,7 +345,7 @@ def _bucket(tokens: int) -> int:
     return round_up_slots(tokens, 16)
 
 
-def _answer(model, cfg, request: Request, plans: list[CellPlan], ctx, asked, hook):
+def _answer(model, cfg, request: Request, plans: list[Evicted], ctx, asked, hook):
     """Every cell's answers to one question per row: the question fed to the cell's
     compressed context, then decoded."""
     q = _bucket(max(map(len, asked)))
@@ -366,7 +356,7 @@ def _answer(model, cfg, request: Request, plans: list[CellPlan], ctx, asked, hoo
     key, first_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
     states = []
     for plan in plans:
-        logits, cache = extend(model.forward, model.config, model.params, plan.evicted.cache,
+        logits, cache = extend(model.forward, model.config, model.params, plan.state.cache,
                                jnp.asarray(tokens), jnp.asarray(positions),
                                attention=request.attention)  # fmt: skip
         active = request.min_new_tokens > 0
@@ -376,7 +366,7 @@ def _answer(model, cfg, request: Request, plans: list[CellPlan], ctx, asked, hoo
             request.eos_ids, key, buffer=request.buffer,
         ))  # fmt: skip
     fed = dataclasses.replace(request, prompt_ids=[c + a for c, a in zip(ctx, asked, strict=True)])
-    ready = [dataclasses.replace(p, evicted=s) for p, s in zip(plans, states, strict=True)]
+    ready = [dataclasses.replace(p, state=s) for p, s in zip(plans, states, strict=True)]
     tokens_out, _ = decode(model, fed, ready, cfg.sampler, hook)
     return results(model, fed, plans, tokens_out)
 

@@ -1,12 +1,12 @@
-"""The stages of `generate_grid`, one function each, over one `CellPlan` per cell.
+"""The stages of `generate_grid`, one function each, over what each holds per cell.
 
     prepare -> prefill -> reconstruct -> lookahead -> draft -> rewind -> select -> evict
         -> decode -> results
 
 The numeric work happens in the pure jitted functions the stages call
 (`dge_jax.runtime.decoding`, `dge_jax.eviction.evict`). A grid of cells (evictions, or None for
-FullKV) shares one prefill and one draft to the largest k; each cell then carries a `CellPlan`
-through the later stages.
+FullKV) shares one prefill and one draft to the largest k, as its `grid_plan.GridPlan` says;
+each cell then goes through the later stages as `grid_plan.Rewound`, `Selected`, `Evicted`.
 
 ``hook``: every jitted step runs as ``hook(stage, fn, *args, **kwargs)`` (default: just
 ``fn(*args, **kwargs)``), with stage one of `STAGES`: how a benchmark times the stages without
@@ -37,7 +37,7 @@ from dge_jax.eviction.evict import (
     scoring_key,
     spreads_budget,
 )
-from dge_jax.eviction.grid_plan import CellPlan, GridRecording
+from dge_jax.eviction.grid_plan import Evicted, GridRecording, Rewound, Selected
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, stacking, window_cache
 from dge_jax.runtime.decoding import DecodeState, PrefillOutput
@@ -110,7 +110,7 @@ def prefill(
     """Prefill once for every cell, recording what any cell's rule reads (the largest
     query window, attention sums, query statistics, rules' own recorders); choose the first
     answer token. room: slots after the prompt (default: the token buffer, room for every
-    new token; `cache_room`); bounded: sliding layers hold their window plus one prefill
+    new token; `GridPlan.room`); bounded: sliding layers hold their window plus one prefill
     step, not the prompt (`dge_jax.runtime.window_cache`)."""
     capacity = request.tokens.shape[1] + (request.buffer if room is None else room)
     if bounded:
@@ -236,8 +236,11 @@ def draft(
     return Drafted(state=state, record=record, entropy=entropy, top1=top1)
 
 
-def rewind(request: Request, prefilled: Prefilled, drafted, cells, hook=None) -> list[CellPlan]:
-    """Each cell's state at its eviction point: the draft rewound to the cell's steps per row.
+def rewind(
+    request: Request, prefilled: Prefilled, drafted, looked, cells, hook=None
+) -> list[Rewound]:
+    """Each cell's state at its eviction point: the draft rewound to the cell's steps per row;
+    a "lookahead" cell observes its record in `looked` (`lookahead`) instead of the draft's.
 
     "prefill" cells rewind to 0 steps (the pre-draft cache, the draft record masked out), so
     the three timings share one compiled scorer. One rewound state per distinct steps, shared
@@ -261,15 +264,14 @@ def rewind(request: Request, prefilled: Prefilled, drafted, cells, hook=None) ->
             eos_ids=request.eos_ids,
         )  # fmt: skip
         cache = rewound[key][0].cache  # k and v donated and returned: the next rewind's
-    plans = []
+    out = []
     for ev, steps in zip(cells, per_cell, strict=True):
-        if steps is None:
-            plans.append(CellPlan(eviction=ev, state=prefilled.start))
-            continue
-        state, record = rewound[tuple(map(int, steps))]
-        state = dataclasses.replace(state, cache=stacking.with_kv(state.cache, cache))  # live k, v
-        plans.append(CellPlan(eviction=ev, state=state, steps=steps, drafts=record))
-    return plans
+        state, record = prefilled.start, None
+        if steps is not None:  # the rewound state, over the live k and v
+            state, record = rewound[tuple(map(int, steps))]
+            state = dataclasses.replace(state, cache=stacking.with_kv(state.cache, cache))
+        out.append(Rewound(ev, state, steps, laq.observed_record(ev, record, looked)))
+    return out
 
 
 def out_projection(model: Model) -> jax.Array:
@@ -283,8 +285,8 @@ def out_projection(model: Model) -> jax.Array:
 
 
 def select(
-    model: Model, prefilled: Prefilled, plans: list[CellPlan], hook=None, context_end=None
-) -> list[CellPlan]:
+    model: Model, prefilled: Prefilled, plans: list[Rewound], hook=None, context_end=None
+) -> list[Selected]:
     """Every cell's keep mask. Cells at the same eviction point with the same scoring
     (`eviction.scoring_key`: they differ by budget, or are SnapKV and PyramidKV) are scored
     once for all of them. context_end [B]: keep only positions up to it
@@ -296,7 +298,7 @@ def select(
             if plan.eviction.timing.kind == "lookahead":  # its own record, not the draft's
                 point = (point, laq.lookahead_key(plan.eviction))
             sweeps.setdefault((point, scoring_key(plan.eviction)), []).append(i)
-    plans = list(plans)
+    keeps: dict[int, jax.Array] = {}
     for members in sweeps.values():
         first = plans[members[0]]
         obs, drafts = observation.for_rule(first.eviction.rule, prefilled.pre.obs, first.drafts)
@@ -307,14 +309,14 @@ def select(
             first.state.cache, obs, drafts, [plans[i].eviction for i in members],
             model.config.layer_windows, context_end,
         )  # fmt: skip
-        for i, keep in zip(members, masks, strict=True):
-            plans[i] = dataclasses.replace(plans[i], keep=keep)
-    return plans
+        keeps.update(zip(members, masks, strict=True))
+    return [Selected(p.eviction, p.state, p.steps, p.drafts, keeps.get(i))
+            for i, p in enumerate(plans)]  # fmt: skip
 
 
 def evict(
-    request: Request, prefilled: Prefilled, plans: list[CellPlan], hook=None
-) -> list[CellPlan]:
+    request: Request, prefilled: Prefilled, plans: list[Selected], hook=None
+) -> list[Evicted]:
     """Each cell's evicted state: masked, or compacted. Compacted cells without a fixed
     capacity share per-layer capacities (the most any of them keeps per layer, plus room for
     every new token, rounded up), so they share one compiled decode loop.
@@ -356,13 +358,11 @@ def evict(
             )  # fmt: skip
             state = dataclasses.replace(state, cache=cache)
         positions = None if plan.keep is None else plan.state.cache.padded_pos()
-        out.append(
-            dataclasses.replace(plan, state=None, positions=positions, evicted=state, attn=attn)
-        )
+        out.append(Evicted(ev, state, plan.keep, positions, plan.steps, attn))
     return out
 
 
-def _decodes(plan: CellPlan) -> bool:
+def _decodes(plan: Selected | Evicted) -> bool:
     """Whether the cell compresses while decoding."""
     return plan.eviction is not None and plan.eviction.decode is not None
 
@@ -370,7 +370,7 @@ def _decodes(plan: CellPlan) -> bool:
 def decode(
     model: Model,
     request: Request,
-    plans: list[CellPlan],
+    plans: list[Evicted],
     sampler,
     hook=None,
     record_compressions: bool = False,
@@ -391,12 +391,12 @@ def decode(
     logs: list = [None] * len(plans)
     for i, plan in enumerate(plans):
         if not _decodes(plan):
-            cache = plan.evicted.cache
+            cache = plan.state.cache
             groups.setdefault((cache.capacities, cache.group_sizes, cache.dtype), []).append(i)
     order = [[i] for i, p in enumerate(plans) if _decodes(p)] + list(groups.values())
-    last = stacking.last_reads([[plans[i].evicted.cache for i in m] for m in order])
+    last = stacking.last_reads([[plans[i].state.cache for i in m] for m in order])
     for n, members in enumerate(order):
-        states = [plans[i].evicted for i in members]
+        states = [plans[i].state for i in members]
         if _decodes(plans[members[0]]):
             i, owns = members[0], stacking.owns(states[0].cache, last, n)
             tokens[i], logs[i] = _decode_compressed(
@@ -428,7 +428,7 @@ def decode(
 def _decode_compressed(
     model: Model,
     request: Request,
-    plan: CellPlan,
+    plan: Evicted,
     sampler,
     hook,
     record: bool,
@@ -439,7 +439,7 @@ def _decode_compressed(
     no later cell reads the keys and values it starts from, so the loop takes them."""
     ev = plan.eviction
     spec, spread = ev.decode, spreads_budget(ev)
-    state = plan.evicted
+    state = plan.state
     if not alone:
         # The loop donates its state, and other cells may hold the same arrays: the rewound
         # tokens and counters, and (nothing evicted before decoding) prefill's cache or the
@@ -471,7 +471,7 @@ def _decode_compressed(
 
 
 def results(
-    model: Model, request: Request, plans: list[CellPlan], tokens, logs=None
+    model: Model, request: Request, plans: list[Evicted], tokens, logs=None
 ) -> list[GenerationResult]:
     """Each cell's ids cut at the first EOS, their text, and what its eviction kept (and,
     when recorded, what each decode-time compression kept)."""

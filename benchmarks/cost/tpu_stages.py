@@ -10,7 +10,7 @@ copy (the lookahead) -> the selection from the full cache observing it -> compac
 decode. A decode-at-interval-k cell (`DecodeCell`): prefill ->
 `decode_compression.decode_compressed` over the full cache. `Setup.timing` picks the cell.
 Each step is the library's own jitted function, lowered with the static arguments the
-stages give it (`grid_plan.GridRecording`, `grid_plan.cache_room`, the evict stage's
+stages give it (`grid_plan.plan_grid`'s recording and room, the evict stage's
 capacity rule, `lookahead.first_stage`, the decode loop's `CompressionLoop`) and donating
 what it donates today; each stage's inputs are
 the previous stages' outputs, with the shardings the compiler gave them. Parameters are bf16
@@ -290,13 +290,15 @@ class Cell:
         self.setup = setup
         self.params = abstract_params(setup)
         self.request = setup.request()
-        # checked, and fitted to the model's windows, as generate_grid does (`check_cells`)
+        # planned as generate_grid plans it (`plan_grid`: checked, fitted to the model's
+        # windows), sliding layers at prompt length as the cells' caches below hold them
         windows = setup.cfg.layer_windows
-        self.ev = grid_plan.check_cells([setup.eviction], setup.max_new_tokens, windows)[0]
-        self.recording = grid_plan.GridRecording.of([self.ev])
+        plan = grid_plan.plan_grid([setup.eviction], self.request, windows, "full")
+        self.ev, self.recording = plan.cells[0], plan.recording
         self.prompt_len = self.request.tokens.shape[1]  # seq padded as generate pads it
-        self.capacity = self.prompt_len + grid_plan.cache_room(self.request, [self.ev])
-        self.full_capacity = self.prompt_len + grid_plan.cache_room(self.request, [None])
+        self.capacity = self.prompt_len + plan.room
+        full = grid_plan.plan_grid([None], self.request, windows, "full")
+        self.full_capacity = self.prompt_len + full.room
         self.sizes = sizes_of(setup, self.params)
         kept = min(setup.budget, setup.seq + self.recording.draft_steps)
         self.kept = kept
@@ -488,7 +490,7 @@ class Cell:
 
     def decode_full(self) -> StageRun:
         """`decode_loop` over prefill's full cache: what a FullKV cell decodes (its prefill's
-        cache has room for every new token: `grid_plan.cache_room`)."""
+        cache has room for every new token: `grid_plan.GridPlan.room`)."""
         cfg, b, cap = self.setup.cfg, self.setup.batch, self.full_capacity
         cache = self.runs["prefill"].outputs.cache
         if cap != self.capacity:

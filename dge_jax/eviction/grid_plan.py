@@ -1,6 +1,8 @@
-"""What a grid of cells needs before it runs: the checked cells, what their shared prefill
-and draft record together, how much room prefill's cache needs, and each cell's `CellPlan`
-(what `dge_jax.stages` carries one cell through the stages in)."""
+"""What a grid of cells needs before it runs, planned once (`plan_grid` -> `GridPlan`): the
+checked cells, what their shared prefill and draft record together, whether sliding layers
+get the bounded layout, how much room prefill's cache needs. Then what `dge_jax.stages`
+hands on for each cell, one type per stage: `Rewound` -> `Selected` -> `Evicted`, each
+complete when made (no field is filled in by a later stage)."""
 
 from __future__ import annotations
 
@@ -21,33 +23,88 @@ from dge_jax.text.prompts import Request
 
 
 @dataclasses.dataclass(frozen=True)
-class CellPlan:
-    """One cell's way through the stages.
+class Rewound:
+    """One cell at its eviction point (the rewind stage's output).
 
-    eviction: None for FullKV. steps: draft steps each row ran before eviction ([B] int, None
-    without a draft). state: the decode state at the eviction point (None after the evict
-    stage: no plan holds a full cache it no longer reads); drafts: the draft record rewound
-    to `steps` (None without a draft). keep: the keep mask [L, B, Hkv, S] (select stage);
-    positions: its cache's slot positions, that `keep` indexes; evicted: the state decoding
-    starts from (evict stage); attn: the attention sums aligned with its cache, for a
-    decode-time rule that reads them (H2O).
+    eviction: None for FullKV; state: the decode state it evicts from (or, evicting nothing
+    before decoding, decodes from); steps: draft steps each row ran before that point ([B]
+    int; None: the grid ran no draft, so the state is prefill's); drafts: the record its rule
+    observes, the draft rewound to `steps` or its lookahead's (None: it observes none).
     """
 
     eviction: Eviction | None
-    state: DecodeState | None
-    steps: np.ndarray | None = None
-    drafts: DraftRecord | None = None
-    keep: jax.Array | None = None
-    evicted: DecodeState | None = None
-    attn: jax.Array | None = None
-    positions: jax.Array | None = None
+    state: DecodeState
+    steps: np.ndarray | None
+    drafts: DraftRecord | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """One cell with what it keeps (the select stage's output): `Rewound`'s fields and keep,
+    the keep mask [L, B, Hkv, S] over `state`'s cache (None: the cell evicts nothing before
+    decoding, FullKV or timing "decode")."""
+
+    eviction: Eviction | None
+    state: DecodeState
+    steps: np.ndarray | None
+    drafts: DraftRecord | None
+    keep: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Evicted:
+    """One cell ready to decode (the evict stage's output); it holds no full cache it no
+    longer reads.
+
+    state: the state decoding starts from (evicted: masked or compacted); keep: `Selected`'s
+    mask; positions: the slot positions of the cache it indexes (both None: nothing was
+    evicted before decoding); steps: as `Rewound`'s; attn: the attention sums aligned with
+    the cache, for a decode-time rule that reads them (H2O; None: it reads none).
+    """
+
+    eviction: Eviction | None
+    state: DecodeState
+    keep: jax.Array | None
+    positions: jax.Array | None
+    steps: np.ndarray | None
+    attn: jax.Array | None
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPlan:
+    """A grid planned once, before its prefill (`plan_grid`).
+
+    cells: the checked cells (`check_cells`: FullKV as None); recording: what the shared
+    prefill and draft record (`GridRecording`); bounded: whether prefill's cache gives
+    sliding layers the bounded layout (`dge_jax.runtime.window_cache`); room: the slots
+    after the prompt prefill's cache holds.
+    """
+
+    cells: tuple[Eviction | None, ...]
+    recording: GridRecording
+    bounded: bool
+    room: int
+
+
+def plan_grid(
+    cells: Sequence[Eviction | None], request: Request, windows: tuple[int, ...], layout: str
+) -> GridPlan:
+    """The plan of a grid of `cells` for `request`: the cells checked (clear errors before
+    compiling), their recording, the sliding layout (`layout`: `GenerationConfig.sliding_cache`)
+    and the cache room. windows: the model's layer windows."""
+    checked = check_cells(cells, request.max_new_tokens, windows)
+    recording = GridRecording.of(checked)
+    bounded = _bounded_sliding(checked, windows, layout)
+    return GridPlan(tuple(checked), recording, bounded, _cache_room(request, checked))
 
 
 def check_cells(
     cells: Sequence[Eviction | None], max_new_tokens: int, windows: tuple[int, ...] = ()
 ) -> list[Eviction | None]:
     """The cells with FullKV as None, each eviction checked (clear errors before compiling);
-    windows: the model's layer windows (a compressing decode loop must hold a window)."""
+    windows: the model's layer windows (a compressing decode loop must hold a window).
+    `plan_grid` starts here; `generate_for_contexts` checks alone, to split its cells into
+    grids before it has their requests."""
     if isinstance(cells, Eviction):
         raise TypeError("cells must be a list of Eviction / None; for one eviction pass [ev]")
     for i, ev in enumerate(cells):
@@ -101,7 +158,7 @@ class GridRecording:
         return cls(needs=needs, draft_steps=steps)
 
 
-def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
+def _cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
     """Slots after the prompt the shared prefill cache needs: room for every new token when a
     cell decodes in that cache (FullKV, a masked eviction); otherwise only for the drafts and
     for the first block of a cell that evicts only while decoding (every other cell decodes
@@ -113,7 +170,7 @@ def cache_room(request: Request, cells: Sequence[Eviction | None]) -> int:
     return min(request.buffer, round_up_slots(max(need + [1])))
 
 
-def bounded_sliding(
+def _bounded_sliding(
     cells: Sequence[Eviction | None], windows: tuple[int, ...], layout: str
 ) -> bool:
     """Whether prefill's cache gives sliding layers the bounded layout

@@ -68,12 +68,15 @@ def observed_steps(record: DraftRecord, before: jax.Array, after: jax.Array) -> 
     return record._replace(q_pos=jnp.where(observed, record.q_pos, -1))
 
 
-def observing(plans: list, records: dict[tuple, DraftRecord]) -> list:
-    """The "lookahead" cells' `CellPlan`s observing their lookahead's record (in place of
-    any draft's); the other plans as they are."""
-    return [plan if plan.eviction is None or plan.eviction.timing.kind != "lookahead" else
-            dataclasses.replace(plan, drafts=records[lookahead_key(plan.eviction)])
-            for plan in plans]  # fmt: skip
+def observed_record(
+    ev: Eviction | None, drafts: DraftRecord | None, records: dict[tuple, DraftRecord]
+) -> DraftRecord | None:
+    """The record `ev`'s rule observes: for a "lookahead" cell its lookahead's (`records`, by
+    `lookahead_key`), in place of any draft's; for any other cell `drafts`, the draft
+    rewound to its steps (None: no draft)."""
+    if ev is None or ev.timing.kind != "lookahead":
+        return drafts
+    return records[lookahead_key(ev)]
 
 
 def onto_slots(probs: jax.Array, seen_pos: jax.Array, full_pos: jax.Array) -> jax.Array:
