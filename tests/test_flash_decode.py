@@ -403,3 +403,18 @@ def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
     assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
     buffer = rf"bf16\[(?:\d+,)?{batch},\d+,{slots},{cfg.head_dim}\]"
     assert re.findall(rf"{buffer}\S* copy\(", hlo) == []
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(128, jnp.bfloat16), (16, jnp.float32)])
+def test_decode_loop_for_tpu_reads_an_int8_cache_in_place(tpu_devices, head_dim, dtype):
+    """The same loop over an int8 cache, head 128 in bf16 (read row-major) and head 16 in
+    f32 (slots-minor): the Mosaic kernel runs, and no copy inside the loop is larger than
+    one layer's scales [B, Hkv / device, 1, S], the one pass `flash_tiles._kv_operands`
+    makes per call (a reshape of the stacked scales copied every layer's per call here)."""
+    batch, slots = 2, 512
+    hlo, cfg = compiled_decode_loop(tpu_devices, head_dim, dtype, "int8", batch, slots)
+    assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
+    one_layer_scales = batch * (cfg.num_kv_heads // 2) * slots
+    body_copies = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(.*while/body", hlo)
+    sizes = [int(np.prod([int(n) for n in shape.split(",") if n])) for shape in body_copies]
+    assert sizes and max(sizes) <= one_layer_scales, sizes
