@@ -196,3 +196,39 @@ def test_kernel_backend_keeps_pallas_for_int8_and_refuses_cudnn_soft_caps():
         kernel_backend(platform.Backend.of("gpu", "cudnn"), capped)
     auto = dataclasses.replace(capped, attention="auto")
     assert kernel_backend(platform.Backend.of("gpu", "cudnn"), auto).attention == "xla"
+
+
+def test_the_pallas_prefill_on_an_int8_cache_compiles_for_tpu_under_a_mesh():
+    """cache_layer_attention of a prefill chunk recording probs sums, attention "pallas",
+    over an int8 cache on a 1 x 2 v5e mesh (deviceless): `_sharded_flash`'s shard_map takes
+    the Int8Entries under k's specs, and both Mosaic kernels (forward, probs sums) compile.
+    (Run under a 2 x 2 CPU mesh in interpret mode, it gave "xla"'s outputs, sums and cache:
+    the issue's report.)"""
+    import os
+
+    import dge_jax
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    except Exception as error:  # no libtpu, or a jax without deviceless TPU topologies
+        pytest.skip(f"no deviceless TPU compilation here (pip install 'jax[tpu]'): {error}")
+    mesh = dge_jax.distribution.sharding.make_mesh(1, 2, devices=devices[:2])
+    where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    lg, b, h, s, d, t, hq = 2, 2, 2, 256, 128, 128, 8
+
+    def spec(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+    int8 = Int8Entries(spec((lg, b, h, s, d), jnp.int8), spec((lg, b, h, s, 1)))
+    layer = LayerCache(int8, int8, spec((lg, b, h, s), jnp.int32), spec((), jnp.int32),
+                       spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
+    new = NewEntries(spec((b, h, t, d)), spec((b, h, t, d)), spec((b, h, t), jnp.int32))
+    chunk = AttentionSpec(key_block=t, record_attn=True, attention="pallas")
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(cache_layer_attention, static_argnums=4).lower(
+            spec((b, t, hq, d)), spec((b, t), jnp.int32), new, layer, chunk
+        ).compile().as_text()  # fmt: skip
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 2
