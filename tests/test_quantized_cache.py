@@ -3,13 +3,15 @@ moving each entry's scale with it (`dge_jax.runtime.quantized`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-from dge_jax.kernels.attention import AttentionSpec, LayerCache, NewEntries
+from dge_jax.kernels.attention import AttentionSpec, LayerCache, NewEntries, ScoreSpec
 from dge_jax.kernels.layer_attention import cache_layer_attention, kernel_backend
 from dge_jax.runtime import platform
 from dge_jax.runtime.cache import KVCache, LayerGroup, compact, init_cache, regroup
@@ -156,10 +158,77 @@ def test_the_layer_writes_int8_and_attends_over_what_it_reads(key_block):
     np.testing.assert_array_equal(dequantize(written.v), plain_written.v)
 
 
-def test_pallas_does_not_read_int8():
-    spec = AttentionSpec(attention="pallas")
-    with pytest.raises(ValueError, match="does not read an int8 cache: use attention='xla'"):
-        kernel_backend(platform.current("pallas"), spec, "int8")
-    auto = kernel_backend(platform.current("pallas"), AttentionSpec(attention="auto"), "int8")
-    assert auto.attention == "xla"
-    assert kernel_backend(platform.current("pallas"), spec).attention == "pallas"
+@pytest.mark.parametrize("key_block,record_attn", [(0, False), (4, False), (4, True)])
+def test_pallas_reads_int8_as_xla_does(key_block, record_attn):
+    """attention="pallas" on an int8 cache (the kernels in interpret mode, through
+    layer_attention's wrappers): a decode step with its own entries, a prefill chunk with
+    and without probs sums give "xla"'s output and sums and write the same cache."""
+    quant, _ = int8_cache(s=16)
+    quant = quant.with_pos(jnp.where(jnp.arange(16) >= 12, -1, quant.pos))
+    rng = np.random.default_rng(3)
+    b, h, t, d, hq = 2, 2, 4 if key_block else 1, 8, 4
+    k_new, v_new = (jnp.asarray(rng.standard_normal((b, h, t, d)), jnp.float32) for _ in "kv")
+    pos_new = jnp.broadcast_to(jnp.arange(12, 12 + t, dtype=jnp.int32), (b, h, t))
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+    g = quant.groups[0]
+    layer = LayerCache(g.k, g.v, g.pos, 1, 12, jnp.int32(3 if key_block else 0))
+
+    def run(attention):
+        spec = AttentionSpec(key_block=key_block, record_attn=record_attn, attention=attention)
+        return jax.jit(cache_layer_attention, static_argnums=4)(
+            q, pos_new[:, 0], NewEntries(k_new, v_new, pos_new), layer, spec
+        )
+
+    (got, got_sums, got_cache), (want, want_sums, want_cache) = run("pallas"), run("xla")
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    if record_attn:
+        np.testing.assert_allclose(got_sums, want_sums, atol=1e-5)
+    for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_kernel_backend_keeps_pallas_for_int8_and_refuses_cudnn_soft_caps():
+    """Nothing refuses an int8 cache any more; cuDNN still refuses a soft cap by name."""
+    pallas = AttentionSpec(attention="pallas")
+    assert kernel_backend(platform.current("pallas"), pallas).attention == "pallas"
+    capped = AttentionSpec(attention="cudnn", scores=ScoreSpec(softcap=50.0))
+    with pytest.raises(ValueError, match="soft-capped logits: use attention='xla'"):
+        kernel_backend(platform.Backend.of("gpu", "cudnn"), capped)
+    auto = dataclasses.replace(capped, attention="auto")
+    assert kernel_backend(platform.Backend.of("gpu", "cudnn"), auto).attention == "xla"
+
+
+def test_the_pallas_prefill_on_an_int8_cache_compiles_for_tpu_under_a_mesh():
+    """cache_layer_attention of a prefill chunk recording probs sums, attention "pallas",
+    over an int8 cache on a 1 x 2 v5e mesh (deviceless): `_sharded_flash`'s shard_map takes
+    the Int8Entries under k's specs, and both Mosaic kernels (forward, probs sums) compile.
+    (Run under a 2 x 2 CPU mesh in interpret mode, it gave "xla"'s outputs, sums and cache:
+    the issue's report.)"""
+    import os
+
+    import dge_jax
+
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        from jax.experimental import topologies
+
+        devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    except Exception as error:  # no libtpu, or a jax without deviceless TPU topologies
+        pytest.skip(f"no deviceless TPU compilation here (pip install 'jax[tpu]'): {error}")
+    mesh = dge_jax.distribution.sharding.make_mesh(1, 2, devices=devices[:2])
+    where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    lg, b, h, s, d, t, hq = 2, 2, 2, 256, 128, 128, 8
+
+    def spec(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
+
+    int8 = Int8Entries(spec((lg, b, h, s, d), jnp.int8), spec((lg, b, h, s, 1)))
+    layer = LayerCache(int8, int8, spec((lg, b, h, s), jnp.int32), spec((), jnp.int32),
+                       spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
+    new = NewEntries(spec((b, h, t, d)), spec((b, h, t, d)), spec((b, h, t), jnp.int32))
+    chunk = AttentionSpec(key_block=t, record_attn=True, attention="pallas")
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(cache_layer_attention, static_argnums=4).lower(
+            spec((b, t, hq, d)), spec((b, t), jnp.int32), new, layer, chunk
+        ).compile().as_text()  # fmt: skip
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 2

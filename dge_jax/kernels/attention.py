@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -75,8 +76,10 @@ class LayerCache(NamedTuple):
 
     @classmethod
     def one(cls, k, v, pos, slot=0, window=None) -> LayerCache:
-        """A single layer k, v [B, Hkv, S, D], pos [B, Hkv, S] as a group of one."""
-        return cls(k[None], v[None], pos[None], 0, slot, window)
+        """A single layer k, v [B, Hkv, S, D] (arrays or int8 entries), pos [B, Hkv, S] as a
+        group of one."""
+        one = functools.partial(jax.tree.map, lambda x: x[None])
+        return cls(one(k), one(v), pos[None], 0, slot, window)
 
     def stored(self, name: str) -> Entries:
         """Layer `layer`'s stored keys ("k") or values ("v") [B, Hkv, S, D], as stored."""

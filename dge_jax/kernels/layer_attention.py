@@ -29,7 +29,7 @@ from dge_jax.kernels.attention import (
 )
 from dge_jax.runtime import platform
 from dge_jax.runtime.platform import Backend
-from dge_jax.runtime.quantized import kv_quant_of, round_trip, store_like
+from dge_jax.runtime.quantized import round_trip, store_like
 
 
 def cache_layer_attention(
@@ -62,7 +62,7 @@ def cache_layer_attention(
     zero is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a. Every model family
     calls this one function, so none has to repeat the trick.
     """
-    backend = kernel_backend(platform.current(spec.attention), spec, kv_quant_of(cache.k))
+    backend = kernel_backend(platform.current(spec.attention), spec)
     t = q.shape[1]
     i, slot = cache.layer, cache.slot
 
@@ -93,22 +93,19 @@ def cache_layer_attention(
     return attn, probs_sum, written
 
 
-def kernel_backend(backend: Backend, spec: AttentionSpec, kv_quant: str = "none") -> Backend:
+def kernel_backend(backend: Backend, spec: AttentionSpec) -> Backend:
     """`backend`, unless its kernel cannot run this attention: cuDNN's takes no soft cap (the
-    Pallas kernels and the XLA path take sliding windows, soft caps and any logit scale), and
-    the Pallas kernels do not read an int8 cache (cuDNN reads it dequantized). Asked for by
-    name (spec.attention), such a kernel is a ValueError saying what to use; chosen by
-    "auto", the XLA path runs instead (it is exact for all of them)."""
-    if backend.attention == "cudnn" and spec.scores.softcap:
-        why = "does not take this model's soft-capped logits"
-    elif backend.attention == "pallas" and kv_quant != "none":
-        why = f"does not read an {kv_quant} cache"
-    else:
+    Pallas kernels and the XLA path take sliding windows, soft caps and any logit scale;
+    every kernel reads an int8 cache: the Pallas kernels dequantize its blocks in VMEM,
+    cuDNN's reads it dequantized). Asked for by name (spec.attention), such a kernel is a
+    ValueError saying what to use; chosen by "auto", the XLA path runs instead (it is exact
+    for all of them)."""
+    if not (backend.attention == "cudnn" and spec.scores.softcap):
         return backend
     if spec.attention != "auto":
         raise ValueError(
-            f"attention={spec.attention!r} {why}: use attention='xla' (or 'auto', which "
-            "picks it then)"
+            f"attention={spec.attention!r} does not take this model's soft-capped logits: use "
+            "attention='xla' (or 'auto', which picks it then)"
         )
     return platform.current("xla")
 
@@ -158,6 +155,7 @@ def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries, spec: Atte
     if specs is None:
         return fn(*args)
     rows, keys, slots, qpos, _ = specs
+    # k's spec, a prefix of an int8 cache's (values, scales): the scales [.., S, 1] split as k
     stacked, scalar = jax.sharding.PartitionSpec(None, *keys), jax.sharding.PartitionSpec()
     return jax.shard_map(
         fn, in_specs=(rows, stacked, stacked, jax.sharding.PartitionSpec(None, *slots), qpos,
@@ -220,6 +218,7 @@ def _sharded_flash(q, query_pos, cache: LayerCache, num_slots, spec: AttentionSp
     if specs is None:
         return fn(*args)
     rows, keys, slots, qpos, sums = specs
+    # k's spec, a prefix of an int8 cache's (values, scales): the scales [.., S, 1] split as k
     stacked = jax.sharding.PartitionSpec(None, *keys)
     scalar = jax.sharding.PartitionSpec()
 
