@@ -232,3 +232,22 @@ def test_the_pallas_prefill_on_an_int8_cache_compiles_for_tpu_under_a_mesh():
             spec((b, t, hq, d)), spec((b, t), jnp.int32), new, layer, chunk
         ).compile().as_text()  # fmt: skip
     assert hlo.count('custom_call_target="tpu_custom_call"') == 2
+
+
+@pytest.mark.parametrize("name", ["snapkv", "tova", "lagkv", "keydiff", "knorm"])
+def test_rules_score_an_int8_cache_as_its_dequantized_twin(name):
+    """Rules that scan the layers dequantize one layer at a time (`KVCache.stored_k`): their
+    scores equal the ones of a plain cache holding the values the int8 one reads."""
+    from dge_jax.rules.registry import make_rule
+    from dge_jax.runtime.records import Observation
+
+    quant, plain = int8_cache(s=16)
+    rng = np.random.default_rng(4)
+    w = 4
+    q = jnp.asarray(rng.standard_normal((3, 2, 4, w, 8)), jnp.float32)
+    q_pos = jnp.broadcast_to(jnp.arange(12, 16, dtype=jnp.int32), (2, w))
+    obs = Observation(q=q, q_pos=q_pos, attn_sum=None, is_draft=jnp.zeros(w, bool),
+                      prompt_end=jnp.full((2,), 15, jnp.int32))  # fmt: skip
+    options = {"lagkv": dict(lag_size=4, sinks=2)}.get(name, {})
+    rule = make_rule(name, **options)
+    np.testing.assert_array_equal(rule.score(quant, obs), rule.score(plain, obs))

@@ -159,6 +159,22 @@ class KVCache:
         return self._all_layers("v")
 
     @property
+    def stored_k(self) -> Entries:
+        """[L, B, Hkv, S, D] every layer's keys as stored (int8 values and their scales in an
+        int8 cache): what a scan over layers takes, to dequantize one layer at a time instead
+        of the whole cache (a bf16 copy of every layer's keys is a bf16 cache's size)."""
+        return self._stored("k")
+
+    @property
+    def stored_v(self) -> Entries:
+        """[L, B, Hkv, S, D] every layer's values as stored (see `stored_k`)."""
+        return self._stored("v")
+
+    def _stored(self, name: str) -> Entries:
+        self._all_layers("pos")  # one capacity for all layers, or a clear error
+        return jax.tree.map(concat, *(getattr(g, name) for g in self.groups))
+
+    @property
     def pos(self) -> jax.Array:
         """[L, B, Hkv, S] int32 every layer's slot positions (one capacity for all layers)."""
         return self._all_layers("pos")
