@@ -117,17 +117,17 @@ def run_dge(model, prompt: list[int], n: int, rule, args, rss) -> dict:
     windowed = rule is not None and rule.needs.window
 
     def start():
-        pre = decoding.prefill_prompt(
-            model.forward, cfg, params, tokens, lengths, capacity=len(prompt) + room,
-            chunk=chunk, recording=Recording.of(*([QueryWindow(8)] if windowed else [])),
-        )  # fmt: skip
+        recording = Recording.of(*([QueryWindow(8)] if windowed else []))
+        spec = decoding.PrefillSpec(len(prompt) + room, chunk, recording)
+        pre = decoding.prefill_prompt(model.forward, cfg, params, tokens, lengths, spec)
         first = jnp.argmax(decoding.suppress_eos(pre.logits, eos, True), -1).astype(jnp.int32)
         return decoding.start_state(pre.cache, first, lengths, n, eos, jax.random.PRNGKey(0))
 
     statics = dict(sampler=Greedy(), eos_ids=eos, min_new_tokens=n)
     budget = jnp.int32(args.budget)
     if rule is None:
-        fn = decoding.decode_loop.lower(model.forward, cfg, params, start(), **statics).compile()
+        steps = decoding.StepSpec(**statics)
+        fn = decoding.decode_loop.lower(model.forward, cfg, params, start(), steps).compile()
         call = lambda s: fn(params, s)  # noqa: E731
     else:
         spec = DecodeCompression(args.budget, args.interval)

@@ -92,9 +92,7 @@ def step_ms(fwd, cfg, params, cache: KVCache, loop: str, args) -> tuple[float, f
         return jax.block_until_ready(jax.tree.map(jnp.copy, state))  # decode donates it
 
     def run(state):
-        out = gen.decode_loop(
-            fwd, cfg, params, state, sampler=Greedy(), eos_ids=(), layer_loop=loop
-        )
+        out = gen.decode_loop(fwd, cfg, params, state, gen.StepSpec(Greedy(), ()), layer_loop=loop)
         return out.tokens.block_until_ready()
 
     t0 = time.perf_counter()

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.config import ModelConfig, RopeConfig
-from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
+from dge_jax.eviction.evict import SelectionInputs, SelectionSpec, select_for_budgets
 from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
@@ -38,6 +38,7 @@ from dge_jax.text.sampling import Greedy
 
 GREEDY = Greedy()
 EOS_IDS: tuple[int, ...] = ()  # no EOS: every run decodes the same number of steps
+STEPS = gen.StepSpec(GREEDY, EOS_IDS)  # every draft and decode step's settings
 PREFILL_MEMORY = 8 << 30  # bytes allowed for one prefill chunk's attention intermediates
 ATTN_COPIES = 4  # live [B, Hq, chunk, S] f32 buffers in one chunk's attention (scores, probs...)
 
@@ -155,20 +156,16 @@ def main(argv: list[str] | None = None) -> dict:
         params,
         tokens,
         lengths,
-        capacity=capacity,
-        chunk=chunk,
-        recording=rule.needs.recording,
+        gen.PrefillSpec(capacity, chunk, rule.needs.recording),
     ).compile()
     compile_s = time.perf_counter() - compile_start
     t_prefill, pre = timed(prefill, params, tokens, lengths)
 
     # Draft k-1 steps with the full cache (DGE), then evict once.
     start = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, n_new, EOS_IDS, key)
-    state, drafts = gen.draft_tokens(
-        fwd, cfg, params, start, sampler=GREEDY, eos_ids=EOS_IDS, num_steps=timing.draft_steps
-    )
+    state, drafts = gen.draft_tokens(fwd, cfg, params, start, STEPS, num_steps=timing.draft_steps)
     budget, observe = jnp.asarray(args.budget, jnp.int32), jnp.asarray(timing.observes_drafts)
-    select_args = (state.cache, pre.obs, drafts, (budget,), observe)
+    select_args = (state.cache, pre.obs, drafts, (budget,), SelectionInputs(observe))
     select = select_for_budgets.lower(*select_args, spec=SelectionSpec(rule)).compile()
     t_select, (keep,) = timed(select, *select_args, runs=args.runs)
 
@@ -187,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     rows = {}
     for name, st in variants.items():
-        lowered = gen.decode_loop.lower(fwd, cfg, params, st, sampler=GREEDY, eos_ids=EOS_IDS)
+        lowered = gen.decode_loop.lower(fwd, cfg, params, st, STEPS)
         decode = lowered.compile()
         timed(decode, prepare=lambda st=st: (params, *fresh(st)))  # warm up
         seconds, out = timed(decode, runs=args.runs, prepare=lambda st=st: (params, *fresh(st)))

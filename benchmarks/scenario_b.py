@@ -29,7 +29,12 @@ from benchmarks.harness import CompileCost, CompileLog, Memory
 from benchmarks.plans import DGE2, Plan
 from benchmarks.work import prefill_flops, tree_bytes
 from dge_jax.config import ModelConfig
-from dge_jax.eviction.evict import SelectionSpec, capacity_for, select_for_budgets
+from dge_jax.eviction.evict import (
+    SelectionInputs,
+    SelectionSpec,
+    capacity_for,
+    select_for_budgets,
+)
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
@@ -199,10 +204,7 @@ def time_kv_steps(
         params,
         ids,
         lengths,
-        capacity=capacity,
-        chunk=chunk,
-        recording=rule.needs.recording,
-        attention=attention,
+        gen.PrefillSpec(capacity, chunk, rule.needs.recording, attention=attention),
     )
     t_prefill, pre = ed.timed(prefill, params, ids, lengths)
     start_time = time.perf_counter()
@@ -217,13 +219,12 @@ def time_kv_steps(
         cfg,
         params,
         start,
-        sampler=ed.GREEDY,
-        eos_ids=ed.EOS_IDS,
+        ed.STEPS,
         num_steps=timing.draft_steps,
     )
     t_draft, (state, drafts) = ed.timed(draft, params, start)
     budget, observe = jnp.asarray(plan.b_budget, jnp.int32), jnp.asarray(timing.observes_drafts)
-    select_args = (state.cache, pre.obs, drafts, (budget,), observe)
+    select_args = (state.cache, pre.obs, drafts, (budget,), SelectionInputs(observe))
     select = cost.compile(select_for_budgets, *select_args, spec=SelectionSpec(rule))
     t_select, (keep,) = ed.timed(select, *select_args, runs=runs)
     remaining = n_new - int(np.min(np.asarray(state.step)))
@@ -233,9 +234,7 @@ def time_kv_steps(
     t_compact, small_cache = ed.timed(shrink, state.cache, keep, runs=runs)
     decode_rows = {}
     for name, st in (("full", state), ("compacted", dataclasses.replace(state, cache=small_cache))):
-        decode = cost.compile(
-            gen.decode_loop, fwd, cfg, params, st, sampler=ed.GREEDY, eos_ids=ed.EOS_IDS
-        )
+        decode = cost.compile(gen.decode_loop, fwd, cfg, params, st, ed.STEPS)
         ed.timed(decode, prepare=lambda st=st: (params, *ed.fresh(st)))  # warm up
         seconds, out = ed.timed(decode, runs=runs, prepare=lambda st=st: (params, *ed.fresh(st)))
         assert np.all(np.asarray(out.step) == n_new), out.step

@@ -91,7 +91,7 @@ def measure(runs: int) -> dict:
     def prefill():
         out = decoding.prefill_prompt(
             model.forward, model.config, model.params, tokens, lengths,
-            capacity=TOKENS + 512, chunk=512, recording=snap.needs.recording,
+            decoding.PrefillSpec(TOKENS + 512, chunk=512, recording=snap.needs.recording),
         )  # fmt: skip
         jax.block_until_ready(out.logits)
 

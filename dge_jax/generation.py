@@ -47,7 +47,7 @@ from dge_jax.eviction.evict import Eviction, round_up_slots
 from dge_jax.eviction.grid_plan import Evicted, check_cells, plan_grid
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, platform
-from dge_jax.runtime.extend import extend, with_room
+from dge_jax.runtime.extend import Question, extend, with_room
 from dge_jax.runtime.quantized import check_kv_quant
 from dge_jax.runtime.window_cache import LAYOUTS
 from dge_jax.stages import (
@@ -356,9 +356,9 @@ def _answer(model, cfg, request: Request, plans: list[Evicted], ctx, asked, hook
     key, first_key = jax.random.split(jax.random.PRNGKey(cfg.seed))
     states = []
     for plan in plans:
+        question = Question(jnp.asarray(tokens), jnp.asarray(positions))
         logits, cache = extend(model.forward, model.config, model.params, plan.state.cache,
-                               jnp.asarray(tokens), jnp.asarray(positions),
-                               attention=request.attention)  # fmt: skip
+                               question, attention=request.attention)  # fmt: skip
         active = request.min_new_tokens > 0
         first = cfg.sampler(decoding.suppress_eos(logits, request.eos_ids, active), first_key)
         states.append(decoding.start_state(

@@ -40,7 +40,7 @@ from dge_jax.eviction.evict import (
 from dge_jax.eviction.grid_plan import Evicted, GridRecording, Rewound, Selected
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, stacking, window_cache
-from dge_jax.runtime.decoding import DecodeState, PrefillOutput
+from dge_jax.runtime.decoding import DecodeState, PrefillOutput, PrefillSpec, StepSpec
 from dge_jax.runtime.records import DraftRecord
 from dge_jax.runtime.selection import kept_positions
 from dge_jax.text.prompts import Request, cut_at_eos
@@ -117,15 +117,12 @@ def prefill(
         capacity = window_cache.layer_capacities(
             model.config.layer_windows, capacity, request.chunk
         )
+    spec = PrefillSpec(capacity, chunk=request.chunk, recording=recording.needs.recording,
+                       attention=request.attention, kv_quant=request.kv_quant)  # fmt: skip
     pre = _call(
         hook, "prefill", decoding.prefill_prompt,
         model.forward, model.config, model.params,
-        jnp.asarray(request.tokens), jnp.asarray(request.lengths),
-        capacity=capacity,
-        attention=request.attention,
-        chunk=request.chunk,
-        recording=recording.needs.recording,
-        kv_quant=request.kv_quant,
+        jnp.asarray(request.tokens), jnp.asarray(request.lengths), spec,
     )  # fmt: skip
     key, first_key = jax.random.split(jax.random.PRNGKey(seed))
     eos_ids = request.eos_ids
@@ -189,12 +186,11 @@ def lookahead(
         copy = _call(hook, "apply_eviction", apply_eviction, cache, keep, first, None, steps)
         state = laq.start(prefilled.start, copy, steps, request.eos_ids)
         before = jnp.copy(state.step)  # the state is donated
+        spec = StepSpec(sampler, request.eos_ids, request.min_new_tokens,
+                        recording.needs.recording.steps, request.attention)  # fmt: skip
         state, record = _call(
             hook, "lookahead", decoding.draft_tokens,
-            model.forward, model.config, model.params, state,
-            sampler=sampler, eos_ids=request.eos_ids, num_steps=steps,
-            recording=recording.needs.recording.steps,
-            min_new_tokens=request.min_new_tokens, attention=request.attention,
+            model.forward, model.config, model.params, state, spec, num_steps=steps,
         )  # fmt: skip
         record = laq.observed_steps(record, before, state.step)
         if record.probs is not None:
@@ -223,12 +219,12 @@ def draft(
     if not recording.draft_steps:
         return None
     start = jax.tree.map(jnp.copy, prefilled.start) if keep_start else prefilled.start
+    spec = StepSpec(sampler, request.eos_ids, request.min_new_tokens,
+                    recording.needs.recording.steps, request.attention)  # fmt: skip
     state, record = _call(
         hook, "draft", decoding.draft_tokens,
-        model.forward, model.config, model.params, start,
-        sampler=sampler, eos_ids=request.eos_ids, num_steps=recording.draft_steps,
-        recording=recording.needs.recording.steps,
-        min_new_tokens=request.min_new_tokens, attention=request.attention,
+        model.forward, model.config, model.params, start, spec,
+        num_steps=recording.draft_steps,
     )  # fmt: skip
     e1, p1 = decoding.next_token_stats(prefilled.pre.logits)
     entropy = np.concatenate([fetch(e1)[:, None], fetch(record.entropy)], 1)
@@ -411,11 +407,11 @@ def decode(
             sizes = decoding.decode_groups(states[0].cache)  # stacked as decode runs them
             state = _call(hook, "stack_states", stacking.stack_states, states, sizes)
             stacking.release([s.cache for s in states], last, n)
+        spec = StepSpec(sampler, request.eos_ids, request.min_new_tokens,
+                        attention=request.attention)  # fmt: skip
         state = _call(
             hook, "decode", decoding.decode_loop,
-            model.forward, model.config, model.params, state,
-            sampler=sampler, eos_ids=request.eos_ids, min_new_tokens=request.min_new_tokens,
-            attention=request.attention,
+            model.forward, model.config, model.params, state, spec,
         )  # fmt: skip
         # Only the tokens come back (splitting the whole state would copy every cell's final
         # cache for nothing), and the final cache goes before the next stack is made.
@@ -456,7 +452,7 @@ def _decode_compressed(
     loop = decode_compression.CompressionLoop(
         model.forward, model.config, sampler, request.eos_ids, selection, spec.interval,
         spec.capacity(spread), min_new_tokens=request.min_new_tokens,
-        attention=request.attention,
+        attention=request.attention, history=history,
     )  # fmt: skip
     with warnings.catch_warnings():
         # A cache that enters bigger than the loop's capacity is compacted at the first
@@ -465,7 +461,7 @@ def _decode_compressed(
         state, _, log = _call(
             hook, "decode_compressed", decode_compression.decode_compressed, loop, model.params,
             state, jnp.asarray(spec.budget, jnp.int32), plan.attn,
-            out_projection(model) if ev.rule.needs.out_proj else None, history=history,
+            out_projection(model) if ev.rule.needs.out_proj else None,
         )  # fmt: skip
     return fetch(state.tokens), log
 

@@ -295,8 +295,7 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
     out: dict = {"tokens": {}}
     with sh.mesh_context(model.params):
         pre = gen.prefill_prompt(model.forward, cfg, model.params, tokens, lengths,
-                                 capacity=CAPACITY, chunk=16,
-                                 recording=RULE.needs.recording)  # fmt: skip
+                                 gen.PrefillSpec(CAPACITY, 16, RULE.needs.recording))
         key = jax.random.PRNGKey(0)
         state = gen.start_state(pre.cache, Greedy()(pre.logits, key), lengths, MAX_NEW, (), key)
         keep = eviction.keep_mask(state.cache, pre.obs, None, ev)
@@ -305,7 +304,7 @@ def ragged_facts(model, ids, dump: pathlib.Path, seen: set[str]) -> dict:
             out.setdefault("capacities", {})[name] = list(cache.capacities)
             fresh = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=cache))
             done = gen.decode_loop(
-                model.forward, cfg, model.params, fresh, sampler=Greedy(), eos_ids=()
+                model.forward, cfg, model.params, fresh, gen.StepSpec(Greedy(), ())
             )
             out["tokens"][name] = np.asarray(done.tokens).tolist()
     slots = {*RAGGED_CAPACITIES, 16, CAPACITY}

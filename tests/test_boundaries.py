@@ -6,11 +6,10 @@ wrapped by ``jax.jit(f, ...)`` in its module. Family-facing: a function of dge_j
 module of models/ imports by name. Parameters: positional, keyword-only and ``*args`` /
 ``**kwargs`` alike (a static setting is still a parameter: settings fixed at trace time
 travel as one frozen spec, tensors of one layer or step as one pytree, as
-`kernels.attention.AttentionSpec` / `LayerCache` and `eviction.evict.SelectionSpec` do).
+`kernels.attention.AttentionSpec` / `LayerCache`, `eviction.evict.SelectionSpec` /
+`SelectionInputs` and `runtime.decoding.PrefillSpec` / `StepSpec` do).
 
-`NOT_YET` names the entry points still over the bound, each with its count today; the test
-fails when one of them is fixed (so the list only shrinks) as well as when anything else
-goes over.
+The test names every function over the bound; a hand-made module shows the scan can fail.
 """
 
 from __future__ import annotations
@@ -20,16 +19,6 @@ import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 MAX_PARAMS = 6
-
-# Still wider than MAX_PARAMS (issue #46, to narrow next): name -> parameters today.
-NOT_YET = {
-    "dge_jax.eviction.decode_compression.decode_compressed": 7,
-    "dge_jax.eviction.evict.select_for_budgets": 9,
-    "dge_jax.runtime.decoding.decode_loop": 9,
-    "dge_jax.runtime.decoding.draft_tokens": 10,
-    "dge_jax.runtime.decoding.prefill_prompt": 10,
-    "dge_jax.runtime.extend.extend": 7,
-}
 
 
 def _is_jit(node: ast.AST) -> bool:
@@ -109,13 +98,10 @@ def test_the_scan_finds_the_boundary():
 
 def test_every_jitted_or_family_facing_function_takes_at_most_six_parameters():
     over = offenders(boundary())
-    new = {name: n for name, n in over.items() if name not in NOT_YET}
-    assert not new, (
+    assert not over, (
         f"over {MAX_PARAMS} parameters (pass static settings as one frozen spec and a layer's "
-        f"or step's tensors as one pytree): {new}"
+        f"or step's tensors as one pytree): {over}"
     )
-    fixed = sorted(set(NOT_YET) - set(over))
-    assert not fixed, f"now within the bound: remove from NOT_YET: {fixed}"
 
 
 def test_the_scan_can_fail():

@@ -357,16 +357,15 @@ def llama():
     t, buffer = bucket_length(max(PROMPT_LENGTHS)), bucket_length(N_NEW)
     tokens, lengths = pad_left(prompts, t)
     pre = gen.prefill_prompt(model.forward, cfg, params, jnp.asarray(tokens), jnp.asarray(lengths),
-                      capacity=t + buffer, chunk=512,
-                      recording=Recording.of(QueryWindow(WINDOW)))  # fmt: skip
+                             gen.PrefillSpec(t + buffer, 512, Recording.of(QueryWindow(WINDOW))))
     key = jax.random.PRNGKey(0)
     start = gen.start_state(pre.cache, Greedy()(pre.logits, key), jnp.asarray(lengths), N_NEW,
                             (), key, buffer=buffer)  # fmt: skip
     # the draft donates its state: a copy, so that prefill's cache stays for the reference
     steps = Recording.of(QueryWindow(WINDOW)).steps
     drafted, drafts = gen.draft_tokens(model.forward, cfg, params, jax.tree.map(jnp.copy, start),
-                                       sampler=Greedy(), eos_ids=(), num_steps=1,
-                                       recording=steps)  # fmt: skip
+                                       gen.StepSpec(Greedy(), (), recording=steps),
+                                       num_steps=1)  # fmt: skip
     return model, prompts, pre, drafted, drafts
 
 

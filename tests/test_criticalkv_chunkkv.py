@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dge_jax.eviction.budgets import adakv_budgets
-from dge_jax.eviction.evict import SelectionSpec, select_for, select_for_budgets
+from dge_jax.eviction.evict import SelectionInputs, SelectionSpec, select_for, select_for_budgets
 from dge_jax.rules.chunkkv import ChunkKV
 from dge_jax.rules.criticalkv import CriticalKV, projected_value_norms
 from dge_jax.rules.h2o import H2O
@@ -141,8 +141,9 @@ def test_criticalkv_shares_its_inner_rules_scoring():
     assert critical.scorer == inner.scorer
     budgets = (jnp.int32(8), jnp.int32(8))
     both = select_for_budgets(
-        cache, obs, None, budgets, jnp.asarray(False), spec=SelectionSpec((inner, critical))
-    )
+        cache, obs, None, budgets, SelectionInputs(jnp.asarray(False)),
+        spec=SelectionSpec((inner, critical)),
+    )  # fmt: skip
     for rule, keep in zip((inner, critical), both, strict=True):
         alone = keep_of(cache, obs, jnp.int32(8), rule=rule)
         np.testing.assert_array_equal(np.asarray(keep), np.asarray(alone))

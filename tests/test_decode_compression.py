@@ -119,8 +119,8 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
     tokens, lengths = jnp.asarray(request.tokens), jnp.asarray(request.lengths)
     t = request.tokens.shape[1]
     pre = decoding.prefill_prompt(
-        model.forward, cfg, params, tokens, lengths, capacity=t + request.buffer,
-        chunk=request.chunk,
+        model.forward, cfg, params, tokens, lengths,
+        decoding.PrefillSpec(t + request.buffer, chunk=request.chunk),
     )  # fmt: skip
     first = jnp.argmax(pre.logits, -1).astype(jnp.int32)
     state = decoding.start_state(
@@ -129,8 +129,9 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
     )  # fmt: skip
     step = jax.jit(
         functools.partial(
-            decoding.decode_body, model.forward, cfg, params, Greedy(), request.eos_ids,
-            recording=Recording.of(QueryWindow(1)),
+            decoding.decode_body, model.forward, cfg, params,
+            spec=decoding.StepSpec(Greedy(), request.eos_ids,
+                                   recording=Recording.of(QueryWindow(1))),
         )  # fmt: skip
     )
     capacity, groups = spec.capacity(), cfg.num_heads // cfg.num_kv_heads
@@ -175,7 +176,7 @@ def test_snapkv_kept_sets_match_step_by_step_numpy_reference(model, prompts):
         assert [e["kept"] for e in got] == want[: len(got)]
         assert [e["step"] for e in got] == [int(s[row]) for s, _ in events][: len(got)]
     ref_tokens = decoding.decode_loop(  # finish nothing: the state is done, tokens are final
-        model.forward, cfg, params, state, sampler=Greedy(), eos_ids=request.eos_ids
+        model.forward, cfg, params, state, decoding.StepSpec(Greedy(), request.eos_ids)
     ).tokens
     ids = cut_at_eos(np.asarray(ref_tokens)[:, :NEW], request.eos_ids)
     assert ids == out.tokens
@@ -207,7 +208,7 @@ def test_cache_bytes_flat_in_answer_length(model, prompts):
     for new in (16, 64):
         pre = decoding.prefill_prompt(
             model.forward, model.config, model.params, jnp.asarray(request.tokens),
-            jnp.asarray(request.lengths), capacity=request.tokens.shape[1] + new,
+            jnp.asarray(request.lengths), decoding.PrefillSpec(request.tokens.shape[1] + new),
         )  # fmt: skip
         state = decoding.start_state(
             pre.cache, jnp.argmax(pre.logits, -1).astype(jnp.int32),

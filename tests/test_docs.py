@@ -440,13 +440,14 @@ def test_workspace_statistic_example_records_through_every_loop(workspace, check
     tokens, lengths = jnp.asarray([[0] * (t - n) + ids]), jnp.asarray([n])
     both = Recording.of(QueryWindow(t), query_sum)
     pre = decoding.prefill_prompt(model.forward, cfg, model.params, tokens, lengths,
-                                  capacity=t + 8, chunk=16, recording=both)  # fmt: skip
+                                  decoding.PrefillSpec(t + 8, 16, both))  # fmt: skip
     window = np.asarray(pre.obs.q) * (np.asarray(pre.obs.q_pos) >= 0)[None, :, None, :, None]
     np.testing.assert_allclose(pre.obs.records["query_sum"], window.sum(3), atol=1e-4)
     state = decoding.start_state(pre.cache, jnp.argmax(pre.logits, -1).astype(jnp.int32),
                                  lengths, 8, (), jax.random.PRNGKey(0))  # fmt: skip
-    _, drafts = decoding.draft_tokens(model.forward, cfg, model.params, state, sampler=Greedy(),
-                                      eos_ids=(), num_steps=2, recording=both.steps)  # fmt: skip
+    steps = decoding.StepSpec(Greedy(), (), recording=both.steps)
+    _, drafts = decoding.draft_tokens(model.forward, cfg, model.params, state, steps,
+                                      num_steps=2)  # fmt: skip
     steps = np.asarray(drafts.records[query_sum])  # [K, L, B, Hq, D], one query each
     np.testing.assert_allclose(steps, np.moveaxis(np.asarray(drafts.q), 3, 0), atol=1e-5)
     for observed, added in ((True, steps.sum(0)), (False, 0.0)):

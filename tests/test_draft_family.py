@@ -149,8 +149,9 @@ def _prefill(model, prompts, window):
     request = prepare(model.tokenizer, model.config, prompts, max_new_tokens=NEW)
     pre = decoding.prefill_prompt(
         model.forward, model.config, model.params, jnp.asarray(request.tokens),
-        jnp.asarray(request.lengths), capacity=request.tokens.shape[1] + request.buffer,
-        chunk=request.chunk, recording=Recording.of(QueryWindow(window)),
+        jnp.asarray(request.lengths),
+        decoding.PrefillSpec(request.tokens.shape[1] + request.buffer, request.chunk,
+                             Recording.of(QueryWindow(window))),
     )  # fmt: skip
     return request, pre, jnp.argmax(pre.logits, -1).astype(jnp.int32)
 
@@ -159,8 +160,8 @@ def _steps(model, request, state, n):
     """n greedy steps one at a time: their queries [L, B, Hq, n, D] and positions [B, n]
     (-1 where the row had finished)."""
     step = jax.jit(functools.partial(
-        decoding.decode_body, model.forward, model.config, model.params, Greedy(),
-        request.eos_ids, recording=Recording.of(QueryWindow(1)),
+        decoding.decode_body, model.forward, model.config, model.params,
+        spec=decoding.StepSpec(Greedy(), request.eos_ids, recording=Recording.of(QueryWindow(1))),
     ))  # fmt: skip
     qs, q_pos = [], []
     for _ in range(n):

@@ -254,7 +254,8 @@ def test_masked_and_compacted_generate_the_same(model):
 def step(model: Model):
     """decode_body under jit (one object, so both parametrizations share its compilations)."""
     return jax.jit(
-        functools.partial(gen.decode_body, model.forward, model.config, model.params, GREEDY, ())
+        functools.partial(gen.decode_body, model.forward, model.config, model.params,
+                          spec=gen.StepSpec(GREEDY, ()))
     )
 
 
@@ -267,15 +268,15 @@ def test_decode_body_logits_masked_vs_compacted(model, step, timing):
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     pre = gen.prefill_prompt(
-        fwd, cfg, params, tokens, lengths, capacity=64 + n_new, chunk=512, recording=WINDOWED
+        fwd, cfg, params, tokens, lengths, gen.PrefillSpec(64 + n_new, 512, WINDOWED)
     )
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, n_new, (), key)
     drafts = None
     if timing.draft_steps:
         state, drafts = gen.draft_tokens(
-            fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=timing.draft_steps,
-            recording=WINDOWED.steps,
+            fwd, cfg, params, state, gen.StepSpec(GREEDY, (), recording=WINDOWED.steps),
+            num_steps=timing.draft_steps,
         )  # fmt: skip
     rule = SnapKV(window=WINDOW)
     keep = select_for(
@@ -322,13 +323,14 @@ def test_one_scoring_for_many_budgets_equals_one_selection_each(model, rule, hea
     fwd, cfg, params = model.forward, model.config, model.params
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
-                      recording=WINDOWED | rule.needs.recording)  # fmt: skip
+    recording = WINDOWED | rule.needs.recording
+    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths,
+                             gen.PrefillSpec(64 + N_NEW, 512, recording))  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
-    state, drafts = gen.draft_tokens(fwd, cfg, params, state, sampler=GREEDY, eos_ids=(),
-                                     num_steps=1,
-                                     recording=(WINDOWED | rule.needs.recording).steps)  # fmt: skip
+    state, drafts = gen.draft_tokens(fwd, cfg, params, state,
+                                     gen.StepSpec(GREEDY, (), recording=recording.steps),
+                                     num_steps=1)  # fmt: skip
     budgets = [12, 20, 30] if isinstance(rule, PyramidKV) else [12, np.array([20, 16]), 30]
     if type(rule) is SnapKV and head_budget == "uniform":
         budgets.append(np.array([[12, 14], [16, 18]]))  # per head
@@ -351,13 +353,13 @@ def test_snapkv_and_pyramidkv_share_one_scoring(model):
     fwd, cfg, params = model.forward, model.config, model.params
     tokens, lengths = pad_left([prompt(50, seed=7), prompt(23, seed=8)], 64)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=64 + N_NEW, chunk=512,
-                      recording=WINDOWED)  # fmt: skip
+    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths,
+                             gen.PrefillSpec(64 + N_NEW, 512, WINDOWED))  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
     state, drafts = gen.draft_tokens(
-        fwd, cfg, params, state, sampler=GREEDY, eos_ids=(), num_steps=1,
-        recording=WINDOWED.steps,
+        fwd, cfg, params, state, gen.StepSpec(GREEDY, (), recording=WINDOWED.steps),
+        num_steps=1,
     )  # fmt: skip
     snap, pyramid = SnapKV(window=WINDOW), PyramidKV(window=WINDOW)
     assert pyramid.scorer == snap
@@ -464,8 +466,8 @@ def test_pyramidkv_compacts_to_per_layer_capacities(model):
     fwd, cfg, params = model.forward, model.config, model.params
     tokens, lengths = pad_left(LONG_PROMPTS, 256)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths, capacity=256 + 64, chunk=512,
-                      recording=WINDOWED)  # fmt: skip
+    pre = gen.prefill_prompt(fwd, cfg, params, tokens, lengths,
+                             gen.PrefillSpec(256 + 64, 512, WINDOWED))  # fmt: skip
     key = jax.random.PRNGKey(0)
     state = gen.start_state(pre.cache, GREEDY(pre.logits, key), lengths, N_NEW, (), key)
     ev = Eviction(PyramidKV(window=WINDOW), 64, PREFILL)
@@ -481,7 +483,7 @@ def test_pyramidkv_compacts_to_per_layer_capacities(model):
 
     def decode(cache, **loop):  # decode donates its state: each call gets its own copy
         fresh = jax.tree.map(jnp.copy, dataclasses.replace(state, cache=cache))
-        return gen.decode_loop(fwd, cfg, params, fresh, sampler=GREEDY, eos_ids=(), **loop)
+        return gen.decode_loop(fwd, cfg, params, fresh, gen.StepSpec(GREEDY, ()), **loop)
 
     assert ragged.group_sizes == (1, 1) and uniform.group_sizes == (L,)
     ref = decode(uniform, layer_loop="scan")

@@ -155,7 +155,7 @@ def _prefill_stats(model, rows, width, chunk, sinks):
     lengths = np.array([len(r) for r in rows], np.int32)
     pre = decoding.prefill_prompt(
         model.forward, model.config, model.params, jnp.asarray(tokens), jnp.asarray(lengths),
-        capacity=width, chunk=chunk, recording=Recording.of(QueryStatistics(sinks)),
+        decoding.PrefillSpec(width, chunk, Recording.of(QueryStatistics(sinks))),
     )  # fmt: skip
     return pre.obs.q_stats
 

@@ -388,7 +388,7 @@ def compiled_decode_loop(devices, head_dim, dtype, kv_quant="none", batch=2, slo
         assert platform.current() == Backend.of("tpu")
         hlo = decoding.decode_loop.lower(
             family.forward, cfg, on(params), on(state),
-            sampler=dge_jax.text.sampling.Greedy(), eos_ids=(),
+            decoding.StepSpec(dge_jax.text.sampling.Greedy(), ()),
         ).compile().as_text()  # fmt: skip
     return hlo, cfg
 

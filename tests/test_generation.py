@@ -254,7 +254,8 @@ def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
     cfg, params = model.config, model.params
     tokens, lengths = pad_left(prompts, 32)
     pre = decoding.prefill_prompt(
-        model.forward, cfg, params, jnp.asarray(tokens), jnp.asarray(lengths), capacity=48
+        model.forward, cfg, params, jnp.asarray(tokens), jnp.asarray(lengths),
+        decoding.PrefillSpec(48),
     )
     first = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
     finals = {}
@@ -264,7 +265,7 @@ def test_scan_and_unrolled_layer_loops_decode_the_same(model, prompts):
         )
         start = jax.tree.map(jnp.copy, start)  # decode donates its state: one copy per loop
         finals[loop] = decoding.decode_loop(
-            model.forward, cfg, params, start, sampler=Greedy(), eos_ids=(), layer_loop=loop
+            model.forward, cfg, params, start, decoding.StepSpec(Greedy(), ()), layer_loop=loop
         )
     scan, unrolled = finals["scan"], finals["unrolled"]
     np.testing.assert_array_equal(np.asarray(unrolled.tokens), np.asarray(scan.tokens))
@@ -291,7 +292,7 @@ def test_compiled_decode_loop_copies_no_cache_buffer(model, batch):
                                  (), jax.random.PRNGKey(0))  # fmt: skip
     for loop in ("scan", "unrolled"):
         hlo = decoding.decode_loop.lower(
-            model.forward, cfg, model.params, state, sampler=Greedy(), eos_ids=(),
+            model.forward, cfg, model.params, state, decoding.StepSpec(Greedy(), ()),
             layer_loop=loop,
         ).compile().as_text()  # fmt: skip
         # A layer's buffer [B, Hkv, S, D], or a group's [Lg, B, Hkv, S, D] (any Lg).
@@ -349,7 +350,7 @@ def test_unknown_layer_loop_is_a_clear_error(model, prompts):
     )  # fmt: skip
     with pytest.raises(ValueError, match="layer_loop must be 'scan' or 'unrolled'"):
         decoding.decode_loop(
-            model.forward, model.config, model.params, state, sampler=Greedy(), eos_ids=(),
+            model.forward, model.config, model.params, state, decoding.StepSpec(Greedy(), ()),
             layer_loop="python",
         )  # fmt: skip
 

@@ -109,8 +109,8 @@ def scores_reference(model, ids: list[int], chunks: list[tuple[int, int, list]],
         seq, r = ids + repeat, len(repeat)
         pre = decoding.prefill_prompt(
             model.forward, cfg, model.params, jnp.asarray([seq], jnp.int32),
-            jnp.asarray([len(seq)], jnp.int32), capacity=len(seq), chunk=len(seq),
-            recording=Recording.of(QueryWindow(r)),
+            jnp.asarray([len(seq)], jnp.int32),
+            decoding.PrefillSpec(len(seq), len(seq), Recording.of(QueryWindow(r))),
         )  # fmt: skip
         q = np.asarray(pre.obs.q)[:, 0].reshape(cfg.num_layers, cfg.num_kv_heads, g, r, -1)
         keys = np.asarray(pre.cache.k)[:, 0]  # [L, Hkv, n + r, D]
@@ -172,7 +172,7 @@ def test_reconstruction_scores_equal_reference_with_left_padding(model, chunk_si
         tokens[b, t - len(ids) :] = ids
     pre = decoding.prefill_prompt(
         model.forward, model.config, model.params, jnp.asarray(tokens), jnp.asarray(lengths),
-        capacity=t + 16, chunk=32,
+        decoding.PrefillSpec(t + 16, chunk=32),
     )  # fmt: skip
     scores, passes = kvzip.reconstruction_scores(
         model.forward, model.config, model.params, model.tokenizer, pre.cache, rows, rec,

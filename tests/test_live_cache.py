@@ -61,7 +61,7 @@ def _start(model, capacity: int = 64 + N_NEW):
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
     recording = Recording.of(QueryWindow(WINDOW))
     pre = gen.prefill_prompt(model.forward, model.config, model.params, tokens, lengths,
-                             capacity=capacity, recording=recording)  # fmt: skip
+                             gen.PrefillSpec(capacity, recording=recording))  # fmt: skip
     key = jax.random.PRNGKey(0)
     first = Greedy()(pre.logits, key)
     return lengths, gen.start_state(pre.cache, first, lengths, N_NEW, (), key, buffer=N_NEW)
@@ -72,8 +72,8 @@ def test_draft_and_rewind_donate_their_state(model):
     outputs, and running them deletes the input and leaves the cache where it was."""
     lengths, start = _start(model)
     whole = _kv_bytes(start.cache)
-    args = (model.forward, model.config, model.params, start)
-    opts = dict(sampler=Greedy(), eos_ids=(), num_steps=2)
+    args = (model.forward, model.config, model.params, start, gen.StepSpec(Greedy(), ()))
+    opts = dict(num_steps=2)
     compiled = gen.draft_tokens.lower(*args, **opts).compile()
     assert compiled.memory_analysis().alias_size_in_bytes >= whole
     where = _pointers(start.cache)

@@ -150,7 +150,7 @@ def _teacher_forced(name: str, folder) -> list[np.ndarray]:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _decode_step(forward, cfg, params, state):
     """One greedy decode step (the body of `decoding.decode_loop`), returning its logits [B, V]."""
-    state, out = decoding.decode_body(forward, cfg, params, Greedy(), (), state)
+    state, out = decoding.decode_body(forward, cfg, params, state, decoding.StepSpec(Greedy(), ()))
     return state, out.logits
 
 
@@ -176,8 +176,7 @@ def _stepwise(name: str, folder) -> tuple[np.ndarray, np.ndarray]:
         params,
         jnp.asarray(tokens),
         lengths,
-        capacity=t + n,
-        chunk=PREFILL_CHUNK,
+        decoding.PrefillSpec(t + n, chunk=PREFILL_CHUNK),
     )
     first = jnp.argmax(pre.logits, axis=-1).astype(jnp.int32)
     state = decoding.start_state(pre.cache, first, lengths, n, (), jax.random.PRNGKey(0))

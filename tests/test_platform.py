@@ -143,7 +143,7 @@ def test_prefill_runs_equal_steps_of_at_most_the_chunk(model):
 
     def logits(chunk, toks=tokens):
         return decoding.prefill_prompt(model.forward, cfg, model.params, toks, lengths,
-                                       capacity=64, chunk=chunk).logits  # fmt: skip
+                                       decoding.PrefillSpec(64, chunk)).logits  # fmt: skip
 
     np.testing.assert_allclose(np.asarray(logits(32)), np.asarray(logits(48)), atol=1e-5)
     with pytest.raises(ValueError, match="prompt length 49 does not split into steps of at"):
@@ -333,8 +333,8 @@ def tpu_prefills(model, tpu_mesh):
         assert platform.current() == Backend.of("tpu")
         for recording, kernels in ((NOTHING, 1), (Recording.of(AttentionSums()), 2)):
             hlos[kernels] = decoding.prefill_prompt.lower(
-                model.forward, model.config, params, *inputs, capacity=PREFILL_CAPACITY,
-                recording=recording,
+                model.forward, model.config, params, *inputs,
+                decoding.PrefillSpec(PREFILL_CAPACITY, recording=recording),
             ).compile().as_text()  # fmt: skip
     return hlos
 
@@ -384,7 +384,7 @@ def test_decode_compiled_for_tpu_keeps_the_cache_in_place_without_the_cpu_trick(
         assert decoding.decode_groups(cache) == (cfg.num_layers,)
         hlo = decoding.decode_loop.lower(
             model.forward, cfg, _on(tpu_mesh, model.params), _on(tpu_mesh, state),
-            sampler=dge_jax.text.sampling.Greedy(), eos_ids=(),
+            decoding.StepSpec(dge_jax.text.sampling.Greedy(), ()),
         ).compile().as_text()  # fmt: skip
     assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
     buffer = rf"f32\[(?:\d+,)?{batch},\d+,{slots},{cfg.head_dim}\]"

@@ -66,14 +66,14 @@ def programs() -> dict[str, str]:
     statics = (model.family.forward, model.config, model.params)
     tokens = jnp.ones((1, PROMPT), jnp.int32)
     lengths = jnp.full((1,), PROMPT, jnp.int32)
-    prefill = decoding.prefill_prompt.lower(
-        *statics, tokens, lengths, capacity=CAPACITY, chunk=CHUNK
-    ).compile()
+    spec = decoding.PrefillSpec(capacity=CAPACITY, chunk=CHUNK)
+    prefill = decoding.prefill_prompt.lower(*statics, tokens, lengths, spec).compile()
     out = prefill(*statics[2:], tokens, lengths)
     eos = (0,)  # a static argument: any id compiles the same program
     first = jnp.argmax(out.logits, -1).astype(jnp.int32)
     state = decoding.start_state(out.cache, first, lengths, NEW_TOKENS, eos, jax.random.PRNGKey(0))
-    decode = decoding.decode_loop.lower(*statics, state, sampler=Greedy(), eos_ids=eos).compile()
+    steps = decoding.StepSpec(sampler=Greedy(), eos_ids=eos)
+    decode = decoding.decode_loop.lower(*statics, state, steps).compile()
     return {"prefill_prompt": digest(prefill), "decode_loop": digest(decode)}
 
 

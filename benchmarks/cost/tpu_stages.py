@@ -372,11 +372,9 @@ class Cell:
         )
         tokens = _rows(setup, (setup.batch, t), jnp.int32)
         lengths = _rows(setup, (setup.batch,), jnp.int32)
-        return _compile(
-            run, decoding.prefill_prompt, *self._statics(), tokens, lengths,
-            capacity=self.capacity, chunk=setup.prefill_chunk, recording=needs.recording,
-            attention=setup.attention, kv_quant=setup.kv_quant,
-        )  # fmt: skip
+        spec = decoding.PrefillSpec(self.capacity, setup.prefill_chunk, needs.recording,
+                                    attention=setup.attention, kv_quant=setup.kv_quant)
+        return _compile(run, decoding.prefill_prompt, *self._statics(), tokens, lengths, spec)
 
     def start_state(self, cache):
         """`decoding.start_state` after prefill, abstract: the cache keeps its layout."""
@@ -396,11 +394,9 @@ class Cell:
         setup, needs = self.setup, self.recording.needs
         bytes_, flops = self._decode_cost(steps, slots)
         run = StageRun(name, ideal_hbm_bytes=bytes_, ideal_flops=flops, slots=(capacity,))
-        return _compile(
-            run, decoding.draft_tokens, *self._statics(), state, sampler=stages.GREEDY,
-            eos_ids=setup.eos_ids, num_steps=steps, recording=needs.recording.steps,
-            min_new_tokens=0,
-        )  # fmt: skip
+        spec = decoding.StepSpec(stages.GREEDY, setup.eos_ids, 0, needs.recording.steps)
+        return _compile(run, decoding.draft_tokens, *self._statics(), state, spec,
+                        num_steps=steps)  # fmt: skip
 
     def draft(self) -> StageRun:
         k = self.draft_steps
@@ -429,8 +425,9 @@ class Cell:
         obs, drafts = _like(self.mesh, cut, (pre.obs, record))
         scalars = _replicated(self.mesh, (
             (jax.ShapeDtypeStruct(np.shape(ev.budget), jnp.int32),),
-            jax.ShapeDtypeStruct((), jnp.bool_),
-            jax.ShapeDtypeStruct((), jnp.float32),
+            evict.SelectionInputs(
+                jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.float32)
+            ),
         ))  # fmt: skip
         spec = evict.SelectionSpec.for_eviction(ev, windows=self.setup.cfg.layer_windows)
         s = self.sizes
@@ -478,10 +475,9 @@ class Cell:
             unknown_trips=lambda depth, op: steps if depth == 0 else None,
             ideal_hbm_bytes=bytes_, ideal_flops=flops, slots=(capacity,),
         )  # fmt: skip
-        return _compile(
-            run, decoding.decode_loop, *self._statics(), state, sampler=stages.GREEDY,
-            eos_ids=setup.eos_ids, min_new_tokens=0, layer_loop=setup.decode_layer_loop,
-        )  # fmt: skip
+        spec = decoding.StepSpec(stages.GREEDY, setup.eos_ids)
+        return _compile(run, decoding.decode_loop, *self._statics(), state, spec,
+                        layer_loop=setup.decode_layer_loop)  # fmt: skip
 
     def decode(self) -> StageRun:
         """`decode_loop` over the compacted cache, from the rewound state (as `evict` builds
@@ -636,7 +632,7 @@ class DecodeCell(Cell):
         loop = decode_compression.CompressionLoop(
             setup.family.forward, setup.cfg, stages.GREEDY, setup.eos_ids, select,
             spec.interval, self.compact_capacity, min_new_tokens=0,
-            layer_loop=setup.decode_layer_loop, attention=setup.attention,
+            layer_loop=setup.decode_layer_loop, attention=setup.attention, history=0,
         )  # fmt: skip
         state = self.start_state(self.runs["prefill"].outputs.cache)
         budget = _replicated(self.mesh, jax.ShapeDtypeStruct((), jnp.int32))
@@ -653,7 +649,7 @@ class DecodeCell(Cell):
             slots=(self.capacity, self.compact_capacity),
         )  # fmt: skip
         return _compile(run, decode_compression.decode_compressed, loop, self.params, state,
-                        budget, None, None, history=0)  # fmt: skip
+                        budget, None, None)  # fmt: skip
 
 
 TIMINGS = {"dge": Cell, "lookahead": LookaheadCell, "decode": DecodeCell}

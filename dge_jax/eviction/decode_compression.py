@@ -40,13 +40,19 @@ import jax.numpy as jnp
 
 from dge_jax.config import ModelConfig
 from dge_jax.distribution.multihost import fetch
-from dge_jax.eviction.evict import SelectionSpec, select_for_budgets
+from dge_jax.eviction.evict import SelectionInputs, SelectionSpec, select_for_budgets
 from dge_jax.eviction.observation import with_drafts
 from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, compact_heads, group_layers, regroup
 from dge_jax.runtime.cache_layout import constrain_cache
-from dge_jax.runtime.decoding import DecodeState, decode_body, decode_groups, until_done
+from dge_jax.runtime.decoding import (
+    DecodeState,
+    StepSpec,
+    decode_body,
+    decode_groups,
+    until_done,
+)
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import fixed_frequencies
@@ -136,12 +142,13 @@ class CompressionLoop:
     """The static settings of one decode-compression loop (one compilation each), and its two
     stages, `block` and `compress`.
 
-    forward / cfg: the model's; sampler, eos_ids, min_new_tokens: as `decoding.decode_loop`
-    takes them; selection: the rule, head budgets, ties and `head_cap` (the most entries a
+    forward / cfg: the model's; sampler, eos_ids, min_new_tokens: as `decoding.StepSpec`
+    holds them; selection: the rule, head budgets, ties and `head_cap` (the most entries a
     head keeps, `DecodeCompression.head_cap`) each compression selects with; interval: decode
     steps between compressions; capacity: the loop's slots per head
     (`DecodeCompression.capacity`); layer_loop: `decoding.decode_groups`'s grouping;
-    attention: the steps' implementation (`platform.ATTENTION`).
+    attention: the steps' implementation (`platform.ATTENTION`); history: record up to this
+    many compressions (`Compressions`, `max_compressions`; 0 = none).
     """
 
     forward: ForwardFn
@@ -154,6 +161,7 @@ class CompressionLoop:
     min_new_tokens: int = 0
     layer_loop: str | None = None
     attention: str = "auto"
+    history: int = 0
 
     @property
     def rule(self) -> Rule:
@@ -169,6 +177,13 @@ class CompressionLoop:
         query (a window of 1) and its attention sums, as it reads them."""
         return self.rule.needs.recording.steps
 
+    @property
+    def step(self) -> StepSpec:
+        """Each decode step's settings (`decoding.decode_body`), recording what the rule
+        reads."""
+        return StepSpec(self.sampler, self.eos_ids, self.min_new_tokens, self.recording,
+                        self.attention)  # fmt: skip
+
     def block(self, params, state: DecodeState, attn, layers):
         """Up to `interval` decode steps (fewer once every row is done). Returns the state,
         the steps' queries [L, B, Hq, interval, D] (None if the rule reads none), positions
@@ -180,6 +195,7 @@ class CompressionLoop:
         shape = (cfg.num_layers, b, cfg.num_heads, interval, cfg.head_dim)
         ring_q = jnp.zeros(shape, dtype) if reads_q else None
         ring_pos = jnp.full((b, interval), -1, jnp.int32)
+        step = self.step
 
         def cond(carry):
             return (carry[0] < interval) & ~jnp.all(carry[1].done)
@@ -187,11 +203,7 @@ class CompressionLoop:
         def body(carry):
             i, s, rq, rp, at = carry
             active, pos = ~s.done, s.pos
-            s, out = decode_body(
-                self.forward, cfg, params, self.sampler, self.eos_ids, s, layers=layers,
-                recording=recording, min_new_tokens=self.min_new_tokens,
-                attention=self.attention,
-            )  # fmt: skip
+            s, out = decode_body(self.forward, cfg, params, s, step, layers)
             s = _finished_rows_write_nothing(s, active)
             if reads_q:  # step i's query goes to ring slot i
                 q = recording.get(out.recorded, QueryWindow).astype(dtype)
@@ -218,9 +230,9 @@ class CompressionLoop:
         newest = jnp.max(ring_pos, axis=1)
         newest = jnp.where(newest >= 0, newest, state.pos - 1)
         obs = _observation(cfg, self.rule, ring_q, ring_pos, attn, newest, out_proj)
-        keep = select_for_budgets(
-            flat, obs, None, (budget,), jnp.asarray(False), spec=self.selection
-        )[0]
+        nothing_drafted = SelectionInputs(jnp.asarray(False))
+        keep = select_for_budgets(flat, obs, None, (budget,), nothing_drafted,
+                                  spec=self.selection)[0]  # fmt: skip
         group = flat.groups[0]
         pos = jnp.where(keep, group.pos, -1)
         k, v, kept_pos, count = compact_heads(group.k, group.v, pos, self.capacity)
@@ -233,7 +245,7 @@ class CompressionLoop:
         return dataclasses.replace(state, cache=cache), attn
 
 
-@functools.partial(jax.jit, static_argnames=("loop", "history"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("loop",), donate_argnames=("state",))
 def decode_compressed(
     loop: CompressionLoop,
     params,
@@ -241,8 +253,6 @@ def decode_compressed(
     budget: jax.Array,
     attn: jax.Array | None = None,
     out_proj: jax.Array | None = None,
-    *,
-    history: int = 0,
 ) -> tuple[DecodeState, jax.Array | None, Compressions | None]:
     """`decoding.decode_loop` with compression every `loop.interval` steps (module docstring).
 
@@ -250,7 +260,7 @@ def decode_compressed(
     `interval` (or all remaining) tokens after its next write slot, and a uniform capacity.
     budget: [] int32, traced. attn: [L, B, Hq, S] f32 attention sums aligned with the cache's
     slots, for rules that read them (H2O), else None. out_proj: CriticalKV's [L, Hq, D, E].
-    history (static): record up to this many compressions (`Compressions`; 0 = none).
+    loop.history (static): record up to this many compressions (`Compressions`; 0 = none).
     Returns (state, attn, compressions); the final cache has `loop.capacity` slots per head.
     """
     if state.cache.ragged:
@@ -260,7 +270,7 @@ def decode_compressed(
         )
     if loop.rule.needs.attn_sum and attn is None:
         raise ValueError(f"{type(loop.rule).__name__} reads attention sums: pass attn")
-    cfg, capacity, layer_loop = loop.cfg, loop.capacity, loop.layer_loop
+    cfg, capacity, layer_loop, history = loop.cfg, loop.capacity, loop.layer_loop, loop.history
     state, attn = _grown(state, attn, capacity)
     nl = cfg.num_layers
     log = None

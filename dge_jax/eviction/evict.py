@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -233,10 +234,26 @@ def select_for(
     spec: the `SelectionSpec`, or its fields by name (``rule=SnapKV()``, ``ties=...``).
     """
     spec = SelectionSpec.of(spec, fields)
-    return select_for_budgets(
-        cache, prompt_obs, drafts, (budget,), observe_drafts, draft_weight,
-        observe_prompt=observe_prompt, spec=spec,
-    )[0]
+    inputs = SelectionInputs(observe_drafts, draft_weight, observe_prompt=observe_prompt)
+    return select_for_budgets(cache, prompt_obs, drafts, (budget,), inputs, spec=spec)[0]
+
+
+class SelectionInputs(NamedTuple):
+    """What `select_for_budgets` reads besides the cache, its records and the budgets, traced
+    (a pytree: one argument, so a sweep over its values shares one compilation).
+
+    observe_drafts: [] bool, whether the draft queries join the observation; draft_weight:
+    [] f32, their weight in it; context_end: [B] int32, only positions <= it are kept
+    (`generate_for_contexts`); observe_prompt: [] bool, False scores with the draft queries
+    alone ("dge_d"). The timing's fields (`Timing.observes_drafts`, ...). None (no leaf, so
+    not traced): weight 1, every position, the prompt observed, as constants of the program
+    (decode-time compression's selection never varies them).
+    """
+
+    observe_drafts: jax.Array | bool
+    draft_weight: jax.Array | float | None = None
+    context_end: jax.Array | None = None
+    observe_prompt: jax.Array | bool | None = None
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -245,10 +262,7 @@ def select_for_budgets(
     prompt_obs: Observation,
     drafts: DraftRecord | None,
     budgets: tuple[jax.Array, ...],
-    observe_drafts: jax.Array,
-    draft_weight: jax.Array | float = 1.0,
-    context_end: jax.Array | None = None,
-    observe_prompt: jax.Array | bool = True,
+    inputs: SelectionInputs,
     *,
     spec: SelectionSpec,
 ) -> tuple[jax.Array, ...]:
@@ -264,8 +278,12 @@ def select_for_budgets(
     keeps what its window still shows (`dge_jax.eviction.sliding`); where those layers hold
     only their window (`dge_jax.runtime.window_cache`), each global layer group is scored
     on its own (`sliding.by_group`) and the masks span the global layers' slots.
-    context_end [B]: only positions <= it are kept (`generate_for_contexts`; None: all).
-    observe_prompt (traced bool): False scores with the draft queries alone ("dge_d")."""
+    inputs: the traced observation switches and context end (`SelectionInputs`):
+    inputs.context_end [B]: only positions <= it are kept (`generate_for_contexts`; None:
+    all); inputs.observe_prompt False scores with the draft queries alone ("dge_d")."""
+    observe_drafts, draft_weight, context_end, observe_prompt = inputs
+    draft_weight = 1.0 if draft_weight is None else draft_weight
+    observe_prompt = True if observe_prompt is None else observe_prompt
     pos = cache.padded_pos()
     nl, b, hkv, _ = pos.shape
     rules = spec.rule if isinstance(spec.rule, tuple) else (spec.rule,) * len(budgets)
@@ -396,10 +414,12 @@ def keep_masks(
             prompt_obs,
             drafts,
             tuple(jnp.asarray(e.budget, jnp.int32) for e in evs),
-            jnp.asarray(ev.timing.observes_drafts),
-            jnp.asarray(ev.timing.draft_weight, jnp.float32),
-            context_end,
-            jnp.asarray(ev.timing.observes_prompt),
+            SelectionInputs(
+                jnp.asarray(ev.timing.observes_drafts),
+                jnp.asarray(ev.timing.draft_weight, jnp.float32),
+                context_end,
+                jnp.asarray(ev.timing.observes_prompt),
+            ),
             # one rule when all agree, so that a plain sweep shares select_for's compilation
             spec=SelectionSpec.for_eviction(
                 ev, rules[0] if len(set(rules)) == 1 else rules, windows=windows

@@ -1,7 +1,9 @@
 """Pure, jittable generation over the padded cache: prefill, draft steps, decode loop.
 
-Every function here takes the family's `forward` and the `ModelConfig` as static arguments
-and parameters/caches as pytrees, so users can compose them under their own `jax.jit`.
+Every function here takes the family's `forward` and the `ModelConfig` as static arguments,
+its other settings as one frozen spec (`PrefillSpec` for the prefill, `StepSpec` for the
+decode steps) and parameters/caches as pytrees, so users can compose them under their own
+`jax.jit`.
 
 Left padding and positions, worked for a 2-row batch, prompts of 3 and 5 tokens, T = 5:
 
@@ -50,49 +52,62 @@ class PrefillOutput(NamedTuple):
     obs: Observation
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "forward", "cfg", "capacity", "chunk", "recording", "cache_dtype", "attention",
-        "kv_quant",
-    ),
-)
+@dataclasses.dataclass(frozen=True)
+class PrefillSpec:
+    """How `prefill_prompt` runs, fixed at trace time (hashable: one static argument, one
+    compilation per spec), so the prefill's settings travel as one value.
+
+    capacity: the fresh cache's slots per head, an int for every layer or a tuple of one per
+    layer (`window_cache.layer_capacities`); chunk: the most tokens one step feeds;
+    recording: what the prompt's observation holds (a rule's `Needs.recording`);
+    cache_dtype: the cache's dtype (None: the embedding's); attention: the steps' attention
+    implementation (`platform.ATTENTION`; "auto": the platform's); kv_quant: how the cache
+    stores keys and values (`quantized.KV_QUANTS`: int8 with one scale per token per kv head
+    of `cache_dtype`).
+    """
+
+    capacity: int | tuple[int, ...]
+    chunk: int = 512
+    recording: Recording = NOTHING
+    cache_dtype: Any = None
+    attention: str = "auto"
+    kv_quant: str = "none"
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "spec"))
 def prefill_prompt(
     forward: ForwardFn,
     cfg: ModelConfig,
     params,
     tokens: jax.Array,
     lengths: jax.Array,
-    *,
-    capacity: int | tuple[int, ...],
-    chunk: int = 512,
-    recording: Recording = NOTHING,
-    cache_dtype=None,
-    attention: str = "auto",
-    kv_quant: str = "none",
+    spec: PrefillSpec,
 ) -> PrefillOutput:
-    """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache.
+    """Runs left-padded prompts [B, T] through the model chunk by chunk into a fresh cache of
+    `spec.capacity` slots (`PrefillSpec`).
 
-    Steps and attention: T runs in ceil(T / chunk) equal steps of at most `chunk` tokens, so
-    besides the T below (one step, or steps of the chunk) any T those steps split evenly
-    runs (what `prompts.bucket_length` pads to for long accelerator chunks); attention: the
-    steps' attention implementation (`platform.ATTENTION`; "auto": the platform's).
+    Steps and attention: T runs in ceil(T / chunk) equal steps of at most `spec.chunk`
+    tokens, so besides the T below (one step, or steps of the chunk) any T those steps split
+    evenly runs (what `prompts.bucket_length` pads to for long accelerator chunks);
+    spec.attention: the steps' attention implementation (`platform.ATTENTION`; "auto": the
+    platform's).
 
-    T must be a multiple of `chunk` (or smaller than it): activations stay [B, chunk, ...]
-    however long the prompt. recording: what the prompt's observation holds (a rule's
+    T must be a multiple of the chunk (or smaller than it): activations stay [B, chunk, ...]
+    however long the prompt. spec.recording: what the prompt's observation holds (a rule's
     `Needs.recording`: its query window, attention sums, query statistics, its own
     recorders'); each recorder's record starts empty and takes every chunk's values
     (`dge_jax.runtime.recorders`).
     """
+    capacity, chunk, recording = spec.capacity, spec.chunk, spec.recording
     b, t = tokens.shape
     c = t // -(-t // chunk)  # min(chunk, t) when T is a multiple of the chunk
     if t % c:
         raise ValueError(f"prompt length {t} does not split into steps of at most {chunk}")
     _check_capacity(cfg, capacity, t, c)
-    dtype = cache_dtype or params.embed.dtype
-    forward = functools.partial(forward, attention=attention)  # every chunk's attention
+    dtype = spec.cache_dtype or params.embed.dtype
+    forward = functools.partial(forward, attention=spec.attention)  # every chunk's attention
     cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype,
-                       kv_quant)  # fmt: skip
+                       spec.kv_quant)  # fmt: skip
     capacity = cache.capacity  # the global layers' (what per-slot records span)
     # Under jax.set_mesh (dge_jax.distribution.sharding): rows over data, kv heads over model;
     # else no-ops.
@@ -210,30 +225,47 @@ def next_token_stats(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return entropy, jnp.max(p, axis=-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """How each decode step chooses its token, fixed at trace time (hashable: one static
+    argument of `draft_tokens` and `decode_loop`, and what `decode_body` takes), so a
+    step's settings travel as one value.
+
+    sampler: picks the next id from the logits (`dge_jax.text.sampling`); eos_ids: the ids
+    that end a row; min_new_tokens: the EOS ids are banned until a row has this many tokens;
+    recording: what each step records (`Recording.steps` of the prompt's; `decode_loop`
+    records nothing); attention: the steps' implementation (`platform.ATTENTION`).
+    """
+
+    sampler: Any
+    eos_ids: tuple[int, ...]
+    min_new_tokens: int = 0
+    recording: Recording = NOTHING
+    attention: str = "auto"
+
+
 def decode_body(
     forward: ForwardFn,
     cfg: ModelConfig,
     params,
-    sampler,
-    eos_ids: tuple[int, ...],
     state: DecodeState,
-    *,
+    spec: StepSpec,
     layers=None,
-    recording: Recording = NOTHING,
-    min_new_tokens: int = 0,
-    attention: str = "auto",
 ):
     """One decode step: feed `last` [B], choose the next token. Returns (state, ForwardOutput).
 
     The token is written at slot `cache.index` of every head (position `pos`), the sampled id
-    at tokens[b, step[b]]; ForwardOutput.logits is [B, V] f32, `recorded` what `recording`
-    asked of the step.
+    (`spec.sampler`) at tokens[b, step[b]]; ForwardOutput.logits is [B, V] f32, `recorded`
+    what `spec.recording` asked of the step; layers: the weights grouped as the cache's
+    layers (`until_done`; None: as the model holds them).
 
-    EOS ids are banned while a row has fewer than `min_new_tokens` tokens (transformers'
-    min_length, which LongBench uses for samsum). Finished rows still run (the batch moves
-    together) but keep their tokens, step and last id unchanged. attention: the step's
-    implementation (`platform.ATTENTION`; "pallas": `flash_decode`'s kernel).
+    EOS ids are banned while a row has fewer than `spec.min_new_tokens` tokens
+    (transformers' min_length, which LongBench uses for samsum). Finished rows still run (the
+    batch moves together) but keep their tokens, step and last id unchanged.
+    spec.attention: the step's implementation (`platform.ATTENTION`; "pallas":
+    `flash_decode`'s kernel).
     """
+    eos_ids = spec.eos_ids
     out = forward(
         cfg,
         params,
@@ -241,13 +273,13 @@ def decode_body(
         state.pos[:, None],
         state.cache,
         layers=layers,
-        recording=recording,
-        attention=attention,
+        recording=spec.recording,
+        attention=spec.attention,
     )
     key, sub = jax.random.split(state.key)
-    logits = suppress_eos(out.logits, eos_ids, state.step < min_new_tokens)
+    logits = suppress_eos(out.logits, eos_ids, state.step < spec.min_new_tokens)
     active = ~state.done
-    new = jnp.where(active, sampler(logits, sub), state.last)
+    new = jnp.where(active, spec.sampler(logits, sub), state.last)
     rows = jnp.arange(new.shape[0])
     slot = jnp.minimum(state.step, state.tokens.shape[1] - 1)
     tokens = state.tokens.at[rows, slot].set(jnp.where(active, new, state.tokens[rows, slot]))
@@ -267,16 +299,7 @@ def decode_body(
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "forward",
-        "cfg",
-        "sampler",
-        "eos_ids",
-        "num_steps",
-        "recording",
-        "min_new_tokens",
-        "attention",
-    ),
+    static_argnames=("forward", "cfg", "spec", "num_steps"),
     donate_argnames=("state",),
 )
 def draft_tokens(
@@ -284,22 +307,19 @@ def draft_tokens(
     cfg: ModelConfig,
     params,
     state: DecodeState,
+    spec: StepSpec,
     *,
-    sampler,
-    eos_ids: tuple[int, ...],
     num_steps: int,
-    recording: Recording = NOTHING,
-    min_new_tokens: int = 0,
-    attention: str = "auto",
 ) -> tuple[DecodeState, DraftRecord]:
     """Runs `num_steps` decode steps with the full cache (lax.scan), recording each step.
 
     These are DGE's draft steps: the tokens they produce are real answer tokens, and what
     they record (their queries, their attention) is what the scoring rule gains by waiting.
-    recording: what each step records (`Recording.steps` of the prompt's: a query window
-    of 1, attention sums; `dge_jax.runtime.recorders`). Returns the state after K =
-    num_steps steps (cache with K more entries per head) and a `DraftRecord` (q [L, B, Hq, K,
-    D] and probs [L, B, Hq, K, S] f32 if recorded, q_pos [B, K] int32, stats [B, K] f32).
+    spec: each step's sampler, EOS ids, min_new_tokens and attention (`StepSpec`), and what
+    it records (spec.recording: `Recording.steps` of the prompt's: a query window of 1,
+    attention sums; `dge_jax.runtime.recorders`). Returns the state after K = num_steps
+    steps (cache with K more entries per head) and a `DraftRecord` (q [L, B, Hq, K, D] and
+    probs [L, B, Hq, K, S] f32 if recorded, q_pos [B, K] int32, stats [B, K] f32).
 
     The state (and its cache) is donated, as `decode_loop`'s: the draft writes its entries
     into the cache in place. Pass a copy (``jax.tree.map(jnp.copy, state)``) to keep it.
@@ -307,24 +327,14 @@ def draft_tokens(
 
     def body(state, _):
         pos = state.pos
-        state, out = decode_body(
-            forward,
-            cfg,
-            params,
-            sampler,
-            eos_ids,
-            state,
-            recording=recording,
-            min_new_tokens=min_new_tokens,
-            attention=attention,
-        )
+        state, out = decode_body(forward, cfg, params, state, spec)
         entropy, top1 = next_token_stats(out.logits)
         return state, (out.recorded, pos, entropy, top1)
 
     state, (recorded, pos, entropy, top1) = jax.lax.scan(body, state, None, length=num_steps)
     # scan stacks the steps on a new leading axis [K, ...]; the recorders lay them out.
     drafts = DraftRecord(q=None, q_pos=pos.T, probs=None, entropy=entropy.T, top1=top1.T)
-    return state, recording.into_drafts(drafts, recorded)
+    return state, spec.recording.into_drafts(drafts, recorded)
 
 
 @functools.partial(jax.jit, static_argnames=("eos_ids",), donate_argnames=("state",))
@@ -388,29 +398,24 @@ def decode_groups(cache: KVCache, layer_loop: str | None = None) -> tuple[int, .
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "forward", "cfg", "sampler", "eos_ids", "min_new_tokens", "layer_loop", "attention"
-    ),
-    donate_argnames=("state",),
+    jax.jit, static_argnames=("forward", "cfg", "spec", "layer_loop"), donate_argnames=("state",)
 )
 def decode_loop(
     forward: ForwardFn,
     cfg: ModelConfig,
     params,
     state: DecodeState,
+    spec: StepSpec,
     *,
-    sampler,
-    eos_ids: tuple[int, ...],
-    min_new_tokens: int = 0,
     layer_loop: str | None = None,
-    attention: str = "auto",
 ) -> DecodeState:
     """Decodes until `limit` tokens exist or every row has emitted an EOS (lax.while_loop).
 
-    The state (and its cache) is donated: decoding updates the cache in place. Returns the
-    final state; tokens [B, N] int32 holds each row's ids, padded with its last id after
-    `step[b]` (callers cut at `limit` and at the first EOS).
+    spec: each step's sampler, EOS ids, min_new_tokens and attention (`StepSpec`; its
+    recording must be `NOTHING`: the loop keeps no record). The state (and its cache) is
+    donated: decoding updates the cache in place. Returns the final state; tokens [B, N]
+    int32 holds each row's ids, padded with its last id after `step[b]` (callers cut at
+    `limit` and at the first EOS).
 
     layer_loop: how the cache's layers are grouped while decoding (`decode_groups`):
     "scan" keeps layers of one capacity in one group, scanned; "unrolled" makes every layer
@@ -419,16 +424,16 @@ def decode_loop(
     place (`python -m benchmarks.decode_step` compares them; on a GPU the scan ran at half
     the speed too), for one extra copy of the layer weights while decoding and a longer
     compile. None: the platform's. The
-    cache comes back in the grouping it was given. Same tokens either way. attention: the
-    steps' implementation (`platform.ATTENTION`).
+    cache comes back in the grouping it was given. Same tokens either way.
     """
+    if spec.recording != NOTHING:
+        raise ValueError(
+            f"decode_loop records nothing: give it a StepSpec with recording=NOTHING, got "
+            f"{spec.recording!r}"
+        )
 
     def body(s, extra, layers):
-        step = decode_body(
-            forward, cfg, params, sampler, eos_ids, s, layers=layers,
-            min_new_tokens=min_new_tokens, attention=attention,
-        )  # fmt: skip
-        return step[0], extra
+        return decode_body(forward, cfg, params, s, spec, layers)[0], extra
 
     return until_done(params, state, body, (), layer_loop=layer_loop)[0]
 

@@ -9,6 +9,7 @@ and the answer need. `dge_jax.generation.generate_for_contexts` is their user.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +22,23 @@ from dge_jax.runtime.cache import KVCache, LayerGroup
 ROOM_MULTIPLE = 64
 
 
+class Question(NamedTuple):
+    """What `extend` feeds (a pytree: one argument): tokens [B, Q] int32, left-padded among
+    the batch, and their positions [B, Q] int32 (-1 on the padding)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+
+
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "attention"))
 def extend(
-    forward, cfg, params, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
-    attention: str = "auto",
+    forward, cfg, params, cache: KVCache, question: Question, *, attention: str = "auto"
 ) -> tuple[jax.Array, KVCache]:
-    """(next-token logits [B, V] f32, the cache with `tokens` written): tokens [B, Q] fed in
-    one prefill step after what the cache holds, at positions [B, Q] (-1 on left padding).
-    The cache needs Q free slots after each layer's write index (`with_room`)."""
+    """(next-token logits [B, V] f32, the cache with the question's tokens written): its
+    tokens [B, Q] fed in one prefill step after what the cache holds, at its positions
+    [B, Q] (-1 on left padding). The cache needs Q free slots after each layer's write
+    index (`with_room`). attention: the step's implementation (`platform.ATTENTION`)."""
+    tokens, positions = question
     out = forward(cfg, params, tokens, positions, cache, key_block=tokens.shape[1],
                   attention=attention)  # fmt: skip
     return out.logits, out.cache
