@@ -126,6 +126,13 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top_k", type=int, default=None, help="sampling: >= 0, 0 = no cut")
     g.add_argument("--top_p", type=float, default=None, help="sampling: in (0, 1], 1 = no cut")
     g.add_argument("--seed", type=int, default=0)
+    _add_kernels(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_eviction(g.add_argument_group("eviction"))
+
+
+def _add_kernels(g: argparse.ArgumentParser) -> None:
+    """How generate runs its attention and stores its cache."""
     g.add_argument(
         "--attention", default="auto", choices=platform.ATTENTION,
         help="attention kernels: auto (the platform's: pallas on TPU, xla elsewhere), xla, "
@@ -138,8 +145,10 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
         help="how the cache stores keys and values: none (the model's dtype) or int8 (one "
         "scale per token per kv head; attention and every rule read them dequantized)",
     )  # fmt: skip
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    ev = g.add_argument_group("eviction")
+
+
+def _add_eviction(ev) -> None:
+    """The `generate` subcommand's eviction group."""
     ev.add_argument(
         "--rule",
         default="full",

@@ -5,7 +5,7 @@ NaN, so the masking of a last partial key block is exercised). Compared against
 `cached_attention` with the step's own entries passed beside the cache (``new``), on
 hand-made caches:
 
-- a compacted cache with ragged heads (`cache.compact_heads`'s layout: head h's n_h kept
+- a compacted cache with ragged heads (`compaction.compact_heads`'s layout: head h's n_h kept
   entries in slots [0, n_h), empty slots up to the shared index max(n_h), a few decoded
   entries after it, then the step's own entries at new_slot), with stale visible junk at
   the slots the new entries will take;

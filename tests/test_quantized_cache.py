@@ -14,8 +14,9 @@ import pytest
 from dge_jax.kernels.attention import AttentionSpec, LayerCache, NewEntries, ScoreSpec
 from dge_jax.kernels.layer_attention import cache_layer_attention, kernel_backend
 from dge_jax.runtime import platform
-from dge_jax.runtime.cache import KVCache, LayerGroup, compact, init_cache, regroup
+from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache, regroup
 from dge_jax.runtime.cache_layout import cache_specs
+from dge_jax.runtime.compaction import compact
 from dge_jax.runtime.extend import with_room
 from dge_jax.runtime.quantized import (
     Int8Entries,

@@ -6,7 +6,7 @@ float summation order. On TPU it is one Mosaic kernel; elsewhere (CPU tests) the
 runs in Pallas interpret mode.
 
 Why. A decode step is bound by reading the cache. The XLA path reads every slot of the
-capacity, empty or not; after compaction (`cache.compact_heads`) head h holds its n_h kept
+capacity, empty or not; after compaction (`compaction.compact_heads`) head h holds its n_h kept
 entries in slots [0, n_h), empty slots up to the shared index max(n_h), then the decoded
 tokens: heads are ragged, and a masked (uncompacted) cache has whole evicted blocks. The
 kernel reads, per (row, kv head), only the key blocks that hold a slot visible to the step.
