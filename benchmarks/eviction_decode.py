@@ -32,7 +32,7 @@ from dge_jax.eviction.timing import Timing
 from dge_jax.families import get_family
 from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding as gen
-from dge_jax.runtime.cache import compact
+from dge_jax.runtime.compaction import compact
 from dge_jax.runtime.selection import apply_keep
 from dge_jax.text.sampling import Greedy
 

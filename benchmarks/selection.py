@@ -10,7 +10,7 @@ what it replaced, on the same inputs, and the replacements are checked to give t
 - select: `selection.select_slots` (a bisection for each head's threshold score) against
   ranking every slot with two stable argsorts (the rule it implements: highest score first,
   ties to the later slot);
-- compact: `cache.compact` on a cache whose slots are in position order (every cache decoding
+- compact: `compaction.compact` on a cache whose slots are in position order (every cache decoding
   builds: a stable partition) against the same entries with their slots shuffled (it falls
   back to sorting by position);
 - SnapKV scoring (kvpress preset) of the window's queries plus two drafts, for scale.
@@ -29,8 +29,7 @@ import numpy as np
 
 from benchmarks import machine
 from dge_jax.rules.snapkv import SnapKV
-from dge_jax.runtime import cache as kv
-from dge_jax.runtime import selection
+from dge_jax.runtime import compaction, selection
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.records import Observation
 
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     shuffle = np.random.default_rng(0).permutation(slots)
     shuffled = KVCache.stacked(masked.k[..., shuffle, :], masked.v[..., shuffle, :],
                                masked.pos[..., shuffle], masked.index)  # fmt: skip
-    compact = jax.jit(kv.compact, static_argnums=1)
+    compact = jax.jit(compaction.compact, static_argnums=1)
     in_order, out_of_order = compact(masked, capacity), compact(shuffled, capacity)
     for a, b in zip(jax.tree.leaves(in_order), jax.tree.leaves(out_of_order), strict=True):
         if not np.array_equal(np.asarray(a), np.asarray(b)):

@@ -34,6 +34,7 @@ from dge_jax.eviction.timing import KINDS, Lookahead, Timing
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.rules.registry import RULES, make_rule, resolve
 from dge_jax.runtime import platform
+from dge_jax.runtime.quantized import KV_QUANTS
 from dge_jax.runtime.selection import TIES
 from dge_jax.text.sampling import Greedy, Sampling
 
@@ -125,6 +126,13 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top_k", type=int, default=None, help="sampling: >= 0, 0 = no cut")
     g.add_argument("--top_p", type=float, default=None, help="sampling: in (0, 1], 1 = no cut")
     g.add_argument("--seed", type=int, default=0)
+    _add_kernels(g)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_eviction(g.add_argument_group("eviction"))
+
+
+def _add_kernels(g: argparse.ArgumentParser) -> None:
+    """How generate runs its attention and stores its cache."""
     g.add_argument(
         "--attention", default="auto", choices=platform.ATTENTION,
         help="attention kernels: auto (the platform's: pallas on TPU, xla elsewhere), xla, "
@@ -132,8 +140,15 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
         "draft and decode steps; interpret mode off TPU, slow) or cudnn (GPU only: cuDNN's "
         "flash attention for prefill and KVzip's passes; draft and decode steps on xla)",
     )  # fmt: skip
-    g.add_argument("--json", action="store_true", help="print one JSON object")
-    ev = g.add_argument_group("eviction")
+    g.add_argument(
+        "--kv_quant", default="none", choices=KV_QUANTS,
+        help="how the cache stores keys and values: none (the model's dtype) or int8 (one "
+        "scale per token per kv head; attention and every rule read them dequantized)",
+    )  # fmt: skip
+
+
+def _add_eviction(ev) -> None:
+    """The `generate` subcommand's eviction group."""
     ev.add_argument(
         "--rule",
         default="full",
@@ -395,6 +410,7 @@ def run_generate(args: argparse.Namespace) -> dict:
         seed=args.seed,
         eviction=eviction,
         attention=args.attention,
+        kv_quant=args.kv_quant,
         record_compressions=args.json and eviction is not None and eviction.decode is not None,
     )
     out = {"prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.texts}

@@ -48,6 +48,7 @@ from dge_jax.eviction.grid_plan import Evicted, check_cells, plan_grid
 from dge_jax.model import Model
 from dge_jax.runtime import decoding, platform
 from dge_jax.runtime.extend import Question, extend, with_room
+from dge_jax.runtime.quantized import check_kv_quant
 from dge_jax.runtime.window_cache import LAYOUTS
 from dge_jax.stages import (
     GREEDY,
@@ -90,7 +91,11 @@ class GenerationConfig:
     passes; draft and decode steps run xla); sliding_cache: how prefill's cache holds
     sliding-window layers, "bounded" (their window plus one prefill step:
     `dge_jax.runtime.window_cache`), "full" (the prompt's length, like global layers) or
-    "auto" (bounded unless a cell needs the full layout: `grid_plan.plan_grid`).
+    "auto" (bounded unless a cell needs the full layout: `grid_plan.plan_grid`);
+    kv_quant: how the cache stores keys and values, "none" (the activation dtype) or "int8"
+    (one scale per token per kv head: `dge_jax.runtime.quantized`; every attention reads
+    them dequantized, every rule scores what attention reads, and eviction moves each
+    entry's scale with it).
     """
 
     max_new_tokens: int = 64
@@ -103,9 +108,11 @@ class GenerationConfig:
     record_compressions: bool = False
     attention: str = "auto"
     sliding_cache: str = "auto"
+    kv_quant: str = "none"
 
     def __post_init__(self) -> None:
         platform.check_attention(self.attention)
+        check_kv_quant(self.kv_quant)
         if self.sliding_cache not in LAYOUTS:
             raise ValueError(f"sliding_cache must be one of {LAYOUTS}, got {self.sliding_cache!r}")
 
@@ -178,7 +185,7 @@ def evicted_plans(
         model.tokenizer, model.config, prompts, max_new_tokens=cfg.max_new_tokens,
         min_new_tokens=cfg.min_new_tokens, chat=cfg.chat, chunk=chunk,
         extra_eos_ids=cfg.extra_eos_ids, granule=granule, attention=cfg.attention,
-        path=model.path,
+        path=model.path, kv_quant=cfg.kv_quant,
     )  # fmt: skip
     layout = sliding_cache or cfg.sliding_cache
     grid = plan_grid(cells, request, model.config.layer_windows, layout)

@@ -118,7 +118,7 @@ def prefill(
             model.config.layer_windows, capacity, request.chunk
         )
     spec = PrefillSpec(capacity, chunk=request.chunk, recording=recording.needs.recording,
-                       attention=request.attention)  # fmt: skip
+                       attention=request.attention, kv_quant=request.kv_quant)  # fmt: skip
     pre = _call(
         hook, "prefill", decoding.prefill_prompt,
         model.forward, model.config, model.params,

@@ -14,6 +14,7 @@ from dge_jax.cli import RULE_OPTIONS
 from dge_jax.eviction.timing import Adaptive, Lookahead
 from dge_jax.rules.registry import RULES
 from dge_jax.runtime.platform import ATTENTION
+from dge_jax.runtime.quantized import KV_QUANTS
 from experiments import suites
 from experiments.cells import Cell, build_cells
 from experiments.suites import longbench, ruler, synthetic
@@ -106,6 +107,10 @@ flags.DEFINE_enum("attention", "auto", list(ATTENTION), "attention kernels: auto
                   "steps; interpret mode off TPU) or cudnn (GPU only: cuDNN's flash attention "
                   "for prefill and KVzip's passes; draft and decode steps on xla); recorded in "
                   "the run identity unless it resolves to xla")
+flags.DEFINE_enum("kv_quant", "none", list(KV_QUANTS), "how the cache stores keys and "
+                  "values: none (the model's dtype, default) or int8 (one scale per token per "
+                  "kv head; attention and every rule read them dequantized); recorded in the "
+                  "run identity unless none")
 flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
                     "sharded, and each batch of --batch_size samples is spread over the data "
                     "axis (--batch_size must then be a multiple of it)")
@@ -216,6 +221,7 @@ class RunConfig:
     sliding: str = "window"
     distributed: bool = False
     sliding_cache: str = "auto"
+    kv_quant: str = "none"
     protocol: str = "query_aware"
     anchor: int = 0
     lookahead: Lookahead = Lookahead()
@@ -257,6 +263,7 @@ class RunConfig:
             adaptive_rule=values.adaptive_rule, adaptive_threshold=values.adaptive_threshold,
             k_max=values.k_max, attention=values.attention, sliding=values.sliding,
             distributed=values.distributed, sliding_cache=values.sliding_cache,
+            kv_quant=values.kv_quant,
             protocol=values.protocol, anchor=values.anchor,
             lookahead=Lookahead(values.lookahead_budget, values.lookahead_window))
 

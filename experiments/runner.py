@@ -92,6 +92,7 @@ def run_identity(config: RunConfig, model, max_length: int) -> dict:
         **({} if backend.attention == "xla" else {"attention": backend.attention}),
         **({} if config.sliding == "window" else {"sliding": config.sliding}),
         **({} if config.sliding_cache == "auto" else {"sliding_cache": config.sliding_cache}),
+        **({} if config.kv_quant == "none" else {"kv_quant": config.kv_quant}),
         **({} if config.protocol == "query_aware" else {"context_protocol": config.protocol}),
         **({} if config.anchor == 0 else {"anchor": config.anchor}),
         # only when not LAQ's defaults, so commands extending one folder agree on it
@@ -409,7 +410,7 @@ def run_dataset(config: RunConfig, model, grid: Grid, dataset: str, batches: lis
         t0 = time.time()
         options = dict(max_new_tokens=max_new, extra_eos_ids=extra_eos, chunk=config.chunk,
                        min_new_tokens=stop.min_new_tokens, attention=config.attention,
-                       sliding_cache=config.sliding_cache)  # fmt: skip
+                       sliding_cache=config.sliding_cache, kv_quant=config.kv_quant)  # fmt: skip
         evictions, order = [grid.evictions[c] for c in todo], None
         if config.protocol == "query_aware":
             results = grid.generate_grid(model, ids, evictions, **options)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.runtime.cache import KVCache, compact, group_bounds, init_cache, regroup, runs_of_equal
+from dge_jax.runtime.cache import KVCache, group_bounds, init_cache, regroup, runs_of_equal
+from dge_jax.runtime.compaction import compact
 
 L, B, HKV, S, D = 4, 2, 2, 6, 3
 

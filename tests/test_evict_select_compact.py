@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dge_jax.runtime.cache import KVCache, check_capacity, compact, regroup
+from dge_jax.runtime.cache import KVCache, regroup
+from dge_jax.runtime.compaction import check_capacity, compact
 from dge_jax.runtime.selection import apply_keep, select_slots, top_mask
 
 L, B, HKV, G, S, D = 2, 2, 2, 2, 12, 4

@@ -39,7 +39,7 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.rules.streamingllm import StreamingLLM
 from dge_jax.rules.tova import TOVA
 from dge_jax.runtime import decoding as gen
-from dge_jax.runtime.cache import compact
+from dge_jax.runtime.compaction import compact
 from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.selection import apply_keep
 from dge_jax.text.prompts import pad_left

@@ -18,8 +18,13 @@ two bf16 ulps, 2^-7 relative: the paths round p to bf16 against different runnin
 and cached_attention scales scores in f32 where the others scale q in bf16) and 2e-3 absolute
 + 2e-3 relative on the f32 probs sums (sums of up to ~8 here; 7e-4 relative seen).
 
+An int8 cache (`runtime.quantized.Int8Entries`: the kernels take its int8 values and scales
+and dequantize each tile in VMEM): the same comparisons over the same int8 entries (the XLA
+paths read them dequantized), and the kernels' outputs and probs sums bit for bit those they
+give on the dequantized arrays, as both compute `dequantize`'s one product.
+
 The last test compiles the kernels for a TPU v5e without a TPU (deviceless AOT through
-libtpu) and finds the Mosaic custom calls in the compiled HLO.
+libtpu), plain and int8, and finds the Mosaic custom calls in the compiled HLO.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from loose_attention import written as written_slot_attention
 
 from dge_jax.kernels.attention import DEFAULT_SCORES, ScoreSpec, visible
 from dge_jax.kernels.flash import _skip_tables
+from dge_jax.runtime.quantized import Int8Entries, dequantize, quantize_int8
 
 D = 16
 # Jitted, so each shape compiles once (eager calls re-trace the interpreter every time).
@@ -244,6 +250,85 @@ def test_bf16_gqa_with_a_window():
           block_q=128, block_k=128)  # fmt: skip
 
 
+def check_int8(q, k, v, pos, query_pos, num_slots, **kw):
+    """`check` over the int8 cache of k, v (the kernels and the XLA paths reading the same
+    int8 entries), and the kernels' out and probs sums on it bit for bit theirs on the
+    dequantized arrays; returns (out, sums) as `check` does."""
+    qk, qv = quantize_int8(k), quantize_int8(v)
+    assert qk.q.dtype == jnp.int8 and qk.dtype == k.dtype
+    got = check(q, qk, qv, pos, query_pos, num_slots, **kw)
+    spec, window = kw.pop("spec", DEFAULT_SCORES), kw.pop("window", None)
+    kw.pop("tol", None)
+    args = (jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(num_slots))
+    plain = FLASH(q, dequantize(qk), dequantize(qv), *args, return_probs_sum=True,
+                  scores_spec=spec, window=None if window is None else jnp.int32(window), **kw)
+    for x, y in zip(got, plain, strict=True):
+        np.testing.assert_array_equal(x, np.asarray(y, np.float32))
+    return got
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (8, 1)])  # G = 3, 8
+def test_int8_gqa_with_padding_and_evictions(hq, hkv):
+    """An int8 cache, one tile each way: left padding, evicted slots, unwritten capacity."""
+    q, k, v, pos, query_pos = make_inputs(2, 11, hq, hkv, 37, seed=20)
+    left_pad(pos, query_pos, 0, 4)
+    pos[1, hkv - 1, 3:6] = -1
+    check_int8(q, k, v, pos, query_pos, 11)
+
+
+def test_int8_tiles_windows_and_softcap():
+    """An int8 cache over several tiles (T = 300, S = 700 in 128-wide tiles, the last key
+    tile partial: its values past S undefined, its scales zero-padded), G = 4: a padded prompt
+    with an evicted key tile, then a later chunk under windows 5 and 200 with a soft cap and
+    a logit scale; probs sums included."""
+    q, k, v, pos, query_pos = make_inputs(2, 300, 8, 2, 700, seed=21)
+    blocks = dict(block_q=128, block_k=128)
+    left_pad(pos, query_pos, 0, 140)
+    pos[1, 1, 120:270] = -1
+    check_int8(q, k, v, pos, query_pos, 300, **blocks)
+    chunk_pos = np.tile(np.arange(700, dtype=np.int32), (2, 2, 1))
+    chunk_pos[0, 0, 500:530] = -1
+    chunk_query_pos = np.tile(np.arange(400, 700, dtype=np.int32), (2, 1))
+    for window in (5, 200):
+        check_int8(q, k, v, chunk_pos, chunk_query_pos, 700, window=window,
+                   spec=ScoreSpec(scale=0.4, softcap=3.0), **blocks)  # fmt: skip
+
+
+def test_int8_bf16_stacked_with_a_window():
+    """bf16 int8 cache (bf16 scales), D = 128, G = 3, window 37 and a soft cap, against the
+    XLA paths in bf16; and its layer 1 of a stacked [3, ...] int8 cache read in place gives
+    the layer alone, bit for bit."""
+    q, k, v, pos, query_pos = make_inputs(2, 150, 6, 2, 300, jnp.bfloat16, seed=22, d=128)
+    left_pad(pos, query_pos, 1, 20)
+    pos[0, 0, 10:30] = -1
+    spec = ScoreSpec(0.1, 2.0)
+    out, sums = check_int8(q, k, v, pos, query_pos, 150, tol=BF16, window=37, spec=spec,
+                           block_q=128, block_k=128)  # fmt: skip
+    rng = np.random.default_rng(23)
+    others = [quantize_int8(jnp.asarray(rng.normal(size=(3, *k.shape)), jnp.bfloat16))
+              for _ in "kv"]  # fmt: skip
+    k3, v3 = (jax.tree.map(lambda a, b: a.at[1].set(b), o, quantize_int8(x))
+              for o, x in zip(others, (k, v), strict=True))  # fmt: skip
+    assert isinstance(k3, Int8Entries)
+    pos3 = jnp.asarray(np.stack([np.where(rng.random(pos.shape) < 0.3, -1, pos), pos, pos]))
+    stacked = FLASH(q, k3, v3, pos3, jnp.asarray(query_pos), jnp.int32(150), layer=jnp.int32(1),
+                    window=jnp.int32(37), scores_spec=spec, return_probs_sum=True, block_q=128,
+                    block_k=128)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(stacked[0], np.float32), out)
+    np.testing.assert_array_equal(np.asarray(stacked[1]), sums)
+
+
+def test_int8_without_probs_sum():
+    """The forward kernel alone (no sums call) on an int8 cache: the XLA path's output."""
+    q, k, v, pos, query_pos = make_inputs(1, 20, 4, 2, 64, seed=24)
+    k, v = quantize_int8(k), quantize_int8(v)
+    args = (q, k, v, jnp.asarray(pos), jnp.asarray(query_pos), jnp.int32(20))
+    out, sums = FLASH(*args)
+    ref, _ = WRITTEN(*args, block=16)
+    assert sums is None and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)
+
+
 def test_skip_tables_of_a_sliding_window():
     """T = S = 512 in 128-wide tiles: a window of 128 needs key tiles i - 1..i for query tile
     i (tile i - 1's last slot is 1 before tile i's first query); a window of 1 only the
@@ -272,7 +357,8 @@ def test_tiles_must_be_lane_multiples():
 def test_compiles_for_tpu_without_one():
     """Deviceless AOT: the kernels, with a traced window, a soft cap and a logit scale, lower
     through Mosaic for a v5e chip (interpret=None picks the compiled kernel because the
-    computation is compiled for a TPU)."""
+    computation is compiled for a TPU), on a bf16 cache and on an int8 one (int8 values,
+    bf16 scales)."""
     # libtpu takes a machine-wide lock file by default, so a second process using it (another
     # test run, a benchmark) would make this one fail; deviceless compiling shares no chip.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -287,12 +373,14 @@ def test_compiles_for_tpu_without_one():
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=where)
 
-    def compiled_hlo(d):
+    def compiled_hlo(d, int8):
         b, t, hq, hkv, s = 1, 300, 8, 2, 700
         cache = (b, hkv, s, d)
-        args = (spec((b, t, hq, d), jnp.bfloat16), spec(cache, jnp.bfloat16),
-                spec(cache, jnp.bfloat16), spec(cache[:3], jnp.int32), spec((b, t), jnp.int32),
-                spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
+        kv = spec(cache, jnp.bfloat16)
+        if int8:
+            kv = Int8Entries(spec(cache, jnp.int8), spec((*cache[:3], 1), jnp.bfloat16))
+        args = (spec((b, t, hq, d), jnp.bfloat16), kv, kv, spec(cache[:3], jnp.int32),
+                spec((b, t), jnp.int32), spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
         # a traced window (scalar-prefetched), Gemma 2's soft cap and a logit scale
         spec_of = ScoreSpec(scale=0.0625, softcap=50.0)
         fn = jax.jit(lambda *a: flash_attention(*a[:6], window=a[6], scores_spec=spec_of,
@@ -300,5 +388,6 @@ def test_compiles_for_tpu_without_one():
         return fn.lower(*args).compile().as_text()
 
     for d in (128, 64):  # an 8B model's head, and a small model's (not a lane multiple)
-        hlo = compiled_hlo(d)
-        assert hlo.count('custom_call_target="tpu_custom_call"') == 2, (d, "forward + sums")
+        for int8 in (False, True):
+            hlo = compiled_hlo(d, int8)
+            assert hlo.count('custom_call_target="tpu_custom_call"') == 2, (d, int8)

@@ -5,7 +5,7 @@ NaN, so the masking of a last partial key block is exercised). Compared against
 `cached_attention` with the step's own entries passed beside the cache (``new``), on
 hand-made caches:
 
-- a compacted cache with ragged heads (`cache.compact_heads`'s layout: head h's n_h kept
+- a compacted cache with ragged heads (`compaction.compact_heads`'s layout: head h's n_h kept
   entries in slots [0, n_h), empty slots up to the shared index max(n_h), a few decoded
   entries after it, then the step's own entries at new_slot), with stale visible junk at
   the slots the new entries will take;
@@ -15,6 +15,11 @@ hand-made caches:
   [Lg, B, Hkv, S, D] layout read at layer i equals the plain layer;
 - sliding windows (traced; smaller than a draft step, inside a block, spanning blocks),
   soft caps and logit scales, on both caches, the step's own entries included.
+
+- an int8 cache (`runtime.quantized.Int8Entries`: the kernel takes its int8 values and
+  scales and dequantizes each block in VMEM, row-major and slots-minor), the step's own
+  entries round-tripped as `layer_attention` passes them: equal to `cached_attention` over
+  the same int8 cache, and bit for bit the kernel on the dequantized arrays.
 
 Rows that see nothing (padding queries) are zero in the kernel and a mean of values in the
 XLA path: outputs are compared on real rows only.
@@ -43,6 +48,7 @@ from loose_attention import decode as decode_attention
 
 from dge_jax.kernels.attention import DEFAULT_SCORES, ScoreSpec
 from dge_jax.kernels.flash_decode import block_table
+from dge_jax.runtime.quantized import Int8Entries, dequantize, quantize_int8
 
 D = 16
 DECODE = jax.jit(decode_attention, static_argnames=("block_k", "slots_minor", "scores_spec"))
@@ -174,6 +180,78 @@ def test_sliding_windows_softcaps_and_scales(spec, hq, hkv):
             check(q, k, v, masked, query_pos, new, 600, window=window, spec=spec)
 
 
+def check_int8(q, k, v, pos, query_pos, new, new_slot, **kw):
+    """`check` over the int8 cache of k, v, the step's own entries (k, v, pos) read as they
+    will be once written (quantized and dequantized: `quantized.round_trip`); and the
+    kernel's output on it bit for bit its output on the dequantized arrays, both layouts."""
+    qk, qv = quantize_int8(k), quantize_int8(v)
+    k_new, v_new, pos_new = new
+    new = (dequantize(quantize_int8(k_new)), dequantize(quantize_int8(v_new)), pos_new)
+    out = check(q, qk, qv, pos, query_pos, new, new_slot, **kw)
+    spec, window = kw.get("spec", DEFAULT_SCORES), kw.get("window")
+    for minor in (False, True):
+        plain = DECODE(q, dequantize(qk), dequantize(qv), jnp.asarray(pos),
+                       jnp.asarray(query_pos), new=new, new_slot=jnp.int32(new_slot),
+                       block_k=kw.get("block_k", 128), slots_minor=minor, scores_spec=spec,
+                       window=None if window is None else jnp.int32(window))  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(plain, np.float32), out)
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (8, 1)])  # G = 3, 8
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_int8_compacted_ragged_heads(hq, hkv, dtype):
+    """An int8 cache with ragged compacted heads (S = 700, the last block partial: its
+    values past S undefined, its scales zero-padded), T = 1 decode and T = 3 draft steps with
+    their own entries, stale visible junk at their slots."""
+    b, s, index, decoded = 2, 700, 300, 5
+    kept = [[3, 300][:hkv], [256, 128][:hkv]]
+    pos = compacted(kept, index, decoded, s)
+    new_slot = index + decoded
+    pos[:, :, new_slot : new_slot + 3] = 7
+    tol = F32 if dtype == jnp.float32 else BF16
+    for t in (1, 3):
+        q, k, v, k_new, v_new = step_inputs(b, t, hq, hkv, s, dtype, seed=30 + t)
+        query_pos = np.tile(1000 + decoded + np.arange(t, dtype=np.int32), (b, 1))
+        pos_new = jnp.asarray(np.broadcast_to(query_pos[:, None, :], (b, hkv, t)))
+        check_int8(q, k, v, pos, query_pos, (k_new, v_new, pos_new), new_slot, tol=tol)
+
+
+def test_int8_masked_cache_under_windows():
+    """The masked cache (left padding, holes, an evicted block, an empty head) stored int8,
+    G = 4, a T = 3 step with a padding query, windows 2, 300 and 0 with a soft cap and a
+    logit scale."""
+    b, t, hq, hkv, s = 2, 3, 8, 2, 700
+    masked = np.full((b, hkv, s), -1, np.int32)
+    masked[:, :, :600] = np.arange(600) + 405
+    masked[0, :, :20] = -1
+    masked[0, 0, 50:60] = -1
+    masked[1, :, 128:256] = -1
+    masked[1, hkv - 1] = -1
+    q, k, v, k_new, v_new = step_inputs(b, t, hq, hkv, s, jnp.float32, seed=40)
+    query_pos = np.tile(1005 + np.arange(t, dtype=np.int32), (b, 1))
+    query_pos[0, 0] = -1
+    pos_new = jnp.asarray(np.broadcast_to(query_pos[:, None, :], (b, hkv, t)))
+    for window in (2, 300, 0):
+        check_int8(q, k, v, masked, query_pos, (k_new, v_new, pos_new), 600, window=window,
+                   spec=ScoreSpec(scale=0.4, softcap=3.0))  # fmt: skip
+
+
+def test_int8_stacked_layer_in_place():
+    """Layer 1 of a stacked int8 cache [3, B, Hkv, S, D] gives the int8 layer alone."""
+    q, k, v, _, _ = step_inputs(2, 1, 8, 2, 300, jnp.float32, seed=41)
+    rng = np.random.default_rng(42)
+    # per-token scales: layer 1 of the stack quantized is the layer quantized alone
+    k3, v3 = (quantize_int8(jnp.stack([random(rng, x.shape, x.dtype), x, x + 1]))
+              for x in (k, v))  # fmt: skip
+    assert isinstance(k3, Int8Entries)
+    pos = jnp.asarray(compacted([[5, 120], [250, 17]], 250, 2, 300))
+    query_pos = jnp.full((2, 1), 1002, jnp.int32)
+    stacked = DECODE(q, k3, v3, pos, query_pos, layer=jnp.int32(1), block_k=128)
+    alone = DECODE(q, quantize_int8(k), quantize_int8(v), pos, query_pos, block_k=128)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(alone))
+
+
 def test_the_block_table_drops_blocks_older_than_the_window():
     """Blocks of 4 slots: with queries at 11 and 12 and a window of 4, only slots at 8..12
     are visible to some query (11 - pos < 4 for the earliest); a padding query (-1) does not
@@ -248,7 +326,7 @@ def tpu_devices():
 def test_the_kernel_compiles_for_tpu_without_one(tpu_devices):
     """The stacked layout with the step's entries, bf16, G = 3 and 8, T = 1 and 3, head
     dims 64 (read slots-minor and row-major) and 128, S no block multiple: one Mosaic kernel
-    each."""
+    each; and each on an int8 cache (int8 values, bf16 scales)."""
     where = jax.sharding.SingleDeviceSharding(tpu_devices[0])
 
     def spec(shape, dtype=jnp.bfloat16):
@@ -272,17 +350,19 @@ def test_the_kernel_compiles_for_tpu_without_one(tpu_devices):
                 spec((), jnp.int32), spec((), jnp.int32))  # fmt: skip
         hlo = jax.jit(step, static_argnums=8).lower(*args, minor).compile().as_text()
         assert hlo.count('custom_call_target="tpu_custom_call"') == 1, (hq, hkv, t, d, minor)
+        int8 = Int8Entries(spec((lg, b, hkv, s, d), jnp.int8), spec((lg, b, hkv, s, 1)))
+        int8_args = (args[0], int8, int8, *args[3:])
+        hlo = jax.jit(step, static_argnums=8).lower(*int8_args, minor).compile().as_text()
+        assert hlo.count('custom_call_target="tpu_custom_call"') == 1, ("int8", hq, d, minor)
         # a traced window (scalar-prefetched), a soft cap and a logit scale
         window = spec((), jnp.int32)
         hlo = jax.jit(sliding, static_argnums=8).lower(*args, minor, window).compile().as_text()
         assert hlo.count('custom_call_target="tpu_custom_call"') == 1, ("window", hq, d, minor)
 
 
-def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
-    """A head-128 bf16 tiny Llama (the layout of an 8B model's cache) decoding on a 1 x 2
-    v5e mesh under attention "auto": the compiled loop holds the Mosaic decode kernel and no
-    copy of a cache-sized buffer (the kernel reads the stacked cache at layer i in place,
-    row-major; tests/test_platform.py's head-16 loop checks the slots-minor reads)."""
+def compiled_decode_loop(devices, head_dim, dtype, kv_quant="none", batch=2, slots=512):
+    """The compiled HLO text of a tiny Llama's decode loop (head `head_dim`, `dtype`, its
+    cache stored as `kv_quant`) on a 1 x 2 v5e mesh under attention "auto", and its config."""
     from tiny_model import jax_config
 
     import dge_jax
@@ -290,15 +370,15 @@ def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
     from dge_jax.runtime.platform import Backend
     from models.llama_like import init_params
 
-    cfg = jax_config(head_dim=128)
-    params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16))
-    batch, slots = 2, 512
+    cfg = jax_config(head_dim=head_dim)
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
     cache = dge_jax.runtime.cache.init_cache(
-        cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim, dtype=jnp.bfloat16
-    )
+        cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim, dtype=dtype,
+        kv_quant=kv_quant,
+    )  # fmt: skip
     state = decoding.start_state(cache, jnp.ones((batch,), jnp.int32), jnp.full((batch,), 8), 4,
                                  (), jax.random.PRNGKey(0))  # fmt: skip
-    mesh = dge_jax.distribution.sharding.make_mesh(1, 2, devices=tpu_devices[:2])
+    mesh = dge_jax.distribution.sharding.make_mesh(1, 2, devices=devices[:2])
     where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     on = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree
@@ -310,6 +390,31 @@ def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
             family.forward, cfg, on(params), on(state),
             decoding.StepSpec(dge_jax.text.sampling.Greedy(), ()),
         ).compile().as_text()  # fmt: skip
+    return hlo, cfg
+
+
+def test_decode_loop_for_tpu_runs_the_kernel_on_the_cache_in_place(tpu_devices):
+    """A head-128 bf16 tiny Llama (the layout of an 8B model's cache) decoding on a 1 x 2
+    v5e mesh under attention "auto": the compiled loop holds the Mosaic decode kernel and no
+    copy of a cache-sized buffer (the kernel reads the stacked cache at layer i in place,
+    row-major; tests/test_platform.py's head-16 loop checks the slots-minor reads)."""
+    batch, slots = 2, 512
+    hlo, cfg = compiled_decode_loop(tpu_devices, 128, jnp.bfloat16, batch=batch, slots=slots)
     assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
     buffer = rf"bf16\[(?:\d+,)?{batch},\d+,{slots},{cfg.head_dim}\]"
     assert re.findall(rf"{buffer}\S* copy\(", hlo) == []
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(128, jnp.bfloat16), (16, jnp.float32)])
+def test_decode_loop_for_tpu_reads_an_int8_cache_in_place(tpu_devices, head_dim, dtype):
+    """The same loop over an int8 cache, head 128 in bf16 (read row-major) and head 16 in
+    f32 (slots-minor): the Mosaic kernel runs, and no copy inside the loop is larger than
+    one layer's scales [B, Hkv / device, 1, S], the one pass `flash_tiles._kv_operands`
+    makes per call (a reshape of the stacked scales copied every layer's per call here)."""
+    batch, slots = 2, 512
+    hlo, cfg = compiled_decode_loop(tpu_devices, head_dim, dtype, "int8", batch, slots)
+    assert hlo.count('custom_call_target="tpu_custom_call"') >= 1
+    one_layer_scales = batch * (cfg.num_kv_heads // 2) * slots
+    body_copies = re.findall(r"= \w+\[([\d,]*)\]\S* copy\(.*while/body", hlo)
+    sizes = [int(np.prod([int(n) for n in shape.split(",") if n])) for shape in body_copies]
+    assert sizes and max(sizes) <= one_layer_scales, sizes

@@ -119,6 +119,7 @@ from benchmarks.cost import hlo_cost, tpu_stages
 from dge_jax.cli import ENVIRONMENT, USAGE, Parser, one_line
 from dge_jax.distribution import sharding
 from dge_jax.runtime import platform
+from dge_jax.runtime.quantized import KV_QUANTS
 
 GIB = 2**30
 SOURCES = 12  # sources of HBM bytes reported per stage
@@ -260,7 +261,7 @@ def stage_report(run: tpu_stages.StageRun, chip: Chip, head_dim: int) -> dict:
     kv = [
         f"{c.opcode} {a.dtype}{list(a.dims)} ({c.op_name})"
         for c in counted.collectives
-        if moves_kv(c, run.slots, head_dim, "bf16")
+        if any(moves_kv(c, run.slots, head_dim, dtype) for dtype in ("bf16", "s8"))
         for a in c.results[:1]
     ]
     return out | {
@@ -434,6 +435,7 @@ def assemble(setup: tpu_stages.Setup, topology: str, parts: dict[str, dict]) -> 
         "params_bytes_per_device": next(iter(parts.values()))["params_bytes_per_device"],
         "layer_loop": setup.decode_layer_loop,
         "prefill_chunk": setup.prefill_chunk, "attention": setup.backend.attention,
+        "kv_quant": setup.kv_quant,
     }  # fmt: skip
     if "dge" in parts:
         rep |= {"cell": parts["dge"]["cell"], "stages": parts["dge"]["stages"]}
@@ -664,6 +666,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prefill chunk (default: the TPU backend's, as generate picks it)")
     p.add_argument("--attention", choices=platform.ATTENTION, default="auto",
                    help="prefill attention (auto: the TPU's, the Pallas flash kernel)")
+    p.add_argument("--kv_quant", choices=KV_QUANTS, default="none",
+                   help="the cache's storage: none (bf16) or int8 (bf16 scale per token)")
     p.add_argument("--layer_loop", choices=("scan", "unrolled"), default=None,
                    help="decode_loop's layer grouping (default: the TPU backend's, scan)")
     p.add_argument("--max_batch", action="store_true", help="search the largest batch")
@@ -730,6 +734,7 @@ def run(args: argparse.Namespace) -> dict:
         family, cfg, eos, mesh, batch=args.batch, seq=args.seq,
         max_new_tokens=args.max_new_tokens, budget=args.budget, k=args.k, chunk=args.chunk,
         attention=args.attention, layer_loop=args.layer_loop, lookahead=args.lookahead,
+        kv_quant=args.kv_quant,
     )  # fmt: skip
 
     def log(line: str) -> None:

@@ -79,6 +79,7 @@ class Setup:
     layer_loop: str | None = None  # None: the backend's
     timing: str = "dge"  # which cell (`TIMINGS`): DGE(k), LAQ's lookahead, decode at interval k
     lookahead: int = 8  # the lookahead cell's L (its first stage: `Lookahead`'s defaults)
+    kv_quant: str = "none"  # the cache's storage (`runtime.quantized.KV_QUANTS`)
 
     @property
     def backend(self) -> Backend:
@@ -122,7 +123,7 @@ class Setup:
             prompt_ids=[], tokens=tokens, lengths=np.full(self.batch, self.seq, np.int32),
             max_new_tokens=self.max_new_tokens, min_new_tokens=0,
             buffer=bucket_length(self.max_new_tokens, chunk), chunk=chunk,
-            eos_ids=self.eos_ids,
+            eos_ids=self.eos_ids, kv_quant=self.kv_quant,
         )  # fmt: skip
 
 
@@ -258,6 +259,8 @@ def sizes_of(setup: Setup, params) -> Sizes:
     shardings = cache_layout.cache_shardings(cfg, b, setup.mesh)
     group = shardings.groups[0]
     k_shape = group.k.shard_shape((cfg.num_layers, b, cfg.num_kv_heads, 1, cfg.head_dim))
+    # bytes per key (or value) element: bf16, or int8 plus one bf16 scale per D elements
+    per_element = 2.0 if setup.kv_quant == "none" else 1.0 + 2.0 / cfg.head_dim
     pos_shape = group.pos.shard_shape((cfg.num_layers, b, cfg.num_kv_heads, 1))
     n = setup.devices
     # A lookup reads B rows of the embedding table, not the table (unless it is the LM head).
@@ -265,7 +268,7 @@ def sizes_of(setup: Setup, params) -> Sizes:
     lookup_only = 0.0 if embed is None or cfg.tie_word_embeddings else per_device_bytes(embed)
     return Sizes(
         weights=per_device_bytes(params) - lookup_only,
-        kv_slot=2 * float(np.prod(k_shape)) * 2,  # k and v, bf16
+        kv_slot=2 * float(np.prod(k_shape)) * per_element,  # k and v
         pos_slot=float(np.prod(pos_shape)) * 4,
         token_flops=(2 * work.linear_params(cfg) + 2 * cfg.hidden_size * cfg.vocab_size) / n,
         slot_flops=4 * cfg.num_layers * cfg.num_heads * cfg.head_dim / n,
@@ -351,7 +354,7 @@ class Cell:
         with equal keys compile one prefill (`compile_cell`'s `shared`)."""
         setup = self.setup
         return ("prefill", setup.batch, self.prompt_len, self.capacity, setup.prefill_chunk,
-                self.recording.needs.recording, setup.attention)  # fmt: skip
+                self.recording.needs.recording, setup.attention, setup.kv_quant)  # fmt: skip
 
     def prefill(self) -> StageRun:
         setup, needs, t = self.setup, self.recording.needs, self.prompt_len
@@ -370,7 +373,7 @@ class Cell:
         tokens = _rows(setup, (setup.batch, t), jnp.int32)
         lengths = _rows(setup, (setup.batch,), jnp.int32)
         spec = decoding.PrefillSpec(self.capacity, setup.prefill_chunk, needs.recording,
-                                    attention=setup.attention)  # fmt: skip
+                                    attention=setup.attention, kv_quant=setup.kv_quant)
         return _compile(run, decoding.prefill_prompt, *self._statics(), tokens, lengths, spec)
 
     def start_state(self, cache):
@@ -491,9 +494,11 @@ class Cell:
         cache = self.runs["prefill"].outputs.cache
         if cap != self.capacity:
             shape = jax.eval_shape(
-                lambda: init_cache(cfg.num_layers, b, cfg.num_kv_heads, cap,
-                                            cfg.head_dim, jnp.bfloat16))  # fmt: skip
-            cache = _like(self.mesh, shape, cache_layout.cache_shardings(cfg, b, self.mesh))
+                lambda: init_cache(cfg.num_layers, b, cfg.num_kv_heads, cap, cfg.head_dim,
+                                   jnp.bfloat16, self.setup.kv_quant))  # fmt: skip
+            shardings = cache_layout.cache_shardings(cfg, b, self.mesh,
+                                                     kv_quant=self.setup.kv_quant)  # fmt: skip
+            cache = _like(self.mesh, shape, shardings)
         steps = self.setup.max_new_tokens - 1
         run = self._decode("decode_full", self.start_state(cache), steps,
                            self.setup.seq + steps / 2, cap)  # fmt: skip

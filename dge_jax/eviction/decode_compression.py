@@ -44,8 +44,9 @@ from dge_jax.eviction.evict import SelectionInputs, SelectionSpec, select_for_bu
 from dge_jax.eviction.observation import with_drafts
 from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Rule
-from dge_jax.runtime.cache import KVCache, compact_heads, group_layers, regroup
+from dge_jax.runtime.cache import KVCache, group_layers, regroup
 from dge_jax.runtime.cache_layout import constrain_cache
+from dge_jax.runtime.compaction import compact_heads
 from dge_jax.runtime.decoding import (
     DecodeState,
     StepSpec,
@@ -236,7 +237,7 @@ class CompressionLoop:
         group = flat.groups[0]
         pos = jnp.where(keep, group.pos, -1)
         k, v, kept_pos, count = compact_heads(group.k, group.v, pos, self.capacity)
-        # Each layer's next write slot: its largest kept count (see cache.compact_heads).
+        # Each layer's next write slot: its largest kept count (see compaction.compact_heads).
         cache = KVCache.stacked(k, v, kept_pos, jnp.max(count, axis=(1, 2)).astype(jnp.int32))
         if attn is not None:
             attn = _compact_attention(attn, pos, self.capacity)
@@ -331,10 +332,8 @@ def _grown(state: DecodeState, attn, capacity: int):
         return state, attn
     g = regroup(state.cache, (state.cache.num_layers,)).groups[0]
     pad = ((0, 0),) * 3 + ((0, extra),)
-    grown = KVCache.stacked(
-        jnp.pad(g.k, pad + ((0, 0),)), jnp.pad(g.v, pad + ((0, 0),)),
-        jnp.pad(g.pos, pad, constant_values=-1), g.index,
-    )  # fmt: skip
+    k, v = jax.tree.map(lambda x: jnp.pad(x, pad + ((0, 0),)), (g.k, g.v))
+    grown = KVCache.stacked(k, v, jnp.pad(g.pos, pad, constant_values=-1), g.index)
     attn = None if attn is None else jnp.pad(attn, pad)
     return dataclasses.replace(state, cache=grown), attn
 

@@ -28,8 +28,7 @@ from dge_jax.eviction.timing import Timing
 from dge_jax.rules.base import Rule, check_fields
 from dge_jax.rules.full import is_full
 from dge_jax.rules.snapkv import SnapKV
-from dge_jax.runtime import cache as kv
-from dge_jax.runtime import selection
+from dge_jax.runtime import compaction, selection
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.records import DraftRecord, Observation
 
@@ -335,7 +334,7 @@ def select_for_budgets(
     return tuple(masks)
 
 
-compact = jax.jit(kv.compact, static_argnames=("capacity",))
+compact = jax.jit(compaction.compact, static_argnames=("capacity",))
 
 
 # Compacted capacities are rounded to this many slots, so nearby sizes share a compilation.
@@ -359,7 +358,7 @@ def layer_capacities(
     kept_counts: np.ndarray, new_tokens: int, multiple: int = SLOT_MULTIPLE
 ) -> int | tuple[int, ...]:
     """`capacity_for` of each layer: one int when every layer needs the same, else a tuple
-    of L (for `cache.compact`), so budgets that differ by layer (PyramidKV's, AdaKV's) pay
+    of L (for `compaction.compact`), so budgets that differ by layer (PyramidKV's, AdaKV's) pay
     for each layer's own largest head rather than the whole cache's.
 
     kept_counts: [L, B, Hkv] int. Example, PyramidKV at budget 512 on SmolLM2 (30 layers)
@@ -445,5 +444,5 @@ def apply_eviction(
         return masked
     counts = fetch(jnp.sum(keep, axis=-1)) if counts is None else counts
     capacity = capacity or layer_capacities(counts, new_tokens)
-    kv.check_capacity(counts, capacity, new_tokens)
+    compaction.check_capacity(counts, capacity, new_tokens)
     return compact(masked, capacity=capacity)

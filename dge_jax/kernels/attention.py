@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from dge_jax.runtime import platform
+from dge_jax.runtime.quantized import Entries, dequantize
 
 # Finite stand-in for -inf: a query whose every slot is masked (a padding query) then gets a
 # uniform, finite distribution that `probs * mask` turns into zeros, instead of NaNs.
@@ -59,13 +61,14 @@ DEFAULT_ATTENTION = AttentionSpec()
 
 class LayerCache(NamedTuple):
     """One layer's view of its layer group's cache (a pytree): the group's stacked buffers
-    k, v [Lg, B, Hkv, S, D] and pos [Lg, B, Hkv, S], the layer read (an int or a traced
+    k, v [Lg, B, Hkv, S, D] (arrays, or int8 entries with their scales:
+    `dge_jax.runtime.quantized`) and pos [Lg, B, Hkv, S], the layer read (an int or a traced
     int32), the slot this step's entries go to (traced or not; decode and draft steps: the
     first of their T slots, `cached_attention`'s ``new``) and the layer's sliding window
     (traced; 0: global), None when no layer of the model slides."""
 
-    k: jax.Array
-    v: jax.Array
+    k: Entries
+    v: Entries
     pos: jax.Array
     layer: jax.Array | int = 0
     slot: jax.Array | int = 0
@@ -73,8 +76,19 @@ class LayerCache(NamedTuple):
 
     @classmethod
     def one(cls, k, v, pos, slot=0, window=None) -> LayerCache:
-        """A single layer k, v [B, Hkv, S, D], pos [B, Hkv, S] as a group of one."""
-        return cls(k[None], v[None], pos[None], 0, slot, window)
+        """A single layer k, v [B, Hkv, S, D] (arrays or int8 entries), pos [B, Hkv, S] as a
+        group of one."""
+        one = functools.partial(jax.tree.map, lambda x: x[None])
+        return cls(one(k), one(v), pos[None], 0, slot, window)
+
+    def stored(self, name: str) -> Entries:
+        """Layer `layer`'s stored keys ("k") or values ("v") [B, Hkv, S, D], as stored."""
+        return jax.tree.map(lambda x: x[self.layer], getattr(self, name))
+
+    def read(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Layer `layer`'s k, v [B, Hkv, S, D] as attention reads them (dequantized) and its
+        slot positions [B, Hkv, S]."""
+        return dequantize(self.stored("k")), dequantize(self.stored("v")), self.pos[self.layer]
 
 
 class NewEntries(NamedTuple):
@@ -135,7 +149,7 @@ def cached_attention(
     when attention read the written buffer, XLA:CPU copied every batch-1 cache buffer
     several times per decode step.
     """
-    slot_pos, k, v = cache.pos[cache.layer], cache.k[cache.layer], cache.v[cache.layer]
+    k, v, slot_pos = cache.read()
     return_probs_sum, keys_major, new_slot = spec.record_attn, spec.keys_major, cache.slot
     window, scores_spec = cache.window, spec.scores
     b, t, hq, d = q.shape
@@ -190,6 +204,11 @@ def cached_attention(
     )
 
 
+def _slots(x: Entries, start: jax.Array, size: int) -> Entries:
+    """Slots [start, start + size) of stored entries [B, Hkv, S, D] (and their scales)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=2), x)
+
+
 def _group_queries(q: jax.Array, hkv: int) -> jax.Array:
     """[B, T, Hq, D] -> [B, Hkv, G*T, D]: row r of a kv head's block is query head r // T,
     query r % T (the layout `cached_attention` uses; see there)."""
@@ -217,11 +236,13 @@ def written_slot_attention(
     covers slots [j*block, (j+1)*block); the last one is clamped to end at S, and its slots
     that an earlier block already covered are masked out, so any S works.
     """
-    k, v, slot_pos = cache.k[cache.layer], cache.v[cache.layer], cache.pos[cache.layer]
+    # Read block by block, each dequantized where it is used (an int8 layer is never
+    # materialised whole in the activation dtype).
+    k, v, slot_pos = cache.stored("k"), cache.stored("v"), cache.pos[cache.layer]
     block, return_probs_sum = spec.key_block, spec.record_attn
     window, scores_spec = cache.window, spec.scores
     b, t, hq, d = q.shape
-    hkv, s_len = k.shape[1], k.shape[2]
+    hkv, s_len, dtype = k.shape[1], k.shape[2], k.dtype
     g = hq // hkv
     block = min(block, s_len)
     qg = _group_queries(q, hkv) * jnp.asarray(scores_spec.scale_for(d), q.dtype)
@@ -231,7 +252,7 @@ def written_slot_attention(
     def scores_of(j):
         """Block j's start, masked scores [B, Hkv, G*T, block] f32 and mask."""
         start = jnp.minimum(j * block, s_len - block)
-        kb = jax.lax.dynamic_slice_in_dim(k, start, block, axis=2)
+        kb = dequantize(_slots(k, start, block))
         pb = jax.lax.dynamic_slice_in_dim(slot_pos, start, block, axis=2)[:, :, None, :]
         fresh = start + jnp.arange(block) >= j * block  # not already seen by block j - 1
         mask = visible(pb, row_pos, window) & fresh
@@ -248,8 +269,8 @@ def written_slot_attention(
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
         scale = jnp.exp(m - m_new)
-        vb = jax.lax.dynamic_slice_in_dim(v, start, block, axis=2)
-        pv = jnp.einsum("bkqs,bksd->bkqd", p.astype(v.dtype), vb,
+        vb = dequantize(_slots(v, start, block))
+        pv = jnp.einsum("bkqs,bksd->bkqd", p.astype(dtype), vb,
                         preferred_element_type=jnp.float32)  # fmt: skip
         return m_new, norm * scale + p.sum(axis=-1), acc * scale[..., None] + pv
 
@@ -257,7 +278,7 @@ def written_slot_attention(
     init = (jnp.full(rows, _MASKED, jnp.float32), jnp.zeros(rows, jnp.float32),
             jnp.zeros((*rows, d), jnp.float32))  # fmt: skip
     m, norm, acc = jax.lax.fori_loop(0, num_blocks, online, init)
-    out = (acc / norm[..., None]).astype(v.dtype)
+    out = (acc / norm[..., None]).astype(dtype)
     out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
     if not return_probs_sum:
         return out, None

@@ -54,6 +54,15 @@ first kernel's per-row log-sum-exp: exp(s - lse) is each row's softmax without a
 online pass, and keys-major tiles let each step reduce over the rows into its key tile's
 sums while that tile stays resident. Plain XLA in blocks would materialise [rows, block]
 f32 score tiles in HBM per step and could not skip causal tiles.
+
+An int8 cache (`runtime.quantized.Int8Entries`). Both kernels take the int8 values, stacked
+and read in place as plain ones are, and the layer's scales as [B, Hkv, 1, S'] (sliced out
+and turned lanes-wise: `flash_tiles._kv_operands`, which says what that costs); they DMA int8
+[bk, D] tiles and [1, bk] scale rows, and dequantize each tile in VMEM as
+q.astype(dtype) * scale in the activation dtype (`flash_tiles._read_entries`), the product
+`quantized.dequantize` computes, before the products: the numbers `written_slot_attention`
+reads, from about half the HBM bytes of a bf16 cache's tiles. The probs-sum kernel
+dequantizes its key tile once per key tile, as every row tile reads the same one.
 """
 
 from __future__ import annotations
@@ -73,6 +82,10 @@ from dge_jax.kernels.flash_tiles import (
     _column,
     _Dims,
     _head_and_tile,
+    _kv_operands,
+    _kv_specs,
+    _layer_bytes,
+    _read_entries,
     _row,
     _skip_tables,
     _Tables,
@@ -92,13 +105,14 @@ def flash_attention(
 ) -> tuple[jax.Array, jax.Array | None]:
     """`written_slot_attention` as Pallas kernels; returns (out, per-slot prob sums or None).
 
-    q: [B, T, Hq, D]; query_pos: [B, T]; cache: the stacked k, v [Lg, B, Hkv, S, D] and
-    slot positions [Lg, B, Hkv, S], of which layer cache.layer (an int32, may be traced) is
-    read in place (a single layer: `LayerCache.one`), and its sliding window cache.window (an
-    int32, may be traced; 0 or None: global); num_slots: slots at or past it are never read;
-    spec: record_attn (the probs sums) and scores (the logits' scale and soft cap). out:
-    [B, T, Hq, D] in v's dtype; probs sum: [B, Hq, S] f32 summed over the T queries, padding
-    queries contributing 0. tiles.block_q / block_k: row and key tile sizes (multiples of
+    q: [B, T, Hq, D]; query_pos: [B, T]; cache: the stacked k, v [Lg, B, Hkv, S, D] (arrays,
+    or int8 `Int8Entries`: module docstring) and slot positions [Lg, B, Hkv, S], of which
+    layer cache.layer (an int32, may be traced) is read in place (a single layer:
+    `LayerCache.one`), and its sliding window cache.window (an int32, may be traced; 0 or
+    None: global); num_slots: slots at or past it are never read; spec: record_attn (the
+    probs sums) and scores (the logits' scale and soft cap). out: [B, T, Hq, D] in v's dtype
+    (an int8 cache's: its scales'); probs sum: [B, Hq, S] f32 summed over the T queries,
+    padding queries contributing 0. tiles.block_q / block_k: row and key tile sizes (multiples of
     128; shrunk to the padded T / S when larger). tiles.interpret: None runs Mosaic when
     compiled for TPU and interpret mode on any other platform (decided at lowering, from
     where the computation is compiled); True / False force it.
@@ -114,8 +128,10 @@ def flash_attention(
     slot_pos = jax.lax.dynamic_index_in_dim(slot_pos, layer, keepdims=False)
     bq, t_pad = _tile(t, block_q, "block_q")
     bk, s_pad = _tile(s_len, block_k, "block_k")
+    # (values,) or (int8 values, the layer's scales [B, Hkv, 1, S'])
+    k, v = _kv_operands(k, layer, s_pad), _kv_operands(v, layer, s_pad)
     dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len,
-                 softcap=scores_spec.softcap)  # fmt: skip
+                 softcap=scores_spec.softcap, kv_refs=len(k))  # fmt: skip
     qpos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
     spos = jnp.pad(
         slot_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1
@@ -179,13 +195,15 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
     heads of the kv head at once: the key and value tiles a step loads serve all G heads'
     rows of the query tile (one DMA of k and v per query tile, not one per query head).
 
-    Scratch: running max m [G, bq, 1], normaliser l [G, bq, 1], unnormalised output acc
-    [G, bq, D] (f32), and the query tile's positions as a column [bq, 1] (made once, at key
-    tile 0).
+    Keys and values come as dims.kv_refs refs each (`_read_entries`: an int8 cache's tiles
+    are dequantized here, in VMEM). Scratch: running max m [G, bq, 1], normaliser l [G, bq,
+    1], unnormalised output acc [G, bq, D] (f32), and the query tile's positions as a column
+    [bq, 1] (made once, at key tile 0).
     """
     tab = _Tables(*refs[:_NUM_TABLES])
-    qpos_ref, q_ref, k_ref, v_ref, spos_ref, out_ref, lse_ref, *scratch = refs[_NUM_TABLES:]
-    m_ref, l_ref, acc_ref, rowpos_ref = scratch
+    qpos_ref, q_ref, *kv, spos_ref, out_ref, lse_ref = refs[_NUM_TABLES:-4]
+    m_ref, l_ref, acc_ref, rowpos_ref = refs[-4:]
+    k_refs, v_refs = kv[: dims.kv_refs], kv[dims.kv_refs :]
     b, qi, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
@@ -204,9 +222,9 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
         sp = spos_ref[...]  # [1, bk] against the rows' positions [bq, 1]
         visible = _visible(sp, rowpos_ref[...], tab.window[0]) & (slot < tab.num_slots[0])
         rows = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (dims.bk, 1), 0)
-        v = v_ref[...]
+        v = _read_entries(v_refs)
         v = jnp.where(rows < jnp.minimum(tab.num_slots[0], dims.s_len), v, jnp.zeros_like(v))
-        k = k_ref[...]
+        k = _read_entries(k_refs)
         for g in range(dims.g):  # static: G (1-8) heads, each a [bq, bk] score tile
             s = jax.lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32)
             s = jnp.where(visible, dims.cap(s), _MASKED)  # also drops NaN read past S
@@ -231,11 +249,11 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
 
 
 def _forward_call(dims: _Dims, interpret: bool):
-    """The forward pallas_call: (tables, qpos [B,1,T'], q rows (`_rows_in`), k, v
-    [Lg,B,Hkv,S,D] (layer tables.layer read), spos [B,Hkv,1,S']) -> (out in q's row layout,
-    lse [B,Hkv,1,G*T'] f32, row tile order). The kernel sees q and out as [B, Hkv, G, T', D]
-    and lse as [B, Hkv, G, T'] (the same memory): one block holds the G heads' rows of a
-    query tile."""
+    """The forward pallas_call: (tables, qpos [B,1,T'], q rows (`_rows_in`), k, v (each
+    `_kv_operands` of the stacked [Lg,B,Hkv,S,D], layer tables.layer read), spos
+    [B,Hkv,1,S']) -> (out in q's row layout, lse [B,Hkv,1,G*T'] f32, row tile order). The
+    kernel sees q and out as [B, Hkv, G, T', D] and lse as [B, Hkv, G, T'] (the same
+    memory): one block holds the G heads' rows of a query tile."""
     nq, bq, bk, g = dims.nq, dims.bq, dims.bk, dims.g
 
     def key_tile(b, h, i, j, *refs):
@@ -255,17 +273,18 @@ def _forward_call(dims: _Dims, interpret: bool):
         return b, h, 0, i, 0
 
     def call(tables, qpos, q_rows, k, v, spos):
-        _, b, hkv, s_len, d = k.shape
+        _, b, hkv, s_len, d = k[0].shape
         q = q_rows.reshape(b, hkv, g, nq * bq, d)
         heads = pl.BlockSpec((None, None, g, bq, d), heads_map)
+        kv_block = (None, None, None, bk, d)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(tables),
             grid=(b, hkv, nq, dims.nk),
             in_specs=[
                 pl.BlockSpec((None, 1, bq), qpos_map),
                 heads,
-                pl.BlockSpec((None, None, None, bk, d), kv_map),
-                pl.BlockSpec((None, None, None, bk, d), kv_map),
+                *_kv_specs(k, kv_block, kv_map),
+                *_kv_specs(v, kv_block, kv_map),
                 pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=[
@@ -280,13 +299,13 @@ def _forward_call(dims: _Dims, interpret: bool):
             ],
         )
         flops = 4 * b * hkv * g * nq * bq * s_len * d  # dense bound: skipped tiles not counted off
-        layer_bytes = b * hkv * s_len * d * k.dtype.itemsize
-        tile_bytes = 2 * layer_bytes * nq  # the layer's k and v once per query tile (dense)
+        # the layer's k and v (an int8 cache's scales too) once per query tile (dense)
+        tile_bytes = 2 * _layer_bytes(k) * nq
         out, lse = pl.pallas_call(
             functools.partial(_forward_kernel, dims=dims),
             grid_spec=grid_spec,
             out_shape=[
-                jax.ShapeDtypeStruct(q.shape, v.dtype),
+                jax.ShapeDtypeStruct(q.shape, v[-1].dtype),  # plain v's, or int8 scales'
                 jax.ShapeDtypeStruct((b, hkv, g, nq * bq), jnp.float32),
             ],
             compiler_params=pltpu.CompilerParams(
@@ -297,7 +316,7 @@ def _forward_call(dims: _Dims, interpret: bool):
                 bytes_accessed=2 * q_rows.size * q_rows.dtype.itemsize + tile_bytes,
             ),
             interpret=interpret,
-        )(*tables, qpos, q, k, v, spos)
+        )(*tables, qpos, q, *k, *v, spos)
         return out.reshape(q_rows.shape), lse.reshape(b, hkv, 1, g * nq * bq)
 
     return call
@@ -312,17 +331,26 @@ def _sums_kernel(*refs, dims: _Dims) -> None:
     written as the G rows of the output tile. The slot positions become a column once per
     key tile (slots at or past num_slots as -1). Key tiles past kend are neither computed nor
     loaded (their index clamped to kend's): their sums stay zero.
+
+    An int8 key tile (dims.kv_refs = 2: values and scales) is dequantized once per key tile,
+    into a last scratch [bk, D] of the activation dtype: every row tile reads the same one.
     """
     tab = _Tables(*refs[:_NUM_TABLES])
-    qpos_ref, q_ref, lse_ref, k_ref, spos_ref, out_ref, colpos_ref, acc_ref = refs[_NUM_TABLES:]
+    int8 = dims.kv_refs == 2
+    qpos_ref, q_ref, lse_ref, *k_refs, spos_ref, out_ref, colpos_ref, acc_ref = (
+        refs[_NUM_TABLES : len(refs) - int8]
+    )
     b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     head, qi = _head_and_tile(i, dims.nq)
+    k_ref = refs[-1] if int8 else k_refs[0]
 
     @pl.when(i == 0)
     def _start():
         slot = j * dims.bk + jax.lax.broadcasted_iota(jnp.int32, (1, dims.bk), 1)
         colpos_ref[...] = _column(jnp.where(slot < tab.num_slots[0], spos_ref[...], -1))
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        if int8:
+            k_ref[...] = _read_entries(k_refs)
 
     @pl.when(_tile_needed(tab, b, qi, j, dims))
     def _step():
@@ -341,8 +369,8 @@ def _sums_kernel(*refs, dims: _Dims) -> None:
 
 def _sums_call(dims: _Dims, interpret: bool):
     """The probs-sum pallas_call: (tables, qpos, q, lse, k, spos) in `_forward_call`'s
-    layouts (k stacked, layer tables.layer read) -> sums [B, Hkv, G, S'] f32 (query head
-    h * G + g's sums in row g)."""
+    layouts (k: `_kv_operands` of the stacked cache, layer tables.layer read) -> sums
+    [B, Hkv, G, S'] f32 (query head h * G + g's sums in row g)."""
     nq, nk, bq, bk, g = dims.nq, dims.nk, dims.bq, dims.bk, dims.g
 
     def query_tile(b, j, i, refs):
@@ -370,8 +398,10 @@ def _sums_call(dims: _Dims, interpret: bool):
         return b, h, 0, jnp.minimum(j, _Tables(*refs).kend[b])
 
     def call(tables, qpos, q_rows, lse, k, spos):
-        _, b, hkv, s_len, d = k.shape
+        _, b, hkv, s_len, d = k[0].shape
         rows = g * nq * bq
+        # an int8 tile's dequantized copy, in the activation dtype (the scales')
+        dequantized = [pltpu.VMEM((bk, d), k[1].dtype)] if len(k) == 2 else []
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(tables),
             grid=(b, hkv, nk, rows // bq),
@@ -379,11 +409,12 @@ def _sums_call(dims: _Dims, interpret: bool):
                 pl.BlockSpec((None, 1, bq), qpos_map),
                 _rows_spec(dims, d, row_tile),
                 pl.BlockSpec((None, None, 1, bq), lse_map),
-                pl.BlockSpec((None, None, None, bk, d), k_map),
+                *_kv_specs(k, (None, None, None, bk, d), k_map),
                 pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=pl.BlockSpec((None, None, g, bk), lambda b, h, j, i, *_: (b, h, 0, j)),
-            scratch_shapes=[pltpu.VMEM((bk, 1), jnp.int32), pltpu.VMEM((g, bk, 1), jnp.float32)],
+            scratch_shapes=[pltpu.VMEM((bk, 1), jnp.int32), pltpu.VMEM((g, bk, 1), jnp.float32),
+                            *dequantized],  # fmt: skip
         )
         flops = 2 * b * hkv * rows * s_len * d
         return pl.pallas_call(
@@ -395,10 +426,9 @@ def _sums_call(dims: _Dims, interpret: bool):
             ),
             cost_estimate=pl.CostEstimate(
                 flops=flops, transcendentals=flops // (2 * d),
-                bytes_accessed=q_rows.size * q_rows.dtype.itemsize * nk
-                + b * hkv * s_len * d * k.dtype.itemsize,
+                bytes_accessed=q_rows.size * q_rows.dtype.itemsize * nk + _layer_bytes(k),
             ),
             interpret=interpret,
-        )(*tables, qpos, q_rows, lse, k, spos)
+        )(*tables, qpos, q_rows, lse, *k, spos)
 
     return call

@@ -6,7 +6,7 @@ float summation order. On TPU it is one Mosaic kernel; elsewhere (CPU tests) the
 runs in Pallas interpret mode.
 
 Why. A decode step is bound by reading the cache. The XLA path reads every slot of the
-capacity, empty or not; after compaction (`cache.compact_heads`) head h holds its n_h kept
+capacity, empty or not; after compaction (`compaction.compact_heads`) head h holds its n_h kept
 entries in slots [0, n_h), empty slots up to the shared index max(n_h), then the decoded
 tokens: heads are ragged, and a masked (uncompacted) cache has whole evicted blocks. The
 kernel reads, per (row, kv head), only the key blocks that hold a slot visible to the step.
@@ -48,6 +48,17 @@ the write keeps the caller's write (`layer_attention.cache_layer_attention`) an 
 after the read, as on the XLA path; writing them first and attending over the cache would need
 nothing folded, but would order the write before the kernel's reads.
 
+An int8 cache (`runtime.quantized.Int8Entries`): the kernel takes the stacked int8 values,
+read in place as plain ones, and the layer's scales as [B, Hkv, 1, S'] (sliced out and
+turned lanes-wise: `flash_tiles._kv_operands`), loads a listed block's int8 values and its
+[1, bk] scale row, and dequantizes the block in VMEM as q.astype(dtype) * scale in the
+activation dtype, `quantized.dequantize`'s product, before the products: the numbers
+`cached_attention` reads, from about half the bytes of a bf16 cache's blocks (decode is
+bound by them). ``slots_minor`` reads int8 values too: XLA:TPU lays an int8 cache whose head
+is under 128 out slots-minor as well, and the [1, bk] scale row then multiplies the [D, bk]
+block as it is (row-major, it becomes a [bk, 1] column first). The step's own entries come
+already read (`layer_attention` passes them quantized and dequantized, as written).
+
 Probs sums (H2O's per-slot attention) are not computed here: only H2O's decode-time rule and
 its draft steps record them, and those steps keep the XLA path (`cache_layer_attention`).
 
@@ -75,7 +86,16 @@ from dge_jax.kernels.attention import (
     Tiles,
     _group_queries,
 )
-from dge_jax.kernels.flash_tiles import _LANES, _NT, _tile, _visible
+from dge_jax.kernels.flash_tiles import (
+    _LANES,
+    _NT,
+    _kv_operands,
+    _kv_specs,
+    _layer_bytes,
+    _read_entries,
+    _tile,
+    _visible,
+)
 
 _SUBLANES = 8  # rows of a tile are padded to a multiple of it
 
@@ -91,8 +111,9 @@ def decode_attention(
     """`cached_attention`'s output [B, T, Hq, D] (v's dtype), read block by block (module
     docstring).
 
-    q: [B, T, Hq, D]; query_pos: [B, T]; cache: the stacked k, v [Lg, B, Hkv, S, D] and
-    positions [Lg, B, Hkv, S], of which layer cache.layer is read in place (a single layer:
+    q: [B, T, Hq, D]; query_pos: [B, T]; cache: the stacked k, v [Lg, B, Hkv, S, D] (arrays,
+    or int8 `Int8Entries`: module docstring) and positions [Lg, B, Hkv, S], of which layer
+    cache.layer is read in place (a single layer:
     `LayerCache.one`), its sliding window cache.window (an int32, may be traced; 0 or None:
     global) and cache.slot, where `new` goes (as in `cached_attention`); spec.scores: the
     logits' scale and soft cap (static; no probs sums: spec.record_attn is not read).
@@ -128,9 +149,9 @@ def decode_attention(
               blocks.reshape(-1), counts.reshape(-1))  # fmt: skip
     scores_spec = ScoreSpec(scores_spec.scale_for(d), scores_spec.softcap)
     call = _decode_call(bk=bk, s_len=s_len, scores_spec=scores_spec, slots_minor=slots_minor)
-    if slots_minor:
-        k, v = jnp.swapaxes(k, -1, -2), jnp.swapaxes(v, -1, -2)
-    args = (*tables, row_pos, qg, k, v, spos[:, :, None, :])
+    # (values,) or (int8 values, the layer's scales [B, Hkv, 1, S']), values slots-minor if asked
+    kv = tuple(_kv_operands(x, layer, s_pad, slots_minor) for x in (k, v))
+    args = (*tables, row_pos, qg, kv, spos[:, :, None, :])
     if interpret is None:
         out, lse = jax.lax.platform_dependent(
             *args, tpu=functools.partial(call, False), default=functools.partial(call, True)
@@ -188,14 +209,17 @@ def _fold_new(out, lse, qg, new, row_pos, window, scores_spec):
     return (out * cached[..., None] + pv) / norm[..., None]
 
 
-def _decode_kernel(layer_ref, window_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, k_ref,
-                   v_ref, spos_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref, *, nk, bk, s_len,
-                   scores_spec, slots_minor):  # fmt: skip
+def _decode_kernel(*refs, nk, bk, s_len, scores_spec, slots_minor):
     """One (batch, kv head, step) of the online softmax over the listed key blocks.
 
-    Scratch: running max m [R, 1], normaliser l [R, 1], unnormalised output acc [R, D] (f32).
+    refs: layer, window, blocks, counts (SMEM), row positions, q rows, k's and v's refs
+    (one each, or int8 values and scales: `_read_entries` dequantizes them here, in VMEM),
+    slot positions; out, lse; scratch: running max m [R, 1], normaliser l [R, 1],
+    unnormalised output acc [R, D] (f32).
     """
-    del layer_ref  # read by the index maps only
+    _, window_ref, blocks_ref, counts_ref, rowpos_ref, q_ref, *kv = refs[:-6]
+    spos_ref, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs[-6:]
+    k_refs, v_refs = kv[: len(kv) // 2], kv[len(kv) // 2 :]
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     at = b * pl.num_programs(1) + h
 
@@ -207,12 +231,11 @@ def _decode_kernel(layer_ref, window_ref, blocks_ref, counts_ref, rowpos_ref, q_
 
     @pl.when(j < counts_ref[at])
     def _step():
+        k = _read_entries(k_refs, slots_minor)
         if slots_minor:  # k block [D, bk]
-            s = jnp.dot(q_ref[...], k_ref[...], preferred_element_type=jnp.float32)
+            s = jnp.dot(q_ref[...], k, preferred_element_type=jnp.float32)
         else:  # [bk, D]
-            s = jax.lax.dot_general(
-                q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32
-            )
+            s = jax.lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32)
         # [1, bk] slot positions against the rows' positions [R, 1]
         visible = _visible(spos_ref[...], rowpos_ref[:, :1], window_ref[0])
         # The where also drops NaN read past S in the last block.
@@ -221,7 +244,7 @@ def _decode_kernel(layer_ref, window_ref, blocks_ref, counts_ref, rowpos_ref, q_
         m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
         p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
         alpha = jnp.exp(m_prev - m_new)
-        v = v_ref[...]
+        v = _read_entries(v_refs, slots_minor)
         if s_len % bk:  # the last block's slots past S are undefined (maybe NaN): 0 * NaN = NaN
             first = blocks_ref[at * nk + j] * bk
             along = (1, bk) if slots_minor else (bk, 1)
@@ -248,12 +271,13 @@ def _decode_kernel(layer_ref, window_ref, blocks_ref, counts_ref, rowpos_ref, q_
 
 def _decode_call(*, bk: int, s_len: int, scores_spec: ScoreSpec, slots_minor: bool):
     """The pallas_call: (interpret, layer [1], window [1], blocks [B*Hkv*nk], counts [B*Hkv], row
-    positions [B, R, 128], q rows [B, Hkv, R, D], k, v [Lg, B, Hkv, S, D] (slots_minor:
-    [Lg, B, Hkv, D, S]), slot positions
+    positions [B, R, 128], q rows [B, Hkv, R, D], (k, v): each `_kv_operands` of the stacked
+    [Lg, B, Hkv, S, D] (values [Lg, B, Hkv, D, S] when slots_minor), slot positions
     [B, Hkv, 1, nk * bk]) -> (out [B, Hkv, R, D] f32, lse [B, Hkv, R, 128] f32)."""
 
-    def call(interpret, layer, window, blocks, counts, row_pos, q_rows, k, v, spos):
-        _, b, hkv = k.shape[:3]
+    def call(interpret, layer, window, blocks, counts, row_pos, q_rows, kv, spos):
+        k, v = kv
+        _, b, hkv = k[0].shape[:3]
         d = q_rows.shape[-1]
         kv_block = (None, None, None, d, bk) if slots_minor else (None, None, None, bk, d)
         r_pad = q_rows.shape[2]
@@ -275,8 +299,8 @@ def _decode_call(*, bk: int, s_len: int, scores_spec: ScoreSpec, slots_minor: bo
             in_specs=[
                 pl.BlockSpec((None, r_pad, _LANES), lambda bi, h, j, *_: (bi, 0, 0)),
                 pl.BlockSpec((None, None, r_pad, d), rows_map),
-                pl.BlockSpec(kv_block, kv_map),
-                pl.BlockSpec(kv_block, kv_map),
+                *_kv_specs(k, kv_block, kv_map, slots_minor),
+                *_kv_specs(v, kv_block, kv_map, slots_minor),
                 pl.BlockSpec((None, None, 1, bk), spos_map),
             ],
             out_specs=[
@@ -290,7 +314,7 @@ def _decode_call(*, bk: int, s_len: int, scores_spec: ScoreSpec, slots_minor: bo
             ],
         )
         flops = 4 * b * hkv * r_pad * nk * bk * d  # dense bound: skipped blocks not counted off
-        layer_bytes = 2 * b * hkv * s_len * d * k.dtype.itemsize
+        layer_bytes = _layer_bytes(k) + _layer_bytes(v)  # an int8 cache's scales included
         kernel = functools.partial(_decode_kernel, nk=nk, bk=bk, s_len=s_len,
                                    scores_spec=scores_spec, slots_minor=slots_minor)  # fmt: skip
         return pl.pallas_call(
@@ -307,6 +331,6 @@ def _decode_call(*, bk: int, s_len: int, scores_spec: ScoreSpec, slots_minor: bo
                 flops=flops, transcendentals=flops // (4 * d), bytes_accessed=layer_bytes
             ),
             interpret=interpret,
-        )(layer, window, blocks, counts, row_pos, q_rows, k, v, spos)
+        )(layer, window, blocks, counts, row_pos, q_rows, *k, *v, spos)
 
     return call

@@ -1,6 +1,7 @@
 """The flash kernels' tiling (`flash.py`): tile sizes, the scalar-prefetched skip tables and
 the small helpers the kernels and their index maps share (masks, row / column turns, block
-index clamps). `flash_decode.py` takes its tile size and constants from here too."""
+index clamps), and how keys and values travel into a kernel, plain or int8 (operands, their
+BlockSpecs, the block read back). `flash_decode.py` takes these from here too."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from dge_jax.kernels.attention import ScoreSpec
+from dge_jax.runtime.quantized import Entries, Int8Entries
 
 _LANES = 128  # TPU vector lane count: tile sizes are multiples of it
 _NEVER = jnp.iinfo(jnp.int32).max  # a key tile's smallest visible position when it has none
@@ -64,6 +67,7 @@ class _Dims(NamedTuple):
     bk: int
     s_len: int
     softcap: float | None = None
+    kv_refs: int = 1  # refs per k or v block: 1 plain, 2 int8 (values, scales)
 
     def cap(self, scores: jax.Array) -> jax.Array:
         return ScoreSpec(softcap=self.softcap).cap(scores)
@@ -147,3 +151,72 @@ def _head_and_tile(i: jax.Array, nq: int) -> tuple[jax.Array, jax.Array]:
 def _clamp(i: jax.Array, first: jax.Array, last: jax.Array) -> jax.Array:
     """Block index i moved into [first, last]: a skipped tile reuses a needed one's DMA."""
     return jnp.minimum(jnp.maximum(i, first), last)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys and values into a kernel: plain, or int8 values with their scales (`runtime.quantized`)
+
+
+def _kv_operands(entries: Entries, layer: jax.Array, s_pad: int,
+                 slots_minor: bool = False) -> tuple[jax.Array, ...]:  # fmt: skip
+    """The stacked k or v [Lg, B, Hkv, S, D] as a kernel's operands: (values,) for a plain
+    cache; (int8 values, layer `layer`'s scales [B, Hkv, 1, s_pad]) for an int8 one, the
+    scales padded with zeros past S. slots_minor: the values through their [.., D, S] view
+    (`flash_decode`).
+
+    The values stay stacked (the kernel's index maps pick the layer: no copy of them), while
+    the layer's scales are sliced out and turned so that a key block's scales are a [1, bk]
+    block along the lanes, as the slot positions' are (a [bk, 1] block would take bk
+    sublanes of one lane each). That is one pass over one layer's scales per call (read
+    [B, Hkv, S, 1], write [B, Hkv, 1, S']), 2 bytes a slot per kv head in bf16 against D for
+    the int8 values. Reshaping the whole stack instead depends on how XLA lays out a
+    [.., S, 1] array: compiled for v5e, a decode loop with one kv head per device copied
+    every layer's scales per call that way (tests/test_flash_decode.py now bounds the
+    loop's copies by one layer's scales).
+    """
+    if not isinstance(entries, Int8Entries):
+        return (jnp.swapaxes(entries, -1, -2) if slots_minor else entries,)
+    values = jnp.swapaxes(entries.q, -1, -2) if slots_minor else entries.q
+    scale = jax.lax.dynamic_index_in_dim(entries.scale, layer, keepdims=False)[..., 0]
+    scale = jnp.pad(scale, ((0, 0), (0, 0), (0, s_pad - scale.shape[-1])))
+    return values, scale[:, :, None, :]
+
+
+def _kv_specs(operands: tuple[jax.Array, ...], block: tuple, index_map,
+              slots_minor: bool = False) -> list:  # fmt: skip
+    """The BlockSpecs of `_kv_operands`: the values' `block` ([bk, D], or slots-minor
+    [D, bk], after three squeezed axes) at index_map's (layer, b, h, row, col), and an int8
+    cache's scales over the same slots, a [1, bk] block at (b, h, 0, key block)."""
+    specs = [pl.BlockSpec(block, index_map)]
+    if len(operands) == 1:
+        return specs
+    bk = block[-1] if slots_minor else block[-2]
+
+    def scale_map(*idx):
+        _, b, h, row, col = index_map(*idx)
+        return b, h, 0, col if slots_minor else row
+
+    return [*specs, pl.BlockSpec((None, None, 1, bk), scale_map)]
+
+
+def _read_entries(refs, slots_minor: bool = False) -> jax.Array:
+    """A key or value block as attention reads it, from its refs (`_kv_operands`' order):
+    the values as loaded, or int8 values q and scales [1, bk] as q.astype(dtype) * scale in
+    the scales' (activation) dtype: `quantized.dequantize`'s product, so a kernel reads the
+    numbers the XLA path reads. A [bk, D] block takes the scales as a column [bk, 1] (a
+    lane-wide transpose, in f32: exact for 16-bit scales too), a slots-minor [D, bk] block
+    as the row they are."""
+    if len(refs) == 1:
+        return refs[0][...]
+    values, scale = refs[0][...], refs[1][...]
+    if not slots_minor:
+        scale = _column(scale.astype(jnp.float32)).astype(scale.dtype)
+    return values.astype(scale.dtype) * scale
+
+
+def _layer_bytes(operands: tuple[jax.Array, ...]) -> int:
+    """Bytes a kernel reads to read one layer of `_kv_operands`' operands once: the stacked
+    values' one layer, and an int8 cache's scales (already the layer's)."""
+    values, *scales = operands
+    per_layer = values.size * values.dtype.itemsize // values.shape[0]
+    return per_layer + sum(x.size * x.dtype.itemsize for x in scales)

@@ -29,6 +29,7 @@ from dge_jax.kernels.attention import (
 )
 from dge_jax.runtime import platform
 from dge_jax.runtime.platform import Backend
+from dge_jax.runtime.quantized import round_trip, store_like
 
 
 def cache_layer_attention(
@@ -66,9 +67,13 @@ def cache_layer_attention(
     i, slot = cache.layer, cache.slot
 
     def write(buf, new):
-        """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of layer i."""
+        """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of layer i (quantized
+        first where the cache is int8: values and scales written alike)."""
+        stored = store_like(buf, new) if new.ndim == 4 else new.astype(buf.dtype)
         start = (i, 0, 0, slot) + (0,) * (new.ndim - 3)
-        return jax.lax.dynamic_update_slice(buf, new[None].astype(buf.dtype), start)
+        return jax.tree.map(
+            lambda b, n: jax.lax.dynamic_update_slice(b, n[None], start), buf, stored
+        )
 
     if spec.key_block:
         cache = cache._replace(k=write(cache.k, new.k), v=write(cache.v, new.v),
@@ -76,7 +81,9 @@ def cache_layer_attention(
         block = dataclasses.replace(spec, key_block=backend.key_block or spec.key_block)
         attn, probs_sum = prefill_attention(backend, q, positions, cache, slot + t, block)
         return attn, probs_sum, cache
-    attn, probs_sum = decode_step_attention(backend, q, positions, cache, new, spec)
+    # The step's own entries as they will be read once written (an int8 cache's round trip).
+    read_new = new._replace(k=round_trip(cache.k, new.k), v=round_trip(cache.v, new.v))
+    attn, probs_sum = decode_step_attention(backend, q, positions, cache, read_new, spec)
     k_new, v_new = new.k, new.v
     if backend.write_after_attention:
         after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
@@ -87,16 +94,18 @@ def cache_layer_attention(
 
 
 def kernel_backend(backend: Backend, spec: AttentionSpec) -> Backend:
-    """`backend`, unless its kernel cannot run this model's attention: cuDNN's takes no soft
-    cap (the Pallas kernels and the XLA path take sliding windows, soft caps and any logit
-    scale). Asked for by name (spec.attention), such a kernel is a ValueError saying what to
-    use; chosen by "auto", the XLA path runs instead (it is exact for all of them)."""
-    if backend.attention != "cudnn" or not spec.scores.softcap:
+    """`backend`, unless its kernel cannot run this attention: cuDNN's takes no soft cap (the
+    Pallas kernels and the XLA path take sliding windows, soft caps and any logit scale;
+    every kernel reads an int8 cache: the Pallas kernels dequantize its blocks in VMEM,
+    cuDNN's reads it dequantized). Asked for by name (spec.attention), such a kernel is a
+    ValueError saying what to use; chosen by "auto", the XLA path runs instead (it is exact
+    for all of them)."""
+    if not (backend.attention == "cudnn" and spec.scores.softcap):
         return backend
     if spec.attention != "auto":
         raise ValueError(
             f"attention={spec.attention!r} does not take this model's soft-capped logits: use "
-            "attention='xla' (or 'auto', which picks it for such models)"
+            "attention='xla' (or 'auto', which picks it then)"
         )
     return platform.current("xla")
 
@@ -146,6 +155,7 @@ def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries, spec: Atte
     if specs is None:
         return fn(*args)
     rows, keys, slots, qpos, _ = specs
+    # k's spec, a prefix of an int8 cache's (values, scales): the scales [.., S, 1] split as k
     stacked, scalar = jax.sharding.PartitionSpec(None, *keys), jax.sharding.PartitionSpec()
     return jax.shard_map(
         fn, in_specs=(rows, stacked, stacked, jax.sharding.PartitionSpec(None, *slots), qpos,
@@ -208,6 +218,7 @@ def _sharded_flash(q, query_pos, cache: LayerCache, num_slots, spec: AttentionSp
     if specs is None:
         return fn(*args)
     rows, keys, slots, qpos, sums = specs
+    # k's spec, a prefix of an int8 cache's (values, scales): the scales [.., S, 1] split as k
     stacked = jax.sharding.PartitionSpec(None, *keys)
     scalar = jax.sharding.PartitionSpec()
 
@@ -249,7 +260,7 @@ def cudnn_attention(
     regrouping and the mask). A sliding window (cache.window) joins the mask
     (`attention.visible`); spec.scores.scale: the logits' scale (None: D^-1/2; no soft cap).
     """
-    k, v, slot_pos = cache.k[cache.layer], cache.v[cache.layer], cache.pos[cache.layer]
+    k, v, slot_pos = cache.read()
     window, scale = cache.window, spec.scores.scale
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]

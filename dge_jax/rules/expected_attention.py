@@ -23,6 +23,7 @@ from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require
 from dge_jax.rules.ops import group_heads
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.quantized import dequantize
 from dge_jax.runtime.records import Observation
 from dge_jax.runtime.rope import rotate
 
@@ -88,6 +89,7 @@ class ExpectedAttention(ScoringRule):
         def layer(args: tuple[jax.Array, ...]) -> jax.Array:
             k, v, mu, sigma, include = args  # k, v [B, Hkv, S, D]; mu [B, Hq, D]; sigma
             # [B, Hq, D, D]; include [B, Hkv, S]
+            k, v = dequantize(k), dequantize(v)  # one layer at a time
             hkv, d = k.shape[1], k.shape[-1]
             kf = k.astype(jnp.float32)
             mu = group_heads(mu, hkv, axis=1)  # [B, Hkv, G, D]
@@ -104,6 +106,6 @@ class ExpectedAttention(ScoringRule):
                 scores = (scores + self.epsilon) * v_norm
             return scores
 
-        scores = jax.lax.map(layer, (cache.k, cache.v, mean, cov, candidate))
+        scores = jax.lax.map(layer, (cache.stored_k, cache.stored_v, mean, cov, candidate))
         protected = prompt & (cache.pos < self.sinks)
         return finish(scores, cache.valid(), protected)

@@ -16,6 +16,7 @@ from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish
 from dge_jax.rules.ops import prompt_entries
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.quantized import dequantize
 from dge_jax.runtime.records import Observation
 
 
@@ -61,7 +62,7 @@ class LagKV(ScoringRule):
         part = jnp.where(rel >= 0, rel // self.lag_size, -1)
         # Scored: partitions 0 .. full - 2 (each has a complete reference partition after it).
         scored = prompt & (rel >= 0) & (part <= full - 2)
-        ranks = jax.lax.map(self._layer, (cache.k, cache.v, cache.pos, scored))
+        ranks = jax.lax.map(self._layer, (cache.stored_k, cache.stored_v, cache.pos, scored))
         # Worked example, sinks 4, lag 128, a 600-token prompt: full = 4 partitions (positions
         # 4..515), the remainder 516..599; partitions 0..2 (4..387) are scored, partition 3 and
         # the remainder (388..599, 212 entries) are the tail and score 1 like the 4 sinks.
@@ -73,6 +74,7 @@ class LagKV(ScoringRule):
     def _layer(self, args: tuple[jax.Array, ...]) -> jax.Array:
         """One layer's partition scores [B, Hkv, S] (meaningful where `scored`)."""
         k, v, pos, scored = args  # [B, Hkv, S, D] x2, [B, Hkv, S], [B, Hkv, S]
+        k, v = dequantize(k), dequantize(v)  # one layer at a time
         s = pos.shape[-1]
         lag = self.lag_size
         parts = s // lag + 1  # enough partitions for any position a slot can hold

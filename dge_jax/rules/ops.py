@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.rules.base import check_choice, require_obs
-from dge_jax.runtime.cache import INT32_MAX, KVCache
+from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.compaction import INT32_MAX
 from dge_jax.runtime.records import Observation
 
 GQA = ("mean", "max")

@@ -25,6 +25,7 @@ from dge_jax.rules.ops import (
 )
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.quantized import dequantize
 from dge_jax.runtime.records import Observation
 
 
@@ -114,6 +115,7 @@ class SnapKV(ScoringRule):
 
         def layer(args: tuple[jax.Array, ...]) -> jax.Array:
             k, pos, q, include = args  # [B, Hkv, S, D], [B, Hkv, S], [B, Hq, W, D], [B, Hkv, S]
+            k = dequantize(k)  # one layer at a time (an int8 cache's keys, as attention reads)
             weighted = window_attention_sum(k, pos, q, obs.q_pos, weight)  # [B, Hkv, G, S]
             mean = weighted / total[:, None, None, None]
             if self.gqa_before_pool:
@@ -123,5 +125,5 @@ class SnapKV(ScoringRule):
             return reduce(pooled, axis=2, how=self.gqa)  # [B, Hkv, S]
 
         # lax.map over layers: peak memory is one layer's [B, Hq, W, S] attention, not L of them.
-        scores = jax.lax.map(layer, (cache.k, cache.pos, obs.q, unprotected))
+        scores = jax.lax.map(layer, (cache.stored_k, cache.pos, obs.q, unprotected))
         return finish(scores, cache.valid(), protected)

@@ -3,7 +3,9 @@
 One type, one form: a `KVCache` is a tuple of *layer groups*, runs of consecutive layers
 stacked on a leading axis:
 
-    group.k, group.v : [Lg, B, Hkv, S, D]   keys stored after RoPE
+    group.k, group.v : [Lg, B, Hkv, S, D]   keys stored after RoPE, and values: plain
+                                            arrays, or int8 with per-token scales
+                                            (`dge_jax.runtime.quantized`)
     group.pos        : [Lg, B, Hkv, S]      original token position of each slot, -1 = empty
     group.index      : [Lg]                 each layer's next slot to write
 
@@ -42,9 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dge_jax.distribution.multihost import fetch
-
-INT32_MAX = np.iinfo(np.int32).max
+from dge_jax.runtime.quantized import (
+    Entries,
+    dequantize,
+    empty_entries,
+    entries_nbytes,
+    kv_quant_of,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -52,8 +58,8 @@ INT32_MAX = np.iinfo(np.int32).max
 class LayerGroup:
     """Consecutive layers of one capacity, stacked on a leading [Lg] axis (module docstring)."""
 
-    k: jax.Array  # [Lg, B, Hkv, S, D]
-    v: jax.Array  # [Lg, B, Hkv, S, D]
+    k: Entries  # [Lg, B, Hkv, S, D]: an array, or `Int8Entries` (values and scales)
+    v: Entries  # [Lg, B, Hkv, S, D]
     pos: jax.Array  # [Lg, B, Hkv, S] int32, -1 = empty
     index: jax.Array  # [Lg] int32, next slot to write per layer
 
@@ -75,6 +81,8 @@ class KVCache:
 
     ``k``, ``v``, ``pos`` and ``index`` read every layer at once, stacked on a leading [L]
     axis (what scoring rules and selection read); they need one capacity for all layers.
+    ``k`` and ``v`` are what attention reads (dequantized where the cache is int8); the
+    stored entries are each group's own.
     """
 
     groups: tuple[LayerGroup, ...]
@@ -103,8 +111,13 @@ class KVCache:
 
     @property
     def dtype(self) -> jnp.dtype:
-        """dtype of the stored keys and values."""
+        """dtype the keys and values are read in (the stored one, or an int8 cache's scales')."""
         return self.groups[0].k.dtype
+
+    @property
+    def kv_quant(self) -> str:
+        """How the keys and values are stored (`quantized.KV_QUANTS`)."""
+        return kv_quant_of(self.groups[0].k)
 
     @property
     def ragged(self) -> bool:
@@ -128,17 +141,35 @@ class KVCache:
                 f"{self.capacities}; read each group's arrays (cache.groups[i].{name}) of a "
                 "cache compacted to per-layer capacities"
             )
-        return jnp.concatenate([getattr(g, name) for g in self.groups])
+        return jnp.concatenate([dequantize(getattr(g, name)) for g in self.groups])
 
     @property
     def k(self) -> jax.Array:
-        """[L, B, Hkv, S, D] every layer's keys (one capacity for all layers)."""
+        """[L, B, Hkv, S, D] every layer's keys as attention reads them (one capacity for all
+        layers)."""
         return self._all_layers("k")
 
     @property
     def v(self) -> jax.Array:
-        """[L, B, Hkv, S, D] every layer's values (one capacity for all layers)."""
+        """[L, B, Hkv, S, D] every layer's values as attention reads them (one capacity for all
+        layers)."""
         return self._all_layers("v")
+
+    @property
+    def stored_k(self) -> Entries:
+        """[L, B, Hkv, S, D] every layer's keys as stored (int8 values and their scales in an
+        int8 cache): what a scan over layers takes, to dequantize one layer at a time instead
+        of the whole cache (a bf16 copy of every layer's keys is a bf16 cache's size)."""
+        return self._stored("k")
+
+    @property
+    def stored_v(self) -> Entries:
+        """[L, B, Hkv, S, D] every layer's values as stored (see `stored_k`)."""
+        return self._stored("v")
+
+    def _stored(self, name: str) -> Entries:
+        self._all_layers("pos")  # one capacity for all layers, or a clear error
+        return jax.tree.map(concat, *(getattr(g, name) for g in self.groups))
 
     @property
     def pos(self) -> jax.Array:
@@ -188,9 +219,8 @@ class KVCache:
         return KVCache(tuple(groups))
 
     def nbytes(self) -> int:
-        """Bytes held by the cache arrays (k, v and pos)."""
-        arrays = [x for g in self.groups for x in (g.k, g.v, g.pos)]
-        return sum(int(x.size) * x.dtype.itemsize for x in arrays)
+        """Bytes held by the cache arrays (k, v with their scales, and pos)."""
+        return sum(entries_nbytes((g.k, g.v, g.pos)) for g in self.groups)
 
 
 def group_bounds(sizes: Sequence[int]) -> list[int]:
@@ -227,12 +257,14 @@ def init_cache(
     capacity: int | Sequence[int],
     head_dim: int,
     dtype: jnp.dtype = jnp.float32,
+    kv_quant: str = "none",
 ) -> KVCache:
     """An empty cache of static ``capacity`` slots per head: one group of every layer, or,
     given one capacity per layer, one group per run of layers of one capacity.
 
-    k, v: [Lg, B, Hkv, capacity, D] zeros of `dtype`; pos: [Lg, B, Hkv, capacity] int32 all
-    -1; index: [Lg] int32 zeros.
+    k, v: [Lg, B, Hkv, capacity, D] zeros of `dtype`, stored as `kv_quant` asks ("int8":
+    `quantized.Int8Entries` read in `dtype`); pos: [Lg, B, Hkv, capacity] int32 all -1;
+    index: [Lg] int32 zeros.
     """
     caps = (capacity,) * num_layers if isinstance(capacity, int | np.integer) else capacity
     caps = tuple(int(c) for c in caps)
@@ -242,8 +274,8 @@ def init_cache(
     for a, b in itertools.pairwise(group_bounds(runs_of_equal(caps))):
         shape = (b - a, batch_size, num_kv_heads, caps[a], head_dim)
         groups.append(LayerGroup(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=empty_entries(shape, dtype, kv_quant),
+            v=empty_entries(shape, dtype, kv_quant),
             pos=jnp.full(shape[:-1], -1, jnp.int32),
             index=jnp.zeros((b - a,), jnp.int32),
         ))  # fmt: skip
@@ -290,176 +322,14 @@ def regroup(cache: KVCache, sizes: Sequence[int]) -> KVCache:
                 pieces.append([g, i, i + 1])
 
         def take(name, pieces=pieces):
-            parts = [getattr(cache.groups[g], name)[i:j] for g, i, j in pieces]
-            return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            parts = [jax.tree.map(lambda x, i=i, j=j: x[i:j], getattr(cache.groups[g], name))
+                     for g, i, j in pieces]  # fmt: skip
+            return parts[0] if len(parts) == 1 else jax.tree.map(concat, *parts)
 
         groups.append(LayerGroup(k=take("k"), v=take("v"), pos=take("pos"), index=take("index")))
     return KVCache(tuple(groups))
 
-
-# ---------------------------------------------------------------------------------------------
-# Compaction: the kept slots gathered into a smaller cache, so memory and decode cost fall
-# ---------------------------------------------------------------------------------------------
-
-
-def _first_reaching(running: jax.Array, targets: jax.Array) -> jax.Array:
-    """[..., T] int32: for each target, the first index whose non-decreasing `running` [..., S]
-    value reaches it (S if none): a binary search along the last axis that keeps every
-    leading axis in place, so a cache sharded over rows and heads stays so."""
-    slots = running.shape[-1]
-    shape = running.shape[:-1] + targets.shape
-    lo = jnp.zeros(shape, jnp.int32)  # the answer lies in [lo, hi]
-    hi = jnp.full(shape, slots, jnp.int32)
-    for _ in range(max(slots, 1).bit_length()):
-        mid = (lo + hi) // 2
-        short = jnp.take_along_axis(running, jnp.minimum(mid, slots - 1), axis=-1) < targets
-        short &= lo < hi  # settled searches stay put
-        lo, hi = jnp.where(short, mid + 1, lo), jnp.where(short, hi, mid)
-    return lo
-
-
-def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
-    """A cache of ``capacity`` slots holding each head's valid slots first, in position order.
-
-    k, v: [L, B, Hkv, S, D] -> [L, B, Hkv, capacity, D]; pos: [L, B, Hkv, S] -> [..., capacity]
-    int32; index: max kept count (int32 scalar), where decoding appends next.
-
-    ``capacity`` may instead give each layer its own (a sequence of L ints: budgets that differ
-    by layer, as PyramidKV's, then cost only what each layer keeps). Each run of layers of
-    one capacity is then one layer group (`dge_jax.runtime.cache`), and each layer's
-    ``index`` is its own max kept count.
-
-    Precondition (check on the host with ``check_capacity``): no head holds more than its
-    layer's capacity entries; under jit the extra ones would be dropped silently (the newest
-    first).
-    """
-    if isinstance(capacity, int | np.integer):
-        capacities, shared = (int(capacity),) * cache.num_layers, True
-    else:
-        capacities, shared = tuple(int(c) for c in capacity), False
-    if len(capacities) != cache.num_layers:
-        raise ValueError(
-            f"compact: {len(capacities)} capacities for a cache of {cache.num_layers} layers; "
-            "give one int, or one per layer"
-        )
-    # Each input group is compacted at its layers' largest capacity in one batched op, then
-    # cut into the output groups: slots past a layer's capacity hold nothing it kept (the
-    # precondition), and one op compiles in a fraction of the time of one op per layer.
-    parts = []  # per input group: (first layer, k, v, pos, count [Lg])
-    for first, group in zip(group_bounds(cache.group_sizes)[:-1], cache.groups, strict=True):
-        room = max(capacities[first : first + group.num_layers])
-        k, v, pos, count = compact_heads(group.k, group.v, group.pos, room)
-        parts.append((first, k, v, pos, jnp.max(count, axis=(1, 2))))
-    counts = jnp.concatenate([p[4] for p in parts])  # [L] each layer's max kept count
-    # One shared capacity: every layer's next slot is the max kept count of the whole cache
-    # (as before per-layer capacities existed); per-layer capacities: each layer's own.
-    index = jnp.broadcast_to(jnp.max(counts), counts.shape) if shared else counts
-    index = jnp.minimum(index, jnp.asarray(capacities)).astype(jnp.int32)
-    sizes = runs_of_equal(capacities)
-    bounds = group_bounds(sizes)
-    groups = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        cap = capacities[a]
-
-        def take(j, a=a, b=b, cap=cap):
-            """Layers [a, b) of field j (1 k, 2 v, 3 pos) cut to `cap` slots."""
-            pieces = []
-            for first, *arrays in parts:
-                n = arrays[0].shape[0]
-                lo, hi = max(a, first), min(b, first + n)
-                if lo < hi:
-                    x = arrays[j - 1][lo - first : hi - first]
-                    pieces.append(x[..., :cap, :] if j < 3 else x[..., :cap])
-            return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-
-        groups.append(LayerGroup(k=take(1), v=take(2), pos=take(3), index=index[a:b]))
-    return KVCache(tuple(groups))
-
-
-def compact_heads(
-    k: jax.Array, v: jax.Array, pos: jax.Array, capacity: int
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """`compact` of arrays with any leading axes: k, v [..., S, D], pos [..., S] ->
-    [..., capacity(, D)], and count [...] int32, the entries each head now holds. The order
-    depends on ``pos`` alone, so other per-slot arrays ([..., S, X]) passed as k or v with the
-    same ``pos`` land in the same slots (decode-time H2O carries its attention sums so)."""
-    length = pos.shape[-1]
-    if capacity > length:  # growing: append empty slots so the gather below can fill them
-        extra = capacity - length
-        lead = ((0, 0),) * (pos.ndim - 1)
-        k = jnp.pad(k, lead + ((0, extra), (0, 0)))
-        v = jnp.pad(v, lead + ((0, extra), (0, 0)))
-        pos = jnp.pad(pos, lead + ((0, extra),), constant_values=-1)
-    valid = pos >= 0
-    count = jnp.sum(valid, axis=-1, keepdims=True, dtype=jnp.int32)
-    # Target slot j takes the head's (j+1)-th valid slot: the first slot s whose running
-    # count of valid slots reaches j + 1. Example, valid [0, 1, 1, 0, 1] -> running count
-    # [0, 1, 2, 2, 3] -> targets 0, 1, 2 take slots 1, 2, 4; targets from `count` on are
-    # empty. This stable partition keeps slot order, which is position order in every cache
-    # decoding builds (prompt left to right, then each new token); a cache whose valid slots
-    # are out of position order is sorted by position instead (an argsort, several times
-    # slower: benchmarks/RESULTS.md, "Eviction step"; `python -m benchmarks.selection`).
-    running = jnp.cumsum(valid, axis=-1, dtype=jnp.int32)
-    order = _first_reaching(running, jnp.arange(1, capacity + 1, dtype=jnp.int32))
-    order = jnp.minimum(order, pos.shape[-1] - 1)
-    taken = jnp.take_along_axis(pos, order, axis=-1)
-    empty = jnp.arange(capacity) >= count  # [..., capacity]
-    taken = jnp.where(empty, -1, taken)
-    in_order = jnp.all((taken[..., 1:] > taken[..., :-1]) | (taken[..., 1:] < 0))
-    order = jax.lax.cond(
-        in_order,
-        lambda: order,
-        lambda: jnp.argsort(jnp.where(valid, pos, INT32_MAX), axis=-1, stable=True)[
-            ..., :capacity
-        ],
-    )
-    new_pos = jnp.where(empty, -1, jnp.take_along_axis(pos, order, axis=-1))
-    filled = (new_pos >= 0)[..., None]
-    new_k = jnp.where(filled, jnp.take_along_axis(k, order[..., None], axis=-2), 0)
-    new_v = jnp.where(filled, jnp.take_along_axis(v, order[..., None], axis=-2), 0)
-    # Why one shared next-write slot = max kept count is right. cache.index is a single
-    # next-write slot for every row and head of a layer (every layer, unless capacities are
-    # per layer): decode writes token t of all heads into slot `index`. After compaction head
-    # h holds n_h entries in slots [0, n_h). Writing the next token at max(n_h) overwrites
-    # nobody's entry; a head with fewer entries keeps empty slots (pos -1) in [n_h, max),
-    # which the mask `0 <= pos <= query_pos` ignores, and its entries stay sorted by position
-    # because new tokens have larger positions than anything kept. Example, 2 heads after
-    # compaction to capacity 6 (budgets 3 and 2), next token at position 9:
-    #     slot:      0   1   2   3   4   5
-    #     head 0:    0   4   8  -1  -1  -1     n_0 = 3
-    #     head 1:    2   8  -1  -1  -1  -1     n_1 = 2     index = 3
-    #     decode ->  head 0: 0 4 8 9 -1 -1     head 1: 2 8 -1 9 -1 -1
-    # The gap (slot 2 of head 1) costs max(n) - n_h slots, the price of a shared index.
-    return new_k, new_v, new_pos, jnp.minimum(count[..., 0], capacity)
-
-
-def check_capacity(
-    kept: KVCache | jax.Array | np.ndarray,
-    capacity: int | Sequence[int],
-    new_tokens: int = 0,
-) -> int:
-    """The slots needed (max kept entries per head + ``new_tokens``); raises if over ``capacity``.
-
-    Host-side check of ``compact``'s precondition. ``kept``: a cache, a keep mask
-    [L, B, Hkv, S] bool or per-head counts [L, B, Hkv] int; ``capacity``: one for every layer
-    or one per layer (then each layer is checked against its own).
-    """
-    if isinstance(kept, KVCache):
-        counts = fetch(kept.num_kept())
-    else:
-        arr = fetch(kept)
-        counts = arr.sum(axis=-1) if arr.dtype == np.bool_ else arr
-    per_layer = counts.reshape(counts.shape[0], -1).max(axis=1, initial=0) + int(new_tokens)
-    if np.ndim(capacity) and len(capacity) != len(per_layer):
-        raise ValueError(
-            f"{len(capacity)} capacities for {len(per_layer)} layers; give one, or one per layer"
-        )
-    limits = np.broadcast_to(np.asarray(capacity), per_layer.shape)
-    for layer, (needed, limit) in enumerate(zip(per_layer, limits, strict=True)):
-        if needed > limit:
-            where = "" if np.ndim(capacity) == 0 else f" in layer {layer}"
-            raise ValueError(
-                f"compaction needs {needed} slots per head{where} ({needed - new_tokens} kept "
-                f"+ {new_tokens} new tokens) but capacity is {int(limit)}"
-            )
-    return int(per_layer.max(initial=int(new_tokens)))
+def concat(*parts: jax.Array) -> jax.Array:
+    """The parts joined on their leading (layer) axis: `jax.tree.map`'s leaf function, so
+    int8 entries join their values and their scales."""
+    return jnp.concatenate(parts)

@@ -17,9 +17,11 @@ from dge_jax.config import ModelConfig
 from dge_jax.distribution.constraints import context_mesh
 from dge_jax.distribution.sharding import DEFAULT_RULES, AxisRules
 from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache
+from dge_jax.runtime.quantized import Int8Entries
 
 # One layer group of the cache (dge_jax.runtime.cache.LayerGroup): k, v [Lg, B, Hkv, S, D],
-# pos [Lg, B, Hkv, S], index [Lg] (replicated).
+# pos [Lg, B, Hkv, S], index [Lg] (replicated). An int8 cache's values and scales [.., S, 1]
+# both take k's (or v's) axes.
 GROUP_AXES = LayerGroup(
     k=("layers", "batch", "kv_heads", "seq", "head_dim"),
     v=("layers", "batch", "kv_heads", "seq", "head_dim"),
@@ -34,11 +36,16 @@ def cache_specs(
     mesh_shape: Mapping[str, int],
     rules: AxisRules = DEFAULT_RULES,
     num_groups: int = 1,
+    kv_quant: str = "none",
 ) -> KVCache:
     """A KVCache of PartitionSpecs with `num_groups` layer groups: rows over data, kv heads
-    over model (see module docstring); the same spec for every group."""
+    over model (see module docstring); the same spec for every group; kv_quant "int8": k
+    and v as `Int8Entries` of specs (values and scales split alike)."""
     fitted = rules.fit(cfg, mesh_shape, batch_size)
     group = jax.tree.map(fitted.spec, GROUP_AXES, is_leaf=lambda x: isinstance(x, tuple))
+    if kv_quant != "none":
+        group = LayerGroup(k=Int8Entries(group.k, group.k), v=Int8Entries(group.v, group.v),
+                           pos=group.pos, index=group.index)  # fmt: skip
     return KVCache((group,) * num_groups)
 
 
@@ -48,9 +55,10 @@ def cache_shardings(
     mesh: Mesh,
     rules: AxisRules = DEFAULT_RULES,
     num_groups: int = 1,
+    kv_quant: str = "none",
 ) -> KVCache:
     """A KVCache of NamedShardings on `mesh` for a batch of `batch_size` rows."""
-    specs = cache_specs(cfg, batch_size, mesh.shape, rules, num_groups)
+    specs = cache_specs(cfg, batch_size, mesh.shape, rules, num_groups, kv_quant)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
 
 
@@ -58,7 +66,8 @@ def shard_cache(
     cache: KVCache, cfg: ModelConfig, mesh: Mesh, rules: AxisRules = DEFAULT_RULES
 ) -> KVCache:
     """An existing cache laid out on `mesh`: rows over data, kv heads over model."""
-    shardings = cache_shardings(cfg, cache.batch_size, mesh, rules, len(cache.groups))
+    shardings = cache_shardings(cfg, cache.batch_size, mesh, rules, len(cache.groups),
+                                cache.kv_quant)  # fmt: skip
     return jax.tree.map(jax.device_put, cache, shardings)
 
 
@@ -69,11 +78,13 @@ def init_sharded_cache(
     mesh: Mesh,
     dtype=jnp.float32,
     rules: AxisRules = DEFAULT_RULES,
+    kv_quant: str = "none",
 ) -> KVCache:
     """An empty cache created in place on `mesh`: each device allocates only its block (no
     whole cache is ever built on one device, unlike `shard_cache(init_cache(...))`)."""
-    shardings = cache_shardings(cfg, batch_size, mesh, rules)
-    dims = (cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+    shardings = cache_shardings(cfg, batch_size, mesh, rules, kv_quant=kv_quant)
+    dims = (cfg.num_layers, batch_size, cfg.num_kv_heads, capacity, cfg.head_dim, dtype,
+            kv_quant)  # fmt: skip
     return jax.jit(lambda: init_cache(*dims), out_shardings=shardings)()
 
 
@@ -86,5 +97,5 @@ def constrain_cache(cache: KVCache, cfg: ModelConfig, rules: AxisRules = DEFAULT
     mesh = context_mesh()
     if mesh is None:
         return cache
-    specs = cache_specs(cfg, cache.batch_size, mesh, rules, len(cache.groups))
+    specs = cache_specs(cfg, cache.batch_size, mesh, rules, len(cache.groups), cache.kv_quant)
     return jax.tree.map(jax.lax.with_sharding_constraint, cache, specs)

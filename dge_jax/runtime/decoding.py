@@ -61,7 +61,9 @@ class PrefillSpec:
     layer (`window_cache.layer_capacities`); chunk: the most tokens one step feeds;
     recording: what the prompt's observation holds (a rule's `Needs.recording`);
     cache_dtype: the cache's dtype (None: the embedding's); attention: the steps' attention
-    implementation (`platform.ATTENTION`; "auto": the platform's).
+    implementation (`platform.ATTENTION`; "auto": the platform's); kv_quant: how the cache
+    stores keys and values (`quantized.KV_QUANTS`: int8 with one scale per token per kv head
+    of `cache_dtype`).
     """
 
     capacity: int | tuple[int, ...]
@@ -69,6 +71,7 @@ class PrefillSpec:
     recording: Recording = NOTHING
     cache_dtype: Any = None
     attention: str = "auto"
+    kv_quant: str = "none"
 
 
 @functools.partial(jax.jit, static_argnames=("forward", "cfg", "spec"))
@@ -103,7 +106,8 @@ def prefill_prompt(
     _check_capacity(cfg, capacity, t, c)
     dtype = spec.cache_dtype or params.embed.dtype
     forward = functools.partial(forward, attention=spec.attention)  # every chunk's attention
-    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, capacity, cfg.head_dim, dtype,
+                       spec.kv_quant)  # fmt: skip
     capacity = cache.capacity  # the global layers' (what per-slot records span)
     # Under jax.set_mesh (dge_jax.distribution.sharding): rows over data, kv heads over model;
     # else no-ops.
@@ -469,11 +473,18 @@ def until_done(
     ), extra
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg"))
+@functools.partial(jax.jit, static_argnames=("forward", "cfg", "kv_quant"))
 def teacher_forced_logits(
-    forward: ForwardFn, cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array
+    forward: ForwardFn,
+    cfg: ModelConfig,
+    params,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    kv_quant: str = "none",
 ) -> jax.Array:
-    """[B, T, V] f32 logits of one forward over left-padded sequences (the decode reference)."""
+    """[B, T, V] f32 logits of one forward over left-padded sequences (the decode reference);
+    kv_quant: the cache's storage, whose round trip every query then reads through."""
     b, t = tokens.shape
-    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, params.embed.dtype)
+    cache = init_cache(cfg.num_layers, b, cfg.num_kv_heads, t, cfg.head_dim, params.embed.dtype,
+                       kv_quant)  # fmt: skip
     return forward(cfg, params, tokens, prompt_positions(lengths, t), cache, logits="all").logits

@@ -55,8 +55,7 @@ def with_room(cache: KVCache, slots: int) -> KVCache:
             continue
         pad = -(-short // ROOM_MULTIPLE) * ROOM_MULTIPLE
         widths = ((0, 0),) * 3 + ((0, pad),)
-        groups.append(LayerGroup(
-            k=jnp.pad(g.k, widths + ((0, 0),)), v=jnp.pad(g.v, widths + ((0, 0),)),
-            pos=jnp.pad(g.pos, widths, constant_values=-1), index=g.index,
-        ))  # fmt: skip
+        k, v = jax.tree.map(lambda x, w=widths: jnp.pad(x, w + ((0, 0),)), (g.k, g.v))
+        pos = jnp.pad(g.pos, widths, constant_values=-1)
+        groups.append(LayerGroup(k=k, v=v, pos=pos, index=g.index))
     return KVCache(tuple(groups))

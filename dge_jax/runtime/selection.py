@@ -3,7 +3,7 @@
 Eviction is masking first, so budgets stay traced and a sweep compiles once. ``select_slots`` turns
 scores and per-head budgets into a keep mask, ``apply_keep`` writes ``pos = -1`` into the
 evicted slots (same shapes, so the attention code does not change);
-`dge_jax.runtime.cache.compact` then gathers the kept slots into a smaller cache of static
+`dge_jax.runtime.compaction.compact` then gathers the kept slots into a smaller cache of static
 capacity so memory and decode cost really fall. Both live in runtime/, below the rules:
 CriticalKV's first stage selects too.
 
@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.distribution.multihost import fetch
-from dge_jax.runtime.cache import INT32_MAX, KVCache
+from dge_jax.runtime.cache import KVCache
+from dge_jax.runtime.compaction import INT32_MAX
 
 TIES = ("later", "earlier")
 

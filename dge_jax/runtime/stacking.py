@@ -38,7 +38,7 @@ def copy_but_kv(tree):
 
 
 def _kv(cache: KVCache) -> list[jax.Array]:
-    return [x for g in cache.groups for x in (g.k, g.v)]
+    return [x for g in cache.groups for x in jax.tree.leaves((g.k, g.v))]  # int8: and scales
 
 
 def last_reads(steps: list[list[KVCache]]) -> dict[int, int]:
@@ -96,8 +96,9 @@ def stack_states(
         )
 
     def interleaved(groups: tuple[LayerGroup, ...]) -> LayerGroup:
-        def rows_of(name):  # rows are axis 1 of [Lg, B, ...]
-            return _interleave([getattr(g, name) for g in groups], axis=1)
+        def rows_of(name):  # rows are axis 1 of [Lg, B, ...] (an int8 cache's scales too)
+            return jax.tree.map(lambda *xs: _interleave(list(xs), axis=1),
+                                *(getattr(g, name) for g in groups))  # fmt: skip
 
         index = jnp.max(jnp.stack([g.index for g in groups]), axis=0)
         return LayerGroup(k=rows_of("k"), v=rows_of("v"), pos=rows_of("pos"), index=index)

@@ -62,7 +62,8 @@ def make_room(group: LayerGroup, window: int, t: int) -> LayerGroup:
             return jnp.take_along_axis(x, at, axis=3)
 
         pos = jnp.where(emptied[:, None, None, :], -1, take(group.pos))
-        return dataclasses.replace(group, k=take(group.k), v=take(group.v), pos=pos, index=index)
+        k, v = jax.tree.map(take, (group.k, group.v))  # an int8 cache's scales move alike
+        return dataclasses.replace(group, k=k, v=v, pos=pos, index=index)
 
     return jax.lax.cond(jnp.any(group.index + t > cap), move, lambda g: g, group)
 

@@ -236,7 +236,8 @@ class Request:
     prompt_ids: the ids fed per row; tokens [B, T] int32 left-padded to the bucket T and
     lengths [B] int32 (`pad_left`); buffer: the decode token buffer (a bucket >= the tokens
     wanted); chunk: prefill tokens per step at most; eos_ids: the model's EOS ids and the
-    extra ones, sorted; attention: the prefill attention (`platform.ATTENTION`).
+    extra ones, sorted; attention: the prefill attention (`platform.ATTENTION`); kv_quant:
+    how prefill's cache stores keys and values (`runtime.quantized.KV_QUANTS`).
     """
 
     prompt_ids: list[list[int]]
@@ -248,6 +249,7 @@ class Request:
     chunk: int
     eos_ids: tuple[int, ...]
     attention: str = "auto"
+    kv_quant: str = "none"
 
 
 def prepare(
@@ -263,6 +265,7 @@ def prepare(
     granule: int | None = None,
     attention: str = "auto",
     path: pathlib.Path | None = None,
+    kv_quant: str = "none",
 ) -> Request:
     """Text (or token-id) prompts -> a checked `Request` padded to its length bucket.
 
@@ -271,7 +274,7 @@ def prepare(
     prompts: one str, a list of prompts (each a str or a list / 1-D integer array of token
     ids; one batch is all text or all ids), or a 2-D integer array (one row per prompt).
     chunk / granule: `bucket_length`'s; attention: the prefill attention
-    (`platform.ATTENTION`)."""
+    (`platform.ATTENTION`); kv_quant: the cache's storage (`Request.kv_quant`)."""
     if isinstance(chunk, bool | np.bool_) or not isinstance(chunk, numbers.Integral):
         raise TypeError(f"chunk (the prefill chunk size) must be an int >= 1, got {_kind(chunk)}")
     if chunk < 1:
@@ -306,6 +309,7 @@ def prepare(
         chunk=chunk,
         eos_ids=eos_ids,
         attention=attention,
+        kv_quant=kv_quant,
     )
 
 
