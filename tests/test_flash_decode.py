@@ -152,6 +152,19 @@ def test_masked_cache_with_holes_and_padding(hq, hkv):
 SPECS = [ScoreSpec(), ScoreSpec(softcap=1.5), ScoreSpec(scale=0.4, softcap=3.0)]
 
 
+def masked_positions(b: int, hkv: int, s: int) -> np.ndarray:
+    """[B, Hkv, S] positions of a masked cache: prompt positions 405.. in the first 600 slots,
+    with left padding (row 0's first 20), a hole (row 0, head 0, 50..59), an evicted block
+    (row 1, 128..255) and an empty head (row 1's last)."""
+    masked = np.full((b, hkv, s), -1, np.int32)
+    masked[:, :, :600] = np.arange(600) + 405
+    masked[0, :, :20] = -1
+    masked[0, 0, 50:60] = -1
+    masked[1, :, 128:256] = -1
+    masked[1, hkv - 1] = -1
+    return masked
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=["plain", "softcap", "scale+softcap"])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (8, 2)])
 def test_sliding_windows_softcaps_and_scales(spec, hq, hkv):
@@ -162,12 +175,7 @@ def test_sliding_windows_softcaps_and_scales(spec, hq, hkv):
     b, s = 2, 700
     kept = [[3, 300][:hkv], [256, 128][:hkv]]
     compact = compacted(kept, 300, 5, s)
-    masked = np.full((b, hkv, s), -1, np.int32)
-    masked[:, :, :600] = np.arange(600) + 405
-    masked[0, :, :20] = -1
-    masked[0, 0, 50:60] = -1
-    masked[1, :, 128:256] = -1
-    masked[1, hkv - 1] = -1
+    masked = masked_positions(b, hkv, s)
     for t in (1, 3):
         q, k, v, k_new, v_new = step_inputs(b, t, hq, hkv, s, jnp.float32, seed=10 + t)
         query_pos = np.tile(1005 + np.arange(t, dtype=np.int32), (b, 1))
@@ -222,12 +230,7 @@ def test_int8_masked_cache_under_windows():
     G = 4, a T = 3 step with a padding query, windows 2, 300 and 0 with a soft cap and a
     logit scale."""
     b, t, hq, hkv, s = 2, 3, 8, 2, 700
-    masked = np.full((b, hkv, s), -1, np.int32)
-    masked[:, :, :600] = np.arange(600) + 405
-    masked[0, :, :20] = -1
-    masked[0, 0, 50:60] = -1
-    masked[1, :, 128:256] = -1
-    masked[1, hkv - 1] = -1
+    masked = masked_positions(b, hkv, s)
     q, k, v, k_new, v_new = step_inputs(b, t, hq, hkv, s, jnp.float32, seed=40)
     query_pos = np.tile(1005 + np.arange(t, dtype=np.int32), (b, 1))
     query_pos[0, 0] = -1
