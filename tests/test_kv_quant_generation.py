@@ -52,8 +52,9 @@ def full_int8(model):
 
 
 def test_decode_on_int8_equals_a_teacher_forced_int8_forward(model, full_int8):
-    """Every greedy token is the argmax of the teacher-forced logits over an int8 cache, and
-    the first one's logits are the prefill's (the step's own entries read quantized too)."""
+    """Every greedy token is the argmax of the teacher-forced logits over an int8 cache (each
+    step reads its own entries quantized too), and those logits differ from the plain
+    cache's, a little."""
     seqs = [p + g[:-1] for p, g in zip(PROMPTS, full_int8.tokens, strict=True)]
     t = max(map(len, seqs))
     tokens, lengths = pad_left(seqs, t)
