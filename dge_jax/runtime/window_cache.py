@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.runtime.cache import LayerGroup
+from dge_jax.runtime.quantized import map_slots
 
 LAYOUTS = ("auto", "bounded", "full")
 
@@ -62,7 +63,8 @@ def make_room(group: LayerGroup, window: int, t: int) -> LayerGroup:
             return jnp.take_along_axis(x, at, axis=3)
 
         pos = jnp.where(emptied[:, None, None, :], -1, take(group.pos))
-        k, v = jax.tree.map(take, (group.k, group.v))  # an int8 cache's scales move alike
+        # an int8 cache's scales move alike; an int4 cache's entries requantized (`map_slots`)
+        k, v = (map_slots(take, x, index) for x in (group.k, group.v))
         return dataclasses.replace(group, k=k, v=v, pos=pos, index=index)
 
     return jax.lax.cond(jnp.any(group.index + t > cap), move, lambda g: g, group)
