@@ -112,7 +112,18 @@ flags.DEFINE_string("kv_quant", "none", "how the cache stores keys and values: n
                     "(KIVI's 4 bits, keys per channel and values per token in groups of 32, the "
                     "last 128 slots full precision; int4-g<G>-r<R> sets both); attention and "
                     "every rule read them dequantized; recorded in the run identity unless none")
-flags.register_validator("kv_quant", lambda v: bool(check_kv_quant(v)),
+
+
+def _kv_quant_ok(value: str) -> bool:
+    """Whether `parse_kv_quant` reads `value` (the --kv_quant flag's validator)."""
+    try:
+        check_kv_quant(value)
+    except ValueError:
+        return False
+    return True
+
+
+flags.register_validator("kv_quant", _kv_quant_ok,
                          "kv_quant must be none, int8 or int4[-g<G>][-r<R>]")
 flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
                     "sharded, and each batch of --batch_size samples is spread over the data "

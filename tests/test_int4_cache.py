@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from tiny_model import jax_model
+from tiny_model import jax_config, jax_model
 
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
@@ -431,3 +431,37 @@ def test_the_int4_cache_holds_int4(model):
     packed, scales = 2 * s * (d // 2), 2 * 4 * ((s // G) * d + s * (d // G))
     per_head = packed + scales + 4 * s + 2 * (R * d * 4 + 4)
     assert quant.nbytes() == layers * b * h * per_head
+
+
+def test_the_bounded_sliding_layout_holds_int4():
+    """A sliding layer (window 16) of the bounded layout holds window + chunk slots of int4
+    and moves its last 15 entries to the front before a step that would overflow (prefill's
+    chunks and decode, `window_cache.make_room`): the move requantizes them in their new
+    groups, so they read as the full layout's entries at the same positions within int4's
+    error."""
+    sliding = jax_model(jax_config(layer_windows=(16, 0)), seed=4)
+    prompts = [np.random.default_rng(n).integers(0, 128, 64).tolist() for n in (1, 2)]
+    caches = {}
+    for layout in ("bounded", "full"):
+        def hook(stage, fn, *args, layout=layout, **kwargs):
+            out = fn(*args, **kwargs)
+            if stage == "prefill":
+                caches[layout] = jax.tree.map(jnp.copy, out.cache)  # decode donates it
+            return out
+
+        generate(sliding, prompts, chunk=16, sliding_cache=layout, hook=hook, **INT4)
+    small, big = caches["bounded"], caches["full"]
+    assert small.capacities[0] == 32 and small.kv_quant == KV_QUANT
+    pos = np.asarray(small.groups[0].pos[0])
+    assert pos.max() == 63 and pos[pos >= 0].min() >= 64 - 32
+    k_small = np.asarray(dequantize(small.groups[0].k))[0]
+    k_big = np.asarray(dequantize(big.groups[0].k))[0]
+    # each valid slot of the bounded layer against the full layer's slot of its position
+    big_pos = np.asarray(big.groups[0].pos[0])
+    at = np.argmax(big_pos[..., None, :] == pos[..., :, None], axis=-1)  # [B, Hkv, 32]
+    same = np.take_along_axis(k_big, at[..., None], axis=-2)
+    valid = (pos >= 0)[..., None]
+    scale = float(np.abs(k_big).max())
+    np.testing.assert_allclose(np.where(valid, k_small, 0), np.where(valid, same, 0),
+                               atol=0.2 * scale)  # fmt: skip
+    assert np.abs(np.where(valid, k_small - same, 0)).max() > 0  # requantized: not exact
