@@ -18,6 +18,10 @@ The queries at 7, 8, 9 see 4..7, 5..8, 6..9: all still there. A step needs
 decode steps meet it by construction. The move copies the group once every
 ``capacity - W + 1`` steps at most, under a `lax.cond`, so decoding pays it rarely.
 
+An int4 cache's moved entries are requantized in their new key groups and residual block
+(`quantized.map_slots`), so any capacity works, at the price of requantizing the window at
+each move (rare while decoding, once per prefill step past the first W + chunk tokens).
+
 In the full layout (every layer of prompt length, `GenerationConfig(sliding_cache="full")`)
 `make_room` never fires: no step outgrows a cache sized for the prompt and every new token.
 """
