@@ -34,7 +34,7 @@ from dge_jax.eviction.timing import KINDS, Lookahead, Timing
 from dge_jax.model import DEFAULT_MODEL
 from dge_jax.rules.registry import RULES, make_rule, resolve
 from dge_jax.runtime import platform
-from dge_jax.runtime.quantized import KV_QUANTS
+from dge_jax.runtime.quantized import check_kv_quant
 from dge_jax.runtime.selection import TIES
 from dge_jax.text.sampling import Greedy, Sampling
 
@@ -141,9 +141,11 @@ def _add_kernels(g: argparse.ArgumentParser) -> None:
         "flash attention for prefill and KVzip's passes; draft and decode steps on xla)",
     )  # fmt: skip
     g.add_argument(
-        "--kv_quant", default="none", choices=KV_QUANTS,
-        help="how the cache stores keys and values: none (the model's dtype) or int8 (one "
-        "scale per token per kv head; attention and every rule read them dequantized)",
+        "--kv_quant", default="none", type=check_kv_quant,
+        help="how the cache stores keys and values: none (the model's dtype), int8 (one "
+        "scale per token per kv head) or int4 (KIVI's 4 bits: keys per channel, values per "
+        "token, in groups of 32, the last 128 slots full precision; int4-g<G>-r<R> sets "
+        "both); attention and every rule read them dequantized",
     )  # fmt: skip
 
 

@@ -92,10 +92,12 @@ class GenerationConfig:
     sliding-window layers, "bounded" (their window plus one prefill step:
     `dge_jax.runtime.window_cache`), "full" (the prompt's length, like global layers) or
     "auto" (bounded unless a cell needs the full layout: `grid_plan.plan_grid`);
-    kv_quant: how the cache stores keys and values, "none" (the activation dtype) or "int8"
-    (one scale per token per kv head: `dge_jax.runtime.quantized`; every attention reads
-    them dequantized, every rule scores what attention reads, and eviction moves each
-    entry's scale with it).
+    kv_quant: how the cache stores keys and values, "none" (the activation dtype), "int8"
+    (one scale per token per kv head) or "int4" (KIVI's: keys per channel over groups of G
+    tokens, values per token over groups of G channels, a full-precision residual block of
+    R slots; "int4-g<G>-r<R>", default G 32, R 128): `dge_jax.runtime.quantized`; every
+    attention reads them dequantized, every rule scores what attention reads, and eviction
+    moves each entry's scale with it (int4 entries requantized where they move).
     """
 
     max_new_tokens: int = 64

@@ -14,7 +14,7 @@ from dge_jax.cli import RULE_OPTIONS
 from dge_jax.eviction.timing import Adaptive, Lookahead
 from dge_jax.rules.registry import RULES
 from dge_jax.runtime.platform import ATTENTION
-from dge_jax.runtime.quantized import KV_QUANTS
+from dge_jax.runtime.quantized import check_kv_quant
 from experiments import suites
 from experiments.cells import Cell, build_cells
 from experiments.suites import longbench, ruler, synthetic
@@ -107,10 +107,24 @@ flags.DEFINE_enum("attention", "auto", list(ATTENTION), "attention kernels: auto
                   "steps; interpret mode off TPU) or cudnn (GPU only: cuDNN's flash attention "
                   "for prefill and KVzip's passes; draft and decode steps on xla); recorded in "
                   "the run identity unless it resolves to xla")
-flags.DEFINE_enum("kv_quant", "none", list(KV_QUANTS), "how the cache stores keys and "
-                  "values: none (the model's dtype, default) or int8 (one scale per token per "
-                  "kv head; attention and every rule read them dequantized); recorded in the "
-                  "run identity unless none")
+flags.DEFINE_string("kv_quant", "none", "how the cache stores keys and values: none (the "
+                    "model's dtype, default), int8 (one scale per token per kv head) or int4 "
+                    "(KIVI's 4 bits, keys per channel and values per token in groups of 32, the "
+                    "last 128 slots full precision; int4-g<G>-r<R> sets both); attention and "
+                    "every rule read them dequantized; recorded in the run identity unless none")
+
+
+def _kv_quant_ok(value: str) -> bool:
+    """Whether `parse_kv_quant` reads `value` (the --kv_quant flag's validator)."""
+    try:
+        check_kv_quant(value)
+    except ValueError:
+        return False
+    return True
+
+
+flags.register_validator("kv_quant", _kv_quant_ok,
+                         "kv_quant must be none, int8 or int4[-g<G>][-r<R>]")
 flags.DEFINE_string("mesh", None, "device mesh, e.g. data=2,model=4: parameters and caches are "
                     "sharded, and each batch of --batch_size samples is spread over the data "
                     "axis (--batch_size must then be a multiple of it)")

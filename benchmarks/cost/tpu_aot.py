@@ -119,7 +119,7 @@ from benchmarks.cost import hlo_cost, tpu_stages
 from dge_jax.cli import ENVIRONMENT, USAGE, Parser, one_line
 from dge_jax.distribution import sharding
 from dge_jax.runtime import platform
-from dge_jax.runtime.quantized import KV_QUANTS
+from dge_jax.runtime.quantized import check_kv_quant
 
 GIB = 2**30
 SOURCES = 12  # sources of HBM bytes reported per stage
@@ -666,8 +666,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prefill chunk (default: the TPU backend's, as generate picks it)")
     p.add_argument("--attention", choices=platform.ATTENTION, default="auto",
                    help="prefill attention (auto: the TPU's, the Pallas flash kernel)")
-    p.add_argument("--kv_quant", choices=KV_QUANTS, default="none",
-                   help="the cache's storage: none (bf16) or int8 (bf16 scale per token)")
+    p.add_argument("--kv_quant", type=check_kv_quant, default="none",
+                   help="the cache's storage: none (bf16), int8 (bf16 scale per token) or "
+                   "int4[-g<G>][-r<R>] (KIVI's, bf16 scales and zeros)")
     p.add_argument("--layer_loop", choices=("scan", "unrolled"), default=None,
                    help="decode_loop's layer grouping (default: the TPU backend's, scan)")
     p.add_argument("--max_batch", action="store_true", help="search the largest batch")

@@ -58,6 +58,7 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import cache_layout, decoding, platform, selection
 from dge_jax.runtime.cache import init_cache
 from dge_jax.runtime.platform import Backend
+from dge_jax.runtime.quantized import parse_kv_quant
 from dge_jax.text.prompts import Request, bucket_length
 
 
@@ -79,7 +80,7 @@ class Setup:
     layer_loop: str | None = None  # None: the backend's
     timing: str = "dge"  # which cell (`TIMINGS`): DGE(k), LAQ's lookahead, decode at interval k
     lookahead: int = 8  # the lookahead cell's L (its first stage: `Lookahead`'s defaults)
-    kv_quant: str = "none"  # the cache's storage (`runtime.quantized.KV_QUANTS`)
+    kv_quant: str = "none"  # the cache's storage (`runtime.quantized.parse_kv_quant`)
 
     @property
     def backend(self) -> Backend:
@@ -259,8 +260,12 @@ def sizes_of(setup: Setup, params) -> Sizes:
     shardings = cache_layout.cache_shardings(cfg, b, setup.mesh)
     group = shardings.groups[0]
     k_shape = group.k.shard_shape((cfg.num_layers, b, cfg.num_kv_heads, 1, cfg.head_dim))
-    # bytes per key (or value) element: bf16, or int8 plus one bf16 scale per D elements
-    per_element = 2.0 if setup.kv_quant == "none" else 1.0 + 2.0 / cfg.head_dim
+    # bytes per key (or value) element: bf16; int8 plus one bf16 scale per D elements; int4
+    # (half a byte) plus a bf16 scale and zero per group of G (the residual block, R slots
+    # of bf16 per layer and head whatever the capacity, left out)
+    quant = parse_kv_quant(setup.kv_quant)
+    per_element = {"none": 2.0, "int8": 1.0 + 2.0 / cfg.head_dim,
+                   "int4": 0.5 + 4.0 / quant.group}[quant.kind]  # fmt: skip
     pos_shape = group.pos.shard_shape((cfg.num_layers, b, cfg.num_kv_heads, 1))
     n = setup.devices
     # A lookup reads B rows of the embedding table, not the table (unless it is the LM head).

@@ -54,6 +54,7 @@ from dge_jax.runtime.decoding import (
     decode_groups,
     until_done,
 )
+from dge_jax.runtime.quantized import movable, pad_slots, settle
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import fixed_frequencies
@@ -236,9 +237,13 @@ class CompressionLoop:
                                   spec=self.selection)[0]  # fmt: skip
         group = flat.groups[0]
         pos = jnp.where(keep, group.pos, -1)
-        k, v, kept_pos, count = compact_heads(group.k, group.v, pos, self.capacity)
-        # Each layer's next write slot: its largest kept count (see compaction.compact_heads).
-        cache = KVCache.stacked(k, v, kept_pos, jnp.max(count, axis=(1, 2)).astype(jnp.int32))
+        k, v, kept_pos, count = compact_heads(movable(group.k), movable(group.v), pos,
+                                              self.capacity)  # fmt: skip
+        # Each layer's next write slot: its largest kept count (see compaction.compact_heads);
+        # int4 entries, gathered dequantized, are requantized for it.
+        index = jnp.max(count, axis=(1, 2)).astype(jnp.int32)
+        k, v = settle(k, group.k, index), settle(v, group.v, index)
+        cache = KVCache.stacked(k, v, kept_pos, index)
         if attn is not None:
             attn = _compact_attention(attn, pos, self.capacity)
         cache = regroup(cache, decode_groups(cache, self.layer_loop))
@@ -332,7 +337,7 @@ def _grown(state: DecodeState, attn, capacity: int):
         return state, attn
     g = regroup(state.cache, (state.cache.num_layers,)).groups[0]
     pad = ((0, 0),) * 3 + ((0, extra),)
-    k, v = jax.tree.map(lambda x: jnp.pad(x, pad + ((0, 0),)), (g.k, g.v))
+    k, v = pad_slots(g.k, extra), pad_slots(g.v, extra)
     grown = KVCache.stacked(k, v, jnp.pad(g.pos, pad, constant_values=-1), g.index)
     attn = None if attn is None else jnp.pad(attn, pad)
     return dataclasses.replace(state, cache=grown), attn

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.runtime import platform
-from dge_jax.runtime.quantized import Entries, dequantize
+from dge_jax.runtime.quantized import Entries, dequantize, movable
 
 # Finite stand-in for -inf: a query whose every slot is masked (a padding query) then gets a
 # uniform, finite distribution that `probs * mask` turns into zeros, instead of NaNs.
@@ -61,7 +61,7 @@ DEFAULT_ATTENTION = AttentionSpec()
 
 class LayerCache(NamedTuple):
     """One layer's view of its layer group's cache (a pytree): the group's stacked buffers
-    k, v [Lg, B, Hkv, S, D] (arrays, or int8 entries with their scales:
+    k, v [Lg, B, Hkv, S, D] (arrays, or int8 or int4 entries:
     `dge_jax.runtime.quantized`) and pos [Lg, B, Hkv, S], the layer read (an int or a traced
     int32), the slot this step's entries go to (traced or not; decode and draft steps: the
     first of their T slots, `cached_attention`'s ``new``) and the layer's sliding window
@@ -237,8 +237,10 @@ def written_slot_attention(
     that an earlier block already covered are masked out, so any S works.
     """
     # Read block by block, each dequantized where it is used (an int8 layer is never
-    # materialised whole in the activation dtype).
-    k, v, slot_pos = cache.stored("k"), cache.stored("v"), cache.pos[cache.layer]
+    # materialised whole in the activation dtype; an int4 layer is, as its key groups and
+    # residual block need not align with the key blocks).
+    k, v = (movable(cache.stored(name)) for name in ("k", "v"))
+    slot_pos = cache.pos[cache.layer]
     block, return_probs_sum = spec.key_block, spec.record_attn
     window, scores_spec = cache.window, spec.scores
     b, t, hq, d = q.shape

@@ -29,7 +29,7 @@ from dge_jax.kernels.attention import (
 )
 from dge_jax.runtime import platform
 from dge_jax.runtime.platform import Backend
-from dge_jax.runtime.quantized import round_trip, store_like
+from dge_jax.runtime.quantized import Int4Entries, read_back, store_like, write_int4
 
 
 def cache_layer_attention(
@@ -60,36 +60,55 @@ def cache_layer_attention(
     updates each buffer in place instead of copying every cache buffer of the loop several
     times per step (tests/test_generation.py checks the compiled loop for such copies). The
     zero is exact: min(|a|, 1) * 0 is 0 for every finite or infinite a. Every model family
-    calls this one function, so none has to repeat the trick.
+    calls this one function, so none has to repeat the trick. An int4 cache is written first
+    either way (`quantized.write_int4`): a step that completes a residual block quantizes
+    entries already in the cache too, and reading the written buffers is what keeps its
+    update in place; the step's own entries are then passed beside the cache as stored.
     """
     backend = kernel_backend(platform.current(spec.attention), spec)
     t = q.shape[1]
     i, slot = cache.layer, cache.slot
 
-    def write(buf, new):
-        """buf with new [B, Hkv, T(, D)] at slots [slot, slot + T) of layer i (quantized
-        first where the cache is int8: values and scales written alike)."""
-        stored = store_like(buf, new) if new.ndim == 4 else new.astype(buf.dtype)
-        start = (i, 0, 0, slot) + (0,) * (new.ndim - 3)
-        return jax.tree.map(
-            lambda b, n: jax.lax.dynamic_update_slice(b, n[None], start), buf, stored
-        )
+    def put(buf, part):
+        """buf with part [B, Hkv, T(, D)] (in buf's form) at slots [slot, slot + T) of layer i
+        (an int8 cache's values and scales alike)."""
+        def one(b, n):
+            return jax.lax.dynamic_update_slice(b, n[None], (i, 0, 0, slot) + (0,) * (n.ndim - 3))
 
+        return jax.tree.map(one, buf, part)
+
+    if isinstance(cache.k, Int4Entries):
+        # int4: written first (O(R * D): `quantized.write_int4`), then read back as stored,
+        # a step's own entries included, whether prefill chunk or decode step. Attention then
+        # reads only the written buffers, so the write is in place without the CPU trick.
+        k, k_read = write_int4(cache.k, i, slot, new.k)
+        v, v_read = write_int4(cache.v, i, slot, new.v)
+        cache = cache._replace(k=k, v=v, pos=put(cache.pos, new.pos))
+        if spec.key_block:
+            block = dataclasses.replace(spec, key_block=backend.key_block or spec.key_block)
+            attn, probs_sum = prefill_attention(backend, q, positions, cache, slot + t, block)
+        else:
+            read_new = new._replace(k=k_read, v=v_read)
+            attn, probs_sum = decode_step_attention(backend, q, positions, cache, read_new, spec)
+        return attn, probs_sum, cache
+    # Plain and int8: the step's entries in the cache's form, quantized once (the read below
+    # and the write both take them).
+    k_new, v_new = store_like(cache.k, new.k), store_like(cache.v, new.v)
     if spec.key_block:
-        cache = cache._replace(k=write(cache.k, new.k), v=write(cache.v, new.v),
-                               pos=write(cache.pos, new.pos))  # fmt: skip
+        cache = cache._replace(k=put(cache.k, k_new), v=put(cache.v, v_new),
+                               pos=put(cache.pos, new.pos))  # fmt: skip
         block = dataclasses.replace(spec, key_block=backend.key_block or spec.key_block)
         attn, probs_sum = prefill_attention(backend, q, positions, cache, slot + t, block)
         return attn, probs_sum, cache
     # The step's own entries as they will be read once written (an int8 cache's round trip).
-    read_new = new._replace(k=round_trip(cache.k, new.k), v=round_trip(cache.v, new.v))
+    read_new = new._replace(k=read_back(k_new, new.k), v=read_back(v_new, new.v))
     attn, probs_sum = decode_step_attention(backend, q, positions, cache, read_new, spec)
-    k_new, v_new = new.k, new.v
     if backend.write_after_attention:
-        after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1).astype(k_new.dtype) * 0
-        k_new, v_new = k_new + after, v_new + after
-    written = cache._replace(k=write(cache.k, k_new), v=write(cache.v, v_new),
-                             pos=write(cache.pos, new.pos))  # fmt: skip
+        after = jnp.minimum(jnp.abs(attn.reshape(-1)[0]), 1) * 0
+        k_new, v_new = (jax.tree.map(lambda x: x + after.astype(x.dtype), part)
+                        for part in (k_new, v_new))  # fmt: skip
+    written = cache._replace(k=put(cache.k, k_new), v=put(cache.v, v_new),
+                             pos=put(cache.pos, new.pos))  # fmt: skip
     return attn, probs_sum, written
 
 
@@ -97,7 +116,9 @@ def kernel_backend(backend: Backend, spec: AttentionSpec) -> Backend:
     """`backend`, unless its kernel cannot run this attention: cuDNN's takes no soft cap (the
     Pallas kernels and the XLA path take sliding windows, soft caps and any logit scale;
     every kernel reads an int8 cache: the Pallas kernels dequantize its blocks in VMEM,
-    cuDNN's reads it dequantized). Asked for by name (spec.attention), such a kernel is a
+    cuDNN's reads it dequantized; an int4 cache is dequantized one layer at a time before
+    every kernel, the Pallas kernels included, which unpack int8 blocks in VMEM but not yet
+    int4 ones: `dense_layer`). Asked for by name (spec.attention), such a kernel is a
     ValueError saying what to use; chosen by "auto", the XLA path runs instead (it is exact
     for all of them)."""
     if not (backend.attention == "cudnn" and spec.scores.softcap):
@@ -127,10 +148,19 @@ def decode_step_attention(
     record probs sums (H2O's draft and decode-time steps; the kernel computes none), run the
     XLA path."""
     if backend.attention == "pallas" and not spec.record_attn:
-        return _sharded_decode(q, query_pos, cache, new, spec), None
+        return _sharded_decode(q, query_pos, dense_layer(cache), new, spec), None
     rows = q.shape[2] // cache.k.shape[2] * q.shape[1]  # query rows per kv head
     layout = dataclasses.replace(spec, keys_major=rows <= backend.keys_major_max_rows)
     return cached_attention(q, query_pos, cache, layout, new)
+
+
+def dense_layer(cache: LayerCache) -> LayerCache:
+    """An int4 cache's layer cache.layer dequantized, as a group of one ([1, B, Hkv, S, D];
+    what every kernel reads of it: `kernel_backend`); plain and int8 caches as they are."""
+    if not isinstance(cache.k, Int4Entries):
+        return cache
+    k, v, pos = cache.read()
+    return LayerCache.one(k, v, pos, cache.slot, cache.window)
 
 
 def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries, spec: AttentionSpec):
@@ -190,6 +220,7 @@ def prefill_attention(
     real token with left padding), and recorded queries, query statistics and KVzip's
     repeat scores all skip position -1.
     """
+    cache = dense_layer(cache)
     if backend.attention == "pallas":
         return _sharded_flash(q, query_pos, cache, num_slots, spec)
     if backend.attention == "cudnn" and not spec.record_attn:

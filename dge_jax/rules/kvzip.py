@@ -43,7 +43,7 @@ from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require
 from dge_jax.rules.ops import prompt_entries
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.quantized import dequantize
+from dge_jax.runtime.quantized import pad_slots, read_slots
 from dge_jax.runtime.recorders import QueryWindow, Recording
 from dge_jax.runtime.records import Observation
 from dge_jax.text.prompts import bucket_length, pad_left
@@ -226,8 +226,8 @@ def chunk_scores(
     tokens, lengths, lo, hi = chunk.tokens, chunk.lengths, chunk.lo, chunk.hi
     b, tr = tokens.shape
     pad = ((0, 0), (0, 0), (0, 0), (0, tr))
-    group = cache.groups[0]  # padded as stored: an int8 cache's repeat entries are int8 too
-    k, v = jax.tree.map(lambda x: jnp.pad(x, pad + ((0, 0),)), (group.k, group.v))
+    group = cache.groups[0]  # padded as stored: a quantized cache's repeat entries are too
+    k, v = pad_slots(group.k, tr), pad_slots(group.v, tr)
     grown = KVCache.stacked(k, v, jnp.pad(group.pos, pad, constant_values=-1), group.index)
     offset = jnp.arange(tr, dtype=jnp.int32)[None, :] - (tr - lengths)[:, None]
     positions = jnp.where(offset >= 0, prompt_lengths[:, None] + offset, -1)
@@ -259,8 +259,7 @@ def chunk_scores(
 
     def layer(args):
         q, k = args  # [B, Hq, Tr, D] post-RoPE, [B, Hkv, S + Tr, D]
-        k_sub = dequantize(jax.tree.map(  # [B, Hkv, Wk, D]; an int8 cache's picked slots only
-            lambda x: jnp.take_along_axis(x, slots[:, None, :, None], axis=2), k))
+        k_sub = read_slots(k, slots[:, None, :])  # [B, Hkv, Wk, D]; int8: picked slots only
         qg = q.reshape(b, cfg.num_kv_heads, g, tr, -1)
         logits = jnp.einsum("bkgtd,bkwd->bkgtw", qg, k_sub, preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, None, None], logits * cfg.head_dim**-0.5, _MASKED)

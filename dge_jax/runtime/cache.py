@@ -4,8 +4,8 @@ One type, one form: a `KVCache` is a tuple of *layer groups*, runs of consecutiv
 stacked on a leading axis:
 
     group.k, group.v : [Lg, B, Hkv, S, D]   keys stored after RoPE, and values: plain
-                                            arrays, or int8 with per-token scales
-                                            (`dge_jax.runtime.quantized`)
+                                            arrays, int8 with per-token scales, or
+                                            KIVI's int4 (`dge_jax.runtime.quantized`)
     group.pos        : [Lg, B, Hkv, S]      original token position of each slot, -1 = empty
     group.index      : [Lg]                 each layer's next slot to write
 
@@ -58,7 +58,7 @@ from dge_jax.runtime.quantized import (
 class LayerGroup:
     """Consecutive layers of one capacity, stacked on a leading [Lg] axis (module docstring)."""
 
-    k: Entries  # [Lg, B, Hkv, S, D]: an array, or `Int8Entries` (values and scales)
+    k: Entries  # [Lg, B, Hkv, S, D]: an array, `Int8Entries` or `Int4Entries`
     v: Entries  # [Lg, B, Hkv, S, D]
     pos: jax.Array  # [Lg, B, Hkv, S] int32, -1 = empty
     index: jax.Array  # [Lg] int32, next slot to write per layer
@@ -81,7 +81,7 @@ class KVCache:
 
     ``k``, ``v``, ``pos`` and ``index`` read every layer at once, stacked on a leading [L]
     axis (what scoring rules and selection read); they need one capacity for all layers.
-    ``k`` and ``v`` are what attention reads (dequantized where the cache is int8); the
+    ``k`` and ``v`` are what attention reads (dequantized where the cache is quantized); the
     stored entries are each group's own.
     """
 
@@ -111,12 +111,13 @@ class KVCache:
 
     @property
     def dtype(self) -> jnp.dtype:
-        """dtype the keys and values are read in (the stored one, or an int8 cache's scales')."""
+        """dtype the keys and values are read in (the stored one, or a quantized cache's
+        activation dtype)."""
         return self.groups[0].k.dtype
 
     @property
     def kv_quant(self) -> str:
-        """How the keys and values are stored (`quantized.KV_QUANTS`)."""
+        """How the keys and values are stored (a `quantized.parse_kv_quant` string)."""
         return kv_quant_of(self.groups[0].k)
 
     @property
@@ -157,8 +158,8 @@ class KVCache:
 
     @property
     def stored_k(self) -> Entries:
-        """[L, B, Hkv, S, D] every layer's keys as stored (int8 values and their scales in an
-        int8 cache): what a scan over layers takes, to dequantize one layer at a time instead
+        """[L, B, Hkv, S, D] every layer's keys as stored (int8 or int4 entries in a quantized
+        cache): what a scan over layers takes, to dequantize one layer at a time instead
         of the whole cache (a bf16 copy of every layer's keys is a bf16 cache's size)."""
         return self._stored("k")
 
@@ -168,7 +169,8 @@ class KVCache:
         return self._stored("v")
 
     def _stored(self, name: str) -> Entries:
-        self._all_layers("pos")  # one capacity for all layers, or a clear error
+        if self.ragged:
+            self._all_layers(name)  # raises its error: one capacity for all layers
         return jax.tree.map(concat, *(getattr(g, name) for g in self.groups))
 
     @property
@@ -262,9 +264,9 @@ def init_cache(
     """An empty cache of static ``capacity`` slots per head: one group of every layer, or,
     given one capacity per layer, one group per run of layers of one capacity.
 
-    k, v: [Lg, B, Hkv, capacity, D] zeros of `dtype`, stored as `kv_quant` asks ("int8":
-    `quantized.Int8Entries` read in `dtype`); pos: [Lg, B, Hkv, capacity] int32 all -1;
-    index: [Lg] int32 zeros.
+    k, v: [Lg, B, Hkv, capacity, D] zeros of `dtype`, stored as `kv_quant` asks ("int8",
+    "int4...": `quantized.Int8Entries`, `Int4Entries` read in `dtype`); pos: [Lg, B, Hkv,
+    capacity] int32 all -1; index: [Lg] int32 zeros.
     """
     caps = (capacity,) * num_layers if isinstance(capacity, int | np.integer) else capacity
     caps = tuple(int(c) for c in caps)
@@ -274,8 +276,8 @@ def init_cache(
     for a, b in itertools.pairwise(group_bounds(runs_of_equal(caps))):
         shape = (b - a, batch_size, num_kv_heads, caps[a], head_dim)
         groups.append(LayerGroup(
-            k=empty_entries(shape, dtype, kv_quant),
-            v=empty_entries(shape, dtype, kv_quant),
+            k=empty_entries(shape, dtype, kv_quant, keys=True),
+            v=empty_entries(shape, dtype, kv_quant, keys=False),
             pos=jnp.full(shape[:-1], -1, jnp.int32),
             index=jnp.zeros((b - a,), jnp.int32),
         ))  # fmt: skip
@@ -331,5 +333,5 @@ def regroup(cache: KVCache, sizes: Sequence[int]) -> KVCache:
 
 def concat(*parts: jax.Array) -> jax.Array:
     """The parts joined on their leading (layer) axis: `jax.tree.map`'s leaf function, so
-    int8 entries join their values and their scales."""
+    quantized entries join every leaf (values, scales, an int4 residual)."""
     return jnp.concatenate(parts)

@@ -11,17 +11,18 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dge_jax.config import ModelConfig
 from dge_jax.distribution.constraints import context_mesh
 from dge_jax.distribution.sharding import DEFAULT_RULES, AxisRules
 from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache
-from dge_jax.runtime.quantized import Int8Entries
+from dge_jax.runtime.quantized import Int4Entries, Int8Entries, KVQuant, parse_kv_quant
 
 # One layer group of the cache (dge_jax.runtime.cache.LayerGroup): k, v [Lg, B, Hkv, S, D],
 # pos [Lg, B, Hkv, S], index [Lg] (replicated). An int8 cache's values and scales [.., S, 1]
-# both take k's (or v's) axes.
+# both take k's (or v's) axes; so do an int4 cache's leaves (the residual's start: the first
+# three).
 GROUP_AXES = LayerGroup(
     k=("layers", "batch", "kv_heads", "seq", "head_dim"),
     v=("layers", "batch", "kv_heads", "seq", "head_dim"),
@@ -39,14 +40,27 @@ def cache_specs(
     kv_quant: str = "none",
 ) -> KVCache:
     """A KVCache of PartitionSpecs with `num_groups` layer groups: rows over data, kv heads
-    over model (see module docstring); the same spec for every group; kv_quant "int8": k
-    and v as `Int8Entries` of specs (values and scales split alike)."""
+    over model (see module docstring); the same spec for every group; kv_quant "int8" or
+    "int4...": k and v as `Int8Entries` or `Int4Entries` of specs (every leaf split alike)."""
     fitted = rules.fit(cfg, mesh_shape, batch_size)
     group = jax.tree.map(fitted.spec, GROUP_AXES, is_leaf=lambda x: isinstance(x, tuple))
-    if kv_quant != "none":
+    quant = parse_kv_quant(kv_quant)
+    if quant.kind == "int8":
         group = LayerGroup(k=Int8Entries(group.k, group.k), v=Int8Entries(group.v, group.v),
                            pos=group.pos, index=group.index)  # fmt: skip
+    elif quant.kind == "int4":
+        group = LayerGroup(k=_int4_specs(group.k, quant, keys=True),
+                           v=_int4_specs(group.v, quant, keys=False),
+                           pos=group.pos, index=group.index)  # fmt: skip
     return KVCache((group,) * num_groups)
+
+
+def _int4_specs(spec: PartitionSpec, quant: KVQuant, keys: bool) -> Int4Entries:
+    """`Int4Entries` of specs: packed values, scales, zeros and the residual [.., X, Y] split
+    as k, the residual's start [Lg, B, Hkv] as k's leading axes."""
+    lead = PartitionSpec(*tuple(spec)[:3])
+    return Int4Entries(spec, spec, spec, spec, lead, keys=keys, group=quant.group,
+                       residual=quant.residual)  # fmt: skip
 
 
 def cache_shardings(

@@ -4,8 +4,9 @@ and decode cost really fall (masking keeps the shape; this changes it).
 `compact` gathers each head's valid slots first, in position order, per layer group;
 `compact_heads` is the same gather on arrays with any leading axes (what decode-time
 compression calls inside its loop); `check_capacity` is the host-side check of compact's
-precondition. Stored entries move whole: an int8 cache's scales travel with their values
-(`dge_jax.runtime.quantized`).
+precondition. Stored entries move whole: an int8 cache's scales travel with their values;
+an int4 cache's are gathered dequantized and requantized after, as KIVI's key groups span
+several slots (`dge_jax.runtime.quantized`, `map_slots`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dge_jax.runtime.cache import (
     group_bounds,
     runs_of_equal,
 )
-from dge_jax.runtime.quantized import Entries
+from dge_jax.runtime.quantized import Entries, movable, settle
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -74,7 +75,8 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
     parts = []  # per input group: (first layer, k, v, pos, count [Lg])
     for first, group in zip(group_bounds(cache.group_sizes)[:-1], cache.groups, strict=True):
         room = max(capacities[first : first + group.num_layers])
-        k, v, pos, count = compact_heads(group.k, group.v, group.pos, room)
+        # int4 entries gathered dequantized (`quantized.movable`), requantized per output group
+        k, v, pos, count = compact_heads(movable(group.k), movable(group.v), group.pos, room)
         parts.append((first, k, v, pos, jnp.max(count, axis=(1, 2))))
     counts = jnp.concatenate([p[4] for p in parts])  # [L] each layer's max kept count
     # One shared capacity: every layer's next slot is the max kept count of the whole cache
@@ -100,7 +102,10 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
                                   else x[..., :cap])  # fmt: skip
             return pieces[0] if len(pieces) == 1 else jax.tree.map(concat, *pieces)
 
-        groups.append(LayerGroup(k=take(1), v=take(2), pos=take(3), index=index[a:b]))
+        like = cache.groups[0]  # every group is stored alike
+        k = settle(take(1), like.k, index[a:b])
+        v = settle(take(2), like.v, index[a:b])
+        groups.append(LayerGroup(k=k, v=v, pos=take(3), index=index[a:b]))
     return KVCache(tuple(groups))
 
 
@@ -113,7 +118,7 @@ def compact_heads(
     [..., capacity(, D)], and count [...] int32, the entries each head now holds. The order
     depends on ``pos`` alone, so other per-slot arrays ([..., S, X]) passed as k or v with the
     same ``pos`` land in the same slots (decode-time H2O carries its attention sums so, and
-    int8 entries their scales [..., S, 1])."""
+    int8 entries their scales [..., S, 1]; int4 entries come `quantized.movable`)."""
     length = pos.shape[-1]
     if capacity > length:  # growing: append empty slots so the gather below can fill them
         extra = capacity - length

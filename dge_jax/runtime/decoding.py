@@ -62,8 +62,8 @@ class PrefillSpec:
     recording: what the prompt's observation holds (a rule's `Needs.recording`);
     cache_dtype: the cache's dtype (None: the embedding's); attention: the steps' attention
     implementation (`platform.ATTENTION`; "auto": the platform's); kv_quant: how the cache
-    stores keys and values (`quantized.KV_QUANTS`: int8 with one scale per token per kv head
-    of `cache_dtype`).
+    stores keys and values (`quantized.parse_kv_quant`: int8 with one scale per token per kv
+    head, or KIVI's int4, scales of `cache_dtype`).
     """
 
     capacity: int | tuple[int, ...]

@@ -17,6 +17,7 @@ import numpy as np
 
 from dge_jax.distribution.multihost import fetch
 from dge_jax.runtime.cache import KVCache, LayerGroup
+from dge_jax.runtime.quantized import pad_slots
 
 # Slots appended at a time (nearby question lengths share compilations).
 ROOM_MULTIPLE = 64
@@ -55,7 +56,7 @@ def with_room(cache: KVCache, slots: int) -> KVCache:
             continue
         pad = -(-short // ROOM_MULTIPLE) * ROOM_MULTIPLE
         widths = ((0, 0),) * 3 + ((0, pad),)
-        k, v = jax.tree.map(lambda x, w=widths: jnp.pad(x, w + ((0, 0),)), (g.k, g.v))
+        k, v = pad_slots(g.k, pad), pad_slots(g.v, pad)
         pos = jnp.pad(g.pos, widths, constant_values=-1)
         groups.append(LayerGroup(k=k, v=v, pos=pos, index=g.index))
     return KVCache(tuple(groups))

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from dge_jax.runtime.cache import KVCache, LayerGroup, regroup
 from dge_jax.runtime.decoding import DecodeState
+from dge_jax.runtime.quantized import movable, settle
 
 
 def with_kv(cache: KVCache, kv: KVCache) -> KVCache:
@@ -96,11 +97,18 @@ def stack_states(
         )
 
     def interleaved(groups: tuple[LayerGroup, ...]) -> LayerGroup:
-        def rows_of(name):  # rows are axis 1 of [Lg, B, ...] (an int8 cache's scales too)
-            return jax.tree.map(lambda *xs: _interleave(list(xs), axis=1),
-                                *(getattr(g, name) for g in groups))  # fmt: skip
-
         index = jnp.max(jnp.stack([g.index for g in groups]), axis=0)
+
+        def rows_of(name):  # rows are axis 1 of [Lg, B, ...] (an int8 cache's scales too)
+            parts = [getattr(g, name) for g in groups]
+            if name == "pos":
+                return _interleave(parts, axis=1)
+            # An int4 cache's residual block follows its layer's next write slot, which
+            # becomes the largest: its entries are interleaved dequantized and requantized.
+            rows = jax.tree.map(lambda *xs: _interleave(list(xs), axis=1),
+                                *(movable(p) for p in parts))  # fmt: skip
+            return settle(rows, parts[0], index)
+
         return LayerGroup(k=rows_of("k"), v=rows_of("v"), pos=rows_of("pos"), index=index)
 
     cache = KVCache(tuple(interleaved(gs) for gs in zip(*(c.groups for c in caches), strict=True)))

@@ -18,6 +18,10 @@ The queries at 7, 8, 9 see 4..7, 5..8, 6..9: all still there. A step needs
 decode steps meet it by construction. The move copies the group once every
 ``capacity - W + 1`` steps at most, under a `lax.cond`, so decoding pays it rarely.
 
+An int4 cache's moved entries are requantized in their new key groups and residual block
+(`quantized.map_slots`), so any capacity works, at the price of requantizing the window at
+each move (rare while decoding, once per prefill step past the first W + chunk tokens).
+
 In the full layout (every layer of prompt length, `GenerationConfig(sliding_cache="full")`)
 `make_room` never fires: no step outgrows a cache sized for the prompt and every new token.
 """
@@ -30,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.runtime.cache import LayerGroup
+from dge_jax.runtime.quantized import map_slots
 
 LAYOUTS = ("auto", "bounded", "full")
 
@@ -62,7 +67,8 @@ def make_room(group: LayerGroup, window: int, t: int) -> LayerGroup:
             return jnp.take_along_axis(x, at, axis=3)
 
         pos = jnp.where(emptied[:, None, None, :], -1, take(group.pos))
-        k, v = jax.tree.map(take, (group.k, group.v))  # an int8 cache's scales move alike
+        # an int8 cache's scales move alike; an int4 cache's entries requantized (`map_slots`)
+        k, v = (map_slots(take, x, index) for x in (group.k, group.v))
         return dataclasses.replace(group, k=k, v=v, pos=pos, index=index)
 
     return jax.lax.cond(jnp.any(group.index + t > cap), move, lambda g: g, group)

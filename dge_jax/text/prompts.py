@@ -237,7 +237,7 @@ class Request:
     lengths [B] int32 (`pad_left`); buffer: the decode token buffer (a bucket >= the tokens
     wanted); chunk: prefill tokens per step at most; eos_ids: the model's EOS ids and the
     extra ones, sorted; attention: the prefill attention (`platform.ATTENTION`); kv_quant:
-    how prefill's cache stores keys and values (`runtime.quantized.KV_QUANTS`).
+    how prefill's cache stores keys and values (`runtime.quantized.parse_kv_quant`).
     """
 
     prompt_ids: list[list[int]]
