@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from kv_quant_checks import assert_pallas_is_xla, prefill_caches
 from tiny_model import jax_config, jax_model
 
 from dge_jax.eviction.decode_spec import DecodeCompression
@@ -246,18 +247,7 @@ def test_pallas_reads_int4_as_xla_does(key_block, record_attn):
     pos_new = jnp.broadcast_to(jnp.arange(14, 14 + t, dtype=jnp.int32), (2, 2, t))
     q = jnp.asarray(rng.standard_normal((2, t, 4, 8)), jnp.float32)
 
-    def run(attention):
-        spec = AttentionSpec(key_block=key_block, record_attn=record_attn, attention=attention)
-        return jax.jit(cache_layer_attention, static_argnums=4)(
-            q, pos_new[:, 0], NewEntries(k_new, v_new, pos_new), layer, spec
-        )
-
-    (got, got_sums, got_cache), (want, want_sums, want_cache) = run("pallas"), run("xla")
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    if record_attn:
-        np.testing.assert_allclose(got_sums, want_sums, atol=1e-5)
-    for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
-        np.testing.assert_array_equal(x, y)
+    assert_pallas_is_xla(q, NewEntries(k_new, v_new, pos_new), layer, key_block, record_attn)
 
 
 def int4_cache(seed=0, s=40, n=36):
@@ -412,16 +402,7 @@ def test_every_head_keeps_exactly_its_budget_on_int4(model, full_int4):
 
 
 def test_the_int4_cache_holds_int4(model):
-    caches = []
-
-    def hook(stage, fn, *args, **kwargs):
-        out = fn(*args, **kwargs)
-        if stage == "prefill":
-            caches.append(out.cache)
-        return out
-
-    generate(model, PROMPTS, hook=hook, chunk=CHUNK, **INT4)
-    (quant,) = caches
+    (quant,) = prefill_caches(model, PROMPTS, chunk=CHUNK, **INT4)
     k = quant.groups[0].k
     assert isinstance(k, Int4Entries) and k.q.dtype == jnp.uint8 and k.dtype == jnp.float32
     # per layer and kv head: D / 2 bytes per slot for k and v, their f32 scales and zeros

@@ -15,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kv_quant_checks import prefill_caches
 from tiny_model import jax_model
 
 from dge_jax.eviction.decode_spec import DecodeCompression
@@ -111,17 +112,8 @@ def test_every_head_keeps_exactly_its_budget_on_int8(model):
 
 
 def test_the_int8_cache_holds_int8(model):
-    caches = []
-
-    def hook(stage, fn, *args, **kwargs):
-        out = fn(*args, **kwargs)
-        if stage == "prefill":
-            caches.append(out.cache)
-        return out
-
-    generate(model, PROMPTS, max_new_tokens=NEW, hook=hook)
-    generate(model, PROMPTS, hook=hook, **INT8)
-    plain, quant = caches
+    (plain,) = prefill_caches(model, PROMPTS, max_new_tokens=NEW)
+    (quant,) = prefill_caches(model, PROMPTS, **INT8)
     assert plain.kv_quant == "none" and quant.kv_quant == "int8"
     k = quant.groups[0].k
     assert isinstance(k, Int8Entries) and k.q.dtype == jnp.int8 and k.dtype == jnp.float32

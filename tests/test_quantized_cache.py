@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from kv_quant_checks import assert_pallas_is_xla
 
 from dge_jax.kernels.attention import AttentionSpec, LayerCache, NewEntries, ScoreSpec
 from dge_jax.kernels.layer_attention import cache_layer_attention, kernel_backend
@@ -177,18 +178,7 @@ def test_pallas_reads_int8_as_xla_does(key_block, record_attn):
     g = quant.groups[0]
     layer = LayerCache(g.k, g.v, g.pos, 1, 12, jnp.int32(3 if key_block else 0))
 
-    def run(attention):
-        spec = AttentionSpec(key_block=key_block, record_attn=record_attn, attention=attention)
-        return jax.jit(cache_layer_attention, static_argnums=4)(
-            q, pos_new[:, 0], NewEntries(k_new, v_new, pos_new), layer, spec
-        )
-
-    (got, got_sums, got_cache), (want, want_sums, want_cache) = run("pallas"), run("xla")
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    if record_attn:
-        np.testing.assert_allclose(got_sums, want_sums, atol=1e-5)
-    for x, y in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache), strict=True):
-        np.testing.assert_array_equal(x, y)
+    assert_pallas_is_xla(q, NewEntries(k_new, v_new, pos_new), layer, key_block, record_attn)
 
 
 def test_kernel_backend_keeps_pallas_for_int8_and_refuses_cudnn_soft_caps():
