@@ -33,15 +33,17 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding
 from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache
 from dge_jax.runtime.cache_layout import cache_specs
-from dge_jax.runtime.compaction import compact
+from dge_jax.runtime.compaction import compact, compact_heads
 from dge_jax.runtime.extend import with_room
 from dge_jax.runtime.quantized import (
     Int4Entries,
     KVQuant,
     dequantize,
+    movable,
     parse_kv_quant,
     quantize_int4,
     quantize_int4_entries,
+    settle,
     write_int4,
 )
 from dge_jax.runtime.window_cache import make_room
@@ -310,6 +312,37 @@ def test_compaction_requantizes_what_it_moves_and_room_is_exact():
     moved_plain = make_room(twin.groups[0], 6, 8)
     assert_reads(KVCache((moved,)), requantized(KVCache((moved_plain,))), atol=1e-6)
 
+
+
+@pytest.mark.parametrize("capacity", [24, 48, (24, 24, 40)])
+def test_compaction_layer_by_layer_equals_the_whole_group(capacity):
+    """int4 compaction runs one layer at a time (`compact_int4_layers`: a layer's dense
+    copy, not the group's); its stored entries equal, leaf for leaf and to the bit, the
+    whole group's gather of the dequantized entries requantized after (`movable`,
+    `compact_heads`, `settle`: what compaction ran before), shrinking, growing and per-layer
+    capacities alike."""
+    quant = int4_cache()
+    keep = jnp.asarray(np.random.default_rng(2).random(quant.pos.shape) < 0.5) & (quant.pos >= 0)
+    cache = quant.with_pos(jnp.where(keep, quant.pos, -1))
+    group = cache.groups[0]
+    caps = (capacity,) * 3 if isinstance(capacity, int) else capacity
+    k, v, pos, count = compact_heads(movable(group.k), movable(group.v), group.pos, max(caps))
+    counts = jnp.max(count, axis=(1, 2))
+    index = counts if not isinstance(capacity, int) else jnp.full((3,), jnp.max(counts))
+    index = jnp.minimum(index, jnp.asarray(caps)).astype(jnp.int32)
+    got = compact(cache, capacity)
+    layer = 0
+    for g in got.groups:
+        cap, n = g.capacity, g.num_layers
+        part = slice(layer, layer + n)
+        np.testing.assert_array_equal(g.pos, pos[part, ..., :cap])
+        np.testing.assert_array_equal(g.index, index[part])
+        for x, like, stored in ((k, group.k, g.k), (v, group.v, g.v)):
+            want = settle(x[part, ..., :cap, :], like, index[part])
+            for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(a, b)
+        layer += n
+    assert layer == 3
 
 def test_specs_follow_the_int4_structure():
     from dge_jax.config import ModelConfig
