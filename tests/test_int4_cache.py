@@ -39,6 +39,7 @@ from dge_jax.runtime.quantized import (
     Int4Entries,
     KVQuant,
     dequantize,
+    empty_entries,
     movable,
     parse_kv_quant,
     quantize_int4,
@@ -343,6 +344,37 @@ def test_compaction_layer_by_layer_equals_the_whole_group(capacity):
                 np.testing.assert_array_equal(a, b)
         layer += n
     assert layer == 3
+
+
+def test_row_stacking_layer_by_layer_equals_the_whole_group():
+    """stack_states interleaves int4 rows one layer at a time (`stacking._interleave_int4`);
+    its stored entries equal, to the bit, the whole group's interleave of the dequantized
+    entries requantized at the larger next write slot (what stacking ran before)."""
+    from dge_jax.runtime.stacking import _interleave, _interleave_int4
+
+    a, b = int4_cache(seed=0, n=36).groups[0], int4_cache(seed=1, n=20).groups[0]
+    index = jnp.maximum(a.index, b.index)
+    for parts in ((a.k, b.k), (a.v, b.v)):
+        whole = jax.tree.map(lambda *xs: _interleave(list(xs), axis=1), *map(movable, parts))
+        want = settle(whole, parts[0], index)
+        got = _interleave_int4(list(parts), index)
+        assert got.q.shape == want.q.shape and got.q.shape[1] == 2 * a.k.q.shape[1]
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("keys", [True, False])
+@pytest.mark.parametrize("slots", [32, 40, 45])
+def test_empty_entries_are_the_quantized_zeros(keys, slots):
+    """An empty int4 cache is built as zeros (no dense temporary under jit): leaf for leaf,
+    shape, dtype and value, what quantizing zeros at index 0 gives."""
+    shape = (3, 2, 2, slots - slots % G, 8)
+    got = empty_entries(shape, jnp.bfloat16, KV_QUANT, keys=keys)
+    want = quantize_int4_entries(jnp.zeros(shape, jnp.bfloat16), 0, QUANT, keys, jnp.bfloat16)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
 
 def test_specs_follow_the_int4_structure():
     from dge_jax.config import ModelConfig

@@ -440,10 +440,25 @@ def empty_entries(
     quant = parse_kv_quant(kv_quant)
     if quant.kind == "int8":
         return Int8Entries(q=jnp.zeros(shape, jnp.int8), scale=jnp.zeros((*shape[:-1], 1), dtype))
-    if quant.kind == "int4":
-        return quantize_int4_entries(jnp.zeros(shape, dtype), 0, quant, keys, dtype)
+    if quant.kind == "int4":  # what `quantize_int4_entries` makes of zeros, built as zeros
+        return _empty_int4(shape, dtype, quant, keys)
     return jnp.zeros(shape, dtype)
 
+
+
+def _empty_int4(shape: tuple[int, ...], dtype, quant: KVQuant, keys: bool) -> Int4Entries:
+    """Int4 zeros of `shape` [..., S, D] that wrote nothing: every leaf zeros, equal to
+    `quantize_int4_entries` of zeros at index 0 (scale 0, zero 0, q 0, start 0) without its
+    dense temporaries (a whole cache of them in prefill, which builds the cache under jit)."""
+    *lead, slots, d = shape
+    g, r = quant.group, quant.residual
+    _check_int4(d, g)
+    params = (*lead, slots // g, d) if keys else (*lead, slots, d // g)
+    return Int4Entries(
+        q=jnp.zeros((*lead, slots, d // 2), jnp.uint8), scale=jnp.zeros(params, dtype),
+        zero=jnp.zeros(params, dtype), resid=jnp.zeros((*lead, r, d), dtype),
+        start=jnp.zeros(lead, jnp.int32), keys=keys, group=g, residual=r,
+    )  # fmt: skip
 
 def kv_quant_of(entries: Entries) -> str:
     """The kv_quant string `entries` are stored as (`parse_kv_quant` reads it back)."""
