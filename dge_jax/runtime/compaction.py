@@ -234,7 +234,7 @@ def compact_int4_layers(
     (`jax.lax.map`: dequantize, gather, requantize), so the dense temporary is one layer's,
     not the group's. Equal, to the bit, to `settle` of `compact_heads` of the `movable`
     entries (the same per-layer arithmetic; tests/test_int4_cache.py)."""
-    slots = entries.q.shape[-2]
+    slots = entries.shape[-2]
     quant = KVQuant("int4", entries.group, entries.residual)
 
     def one(args):

@@ -156,7 +156,15 @@ class Int4Entries:
     @property
     def shape(self) -> tuple[int, ...]:
         """The entries' shape [..., S, D] (what a plain array of them would have)."""
-        return (*self.q.shape[:-1], self.resid.shape[-1])
+        d = self.resid.shape[-1]
+        return (*self.q.shape[:-2], self.q.shape[-2] * (self.q.shape[-1] // (d // 2)), d)
+
+    def logical(self, name: str) -> jax.Array:
+        """Leaf `name` ("q", "scale", "zero") with one row per slot (per key group for keys'
+        scales and zeros), as `quantize_int4` makes it, whatever rows storage merged."""
+        d = self.resid.shape[-1]
+        width = {"q": d // 2, "scale": d if self.keys else d // self.group}
+        return _unmerge(getattr(self, name), width.get(name, width["scale"]))
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -242,10 +250,10 @@ def dequantize(entries: Entries) -> jax.Array:
     if not isinstance(entries, Int4Entries):
         return entries
     e = entries
-    r, slots = e.residual, e.q.shape[-2]
+    r, slots = e.residual, e.shape[-2]
     n = slots // r * r  # slots in whole blocks; the rest is the tail, always residual
     lead = e.q.shape[:-2]
-    base = dequantize_int4(e.q[..., :n, :], _region(e, n), _region(e, n, "zero"), e.keys,
+    base = dequantize_int4(e.logical("q")[..., :n, :], _region(e, n), _region(e, n, "zero"), e.keys,
                            e.group)  # fmt: skip
     # The residual replaces its block: block start // R of the [.., n / R, R, D] view, or
     # the tail when start // R is n / R (a start past the tail matches nothing).
@@ -258,8 +266,41 @@ def dequantize(entries: Entries) -> jax.Array:
 
 def _region(e: Int4Entries, n: int, name: str = "scale") -> jax.Array:
     """e's scale (or zero) of the first n slots (n a multiple of R, hence of G)."""
-    x = getattr(e, name)
+    x = e.logical(name)
     return x[..., : n // e.group, :] if e.keys else x[..., :n, :]
+
+
+# TPU tiles an array's last dim in 128 lanes: int4's packed values (D / 2 bytes a slot) and
+# values' scales (D / G a slot) would be padded there, and XLA lays a layer loop's carry out
+# otherwise than the program's arguments, so the whole cache was copied padded (benchmarks/
+# RESULTS.md, "An int4 cache (KIVI) compiled for TPU"). Stored leaves therefore merge m rows
+# into one of m * width (a reshape of the same bytes, row-major): m the largest count of rows
+# up to 128 lanes that divides the rows and the rows of a residual block (so a block's write
+# covers whole stored rows). The stored last dim says m (`_unmerge`).
+_LANES = 128
+
+
+def _merge_factor(width: int, rows: int, unit: int) -> int:
+    """Rows merged into one stored row: the largest m <= 128 // width dividing rows and unit."""
+    return max(m for m in range(1, max(1, _LANES // width) + 1) if rows % m == 0 and unit % m == 0)
+
+
+def _merge(x: jax.Array, unit: int) -> jax.Array:
+    """x [..., n, W] (one row a slot, or a key group) stored as [..., n / m, m * W]."""
+    *lead, n, w = x.shape
+    m = _merge_factor(w, n, unit)
+    return x.reshape(*lead, n // m, m * w)
+
+
+def _unmerge(x: jax.Array, width: int) -> jax.Array:
+    """A stored leaf [..., n / m, m * width] as [..., n, width] (`_merge` undone)."""
+    *lead, rows, mw = x.shape
+    return x.reshape(*lead, rows * (mw // width), width)
+
+
+def _units(keys: bool, group: int, residual: int) -> tuple[int, int]:
+    """Rows of a residual block in the packed values and in the scales and zeros."""
+    return residual, (residual // group if keys else residual)
 
 
 def quantize_int4_entries(
@@ -285,7 +326,9 @@ def quantize_int4_entries(
     which = jnp.minimum(start // r, nb - 1)
     resid = jnp.take_along_axis(padded.reshape(*lead, nb, r, d),
                                 which[..., None, None, None], axis=-3)[..., 0, :, :]  # fmt: skip
-    return Int4Entries(q, scale, zero, resid, start, keys=keys, group=g, residual=r)
+    uq, us = _units(keys, g, r)
+    return Int4Entries(_merge(q, uq), _merge(scale, us), _merge(zero, us), resid, start,
+                       keys=keys, group=g, residual=r)  # fmt: skip
 
 
 def _check_int4(head_dim: int, group: int) -> None:
@@ -322,7 +365,7 @@ def write_int4(
     next write: the new residual, start 8. Cost O((R + T) * D) per layer, whatever S."""
     e = entries
     g, r, keys = e.group, e.residual, e.keys
-    slots, dtype = e.q.shape[-2], e.dtype
+    slots, dtype = e.shape[-2], e.dtype
     b, h, t, d = new.shape
     nw = 1 + -(-t // r)  # blocks in the window
     start = slot // r * r
@@ -338,8 +381,11 @@ def write_int4(
     groups = (target[:, None] * (r // g) + jnp.arange(r // g)).reshape(-1)  # [nw * R / G]
 
     def put(store, part, ids):
-        # store [Lg, B, Hkv, X, Y] at layer, slot-like ids; part [B, Hkv, len(ids), Y]
-        return store.at[layer, :, :, ids].set(jnp.moveaxis(part, 2, 0), mode="drop")
+        # store [Lg, B, Hkv, X / m, m * Y] (rows merged, `_merge`) at layer, slot-like ids in
+        # runs of whole blocks; part [B, Hkv, len(ids), Y]: m rows a stored row
+        m = store.shape[-1] // part.shape[-1]
+        part = part.reshape(b, h, part.shape[2] // m, store.shape[-1])
+        return store.at[layer, :, :, ids[::m] // m].set(jnp.moveaxis(part, 2, 0), mode="drop")
 
     scale_ids = groups if keys else rows
     new_start = end // r * r
@@ -409,10 +455,15 @@ def pad_slots(entries: Entries, extra: int) -> Entries:
     its start unchanged, as the write slot is). Exact: no entry moves."""
     if not isinstance(entries, Int4Entries):
         return jax.tree.map(lambda x: _pad_axis(x, -2, extra), entries)
-    e, slots = entries, entries.q.shape[-2]
+    e, slots = entries, entries.shape[-2]
     more = (slots + extra) // e.group - slots // e.group if e.keys else extra
-    return dataclasses.replace(e, q=_pad_axis(e.q, -2, extra), scale=_pad_axis(e.scale, -2, more),
-                               zero=_pad_axis(e.zero, -2, more))  # fmt: skip
+    uq, us = _units(e.keys, e.group, e.residual)
+
+    def pad(name, n, unit):  # rows merged again for the new count (`_merge`)
+        return _merge(_pad_axis(e.logical(name), -2, n), unit)
+
+    return dataclasses.replace(e, q=pad("q", extra, uq), scale=pad("scale", more, us),
+                               zero=pad("zero", more, us))  # fmt: skip
 
 
 def _pad_axis(x: jax.Array, axis: int, extra: int) -> jax.Array:
@@ -453,10 +504,16 @@ def _empty_int4(shape: tuple[int, ...], dtype, quant: KVQuant, keys: bool) -> In
     *lead, slots, d = shape
     g, r = quant.group, quant.residual
     _check_int4(d, g)
-    params = (*lead, slots // g, d) if keys else (*lead, slots, d // g)
+    uq, us = _units(keys, g, r)
+    n, w = (slots // g, d) if keys else (slots, d // g)  # scales' rows and width
+
+    def zeros(rows, width, unit, dt):  # stored with rows merged (`_merge`)
+        m = _merge_factor(width, rows, unit)
+        return jnp.zeros((*lead, rows // m, m * width), dt)
+
     return Int4Entries(
-        q=jnp.zeros((*lead, slots, d // 2), jnp.uint8), scale=jnp.zeros(params, dtype),
-        zero=jnp.zeros(params, dtype), resid=jnp.zeros((*lead, r, d), dtype),
+        q=zeros(slots, d // 2, uq, jnp.uint8), scale=zeros(n, w, us, dtype),
+        zero=zeros(n, w, us, dtype), resid=jnp.zeros((*lead, r, d), dtype),
         start=jnp.zeros(lead, jnp.int32), keys=keys, group=g, residual=r,
     )  # fmt: skip
 
