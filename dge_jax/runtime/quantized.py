@@ -357,9 +357,9 @@ def write_int4(
     The layer's next write slot is `slot` (its residual block starts at slot // R * R). The
     residual block and the T new entries form a window of 1 + ceil(T / R) whole blocks;
     each is quantized, and the complete ones (ending at or before slot + T and inside the
-    store's whole blocks) are scattered into the packed store, the others to slot ids past
-    the store, dropped (a dynamic_update_slice would clamp its start and misplace a block at
-    the end of the cache). The new residual is the window's block of slot + T. Worked
+    store's whole blocks) are written into the packed store block by block; an incomplete
+    block's slice (its start clamped into the store) writes back what the store holds, so
+    a clamped start misplaces nothing. The new residual is the window's block of slot + T. Worked
     example, R = 4, slot 6, T = 3: the window is blocks 1, 2 (slots 4 .. 11, the residual's
     4, 5 then the new 6, 7, 8); block 1 ends at 8 <= 9: stored; block 2 holds slot 9, the
     next write: the new residual, start 8. Cost O((R + T) * D) per layer, whatever S."""
@@ -375,24 +375,32 @@ def write_int4(
     end = slot + t
     block = start // r + jnp.arange(nw)  # the window's block ids
     complete = ((block + 1) * r <= end) & (block < slots // r)
-    # Slot (and key group) ids of the complete blocks; incomplete ones past the store, dropped
-    target = jnp.where(complete, block, slots)  # block `slots` starts past every axis below
-    rows = (target[:, None] * r + jnp.arange(r)).reshape(-1)  # [nw * R] slots
-    groups = (target[:, None] * (r // g) + jnp.arange(r // g)).reshape(-1)  # [nw * R / G]
 
-    def put(store, part, ids):
-        # store [Lg, B, Hkv, X / m, m * Y] (rows merged, `_merge`) at layer, slot-like ids in
-        # runs of whole blocks; part [B, Hkv, len(ids), Y]: m rows a stored row
+    def put(store, part, unit):
+        # store [Lg, B, Hkv, X / m, m * Y] (rows merged, `_merge`); part [B, Hkv, nw * unit, Y]
+        # (unit rows a block): each complete block written whole at layer by a
+        # dynamic_update_slice, an incomplete one writes back what is there. Not a scatter:
+        # its update window (rows, heads, lanes) made XLA lay a layer loop's carry out with
+        # the rows second-minor, unlike the program's arguments, hence a copy of the store.
         m = store.shape[-1] // part.shape[-1]
-        part = part.reshape(b, h, part.shape[2] // m, store.shape[-1])
-        return store.at[layer, :, :, ids[::m] // m].set(jnp.moveaxis(part, 2, 0), mode="drop")
+        per = unit // m  # stored rows a block
+        if slots // r == 0:  # no whole block: nothing is ever stored
+            return store
+        part = part.reshape(b, h, nw, per, store.shape[-1])
+        for j in range(nw):
+            at = jnp.minimum(block[j], slots // r - 1) * per  # in range; used if complete
+            old = jax.lax.dynamic_slice(store, (layer, 0, 0, at, 0),
+                                        (1, b, h, per, store.shape[-1]))  # fmt: skip
+            new_rows = jnp.where(complete[j], part[None, :, :, j].astype(store.dtype), old)
+            store = jax.lax.dynamic_update_slice(store, new_rows, (layer, 0, 0, at, 0))
+        return store
 
-    scale_ids = groups if keys else rows
+    uq, us = _units(keys, g, r)
     new_start = end // r * r
     kept = jax.lax.dynamic_slice_in_dim(window, new_start - start, r, axis=2)
     stored = Int4Entries(
-        q=put(e.q, q, rows), scale=put(e.scale, scale, scale_ids),
-        zero=put(e.zero, zero, scale_ids), resid=e.resid.at[layer].set(kept),
+        q=put(e.q, q, uq), scale=put(e.scale, scale, us),
+        zero=put(e.zero, zero, us), resid=e.resid.at[layer].set(kept),
         start=e.start.at[layer].set(new_start), keys=keys, group=g, residual=r,
     )  # fmt: skip
     # What the window reads back: complete blocks dequantized, the others as written
