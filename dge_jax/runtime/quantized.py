@@ -142,7 +142,9 @@ class Int4Entries:
     unused), scale and zero (keys [..., S // G, D], values [..., S, D // G]) in the
     activation dtype, resid [..., R, D] (the residual block, activation dtype) and start
     [...] int32 (its first slot, the same for every row and head of a layer; all leading
-    axes kept so rows and heads split alike). keys, group (G), residual (R): static."""
+    axes kept so rows and heads split alike). keys, group (G), residual (R): static.
+    q, scale and zero are stored with m rows merged into one of up to 128 lanes (`_merge`:
+    [..., n / m, m * width], the same bytes); `logical` reads them one row a slot."""
 
     q: jax.Array
     scale: jax.Array
