@@ -34,15 +34,18 @@ from dge_jax.rules.snapkv import SnapKV
 from dge_jax.runtime import decoding
 from dge_jax.runtime.cache import KVCache, LayerGroup, init_cache
 from dge_jax.runtime.cache_layout import cache_specs
-from dge_jax.runtime.compaction import compact
+from dge_jax.runtime.compaction import compact, compact_heads
 from dge_jax.runtime.extend import with_room
 from dge_jax.runtime.quantized import (
     Int4Entries,
     KVQuant,
     dequantize,
+    empty_entries,
+    movable,
     parse_kv_quant,
     quantize_int4,
     quantize_int4_entries,
+    settle,
     write_int4,
 )
 from dge_jax.runtime.window_cache import make_room
@@ -182,10 +185,11 @@ def test_chunk_and_step_writes_leave_the_reference_state(slots, keys):
             np.testing.assert_array_equal(e.start[1], n // R * R)
             done = min(n // R, slots // R) * R
             q, scale, _ = reference_groups(x[..., :done, :], keys, G, np.float32)
-            np.testing.assert_array_equal(e.q[1, ..., :done, :], reference_pack(q))
-            np.testing.assert_array_equal(e.q[1, ..., done:, :], 0)  # nothing stored early
+            np.testing.assert_array_equal(e.logical("q")[1, ..., :done, :], reference_pack(q))
+            stored_q = e.logical("q")
+            np.testing.assert_array_equal(stored_q[1, ..., done:, :], 0)  # nothing stored early
             groups = done // G if keys else done
-            np.testing.assert_array_equal(e.scale[1, ..., :groups, :], scale)
+            np.testing.assert_array_equal(e.logical("scale")[1, ..., :groups, :], scale)
         return e, view
 
     chunked, _ = run([8] * (slots // 8) + [1] * (slots % 8))
@@ -300,6 +304,82 @@ def test_compaction_requantizes_what_it_moves_and_room_is_exact():
     moved_plain = make_room(twin.groups[0], 6, 8)
     assert_reads(KVCache((moved,)), requantized(KVCache((moved_plain,))), atol=1e-6)
 
+
+
+@pytest.mark.parametrize("capacity", [24, 48, (24, 24, 40)])
+def test_compaction_layer_by_layer_equals_the_whole_group(capacity):
+    """int4 compaction runs one layer at a time (`compact_int4_layers`: a layer's dense
+    copy, not the group's); its stored entries equal, leaf for leaf and to the bit, the
+    whole group's gather of the dequantized entries requantized after (`movable`,
+    `compact_heads`, `settle`: what compaction ran before), shrinking, growing and per-layer
+    capacities alike."""
+    quant = int4_cache()
+    keep = jnp.asarray(np.random.default_rng(2).random(quant.pos.shape) < 0.5) & (quant.pos >= 0)
+    cache = quant.with_pos(jnp.where(keep, quant.pos, -1))
+    group = cache.groups[0]
+    caps = (capacity,) * 3 if isinstance(capacity, int) else capacity
+    k, v, pos, count = compact_heads(movable(group.k), movable(group.v), group.pos, max(caps))
+    counts = jnp.max(count, axis=(1, 2))
+    index = counts if not isinstance(capacity, int) else jnp.full((3,), jnp.max(counts))
+    index = jnp.minimum(index, jnp.asarray(caps)).astype(jnp.int32)
+    got = compact(cache, capacity)
+    layer = 0
+    for g in got.groups:
+        cap, n = g.capacity, g.num_layers
+        part = slice(layer, layer + n)
+        np.testing.assert_array_equal(g.pos, pos[part, ..., :cap])
+        np.testing.assert_array_equal(g.index, index[part])
+        for x, like, stored in ((k, group.k, g.k), (v, group.v, g.v)):
+            want = settle(x[part, ..., :cap, :], like, index[part])
+            for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(a, b)
+        layer += n
+    assert layer == 3
+
+
+def test_row_stacking_layer_by_layer_equals_the_whole_group():
+    """stack_states interleaves int4 rows one layer at a time (`stacking._interleave_int4`);
+    its stored entries equal, to the bit, the whole group's interleave of the dequantized
+    entries requantized at the larger next write slot (what stacking ran before)."""
+    from dge_jax.runtime.stacking import _interleave, _interleave_int4
+
+    a, b = int4_cache(seed=0, n=36).groups[0], int4_cache(seed=1, n=20).groups[0]
+    index = jnp.maximum(a.index, b.index)
+    for parts in ((a.k, b.k), (a.v, b.v)):
+        whole = jax.tree.map(lambda *xs: _interleave(list(xs), axis=1), *map(movable, parts))
+        want = settle(whole, parts[0], index)
+        got = _interleave_int4(list(parts), index)
+        assert got.q.shape == want.q.shape and got.q.shape[1] == 2 * a.k.q.shape[1]
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("keys", [True, False])
+@pytest.mark.parametrize("slots", [32, 40, 45])
+def test_empty_entries_are_the_quantized_zeros(keys, slots):
+    """An empty int4 cache is built as zeros (no dense temporary under jit): leaf for leaf,
+    shape, dtype and value, what quantizing zeros at index 0 gives."""
+    shape = (3, 2, 2, slots - slots % G, 8)
+    got = empty_entries(shape, jnp.bfloat16, KV_QUANT, keys=keys)
+    want = quantize_int4_entries(jnp.zeros(shape, jnp.bfloat16), 0, QUANT, keys, jnp.bfloat16)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_stored_rows_fill_128_lanes():
+    """Llama's head dim 128 with KIVI's G 32, R 128: the packed values (64 bytes a slot) and
+    the values' scales (4 a slot) are stored 128 wide, 2 and 32 slots a row, so TPU pads
+    no lanes (benchmarks/RESULTS.md, "An int4 cache (KIVI) compiled for TPU"); the keys'
+    scales are 128 wide already. A count the factor does not divide merges fewer rows."""
+    for slots, q_rows, v_rows in ((32832, 16416, 1026), (1088, 544, 34), (1090, 545, 545)):
+        k = empty_entries((1, 1, 1, slots, 128), jnp.bfloat16, "int4", keys=True)
+        v = empty_entries((1, 1, 1, slots, 128), jnp.bfloat16, "int4", keys=False)
+        assert k.shape == v.shape == (1, 1, 1, slots, 128)
+        assert k.q.shape[-2:] == (q_rows, 128) and k.scale.shape[-1] == 128
+        assert v.scale.shape[-2] == v_rows and v.zero.shape == v.scale.shape
+        assert v.logical("scale").shape[-2:] == (slots, 4)
 
 def test_specs_follow_the_int4_structure():
     from dge_jax.config import ModelConfig

@@ -46,7 +46,7 @@ from dge_jax.families import ForwardFn
 from dge_jax.rules.base import Rule
 from dge_jax.runtime.cache import KVCache, group_layers, regroup
 from dge_jax.runtime.cache_layout import constrain_cache
-from dge_jax.runtime.compaction import compact_heads
+from dge_jax.runtime.compaction import compact_heads, compact_int4_layers, compaction_plan
 from dge_jax.runtime.decoding import (
     DecodeState,
     StepSpec,
@@ -54,7 +54,7 @@ from dge_jax.runtime.decoding import (
     decode_groups,
     until_done,
 )
-from dge_jax.runtime.quantized import movable, pad_slots, settle
+from dge_jax.runtime.quantized import Int4Entries, pad_slots
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import fixed_frequencies
@@ -237,12 +237,17 @@ class CompressionLoop:
                                   spec=self.selection)[0]  # fmt: skip
         group = flat.groups[0]
         pos = jnp.where(keep, group.pos, -1)
-        k, v, kept_pos, count = compact_heads(movable(group.k), movable(group.v), pos,
-                                              self.capacity)  # fmt: skip
-        # Each layer's next write slot: its largest kept count (see compaction.compact_heads);
-        # int4 entries, gathered dequantized, are requantized for it.
-        index = jnp.max(count, axis=(1, 2)).astype(jnp.int32)
-        k, v = settle(k, group.k, index), settle(v, group.v, index)
+        if isinstance(group.k, Int4Entries):
+            # int4: each layer's next write slot from the plan (pos alone), then each layer
+            # dequantized, gathered and requantized for it in turn (`compact_int4_layers`:
+            # one layer's dense copy, not all of them at once)
+            order, kept_pos, count = compaction_plan(pos, self.capacity)
+            index = jnp.max(count, axis=(1, 2)).astype(jnp.int32)
+            k, v = (compact_int4_layers(x, order, kept_pos, index) for x in (group.k, group.v))
+        else:
+            k, v, kept_pos, count = compact_heads(group.k, group.v, pos, self.capacity)
+            # Each layer's next write slot: its largest kept count (compaction.compact_heads)
+            index = jnp.max(count, axis=(1, 2)).astype(jnp.int32)
         cache = KVCache.stacked(k, v, kept_pos, index)
         if attn is not None:
             attn = _compact_attention(attn, pos, self.capacity)

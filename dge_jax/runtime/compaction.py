@@ -6,7 +6,8 @@ and decode cost really fall (masking keeps the shape; this changes it).
 compression calls inside its loop); `check_capacity` is the host-side check of compact's
 precondition. Stored entries move whole: an int8 cache's scales travel with their values;
 an int4 cache's are gathered dequantized and requantized after, as KIVI's key groups span
-several slots (`dge_jax.runtime.quantized`, `map_slots`).
+several slots (`dge_jax.runtime.quantized`, `map_slots`), one layer at a time
+(`compaction_plan` first, from the positions alone, then `compact_int4_layers`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from dge_jax.runtime.cache import (
     group_bounds,
     runs_of_equal,
 )
-from dge_jax.runtime.quantized import Entries, movable, settle
+from dge_jax.runtime.quantized import (
+    Entries,
+    Int4Entries,
+    KVQuant,
+    dequantize,
+    quantize_int4_entries,
+)
 
 INT32_MAX = np.iinfo(np.int32).max
 
@@ -69,14 +76,15 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
             f"compact: {len(capacities)} capacities for a cache of {cache.num_layers} layers; "
             "give one int, or one per layer"
         )
+    if isinstance(cache.groups[0].k, Int4Entries):  # every group is stored alike
+        return _compact_int4(cache, capacities, shared)
     # Each input group is compacted at its layers' largest capacity in one batched op, then
     # cut into the output groups: slots past a layer's capacity hold nothing it kept (the
     # precondition), and one op compiles in a fraction of the time of one op per layer.
     parts = []  # per input group: (first layer, k, v, pos, count [Lg])
     for first, group in zip(group_bounds(cache.group_sizes)[:-1], cache.groups, strict=True):
         room = max(capacities[first : first + group.num_layers])
-        # int4 entries gathered dequantized (`quantized.movable`), requantized per output group
-        k, v, pos, count = compact_heads(movable(group.k), movable(group.v), group.pos, room)
+        k, v, pos, count = compact_heads(group.k, group.v, group.pos, room)
         parts.append((first, k, v, pos, jnp.max(count, axis=(1, 2))))
     counts = jnp.concatenate([p[4] for p in parts])  # [L] each layer's max kept count
     # One shared capacity: every layer's next slot is the max kept count of the whole cache
@@ -102,10 +110,45 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
                                   else x[..., :cap])  # fmt: skip
             return pieces[0] if len(pieces) == 1 else jax.tree.map(concat, *pieces)
 
-        like = cache.groups[0]  # every group is stored alike
-        k = settle(take(1), like.k, index[a:b])
-        v = settle(take(2), like.v, index[a:b])
-        groups.append(LayerGroup(k=k, v=v, pos=take(3), index=index[a:b]))
+        groups.append(LayerGroup(k=take(1), v=take(2), pos=take(3), index=index[a:b]))
+    return KVCache(tuple(groups))
+
+
+def _compact_int4(cache: KVCache, capacities: tuple[int, ...], shared: bool) -> KVCache:
+    """`compact` of an int4 cache, one layer at a time: each input group's plan
+    (`compaction_plan`, from pos alone) gives every layer's kept count, hence its next write
+    slot, before any entry moves; then each run of layers of one output capacity is
+    dequantized, gathered and requantized layer by layer (`compact_int4_layers`), so the
+    dense temporary is one layer's (a whole group's, 32 layers of Llama-3.1-8B, would be a
+    bf16 copy of the cache at the eviction's peak). Same result as the plain path's
+    batched gather followed by `settle`."""
+    plans = []  # per input group: (first layer, group, order, new pos)
+    counts = []
+    for first, group in zip(group_bounds(cache.group_sizes)[:-1], cache.groups, strict=True):
+        room = max(capacities[first : first + group.num_layers])
+        order, new_pos, count = compaction_plan(group.pos, room)
+        plans.append((first, group, order, new_pos))
+        counts.append(jnp.max(count, axis=(1, 2)))
+    counts = jnp.concatenate(counts)
+    index = jnp.broadcast_to(jnp.max(counts), counts.shape) if shared else counts
+    index = jnp.minimum(index, jnp.asarray(capacities)).astype(jnp.int32)
+    bounds = group_bounds(runs_of_equal(capacities))
+    groups = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        cap = capacities[a]
+        ks, vs, ps = [], [], []
+        for first, group, order, new_pos in plans:
+            lo, hi = max(a, first), min(b, first + group.num_layers)
+            if lo >= hi:
+                continue
+            part = slice(lo - first, hi - first)
+            o, p = order[part][..., :cap], new_pos[part][..., :cap]
+            for out, x in ((ks, group.k), (vs, group.v)):
+                layers = jax.tree.map(lambda y, part=part: y[part], x)
+                out.append(compact_int4_layers(layers, o, p, index[lo:hi]))
+            ps.append(p)
+        k, v, pos = (xs[0] if len(xs) == 1 else jax.tree.map(concat, *xs) for xs in (ks, vs, ps))
+        groups.append(LayerGroup(k=k, v=v, pos=pos, index=index[a:b]))
     return KVCache(tuple(groups))
 
 
@@ -125,6 +168,37 @@ def compact_heads(
         lead = ((0, 0),) * (pos.ndim - 1)
         k, v = jax.tree.map(lambda x: jnp.pad(x, lead + ((0, extra), (0, 0))), (k, v))
         pos = jnp.pad(pos, lead + ((0, extra),), constant_values=-1)
+    order, new_pos, count = compaction_plan(pos, capacity)
+    filled = (new_pos >= 0)[..., None]
+
+    def gather(x):
+        return jnp.where(filled, jnp.take_along_axis(x, order[..., None], axis=-2), 0)
+
+    new_k, new_v = jax.tree.map(gather, (k, v))
+    # Why one shared next-write slot = max kept count is right. cache.index is a single
+    # next-write slot for every row and head of a layer (every layer, unless capacities are
+    # per layer): decode writes token t of all heads into slot `index`. After compaction head
+    # h holds n_h entries in slots [0, n_h). Writing the next token at max(n_h) overwrites
+    # nobody's entry; a head with fewer entries keeps empty slots (pos -1) in [n_h, max),
+    # which the mask `0 <= pos <= query_pos` ignores, and its entries stay sorted by position
+    # because new tokens have larger positions than anything kept. Example, 2 heads after
+    # compaction to capacity 6 (budgets 3 and 2), next token at position 9:
+    #     slot:      0   1   2   3   4   5
+    #     head 0:    0   4   8  -1  -1  -1     n_0 = 3
+    #     head 1:    2   8  -1  -1  -1  -1     n_1 = 2     index = 3
+    #     decode ->  head 0: 0 4 8 9 -1 -1     head 1: 2 8 -1 9 -1 -1
+    # The gap (slot 2 of head 1) costs max(n) - n_h slots, the price of a shared index.
+    return new_k, new_v, new_pos, count
+
+
+def compaction_plan(pos: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where `compact_heads` takes each slot from, from the positions alone: pos [..., S'] (S'
+    >= capacity: padded with -1 when growing) -> order [..., capacity] int32 (the source slot
+    of each target slot; any slot where the target is empty), the new pos [..., capacity]
+    and count [...] int32, the entries each head holds after (at most capacity)."""
+    if capacity > pos.shape[-1]:  # growing: empty slots to fill (`compact_heads` pads first)
+        extra = capacity - pos.shape[-1]
+        pos = jnp.pad(pos, ((0, 0),) * (pos.ndim - 1) + ((0, extra),), constant_values=-1)
     valid = pos >= 0
     count = jnp.sum(valid, axis=-1, keepdims=True, dtype=jnp.int32)
     # Target slot j takes the head's (j+1)-th valid slot: the first slot s whose running
@@ -149,26 +223,27 @@ def compact_heads(
         ],
     )
     new_pos = jnp.where(empty, -1, jnp.take_along_axis(pos, order, axis=-1))
-    filled = (new_pos >= 0)[..., None]
+    return order, new_pos, jnp.minimum(count[..., 0], capacity)
 
-    def gather(x):
-        return jnp.where(filled, jnp.take_along_axis(x, order[..., None], axis=-2), 0)
 
-    new_k, new_v = jax.tree.map(gather, (k, v))
-    # Why one shared next-write slot = max kept count is right. cache.index is a single
-    # next-write slot for every row and head of a layer (every layer, unless capacities are
-    # per layer): decode writes token t of all heads into slot `index`. After compaction head
-    # h holds n_h entries in slots [0, n_h). Writing the next token at max(n_h) overwrites
-    # nobody's entry; a head with fewer entries keeps empty slots (pos -1) in [n_h, max),
-    # which the mask `0 <= pos <= query_pos` ignores, and its entries stay sorted by position
-    # because new tokens have larger positions than anything kept. Example, 2 heads after
-    # compaction to capacity 6 (budgets 3 and 2), next token at position 9:
-    #     slot:      0   1   2   3   4   5
-    #     head 0:    0   4   8  -1  -1  -1     n_0 = 3
-    #     head 1:    2   8  -1  -1  -1  -1     n_1 = 2     index = 3
-    #     decode ->  head 0: 0 4 8 9 -1 -1     head 1: 2 8 -1 9 -1 -1
-    # The gap (slot 2 of head 1) costs max(n) - n_h slots, the price of a shared index.
-    return new_k, new_v, new_pos, jnp.minimum(count[..., 0], capacity)
+def compact_int4_layers(
+    entries: Int4Entries, order: jax.Array, new_pos: jax.Array, index: jax.Array
+) -> Int4Entries:
+    """int4 entries [Lg, B, Hkv, S, D] compacted by `compaction_plan`'s order and new pos
+    [Lg, B, Hkv, C] and requantized with next write slots index [Lg]: one layer at a time
+    (`jax.lax.map`: dequantize, gather, requantize), so the dense temporary is one layer's,
+    not the group's. Equal, to the bit, to `settle` of `compact_heads` of the `movable`
+    entries (the same per-layer arithmetic; tests/test_int4_cache.py)."""
+    slots = entries.shape[-2]
+    quant = KVQuant("int4", entries.group, entries.residual)
+
+    def one(args):
+        e, o, p, i = args  # one layer: [B, Hkv, ...], index a scalar
+        at = jnp.minimum(o, slots - 1)[..., None]  # an empty target's source: any slot
+        x = jnp.where((p >= 0)[..., None], jnp.take_along_axis(dequantize(e), at, axis=-2), 0)
+        return quantize_int4_entries(x, i, quant, e.keys, e.dtype)
+
+    return jax.lax.map(one, (entries, order, new_pos, jnp.asarray(index, jnp.int32)))
 
 
 def check_capacity(

@@ -142,7 +142,9 @@ class Int4Entries:
     unused), scale and zero (keys [..., S // G, D], values [..., S, D // G]) in the
     activation dtype, resid [..., R, D] (the residual block, activation dtype) and start
     [...] int32 (its first slot, the same for every row and head of a layer; all leading
-    axes kept so rows and heads split alike). keys, group (G), residual (R): static."""
+    axes kept so rows and heads split alike). keys, group (G), residual (R): static.
+    q, scale and zero are stored with m rows merged into one of up to 128 lanes (`_merge`:
+    [..., n / m, m * width], the same bytes); `logical` reads them one row a slot."""
 
     q: jax.Array
     scale: jax.Array
@@ -156,7 +158,15 @@ class Int4Entries:
     @property
     def shape(self) -> tuple[int, ...]:
         """The entries' shape [..., S, D] (what a plain array of them would have)."""
-        return (*self.q.shape[:-1], self.resid.shape[-1])
+        d = self.resid.shape[-1]
+        return (*self.q.shape[:-2], self.q.shape[-2] * (self.q.shape[-1] // (d // 2)), d)
+
+    def logical(self, name: str) -> jax.Array:
+        """Leaf `name` ("q", "scale", "zero") with one row per slot (per key group for keys'
+        scales and zeros), as `quantize_int4` makes it, whatever rows storage merged."""
+        d = self.resid.shape[-1]
+        width = {"q": d // 2, "scale": d if self.keys else d // self.group}
+        return _unmerge(getattr(self, name), width.get(name, width["scale"]))
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -242,10 +252,10 @@ def dequantize(entries: Entries) -> jax.Array:
     if not isinstance(entries, Int4Entries):
         return entries
     e = entries
-    r, slots = e.residual, e.q.shape[-2]
+    r, slots = e.residual, e.shape[-2]
     n = slots // r * r  # slots in whole blocks; the rest is the tail, always residual
     lead = e.q.shape[:-2]
-    base = dequantize_int4(e.q[..., :n, :], _region(e, n), _region(e, n, "zero"), e.keys,
+    base = dequantize_int4(e.logical("q")[..., :n, :], _region(e, n), _region(e, n, "zero"), e.keys,
                            e.group)  # fmt: skip
     # The residual replaces its block: block start // R of the [.., n / R, R, D] view, or
     # the tail when start // R is n / R (a start past the tail matches nothing).
@@ -258,8 +268,41 @@ def dequantize(entries: Entries) -> jax.Array:
 
 def _region(e: Int4Entries, n: int, name: str = "scale") -> jax.Array:
     """e's scale (or zero) of the first n slots (n a multiple of R, hence of G)."""
-    x = getattr(e, name)
+    x = e.logical(name)
     return x[..., : n // e.group, :] if e.keys else x[..., :n, :]
+
+
+# TPU tiles an array's last dim in 128 lanes: int4's packed values (D / 2 bytes a slot) and
+# values' scales (D / G a slot) would be padded there, and XLA lays a layer loop's carry out
+# otherwise than the program's arguments, so the whole cache was copied padded (benchmarks/
+# RESULTS.md, "An int4 cache (KIVI) compiled for TPU"). Stored leaves therefore merge m rows
+# into one of m * width (a reshape of the same bytes, row-major): m the largest count of rows
+# up to 128 lanes that divides the rows and the rows of a residual block (so a block's write
+# covers whole stored rows). The stored last dim says m (`_unmerge`).
+_LANES = 128
+
+
+def _merge_factor(width: int, rows: int, unit: int) -> int:
+    """Rows merged into one stored row: the largest m <= 128 // width dividing rows and unit."""
+    return max(m for m in range(1, max(1, _LANES // width) + 1) if rows % m == 0 and unit % m == 0)
+
+
+def _merge(x: jax.Array, unit: int) -> jax.Array:
+    """x [..., n, W] (one row a slot, or a key group) stored as [..., n / m, m * W]."""
+    *lead, n, w = x.shape
+    m = _merge_factor(w, n, unit)
+    return x.reshape(*lead, n // m, m * w)
+
+
+def _unmerge(x: jax.Array, width: int) -> jax.Array:
+    """A stored leaf [..., n / m, m * width] as [..., n, width] (`_merge` undone)."""
+    *lead, rows, mw = x.shape
+    return x.reshape(*lead, rows * (mw // width), width)
+
+
+def _units(keys: bool, group: int, residual: int) -> tuple[int, int]:
+    """Rows of a residual block in the packed values and in the scales and zeros."""
+    return residual, (residual // group if keys else residual)
 
 
 def quantize_int4_entries(
@@ -285,7 +328,9 @@ def quantize_int4_entries(
     which = jnp.minimum(start // r, nb - 1)
     resid = jnp.take_along_axis(padded.reshape(*lead, nb, r, d),
                                 which[..., None, None, None], axis=-3)[..., 0, :, :]  # fmt: skip
-    return Int4Entries(q, scale, zero, resid, start, keys=keys, group=g, residual=r)
+    uq, us = _units(keys, g, r)
+    return Int4Entries(_merge(q, uq), _merge(scale, us), _merge(zero, us), resid, start,
+                       keys=keys, group=g, residual=r)  # fmt: skip
 
 
 def _check_int4(head_dim: int, group: int) -> None:
@@ -314,15 +359,15 @@ def write_int4(
     The layer's next write slot is `slot` (its residual block starts at slot // R * R). The
     residual block and the T new entries form a window of 1 + ceil(T / R) whole blocks;
     each is quantized, and the complete ones (ending at or before slot + T and inside the
-    store's whole blocks) are scattered into the packed store, the others to slot ids past
-    the store, dropped (a dynamic_update_slice would clamp its start and misplace a block at
-    the end of the cache). The new residual is the window's block of slot + T. Worked
+    store's whole blocks) are written into the packed store block by block; an incomplete
+    block's slice (its start clamped into the store) writes back what the store holds, so
+    a clamped start misplaces nothing. The new residual is the window's block of slot + T. Worked
     example, R = 4, slot 6, T = 3: the window is blocks 1, 2 (slots 4 .. 11, the residual's
     4, 5 then the new 6, 7, 8); block 1 ends at 8 <= 9: stored; block 2 holds slot 9, the
     next write: the new residual, start 8. Cost O((R + T) * D) per layer, whatever S."""
     e = entries
     g, r, keys = e.group, e.residual, e.keys
-    slots, dtype = e.q.shape[-2], e.dtype
+    slots, dtype = e.shape[-2], e.dtype
     b, h, t, d = new.shape
     nw = 1 + -(-t // r)  # blocks in the window
     start = slot // r * r
@@ -332,21 +377,32 @@ def write_int4(
     end = slot + t
     block = start // r + jnp.arange(nw)  # the window's block ids
     complete = ((block + 1) * r <= end) & (block < slots // r)
-    # Slot (and key group) ids of the complete blocks; incomplete ones past the store, dropped
-    target = jnp.where(complete, block, slots)  # block `slots` starts past every axis below
-    rows = (target[:, None] * r + jnp.arange(r)).reshape(-1)  # [nw * R] slots
-    groups = (target[:, None] * (r // g) + jnp.arange(r // g)).reshape(-1)  # [nw * R / G]
 
-    def put(store, part, ids):
-        # store [Lg, B, Hkv, X, Y] at layer, slot-like ids; part [B, Hkv, len(ids), Y]
-        return store.at[layer, :, :, ids].set(jnp.moveaxis(part, 2, 0), mode="drop")
+    def put(store, part, unit):
+        # store [Lg, B, Hkv, X / m, m * Y] (rows merged, `_merge`); part [B, Hkv, nw * unit, Y]
+        # (unit rows a block): each complete block written whole at layer by a
+        # dynamic_update_slice, an incomplete one writes back what is there. Not a scatter:
+        # its update window (rows, heads, lanes) made XLA lay a layer loop's carry out with
+        # the rows second-minor, unlike the program's arguments, hence a copy of the store.
+        m = store.shape[-1] // part.shape[-1]
+        per = unit // m  # stored rows a block
+        if slots // r == 0:  # no whole block: nothing is ever stored
+            return store
+        part = part.reshape(b, h, nw, per, store.shape[-1])
+        for j in range(nw):
+            at = jnp.minimum(block[j], slots // r - 1) * per  # in range; used if complete
+            old = jax.lax.dynamic_slice(store, (layer, 0, 0, at, 0),
+                                        (1, b, h, per, store.shape[-1]))  # fmt: skip
+            new_rows = jnp.where(complete[j], part[None, :, :, j].astype(store.dtype), old)
+            store = jax.lax.dynamic_update_slice(store, new_rows, (layer, 0, 0, at, 0))
+        return store
 
-    scale_ids = groups if keys else rows
+    uq, us = _units(keys, g, r)
     new_start = end // r * r
     kept = jax.lax.dynamic_slice_in_dim(window, new_start - start, r, axis=2)
     stored = Int4Entries(
-        q=put(e.q, q, rows), scale=put(e.scale, scale, scale_ids),
-        zero=put(e.zero, zero, scale_ids), resid=e.resid.at[layer].set(kept),
+        q=put(e.q, q, uq), scale=put(e.scale, scale, us),
+        zero=put(e.zero, zero, us), resid=e.resid.at[layer].set(kept),
         start=e.start.at[layer].set(new_start), keys=keys, group=g, residual=r,
     )  # fmt: skip
     # What the window reads back: complete blocks dequantized, the others as written
@@ -409,10 +465,15 @@ def pad_slots(entries: Entries, extra: int) -> Entries:
     its start unchanged, as the write slot is). Exact: no entry moves."""
     if not isinstance(entries, Int4Entries):
         return jax.tree.map(lambda x: _pad_axis(x, -2, extra), entries)
-    e, slots = entries, entries.q.shape[-2]
+    e, slots = entries, entries.shape[-2]
     more = (slots + extra) // e.group - slots // e.group if e.keys else extra
-    return dataclasses.replace(e, q=_pad_axis(e.q, -2, extra), scale=_pad_axis(e.scale, -2, more),
-                               zero=_pad_axis(e.zero, -2, more))  # fmt: skip
+    uq, us = _units(e.keys, e.group, e.residual)
+
+    def pad(name, n, unit):  # rows merged again for the new count (`_merge`)
+        return _merge(_pad_axis(e.logical(name), -2, n), unit)
+
+    return dataclasses.replace(e, q=pad("q", extra, uq), scale=pad("scale", more, us),
+                               zero=pad("zero", more, us))  # fmt: skip
 
 
 def _pad_axis(x: jax.Array, axis: int, extra: int) -> jax.Array:
@@ -440,10 +501,31 @@ def empty_entries(
     quant = parse_kv_quant(kv_quant)
     if quant.kind == "int8":
         return Int8Entries(q=jnp.zeros(shape, jnp.int8), scale=jnp.zeros((*shape[:-1], 1), dtype))
-    if quant.kind == "int4":
-        return quantize_int4_entries(jnp.zeros(shape, dtype), 0, quant, keys, dtype)
+    if quant.kind == "int4":  # what `quantize_int4_entries` makes of zeros, built as zeros
+        return _empty_int4(shape, dtype, quant, keys)
     return jnp.zeros(shape, dtype)
 
+
+
+def _empty_int4(shape: tuple[int, ...], dtype, quant: KVQuant, keys: bool) -> Int4Entries:
+    """Int4 zeros of `shape` [..., S, D] that wrote nothing: every leaf zeros, equal to
+    `quantize_int4_entries` of zeros at index 0 (scale 0, zero 0, q 0, start 0) without its
+    dense temporaries (a whole cache of them in prefill, which builds the cache under jit)."""
+    *lead, slots, d = shape
+    g, r = quant.group, quant.residual
+    _check_int4(d, g)
+    uq, us = _units(keys, g, r)
+    n, w = (slots // g, d) if keys else (slots, d // g)  # scales' rows and width
+
+    def zeros(rows, width, unit, dt):  # stored with rows merged (`_merge`)
+        m = _merge_factor(width, rows, unit)
+        return jnp.zeros((*lead, rows // m, m * width), dt)
+
+    return Int4Entries(
+        q=zeros(slots, d // 2, uq, jnp.uint8), scale=zeros(n, w, us, dtype),
+        zero=zeros(n, w, us, dtype), resid=jnp.zeros((*lead, r, d), dtype),
+        start=jnp.zeros(lead, jnp.int32), keys=keys, group=g, residual=r,
+    )  # fmt: skip
 
 def kv_quant_of(entries: Entries) -> str:
     """The kv_quant string `entries` are stored as (`parse_kv_quant` reads it back)."""

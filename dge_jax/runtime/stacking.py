@@ -22,7 +22,12 @@ import jax.numpy as jnp
 
 from dge_jax.runtime.cache import KVCache, LayerGroup, regroup
 from dge_jax.runtime.decoding import DecodeState
-from dge_jax.runtime.quantized import movable, settle
+from dge_jax.runtime.quantized import (
+    Int4Entries,
+    KVQuant,
+    dequantize,
+    quantize_int4_entries,
+)
 
 
 def with_kv(cache: KVCache, kv: KVCache) -> KVCache:
@@ -73,6 +78,23 @@ def split_rows(x, parts: int) -> list:
     return [x[c::parts] for c in range(parts)]
 
 
+
+def _interleave_int4(parts: list[Int4Entries], index: jax.Array) -> Int4Entries:
+    """int4 entries [Lg, B, ...] of each state, their rows interleaved (`_interleave`) and
+    requantized with next write slots index [Lg]: an int4 cache's residual block follows its
+    layer's next write slot, which becomes the largest of the states', so its entries are
+    interleaved dequantized and requantized; one layer at a time (`jax.lax.map`), so the
+    dense temporary is one layer's, not the group's."""
+    first = parts[0]
+    quant = KVQuant("int4", first.group, first.residual)
+
+    def one(args):
+        *layer, i = args  # each state's layer [B, ...], its next write slot a scalar
+        rows = _interleave([dequantize(e) for e in layer], axis=0)
+        return quantize_int4_entries(rows, i, quant, first.keys, first.dtype)
+
+    return jax.lax.map(one, (*parts, jnp.asarray(index, jnp.int32)))
+
 @functools.partial(jax.jit, static_argnames=("group_sizes",))
 def stack_states(
     states: list[DecodeState], group_sizes: tuple[int, ...] | None = None
@@ -103,11 +125,9 @@ def stack_states(
             parts = [getattr(g, name) for g in groups]
             if name == "pos":
                 return _interleave(parts, axis=1)
-            # An int4 cache's residual block follows its layer's next write slot, which
-            # becomes the largest: its entries are interleaved dequantized and requantized.
-            rows = jax.tree.map(lambda *xs: _interleave(list(xs), axis=1),
-                                *(movable(p) for p in parts))  # fmt: skip
-            return settle(rows, parts[0], index)
+            if isinstance(parts[0], Int4Entries):
+                return _interleave_int4(parts, index)
+            return jax.tree.map(lambda *xs: _interleave(list(xs), axis=1), *parts)
 
         return LayerGroup(k=rows_of("k"), v=rows_of("v"), pos=rows_of("pos"), index=index)
 
