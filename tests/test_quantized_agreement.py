@@ -4,6 +4,8 @@ comparisons the issue asks for (Holm over all of them) and the tables."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.peers import quantized_agreement as qa
@@ -84,3 +86,19 @@ def test_parse_args_refuses_none_among_the_quantized(bad, tmp_path):
     python.write_text("")
     with pytest.raises(SystemExit):
         qa.parse_args(["--peer-python", str(python), *bad])
+
+
+def test_merged_joins_parts_and_refuses_a_row_twice(tmp_path):
+    cells = cells_for(["int8"], ["quanto-int4"])
+    parts = [{c: {k: r for k, r in rows.items() if k in keys} for c, rows in cells.items()}
+             for keys in (("r0", "r1"), ("r2",))]  # fmt: skip
+    args = {"kv_quant": ["int8"], "nbits": [4]}
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps({"args": args, "versions": {}, "cells": part}))
+    merged, comps, _ = qa.merged(paths)
+    assert merged == cells
+    assert comps == qa.comparisons(cells, ["int8"], ["quanto-int4"])
+    with pytest.raises(ValueError, match="in two files"):
+        qa.merged([paths[0], paths[0]])

@@ -184,11 +184,11 @@ def load_samples(model, args) -> list[dict]:
     from experiments import protocol
     from experiments.runner import load_suite
 
-    rows = load_suite(model, args.suite, list(args.datasets), args.num_samples, args.data_dir,
-                      args.length, args.seed)  # fmt: skip
+    rows = load_suite(model, args.suite, list(args.datasets), args.skip + args.num_samples,
+                      args.data_dir, args.length, args.seed)  # fmt: skip
     samples = []
     for dataset, rs in rows.items():
-        for row in rs:
+        for row in rs[args.skip :]:
             s = protocol.model_sample(row, dataset, model.tokenizer, 10**9)
             n = protocol.max_new_tokens(dataset, row)
             samples.append({
@@ -216,6 +216,7 @@ def dge_cells(model, samples: list[dict], args) -> dict[str, dict]:
         by_length.setdefault(s["max_new_tokens"], []).append(s)
     for cache in (PLAIN, *args.kv_quant):
         for n, group in by_length.items():
+            group = sorted(group, key=lambda s: len(s["ids"]))  # batches of like lengths
             for i in range(0, len(group), args.batch_size):
                 batch = group[i : i + args.batch_size]
                 t0 = time.perf_counter()
@@ -286,6 +287,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=2048,
                    help="the suite's prompt length (--ruler_length / --synthetic_length)")
     p.add_argument("--num_samples", type=int, default=16, help="rows per dataset")
+    p.add_argument("--skip", type=int, default=0,
+                   help="rows per dataset skipped first (a run in parts: --merge their JSON)")
+    p.add_argument("--merge", type=pathlib.Path, nargs="+",
+                   help="no run: the tables of these --json files' rows together")
     p.add_argument("--data_dir", default=None, help="the runner's --data_dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=int, default=128, help="SnapKV's entries per kv head")
@@ -300,6 +305,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=4, help="dge_jax's rows per grid call")
     p.add_argument("--json", type=pathlib.Path, help="write everything here")
     args = p.parse_args(argv)
+    if args.merge:
+        return args
     if PLAIN in args.kv_quant:
         p.error("--kv_quant lists the quantized caches; 'none' always runs")
     if not args.peer_python.exists():
@@ -307,10 +314,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def merged(paths: Sequence[pathlib.Path]) -> tuple[dict, list[dict], dict]:
+    """(cells, comparisons, the first file's JSON) of `--json` files of one setting run in
+    parts (`--skip`): their rows together."""
+    saved = [json.loads(p.read_text()) for p in paths]
+    cells: dict[str, dict] = {}
+    for s in saved:
+        for c, rows in s["cells"].items():
+            overlap = set(cells.get(c, {})) & set(rows)
+            if overlap:
+                raise ValueError(f"{c}: rows {sorted(overlap)[:3]} are in two files")
+            cells.setdefault(c, {}).update(rows)
+    first = saved[0]["args"]
+    comps = comparisons(cells, first["kv_quant"], [quanto_cache(b) for b in first["nbits"]])
+    return cells, comps, saved[0]
+
+
 def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.merge:
+        cells, comps, first = merged(args.merge)
+        a, v = first["args"], first["versions"]
+        n = len(next(iter(cells.values())))
+        print(table(cells, comps))
+        print(f"\n{n} rows from {len(args.merge)} runs ({', '.join(a['datasets'])}; "
+              f"{a['suite']} at {a['length']}); SnapKV window {a['window']}, kernel "
+              f"{a['kernel']}, avg-pool, budget {a['budget']} per kv head; kvpress "
+              f"{v['kvpress']}, optimum-quanto {v['optimum-quanto']}, torch {v['torch']}, "
+              f"transformers {v['transformers']}")
+        if args.json:
+            args.json.write_text(json.dumps({"merged": [str(p) for p in args.merge],
+                                             "accuracy": accuracy(cells),
+                                             "comparisons": comps}, indent=1))
+        return
     import dge_jax
 
-    args = parse_args(argv)
     start = time.perf_counter()
     model = dge_jax.load("smollm2-135m-instruct")
     eos = sorted(model.tokenizer.eos_ids)
@@ -354,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
             "versions": v, "wall_s": wall, "accuracy": accuracy(cells), "comparisons": comps,
             "rows": {s["key"]: {"prompt_tokens": len(s["ids"]), "answers": s["answers"]}
                      for s in samples},
-            "cells": {c: {k: {"tokens": r["tokens"], "text": r["text"], "score": r["score"]}
+            "cells": {c: {k: {"tokens": r["tokens"], "text": r["text"], "score": r["score"],
+                              "kept": r.get("kept")}
                           for k, r in rows.items()} for c, rows in cells.items()},
         }, indent=1))  # fmt: skip
 
