@@ -2,7 +2,8 @@
 lose what kvpress's SnapKV on transformers' `QuantizedCache` loses, and no more?
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.peers.quantized_agreement \\
-        [--kv_quant int8[,int4]] [--nbits 4,2] [--num_samples 16] [--json PATH]
+        [--kv_quant int8[,int4]] [--nbits 4[,2]] [--num_samples 16] [--skip 0] [--json PATH]
+    python -m benchmarks.peers.quantized_agreement --merge PART.json ...  # parts' rows together
 
 The same needle prompts (the runner's suite rows: RULER's niah tasks at `--length` tokens by
 default, `experiments.runner.load_suite`, fed as `experiments.protocol.model_sample` feeds
