@@ -23,9 +23,11 @@ python="${PYTHON:-python3}"
     "torch==2.13.0" \
     "transformers>=4.56,<5.3" \
     "kvpress==0.5.5" \
+    "optimum-quanto==0.2.7" \
     gguf accelerate safetensors numpy psutil
 "$venv/bin/python" - <<'PY'
-import kvpress, torch, transformers
+import kvpress, optimum.quanto, torch, transformers
 print(f"peers venv ready: torch {torch.__version__}, transformers {transformers.__version__}, "
-      f"kvpress {getattr(kvpress, '__version__', '0.5.5')}")
+      f"kvpress {getattr(kvpress, '__version__', '0.5.5')}, "
+      f"optimum-quanto {getattr(optimum.quanto, '__version__', '0.2.7')}")
 PY
