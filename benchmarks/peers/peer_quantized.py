@@ -45,6 +45,16 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import peers  # noqa: E402  (benchmarks/peers/peers.py: this script's folder is on sys.path)
 
 
+def job_result(job: dict, tokens: list, cache, start: float, kept: dict, **extra) -> dict:
+    """One job's JSON answer: its id, tokens, cache type and seconds since `start`, the kept
+    positions [L][Hkv][positions] when the press recorded any, and `extra` fields."""
+    result = {"id": job["id"], "tokens": tokens, "cache": type(cache).__name__,
+              "seconds": time.perf_counter() - start, **extra}  # fmt: skip
+    if kept:
+        result["kept"] = [kept[layer][0] for layer in sorted(kept)]
+    return result
+
+
 def make_cache(model, spec: dict | None):
     """A DynamicCache, or transformers' QuantizedCache built from `spec` (its arguments)."""
     from transformers import DynamicCache, QuantizedCache
@@ -103,15 +113,7 @@ def run_job(job: dict) -> dict:
         tokens = decode_until_eos(
             model, cache, token, k_len, job["max_new_tokens"], set(job["eos_ids"])
         )
-    result = {
-        "id": job["id"],
-        "tokens": tokens,
-        "cache": type(cache).__name__,
-        "seconds": time.perf_counter() - start,
-    }
-    if kept:
-        result["kept"] = [kept[layer][0] for layer in sorted(kept)]  # [L][Hkv][positions]
-    return result
+    return job_result(job, tokens, cache, start, kept)
 
 
 def run_shared(jobs: list[dict]) -> list[dict]:
@@ -169,15 +171,7 @@ def run_shared(jobs: list[dict]) -> list[dict]:
             tokens = decode_until_eos(
                 model, cache, token, k_len, job["max_new_tokens"], set(job["eos_ids"])
             )
-        result = {
-            "id": job["id"],
-            "tokens": tokens,
-            "cache": type(cache).__name__,
-            "seconds": time.perf_counter() - start,
-            "shared_prefill_s": prefill_s,
-        }
-        if kept:
-            result["kept"] = [kept[layer][0] for layer in sorted(kept)]
+        result = job_result(job, tokens, cache, start, kept, shared_prefill_s=prefill_s)
         results.append(result)
     return results
 
