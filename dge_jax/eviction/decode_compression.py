@@ -54,7 +54,7 @@ from dge_jax.runtime.decoding import (
     decode_groups,
     until_done,
 )
-from dge_jax.runtime.quantized import Int4Entries, pad_slots
+from dge_jax.runtime.quantized import pad_slots, requantized_when_moved
 from dge_jax.runtime.recorders import AttentionSums, QueryWindow, Recording
 from dge_jax.runtime.records import DraftRecord, Observation, QueryStats
 from dge_jax.runtime.rope import fixed_frequencies
@@ -237,7 +237,7 @@ class CompressionLoop:
                                   spec=self.selection)[0]  # fmt: skip
         group = flat.groups[0]
         pos = jnp.where(keep, group.pos, -1)
-        if isinstance(group.k, Int4Entries):
+        if requantized_when_moved(group.k):
             # int4: each layer's next write slot from the plan (pos alone), then each layer
             # dequantized, gathered and requantized for it in turn (`compact_int4_layers`:
             # one layer's dense copy, not all of them at once)

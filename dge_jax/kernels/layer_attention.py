@@ -29,7 +29,7 @@ from dge_jax.kernels.attention import (
 )
 from dge_jax.runtime import platform
 from dge_jax.runtime.platform import Backend
-from dge_jax.runtime.quantized import Int4Entries, read_back, store_like, write_int4
+from dge_jax.runtime.quantized import read_back, store_like, write_int4, written_first
 
 
 def cache_layer_attention(
@@ -77,7 +77,7 @@ def cache_layer_attention(
 
         return jax.tree.map(one, buf, part)
 
-    if isinstance(cache.k, Int4Entries):
+    if written_first(cache.k):
         # int4: written first (O(R * D): `quantized.write_int4`), then read back as stored,
         # a step's own entries included, whether prefill chunk or decode step. Attention then
         # reads only the written buffers, so the write is in place without the CPU trick.
@@ -157,7 +157,7 @@ def decode_step_attention(
 def dense_layer(cache: LayerCache) -> LayerCache:
     """An int4 cache's layer cache.layer dequantized, as a group of one ([1, B, Hkv, S, D];
     what every kernel reads of it: `kernel_backend`); plain and int8 caches as they are."""
-    if not isinstance(cache.k, Int4Entries):
+    if not written_first(cache.k):
         return cache
     k, v, pos = cache.read()
     return LayerCache.one(k, v, pos, cache.slot, cache.window)

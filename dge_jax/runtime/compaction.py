@@ -32,6 +32,7 @@ from dge_jax.runtime.quantized import (
     KVQuant,
     dequantize,
     quantize_int4_entries,
+    requantized_when_moved,
 )
 
 INT32_MAX = np.iinfo(np.int32).max
@@ -76,7 +77,7 @@ def compact(cache: KVCache, capacity: int | Sequence[int]) -> KVCache:
             f"compact: {len(capacities)} capacities for a cache of {cache.num_layers} layers; "
             "give one int, or one per layer"
         )
-    if isinstance(cache.groups[0].k, Int4Entries):  # every group is stored alike
+    if requantized_when_moved(cache.groups[0].k):  # every group is stored alike
         return _compact_int4(cache, capacities, shared)
     # Each input group is compacted at its layers' largest capacity in one batched op, then
     # cut into the output groups: slots past a layer's capacity hold nothing it kept (the

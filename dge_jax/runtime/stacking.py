@@ -27,6 +27,7 @@ from dge_jax.runtime.quantized import (
     KVQuant,
     dequantize,
     quantize_int4_entries,
+    requantized_when_moved,
 )
 
 
@@ -125,7 +126,7 @@ def stack_states(
             parts = [getattr(g, name) for g in groups]
             if name == "pos":
                 return _interleave(parts, axis=1)
-            if isinstance(parts[0], Int4Entries):
+            if requantized_when_moved(parts[0]):
                 return _interleave_int4(parts, index)
             return jax.tree.map(lambda *xs: _interleave(list(xs), axis=1), *parts)
 
