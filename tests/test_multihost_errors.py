@@ -180,8 +180,11 @@ def test_one_process_of_two_ends_after_the_timeout_naming_what_never_connected(t
 
 def test_ctrl_c_ends_a_waiting_process_at_once():
     port = closed_port()
-    proc = subprocess.Popen(CONNECT, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+    # -X faulthandler: if Ctrl-C is ever ignored, SIGABRT makes the process print every
+    # thread's stack, which the failure then shows (it failed once under a loaded CI-like
+    # run and never again in 20 tries, so the stacks are the only way to learn why).
+    proc = subprocess.Popen([CONNECT[0], "-X", "faulthandler", *CONNECT[1:]], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env_for(**three(port, index="1")))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
@@ -194,7 +197,15 @@ def test_ctrl_c_ends_a_waiting_process_at_once():
         assert "up to 120 s" in lines[0]  # the default
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 130
+        try:
+            status = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=10)
+            reader.join(10)
+            pytest.fail("Ctrl-C did not end the waiting process in 20 s; its threads:\n"
+                        + "".join(lines))
+        assert status == 130
         assert time.monotonic() - sent < 5
     finally:
         proc.kill()
