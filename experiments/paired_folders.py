@@ -5,8 +5,10 @@
 For every cell both folders ran (the same `rule/timing/k/budget` id), on the samples both
 predicted: accuracy in each (correct = row score >= 0.5, as `experiments.report`), wins
 (right only in the first folder) and losses, the exact McNemar p and Holm's correction over
-the cells. What differs between the folders is what is compared (their run identities are
-printed): `--protocol query_agnostic` against `query_aware`, one model against another.
+the cells, and how many samples got the same answer, character for character (what a change
+that should not move tokens, such as a quantized cache, moved). What differs between the
+folders is what is compared (their run identities are printed): `--protocol query_agnostic`
+against `query_aware`, one model against another.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pathlib
 import sys
 
 from experiments import suites
-from experiments.report import folder_rows, sample_scores
+from experiments.report import folder_rows, latest_rows, sample_scores
 from experiments.run_folder import read_config
 from experiments.stats import format_p, holm, mcnemar_exact
 from experiments.suites.base import RowSettings
@@ -58,7 +60,9 @@ def compare(first: pathlib.Path, second: pathlib.Path, correct_at: float = 0.5) 
     """One entry per cell of both folders, Holm-corrected over them, in `first`'s order;
     folders run on other data are refused (`check_same_data`)."""
     check_same_data(first, second)
-    a, b = sample_scores(folder_rows(first)), sample_scores(folder_rows(second))
+    rows = folder_rows(first), folder_rows(second)
+    a, b = map(sample_scores, rows)
+    pa, pb = map(_answers, rows)
     out = []
     for cell in [c for c in a if c in b]:
         common = sorted(set(a[cell]) & set(b[cell]))
@@ -71,9 +75,18 @@ def compare(first: pathlib.Path, second: pathlib.Path, correct_at: float = 0.5) 
         out.append({"cell": cell, "samples": len(common),
                     "accuracy": round(100 * sum(mine) / len(common), 2),
                     "other_accuracy": round(100 * sum(theirs) / len(common), 2),
-                    "wins": wins, "losses": losses, "p": mcnemar_exact(wins, losses)})
+                    "wins": wins, "losses": losses, "p": mcnemar_exact(wins, losses),
+                    "same_answer": sum(pa[cell][s] == pb[cell][s] for s in common)})
     for entry, adjusted in zip(out, holm([e["p"] for e in out]), strict=True):
         entry["p_holm"] = adjusted
+    return out
+
+
+def _answers(rows: list[dict]) -> dict[str, dict[tuple[str, str], str]]:
+    """cell id -> {(dataset, sample id): the answer text} (latest line per sample)."""
+    out: dict[str, dict[tuple[str, str], str]] = {}
+    for (dataset, cell), group in latest_rows(rows).items():
+        out.setdefault(cell, {}).update({(dataset, r["sample_id"]): r["pred"] for r in group})
     return out
 
 
@@ -89,12 +102,12 @@ def _differences(first: pathlib.Path, second: pathlib.Path) -> str:
 def table(first: pathlib.Path, second: pathlib.Path) -> str:
     """Markdown: the folders, what differs between their identities, one row per cell."""
     lines = [f"{first} against {second} (identities differ in: {_differences(first, second)})",
-             "", "| cell | n | acc % | other acc % | wins | losses | McNemar p | p (Holm) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| cell | n | acc % | other acc % | wins | losses | McNemar p | p (Holm) "
+             "| same answer |", "|---|---|---|---|---|---|---|---|---|"]
     for e in compare(first, second):
         lines.append(f"| {e['cell']} | {e['samples']} | {e['accuracy']} | "
                      f"{e['other_accuracy']} | {e['wins']} | {e['losses']} | "
-                     f"{format_p(e['p'])} | {format_p(e['p_holm'])} |")
+                     f"{format_p(e['p'])} | {format_p(e['p_holm'])} | {e['same_answer']} |")
     return "\n".join(lines) + "\n"
 
 
