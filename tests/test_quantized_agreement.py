@@ -102,3 +102,31 @@ def test_merged_joins_parts_and_refuses_a_row_twice(tmp_path):
     assert comps == qa.comparisons(cells, ["int8"], ["quanto-int4"])
     with pytest.raises(ValueError, match="in two files"):
         qa.merged([paths[0], paths[0]])
+
+
+def test_peer_from_reuses_kvpress_cells_of_the_same_setting_only(tmp_path):
+    python = tmp_path / "python"  # never run: --peer_from replaces the peer
+    args = qa.parse_args(["--peer-python", str(python), "--kv_quant", "int8,int4",
+                          "--num_samples", "1", "--peer_from", str(tmp_path / "old.json")])
+    samples = [{"key": "r0", "ids": [1, 2, 3]}, {"key": "r1", "ids": [4, 5]}]
+    cells = cells_for(["int8"], ["quanto-int4"])
+    saved_args = {k: v for k, v in vars(args).items() if k in qa.PEER_SETTING}
+    saved = {"args": saved_args | {"kv_quant": ["int8"]}, "versions": {"kvpress": "0.5.5"},
+             "rows": {"r0": {"prompt_tokens": 3}, "r1": {"prompt_tokens": 2}},
+             "cells": {c: {k: r for k, r in rows.items() if k in ("r0", "r1")}
+                       for c, rows in cells.items()}}  # fmt: skip
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(saved))
+    theirs, versions = qa.peer_from(old, args, samples)
+    assert set(theirs) == {c for c in cells if c.startswith("kvpress/")}  # dge_jax's rerun
+    assert theirs["kvpress/none/FullKV"]["r0"]["tokens"] == cells["kvpress/none/FullKV"]["r0"][
+        "tokens"]
+    assert versions == {"kvpress": "0.5.5"}
+    for change, match in (({"budget": 64}, "budget 64 vs 128"),
+                          ({"skip": 3}, "skip 3 vs 0")):  # fmt: skip
+        old.write_text(json.dumps(saved | {"args": saved_args | change}))
+        with pytest.raises(SystemExit, match=match):
+            qa.peer_from(old, args, samples)
+    old.write_text(json.dumps(saved | {"rows": {"r0": {"prompt_tokens": 4}}}))
+    with pytest.raises(SystemExit, match="rows' keys or prompt lengths"):
+        qa.peer_from(old, args, samples)

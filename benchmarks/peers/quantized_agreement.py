@@ -4,6 +4,7 @@ lose what kvpress's SnapKV on transformers' `QuantizedCache` loses, and no more?
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.peers.quantized_agreement \\
         [--kv_quant int8[,int4]] [--nbits 4[,2]] [--num_samples 16] [--skip 0] [--json PATH]
     python -m benchmarks.peers.quantized_agreement --merge PART.json ...  # parts' rows together
+    ... --kv_quant int8,int4 --peer_from OLD_PART.json  # kvpress's cells of an earlier run
 
 The same needle prompts (the runner's suite rows: RULER's niah tasks at `--length` tokens by
 default, `experiments.runner.load_suite`, fed as `experiments.protocol.model_sample` feeds
@@ -30,7 +31,10 @@ Per cell the suite's own accuracy (a row is correct when its score is >= 0.5, as
 quantized cell against its own plain cell (what quantization costs it), the two libraries'
 plain cells against each other (they should agree: identical tokens, same answers; SnapKV's
 kept sets by head), and dge_jax's quantized cells against kvpress's. Prints a markdown table;
-`--json PATH` writes every row's tokens and scores as well.
+`--json PATH` writes every row's tokens and scores as well. `--peer_from PART.json` takes
+kvpress's cells from an earlier `--json` of the same setting and rows instead of running
+kvpress again (its cells do not depend on dge_jax's `--kv_quant`): a new dge_jax cache is
+compared without the peer's hour on two cores.
 """
 
 from __future__ import annotations
@@ -305,14 +309,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="cap on the task's generation length (default: the task's)")
     p.add_argument("--batch_size", type=int, default=4, help="dge_jax's rows per grid call")
     p.add_argument("--json", type=pathlib.Path, help="write everything here")
+    p.add_argument("--peer_from", type=pathlib.Path,
+                   help="kvpress's cells from this earlier --json of the same setting and "
+                        "rows instead of running kvpress")
     args = p.parse_args(argv)
     if args.merge:
         return args
     if PLAIN in args.kv_quant:
         p.error("--kv_quant lists the quantized caches; 'none' always runs")
-    if not args.peer_python.exists():
+    if args.peer_from is None and not args.peer_python.exists():
         p.error(f"{args.peer_python} is missing; run `{SETUP_COMMAND}` or give --peer-python")
     return args
+
+
+# What kvpress's cells depend on: an earlier run's are reused only when all of these agree.
+PEER_SETTING = ("suite", "datasets", "length", "num_samples", "skip", "data_dir", "seed",
+                "budget", "window", "kernel", "nbits", "max_new_tokens")
+
+
+def peer_from(path: pathlib.Path, args, samples: list[dict]) -> tuple[dict, dict]:
+    """(kvpress's cells, its versions) from an earlier `--json` run: refused (SystemExit
+    naming the difference) unless its setting and rows are this run's."""
+    saved = json.loads(path.read_text())
+    if "cells" not in saved or "args" not in saved:
+        sys.exit(f"error: {path} is not a run's --json (a --merge output holds no rows)")
+    mine = vars(args)
+    differ = [f"{k} {saved['args'].get(k)!r} vs {mine[k]!r}" for k in PEER_SETTING
+              if saved["args"].get(k) != (str(mine[k]) if isinstance(mine[k], pathlib.Path)
+                                          else mine[k])]
+    rows = {s["key"]: len(s["ids"]) for s in samples}
+    if not differ and {k: r["prompt_tokens"] for k, r in saved["rows"].items()} != rows:
+        differ = ["its rows' keys or prompt lengths"]
+    if differ:
+        sys.exit(f"error: {path} was run with another setting ({'; '.join(differ)}); give "
+                 "the same options, or run kvpress again without --peer_from")
+    cells = {c: {k: {"tokens": r["tokens"], "kept": r.get("kept")} for k, r in rows_.items()}
+             for c, rows_ in saved["cells"].items() if c.startswith("kvpress/")}
+    return cells, saved["versions"]
 
 
 def merged(paths: Sequence[pathlib.Path]) -> tuple[dict, list[dict], dict]:
@@ -357,17 +390,28 @@ def main(argv: list[str] | None = None) -> None:
     jobs = peer_jobs(str(model.path), samples, args, eos)
     print(f"[quantized_agreement] {len(samples)} rows "
           f"({min(len(s['ids']) for s in samples)}-{max(len(s['ids']) for s in samples)} "
-          f"tokens), {len(jobs)} kvpress jobs", file=sys.stderr)  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="quantized_agreement_") as tmp:
-        proc, out_path = start_peer(args.peer_python, jobs, pathlib.Path(tmp))
+          f"tokens), {len(jobs)} kvpress jobs"
+          f"{f' taken from {args.peer_from}' if args.peer_from else ''}",
+          file=sys.stderr)  # fmt: skip
+    if args.peer_from:
+        theirs, v = peer_from(args.peer_from, args, samples)
         cells = dge_cells(model, samples, args)
         dge_s = time.perf_counter() - start
-        if proc.wait():
-            sys.exit("peer_quantized.py failed")
-        peer = json.loads(out_path.read_text())
-    for r in peer["results"]:
-        cell, key = r["id"].split("|")
-        cells.setdefault(cell, {})[key] = {"tokens": r["tokens"], "kept": r.get("kept")}
+        cells |= theirs
+        peer_line = f"kvpress's {len(jobs)} runs taken from {args.peer_from}"
+    else:
+        with tempfile.TemporaryDirectory(prefix="quantized_agreement_") as tmp:
+            proc, out_path = start_peer(args.peer_python, jobs, pathlib.Path(tmp))
+            cells = dge_cells(model, samples, args)
+            dge_s = time.perf_counter() - start
+            if proc.wait():
+                sys.exit("peer_quantized.py failed")
+            peer = json.loads(out_path.read_text())
+        for r in peer["results"]:
+            cell, key = r["id"].split("|")
+            cells.setdefault(cell, {})[key] = {"tokens": r["tokens"], "kept": r.get("kept")}
+        v = peer["versions"]
+        peer_line = f"kvpress's {len(jobs)} runs {peer['wall_s']:.0f} s"
     order = [cell_id(lib, c, m) for m in METHODS for lib, caches in
              (("dge_jax", (PLAIN, *args.kv_quant)),
               ("kvpress", (PLAIN, *map(quanto_cache, args.nbits)))) for c in caches]
@@ -375,7 +419,6 @@ def main(argv: list[str] | None = None) -> None:
     scored(cells, samples, model.tokenizer.decode, eos)
     comps = comparisons(cells, args.kv_quant, [quanto_cache(b) for b in args.nbits])
     wall = time.perf_counter() - start
-    v = peer["versions"]
     lengths = [len(s["ids"]) for s in samples]
     print(table(cells, comps))
     print(
@@ -384,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.kernel}, avg-pool, budget {args.budget} per kv head; kvpress {v['kvpress']}, "
         f"optimum-quanto {v['optimum-quanto']}, torch {v['torch']}, transformers "
         f"{v['transformers']}; side by side: dge_jax {dge_s:.0f} s (loading and compiling "
-        f"included), kvpress's {len(jobs)} runs {peer['wall_s']:.0f} s; {wall:.0f} s in all"
+        f"included), {peer_line}; {wall:.0f} s in all"
     )
     if args.json:
         args.json.write_text(json.dumps({
