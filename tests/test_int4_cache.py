@@ -337,17 +337,24 @@ def test_compaction_layer_by_layer_equals_the_whole_group(capacity):
     assert layer == 3
 
 
-def test_row_stacking_layer_by_layer_equals_the_whole_group():
-    """stack_states interleaves int4 rows one layer at a time (`stacking._interleave_int4`);
-    its stored entries equal, to the bit, the whole group's interleave of the dequantized
-    entries requantized at the larger next write slot (what stacking ran before)."""
+@pytest.mark.parametrize("n_b", [20, 40])
+def test_row_stacking_layer_by_layer_equals_the_whole_group(n_b):
+    """stack_states interleaves int4 rows one layer at a time (`stacking._interleave_int4`).
+    Residual blocks that start apart (36 and 20 slots written, R = 16): its stored entries
+    equal, to the bit, the whole group's interleave of the dequantized entries requantized at
+    the larger next write slot. Residual blocks that start together (36 and 40): the stored
+    leaves interleaved as they are, never requantized (a stacked row reads what it read)."""
     from dge_jax.runtime.stacking import _interleave, _interleave_int4
 
-    a, b = int4_cache(seed=0, n=36).groups[0], int4_cache(seed=1, n=20).groups[0]
+    a, b = int4_cache(seed=0, n=36).groups[0], int4_cache(seed=1, n=n_b).groups[0]
     index = jnp.maximum(a.index, b.index)
     for parts in ((a.k, b.k), (a.v, b.v)):
-        whole = jax.tree.map(lambda *xs: _interleave(list(xs), axis=1), *map(movable, parts))
-        want = settle(whole, parts[0], index)
+        if n_b // R == 36 // R:
+            want = jax.tree.map(lambda *xs: _interleave(list(xs), axis=1), *parts)
+        else:
+            whole = jax.tree.map(lambda *xs: _interleave(list(xs), axis=1),
+                                 *map(movable, parts))  # fmt: skip
+            want = settle(whole, parts[0], index)
         got = _interleave_int4(list(parts), index)
         assert got.q.shape == want.q.shape and got.q.shape[1] == 2 * a.k.q.shape[1]
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

@@ -81,18 +81,29 @@ def split_rows(x, parts: int) -> list:
 
 
 def _interleave_int4(parts: list[Int4Entries], index: jax.Array) -> Int4Entries:
-    """int4 entries [Lg, B, ...] of each state, their rows interleaved (`_interleave`) and
-    requantized with next write slots index [Lg]: an int4 cache's residual block follows its
-    layer's next write slot, which becomes the largest of the states', so its entries are
-    interleaved dequantized and requantized; one layer at a time (`jax.lax.map`), so the
-    dense temporary is one layer's, not the group's."""
+    """int4 entries [Lg, B, ...] of each state, their rows interleaved (`_interleave`), with
+    next write slots index [Lg] (the largest of the states'), one layer at a time
+    (`jax.lax.map`, so a dense temporary is one layer's, not the group's). An int4 layer's
+    residual block is the one holding its next write slot: where every state's residual
+    already starts there, the stored leaves are interleaved as they are (exact: the stack
+    reads what each state read); where one starts earlier, its entries are dequantized,
+    interleaved and requantized around the new residual block."""
     first = parts[0]
     quant = KVQuant("int4", first.group, first.residual)
 
     def one(args):
         *layer, i = args  # each state's layer [B, ...], its next write slot a scalar
-        rows = _interleave([dequantize(e) for e in layer], axis=0)
-        return quantize_int4_entries(rows, i, quant, first.keys, first.dtype)
+        start = i // quant.residual * quant.residual  # the stack's residual block
+
+        def as_stored():
+            return jax.tree.map(lambda *xs: _interleave(list(xs), axis=0), *layer)
+
+        def requantized():
+            rows = _interleave([dequantize(e) for e in layer], axis=0)
+            return quantize_int4_entries(rows, i, quant, first.keys, first.dtype)
+
+        same = jnp.all(jnp.stack([jnp.all(e.start == start) for e in layer]))
+        return jax.lax.cond(same, as_stored, requantized)
 
     return jax.lax.map(one, (*parts, jnp.asarray(index, jnp.int32)))
 
