@@ -1,15 +1,16 @@
-"""An int8 cache against the plain one on CPU, end to end and per stage, and its bytes.
+"""Quantized caches against the plain one on CPU, end to end and per stage, and their bytes.
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.kv_quant_speed [--length 2048]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.kv_quant_speed [--length 2048] \
+        [--caches int8,int4]
 
 One grid per run, the same for both caches: FullKV, SnapKV at prefill and DGE-SnapKV (k = 4),
 budget `--budget`, compacted; `--batch` prompts of `--length` random tokens, exactly
 `--new_tokens` answer tokens each (EOS banned until then, so both caches decode as many
-steps). Each cache compiles once, then `--runs` grids alternate between them (plain, int8,
-plain, ...), so drift on a shared machine falls on both; prints the medians of the grid's
-wall time and of each stage's (the hook's), the int8 / plain ratios, and prefill's cache
-bytes. Tokens are not compared here (an int8 cache may change them: RESULTS.md has the
-quality figures).
+steps). Each cache compiles once, then `--runs` grids alternate between them (plain, then
+each of `--caches`, again), so drift on a shared machine falls on all; prints the medians of
+the grid's wall time and of each stage's (the hook's), each quantized / plain ratio, and
+prefill's cache bytes. Tokens are not compared here (a quantized cache may change them:
+RESULTS.md has the quality figures).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dge_jax.eviction.evict import Eviction
 from dge_jax.eviction.timing import dge, prefill
 from dge_jax.rules.snapkv import SnapKV
 
-QUANTS = ("none", "int8")
+PLAIN = "none"
 
 
 def run_grid(model, prompts, cells, new: int, kv_quant: str):
@@ -57,7 +58,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--new_tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--caches", default="int8",
+                        help="comma-separated kv_quant values timed against the plain cache")
     args = parser.parse_args()
+    quants = (PLAIN, *(q for q in args.caches.split(",") if q and q != PLAIN))
     model = dge_jax.load(args.model)
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -67,27 +71,29 @@ def main() -> None:
     print(f"{args.model} ({model.params.embed.dtype}), {args.batch} prompts of {args.length} "
           f"tokens, {args.new_tokens} new tokens, cells FullKV / SnapKV / DGE-SnapKV k=4 at "
           f"budget {args.budget}; medians of {args.runs} warm grids per cache, alternating")
-    for quant in QUANTS:  # compile
+    for quant in quants:  # compile
         run_grid(model, prompts, cells, args.new_tokens, quant)
-    runs: dict[str, list] = {q: [] for q in QUANTS}
+    runs: dict[str, list] = {q: [] for q in quants}
     for _ in range(args.runs):
-        for quant in QUANTS:
+        for quant in quants:
             runs[quant].append(run_grid(model, prompts, cells, args.new_tokens, quant))
-    stages = sorted({s for r in runs["none"] for s in r[1]})
+    stages = sorted({s for r in runs[PLAIN] for s in r[1]})
     print("\n| cache | grid (s) | " + " | ".join(f"{s} (s)" for s in stages)
           + " | prefill cache (MiB) |")  # fmt: skip
     print("|---|---:|" + "---:|" * len(stages) + "---:|")
     med = {}
-    for quant in QUANTS:
+    for quant in quants:
         wall = statistics.median(r[0] for r in runs[quant])
         per = [statistics.median(r[1].get(s, 0.0) for r in runs[quant]) for s in stages]
         med[quant] = (wall, per)
         cols = " | ".join(f"{x:.3f}" for x in per)
         print(f"| {quant} | {wall:.3f} | {cols} | {runs[quant][0][2] / 2**20:.1f} |")
-    (w0, p0), (w1, p1) = med["none"], med["int8"]
-    ratios = " | ".join(f"{b / a:.2f}" if a else "-" for a, b in zip(p0, p1, strict=True))
-    print(f"| int8 / none | {w1 / w0:.2f} | {ratios} | "
-          f"{runs['int8'][0][2] / runs['none'][0][2]:.2f} |")
+    w0, p0 = med[PLAIN]
+    for quant in quants[1:]:
+        w1, p1 = med[quant]
+        ratios = " | ".join(f"{b / a:.2f}" if a else "-" for a, b in zip(p0, p1, strict=True))
+        print(f"| {quant} / {PLAIN} | {w1 / w0:.2f} | {ratios} | "
+              f"{runs[quant][0][2] / runs[PLAIN][0][2]:.2f} |")
 
 
 if __name__ == "__main__":
