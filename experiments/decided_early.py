@@ -5,8 +5,9 @@ score as a correct answer.
 
 `dge`, `dge_w` and `dge_d` at k generate their first k answer tokens with the full cache and
 keep them (greedy: FullKV's first k tokens). Where those k tokens alone already score >= 0.5
-(`experiments.report`'s threshold), the row is right whatever the eviction keeps, so such a
-cell's accuracy there measures no eviction; a cell that throws its lookahead tokens away
+(`experiments.report`'s threshold), the row is right whatever the eviction keeps (for a
+metric that more text never lowers: the needle suites' substring matches; under F1 or ROUGE
+the count only points there), so such a cell's accuracy there measures no eviction; a cell that throws its lookahead tokens away
 (`lookahead`) or compresses from the first token (`prefill`, `decode`) has no such rows.
 Per dataset and k: FullKV's correct rows, and how many of them its first k tokens decide.
 
