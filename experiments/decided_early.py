@@ -7,8 +7,9 @@ score as a correct answer.
 keep them (greedy: FullKV's first k tokens). Where those k tokens alone already score >= 0.5
 (`experiments.report`'s threshold), the row is right whatever the eviction keeps (for a
 metric that more text never lowers: the needle suites' substring matches; under F1 or ROUGE
-the count only points there), so such a cell's accuracy there measures no eviction; a cell that throws its lookahead tokens away
-(`lookahead`) or compresses from the first token (`prefill`, `decode`) has no such rows.
+the count only points there), so such a cell's accuracy there measures no eviction; a cell
+that throws its lookahead tokens away (`lookahead`) or compresses from the first token
+(`prefill`, `decode`) has no such rows.
 Per dataset and k: FullKV's correct rows, and how many of them its first k tokens decide.
 
 The generated ids are not stored, so FullKV's answer text is re-encoded with the run's
