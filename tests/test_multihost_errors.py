@@ -181,8 +181,10 @@ def test_one_process_of_two_ends_after_the_timeout_naming_what_never_connected(t
 def test_ctrl_c_ends_a_waiting_process_at_once():
     port = closed_port()
     # -X faulthandler: if Ctrl-C is ever ignored, SIGABRT makes the process print every
-    # thread's stack, which the failure then shows (it failed once under a loaded CI-like
-    # run and never again in 20 tries, so the stacks are the only way to learn why).
+    # thread's stack, which the failure then shows. Under a loaded full run (2 of ~1,770
+    # tests' runs, never alone in 20 tries) the stacks showed the watching thread waiting in
+    # Event.wait (for the GIL) while JAX's `client.connect()` ran in the other: the Python
+    # SIGINT handler cannot run until that C++ call lets go of the GIL.
     proc = subprocess.Popen([CONNECT[0], "-X", "faulthandler", *CONNECT[1:]], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env_for(**three(port, index="1")))
