@@ -180,14 +180,16 @@ def test_one_process_of_two_ends_after_the_timeout_naming_what_never_connected(t
 
 def test_ctrl_c_ends_a_waiting_process_at_once():
     port = closed_port()
-    # -X faulthandler: if Ctrl-C is ever ignored, SIGABRT makes the process print every
-    # thread's stack, which the failure then shows. Under a loaded full run (2 of ~1,770
-    # tests' runs, never alone in 20 tries) the stacks showed the watching thread waiting in
-    # Event.wait (for the GIL) while JAX's `client.connect()` ran in the other: the Python
-    # SIGINT handler cannot run until that C++ call lets go of the GIL.
+    # A test suite started in the background by a non-interactive shell (`pytest ... &` in a
+    # script) ignores SIGINT, and an ignored signal stays ignored across exec: the child would
+    # then never see the Ctrl-C (the cause of this test's rare failures, found from the
+    # stacks -X faulthandler printed). Give it the default disposition back, as a shell does.
+    # -X faulthandler: if Ctrl-C is ever ignored again, SIGABRT makes the process print
+    # every thread's stack, which the failure then shows.
     proc = subprocess.Popen([CONNECT[0], "-X", "faulthandler", *CONNECT[1:]], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env_for(**three(port, index="1")))
+                            env=env_for(**three(port, index="1")),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
