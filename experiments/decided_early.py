@@ -28,8 +28,7 @@ from collections.abc import Sequence
 from experiments import suites
 from experiments.report import folder_rows, latest_rows
 from experiments.run_folder import read_config
-
-CORRECT = 0.5  # experiments.report's threshold (paired_comparisons' correct_at)
+from experiments.stats import CORRECT_AT
 
 
 def drafted_ks(cells: Sequence[str]) -> list[int]:
@@ -48,7 +47,7 @@ def decided(full_rows: list[dict], ks: Sequence[int], tokenizer) -> dict[str, di
                            | dict.fromkeys(ks, 0))  # fmt: skip
         score = suites.row_score(r["dataset"], r["pred"], r["answers"], r.get("all_classes"))
         d["rows"] += 1
-        if score < CORRECT:
+        if score < CORRECT_AT:
             continue
         d["correct"] += 1
         ids = tokenizer.encode(r["pred"], add_special_tokens=False)
@@ -58,7 +57,7 @@ def decided(full_rows: list[dict], ks: Sequence[int], tokenizer) -> dict[str, di
         for k in ks:
             head = tokenizer.decode(ids[:k])
             d[k] += suites.row_score(r["dataset"], head, r["answers"],
-                                     r.get("all_classes")) >= CORRECT  # fmt: skip
+                                     r.get("all_classes")) >= CORRECT_AT  # fmt: skip
     return out
 
 
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     model = (read_config(args.folder) or {}).get("identity", {}).get("model")
     tokenizer = Tokenizer.from_folder(resolve_model_dir(model))
     print(f"{args.folder} ({model}): FullKV's correct rows whose first k answer tokens "
-          "already score >= 0.5")
+          f"already score >= {CORRECT_AT}")
     print()
     print(table(decided(full, ks, tokenizer), ks), end="")
     return 0

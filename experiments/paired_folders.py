@@ -21,7 +21,7 @@ import sys
 from experiments import suites
 from experiments.report import folder_rows, latest_rows, sample_scores
 from experiments.run_folder import read_config
-from experiments.stats import format_p, holm, mcnemar_exact
+from experiments.stats import CORRECT_AT, format_p, holm, mcnemar_exact
 from experiments.suites.base import RowSettings
 
 
@@ -56,7 +56,8 @@ def check_same_data(first: pathlib.Path, second: pathlib.Path) -> None:
             "folders run on the same rows")
 
 
-def compare(first: pathlib.Path, second: pathlib.Path, correct_at: float = 0.5) -> list[dict]:
+def compare(first: pathlib.Path, second: pathlib.Path,
+            correct_at: float = CORRECT_AT) -> list[dict]:
     """One entry per cell of both folders, Holm-corrected over them, in `first`'s order;
     folders run on other data are refused (`check_same_data`)."""
     check_same_data(first, second)

@@ -37,7 +37,7 @@ from experiments.replication import (
 from experiments.replication import summary as replication_summary
 from experiments.report_header import header
 from experiments.run_folder import RunFolderError, check_lines, read_config
-from experiments.stats import format_p, holm, mcnemar_exact
+from experiments.stats import CORRECT_AT, format_p, holm, mcnemar_exact
 
 
 def latest_rows(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -120,7 +120,7 @@ def sample_scores(rows: list[dict]) -> dict[str, dict[tuple[str, str], float]]:
     return out
 
 
-def paired_comparisons(rows: list[dict], correct_at: float = 0.5) -> list[dict]:
+def paired_comparisons(rows: list[dict], correct_at: float = CORRECT_AT) -> list[dict]:
     """Each prefill cell against FullKV (what compression costs), each DGE / DGE-W cell
     against its rule's prefill cell at the same budget, then each DGE cell against the DGE-W
     cell of the same k and budget (the drafted queries' own effect, timing held fixed). A cell
@@ -231,8 +231,8 @@ def summary(scores: dict, comparisons: list[dict], config: dict | None) -> str:
     if comparisons:
         significant = [c for c in comparisons if c["p_holm"] < SIGNIFICANT]
         lines.append(
-            f"Of {len(comparisons)} paired comparisons (correct = row score >= 0.5; exact "
-            "McNemar, Holm-corrected over all of them), "
+            f"Of {len(comparisons)} paired comparisons (correct = row score >= {CORRECT_AT}; "
+            "exact McNemar, Holm-corrected over all of them), "
             + (f"{len(significant)} differ{'s' if len(significant) == 1 else ''} "
                f"significantly at {SIGNIFICANT}: " + "; ".join(map(_pair_text, significant))
                if significant else f"none differs significantly at {SIGNIFICANT}") + ".")
@@ -278,8 +278,8 @@ PAIRED_INTRO = (
     "cell against the `decode` timing at interval k and the same budget (kvpress's "
     "DecodingPress at compression_interval = k) where the run has it, and each cell that "
     "compresses while decoding against `full` and its prefill-only cell (correct = row score "
-    ">= 0.5; exact McNemar test; Holm's correction over all rows; and, by row score, higher / "
-    "lower with an exact sign test):\n\n")
+    f">= {CORRECT_AT}; exact McNemar test; Holm's correction over all rows; and, by row score, "
+    "higher / lower with an exact sign test):\n\n")
 
 
 def folder_rows(out_dir: pathlib.Path) -> list[dict]:

@@ -11,6 +11,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+CORRECT_AT = 0.5  # a row is correct when its score is at least this (every report's
+# paired tests, the folder comparison and decided_early: one threshold)
+
 BOOTSTRAP_REPS = 2000
 BOOTSTRAP_SEED = 0  # fixed: a rebuilt report draws the same intervals
 
