@@ -240,18 +240,53 @@ def test_a_decode_step_reads_what_a_prefill_step_reads(n, t):
     np.testing.assert_allclose(got, k_new, atol=0.6 * float(np.abs(k_new).max()))
 
 
+@pytest.mark.parametrize("s,n", [(32, 14), (150, 140), (150, 146)])
 @pytest.mark.parametrize("key_block,record_attn", [(0, False), (4, False), (4, True)])
-def test_pallas_reads_int4_as_xla_does(key_block, record_attn):
-    """attention="pallas" on an int4 cache (interpret mode; the kernels get the layer
-    dequantized): a decode step, a prefill chunk with and without probs sums give "xla"'s
-    output and sums and write the same cache."""
-    layer, rng = int4_layer(3, 14, s=32, window=jnp.int32(5 if key_block else 0))
+def test_pallas_reads_int4_as_xla_does(key_block, record_attn, s, n):
+    """attention="pallas" on an int4 cache (interpret mode): a decode step, a prefill chunk
+    with and without probs sums give "xla"'s output and sums and write the same cache. The
+    kernels read the layer in pieces (`int4_pieces`; with probs sums, dequantized whole):
+    at 32 slots two pieces of one 16-slot block; at 150, 9 blocks in five pieces of two, the
+    last moved back over a block the fourth read, and a 6-slot tail that holds the residual
+    (n = 146) or not (140)."""
+    from dge_jax.runtime.quantized import piece_plan
+
+    assert piece_plan(32, R) == (16, 2, 32) and piece_plan(150, R) == (32, 5, 144)
+    layer, rng = int4_layer(3, n, s=s, window=jnp.int32(5 if key_block else 0))
     t = 4 if key_block else 1
     k_new, v_new = (jnp.asarray(random_entries(rng, (2, 2, t, 8))) for _ in "kv")
-    pos_new = jnp.broadcast_to(jnp.arange(14, 14 + t, dtype=jnp.int32), (2, 2, t))
+    pos_new = jnp.broadcast_to(jnp.arange(n, n + t, dtype=jnp.int32), (2, 2, t))
     q = jnp.asarray(rng.standard_normal((2, t, 4, 8)), jnp.float32)
 
     assert_pallas_is_xla(q, NewEntries(k_new, v_new, pos_new), layer, key_block, record_attn)
+
+
+def test_pieces_join_as_one_softmax():
+    """`int4_pieces.join` of two halves' (out, lse) is the softmax over all slots; a row
+    that saw nothing in one half takes the other's, in both it stays 0."""
+    from dge_jax.kernels.int4_pieces import join
+
+    rng = np.random.default_rng(0)
+    s, v = rng.standard_normal((3, 10)), rng.standard_normal((10, 4))
+    s[1, :5] = -np.inf  # row 1 sees nothing in the first half; row 2 nothing at all
+    s[2] = -np.inf
+
+    def part(cols):
+        x = s[:, cols]
+        seen = np.isfinite(x).any(axis=1)
+        m = np.where(seen, np.max(np.where(np.isfinite(x), x, -1e30), axis=1), -1e30)
+        w = np.where(np.isfinite(x), np.exp(x - m[:, None]), 0)
+        norm = w.sum(axis=1)
+        out = np.where(seen[:, None], w @ v[cols] / np.where(seen, norm, 1)[:, None], 0)
+        return (jnp.asarray(out, jnp.float32),
+                jnp.asarray(np.where(seen, m + np.log(np.where(seen, norm, 1)), -1e30),
+                            jnp.float32))  # fmt: skip
+
+    out, lse = join(part(slice(0, 5)), part(slice(5, 10)))
+    whole_out, whole_lse = part(slice(0, 10))
+    np.testing.assert_allclose(out, whole_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse[:2], whole_lse[:2], rtol=1e-6)
+    assert float(lse[2]) <= -1e30 and not np.any(out[2])
 
 
 def int4_cache(seed=0, s=40, n=36):
@@ -533,3 +568,21 @@ def test_the_bounded_sliding_layout_holds_int4():
     np.testing.assert_allclose(np.where(valid, k_small, 0), np.where(valid, same, 0),
                                atol=0.2 * scale)  # fmt: skip
     assert np.abs(np.where(valid, k_small - same, 0)).max() > 0  # requantized: not exact
+
+
+@pytest.mark.parametrize("s,n", [(32, 14), (150, 146)])
+def test_window_attention_reads_int4_in_pieces_as_dequantized(s, n):
+    """The rules' window attention on int4 keys (their logits made a piece of slots at a
+    time, `ops._logits`) equals it on the same keys dequantized whole: 150 slots are five
+    pieces of two 16-slot blocks, the last moved back, and a 6-slot tail."""
+    from dge_jax.rules.ops import window_attention_sum
+
+    layer, rng = int4_layer(5, n, s=s)
+    k = jax.tree.map(lambda x: x[1], layer.k)
+    q = jnp.asarray(rng.standard_normal((2, 4, 3, 8)), jnp.float32)
+    q_pos = jnp.asarray([[n - 3, n - 2, n - 1], [-1, n - 2, n - 1]], jnp.int32)
+    weight = jnp.ones((2, 3), jnp.float32)
+    run = jax.jit(window_attention_sum)
+    got = run(k, layer.pos[1], q, q_pos, weight)
+    want = run(jax.jit(dequantize)(k), layer.pos[1], q, q_pos, weight)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # summation order only

@@ -102,8 +102,11 @@ def flash_attention(
     num_slots: jax.Array | int,
     spec: AttentionSpec,
     tiles: Tiles = DEFAULT_TILES,
+    with_lse: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """`written_slot_attention` as Pallas kernels; returns (out, per-slot prob sums or None).
+    """`written_slot_attention` as Pallas kernels; returns (out, per-slot prob sums or None),
+    or with_lse (no prob sums): (out in f32, each row's log-sum-exp [B, T, Hq] f32, -1e30
+    where it saw no slot), what joins attention read in pieces (`layer_attention`).
 
     q: [B, T, Hq, D]; query_pos: [B, T]; cache: the stacked k, v [Lg, B, Hkv, S, D] (arrays,
     or int8 `Int8Entries`: module docstring) and slot positions [Lg, B, Hkv, S], of which
@@ -142,8 +145,12 @@ def flash_attention(
     # [B, 1, L] layouts: a tile's positions are a legal (1, tile) block, lanes along L.
     qpos, spos = qpos[:, None, :], spos[:, :, None, :]
 
+    out_dtype = jnp.float32 if with_lse else None
+
     def run(interpret_now: bool) -> tuple[jax.Array, ...]:
-        out, lse = _forward_call(dims, interpret_now)(tables, qpos, rows, k, v, spos)
+        out, lse = _forward_call(dims, interpret_now, out_dtype)(tables, qpos, rows, k, v, spos)
+        if with_lse:
+            return out, lse
         if not return_probs_sum:
             return (out,)
         return out, _sums_call(dims, interpret_now)(tables, qpos, rows, lse, k, spos)
@@ -156,6 +163,9 @@ def flash_attention(
     else:
         results = run(interpret)
     out = _rows_out(results[0], q.shape, dims)
+    if with_lse:  # [B, Hkv, 1, G * T'] -> [B, T, Hq], as _rows_out moves the rows
+        lse = results[1].reshape(b, hkv, dims.g, dims.nq * dims.bq)[..., :t]
+        return out, lse.transpose(0, 3, 1, 2).reshape(b, t, hq)
     if not return_probs_sum:
         return out, None
     return out, results[1].reshape(b, hq, s_pad)[:, :, :s_len]
@@ -248,12 +258,13 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
             lse_ref[g : g + 1, :] = _row(jnp.where(seen, m_ref[g] + jnp.log(safe), _MASKED))
 
 
-def _forward_call(dims: _Dims, interpret: bool):
+def _forward_call(dims: _Dims, interpret: bool, out_dtype=None):
     """The forward pallas_call: (tables, qpos [B,1,T'], q rows (`_rows_in`), k, v (each
     `_kv_operands` of the stacked [Lg,B,Hkv,S,D], layer tables.layer read), spos
     [B,Hkv,1,S']) -> (out in q's row layout, lse [B,Hkv,1,G*T'] f32, row tile order). The
     kernel sees q and out as [B, Hkv, G, T', D] and lse as [B, Hkv, G, T'] (the same
-    memory): one block holds the G heads' rows of a query tile."""
+    memory): one block holds the G heads' rows of a query tile. out_dtype: the output's (None:
+    v's, or an int8 cache's scales')."""
     nq, bq, bk, g = dims.nq, dims.bq, dims.bk, dims.g
 
     def key_tile(b, h, i, j, *refs):
@@ -305,7 +316,7 @@ def _forward_call(dims: _Dims, interpret: bool):
             functools.partial(_forward_kernel, dims=dims),
             grid_spec=grid_spec,
             out_shape=[
-                jax.ShapeDtypeStruct(q.shape, v[-1].dtype),  # plain v's, or int8 scales'
+                jax.ShapeDtypeStruct(q.shape, out_dtype or v[-1].dtype),  # v's, int8 scales'
                 jax.ShapeDtypeStruct((b, hkv, g, nq * bq), jnp.float32),
             ],
             compiler_params=pltpu.CompilerParams(

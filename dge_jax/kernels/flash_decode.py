@@ -107,9 +107,11 @@ def decode_attention(
     spec: AttentionSpec,
     new: NewEntries | None = None,
     tiles: Tiles = DEFAULT_TILES,
-) -> jax.Array:
+    with_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`cached_attention`'s output [B, T, Hq, D] (v's dtype), read block by block (module
-    docstring).
+    docstring); with_lse (no `new`): (the output in f32, each row's log-sum-exp [B, T, Hq],
+    -1e30 where it saw no slot), what joins attention read in pieces (`layer_attention`).
 
     q: [B, T, Hq, D]; query_pos: [B, T]; cache: the stacked k, v [Lg, B, Hkv, S, D] (arrays,
     or int8 `Int8Entries`: module docstring) and positions [Lg, B, Hkv, S], of which layer
@@ -161,8 +163,13 @@ def decode_attention(
     out, lse = out[:, :, :rows], lse[:, :, :rows, 0]
     if new is not None:
         out = _fold_new(out, lse, qg[:, :, :rows], new, row_pos[:, :rows, 0], window, scores_spec)
-    out = out.astype(v.dtype).reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4)
-    return out.reshape(b, t, hq, d)
+    out = out.astype(jnp.float32 if with_lse else v.dtype).reshape(b, hkv, g, t, d)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    if not with_lse:
+        return out
+    if new is not None:
+        raise ValueError("with_lse reads the cache alone: pass new=None")
+    return out, lse.reshape(b, hkv, g, t).transpose(0, 3, 1, 2).reshape(b, t, hq)
 
 
 def block_table(

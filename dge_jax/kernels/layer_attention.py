@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.distribution.constraints import attention_specs
+from dge_jax.kernels import int4_pieces
 from dge_jax.kernels.attention import (
     AttentionSpec,
     LayerCache,
@@ -116,9 +117,9 @@ def kernel_backend(backend: Backend, spec: AttentionSpec) -> Backend:
     """`backend`, unless its kernel cannot run this attention: cuDNN's takes no soft cap (the
     Pallas kernels and the XLA path take sliding windows, soft caps and any logit scale;
     every kernel reads an int8 cache: the Pallas kernels dequantize its blocks in VMEM,
-    cuDNN's reads it dequantized; an int4 cache is dequantized one layer at a time before
-    every kernel, the Pallas kernels included, which unpack int8 blocks in VMEM but not yet
-    int4 ones: `dense_layer`). Asked for by name (spec.attention), such a kernel is a
+    cuDNN's reads it dequantized; an int4 cache is read by the Pallas kernels a piece at a
+    time, `int4_pieces`, and dequantized one layer at a time for the others: `dense_layer`).
+    Asked for by name (spec.attention), such a kernel is a
     ValueError saying what to use; chosen by "auto", the XLA path runs instead (it is exact
     for all of them)."""
     if not (backend.attention == "cudnn" and spec.scores.softcap):
@@ -148,7 +149,11 @@ def decode_step_attention(
     record probs sums (H2O's draft and decode-time steps; the kernel computes none), run the
     XLA path."""
     if backend.attention == "pallas" and not spec.record_attn:
-        return _sharded_decode(q, query_pos, dense_layer(cache), new, spec), None
+        if int4_pieces.in_pieces(cache):  # the step's entries are written: read from the cache
+            out, _ = int4_pieces.attend_in_pieces(cache, q.shape, lambda piece, start: (
+                _sharded_decode(q, query_pos, piece, None, spec, with_lse=True)))
+            return out.astype(cache.v.dtype), None
+        return _sharded_decode(q, query_pos, cache, new, spec), None
     rows = q.shape[2] // cache.k.shape[2] * q.shape[1]  # query rows per kv head
     layout = dataclasses.replace(spec, keys_major=rows <= backend.keys_major_max_rows)
     return cached_attention(q, query_pos, cache, layout, new)
@@ -156,31 +161,36 @@ def decode_step_attention(
 
 def dense_layer(cache: LayerCache) -> LayerCache:
     """An int4 cache's layer cache.layer dequantized, as a group of one ([1, B, Hkv, S, D];
-    what every kernel reads of it: `kernel_backend`); plain and int8 caches as they are."""
+    what the XLA and cuDNN paths, and the Pallas kernels when they record prob sums, read of
+    it; the Pallas kernels otherwise read it in pieces: `int4_pieces`); plain and int8 caches
+    as they are."""
     if not written_first(cache.k):
         return cache
     k, v, pos = cache.read()
     return LayerCache.one(k, v, pos, cache.slot, cache.window)
 
 
-def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries, spec: AttentionSpec):
+def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries | None,
+                    spec: AttentionSpec, with_lse: bool = False):  # fmt: skip
     """`decode_attention` of layer cache.layer (its window: a replicated scalar, 0 when None);
     under a (data, model) mesh one call per device on its own rows and kv heads, as
     `_sharded_flash` (imported here for the same reason). A head under 128 reads the cache
     slots-minor, the layout the TPU gives such a cache (see `flash_decode`), so the kernel's
-    reads need no layout copy of it."""
+    reads need no layout copy of it. with_lse (new None): (out f32, lse), as
+    `decode_attention` gives them."""
     from dge_jax.kernels.flash_decode import decode_attention
 
     tiles = Tiles(slots_minor=cache.k.shape[-1] < 128)
 
-    def fn(q, k_all, v_all, pos_all, query_pos, k_new, v_new, pos_new, new_slot, i, window):
+    def fn(q, k_all, v_all, pos_all, query_pos, new_slot, i, window, *new_parts):
         layer = LayerCache(k_all, v_all, pos_all, i, new_slot, window)
-        return decode_attention(q, query_pos, layer, spec, NewEntries(k_new, v_new, pos_new),
-                                tiles)  # fmt: skip
+        return decode_attention(q, query_pos, layer, spec,
+                                NewEntries(*new_parts) if new_parts else None, tiles,
+                                with_lse)  # fmt: skip
 
-    args = (q, cache.k, cache.v, cache.pos, query_pos, *new,
-            jnp.asarray(cache.slot, jnp.int32), jnp.asarray(cache.layer, jnp.int32),
-            _window(cache.window))  # fmt: skip
+    args = (q, cache.k, cache.v, cache.pos, query_pos, jnp.asarray(cache.slot, jnp.int32),
+            jnp.asarray(cache.layer, jnp.int32), _window(cache.window),
+            *(() if new is None else new))  # fmt: skip
     specs = attention_specs(q.shape[0], cache.k.shape[2])
     if specs is None:
         return fn(*args)
@@ -189,9 +199,14 @@ def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries, spec: Atte
     stacked, scalar = jax.sharding.PartitionSpec(None, *keys), jax.sharding.PartitionSpec()
     return jax.shard_map(
         fn, in_specs=(rows, stacked, stacked, jax.sharding.PartitionSpec(None, *slots), qpos,
-                      keys, keys, slots, scalar, scalar, scalar),
-        out_specs=rows, check_vma=False,
+                      scalar, scalar, scalar, *(() if new is None else (keys, keys, slots))),
+        out_specs=(rows, _lse_spec(rows)) if with_lse else rows, check_vma=False,
     )(*args)  # fmt: skip
+
+
+def _lse_spec(rows: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
+    """The spec of a log-sum-exp [B, T, Hq] beside an output [B, T, Hq, D] of spec `rows`."""
+    return jax.sharding.PartitionSpec(*tuple(rows)[:3])
 
 
 def prefill_attention(
@@ -220,6 +235,11 @@ def prefill_attention(
     real token with left padding), and recorded queries, query statistics and KVzip's
     repeat scores all skip position -1.
     """
+    if backend.attention == "pallas" and not spec.record_attn and int4_pieces.in_pieces(cache):
+        out, _ = int4_pieces.attend_in_pieces(cache, q.shape, lambda piece, start: (
+            _sharded_flash(q, query_pos, piece, jnp.maximum(num_slots - start, 0), spec,
+                           with_lse=True)))  # fmt: skip
+        return out.astype(cache.v.dtype), None
     cache = dense_layer(cache)
     if backend.attention == "pallas":
         return _sharded_flash(q, query_pos, cache, num_slots, spec)
@@ -228,20 +248,22 @@ def prefill_attention(
     return written_slot_attention(q, query_pos, cache, num_slots, spec)
 
 
-def _sharded_flash(q, query_pos, cache: LayerCache, num_slots, spec: AttentionSpec):
+def _sharded_flash(q, query_pos, cache: LayerCache, num_slots, spec: AttentionSpec,
+                   with_lse: bool = False):  # fmt: skip
     """`flash_attention` of layer cache.layer of the stacked buffers (its window: a replicated
     scalar, 0 when None); under a (data, model) mesh, one call per device on its own rows and
     kv heads (jax.shard_map with the cache's layout: `constraints.attention_specs`, the
     layer axis unsplit). Each (row, kv head) pair is independent, so nothing crosses
     devices; a Pallas call cannot be partitioned by XLA itself. Imported here: Pallas's
-    modules take about a second to import, which CPU runs (xla) need not pay."""
+    modules take about a second to import, which CPU runs (xla) need not pay. with_lse (no
+    prob sums): (out f32, lse), as `flash_attention` gives them."""
     from dge_jax.kernels.flash import flash_attention
 
-    return_probs_sum = spec.record_attn
+    return_probs_sum = spec.record_attn and not with_lse
 
     def fn(q, k_all, v_all, pos_all, query_pos, num_slots, i, window):
         layer = LayerCache(k_all, v_all, pos_all, i, 0, window)
-        return flash_attention(q, query_pos, layer, num_slots, spec)
+        return flash_attention(q, query_pos, layer, num_slots, spec, with_lse=with_lse)
 
     args = (q, cache.k, cache.v, cache.pos, query_pos, jnp.asarray(num_slots, jnp.int32),
             jnp.asarray(cache.layer, jnp.int32), _window(cache.window))  # fmt: skip
@@ -253,16 +275,20 @@ def _sharded_flash(q, query_pos, cache: LayerCache, num_slots, spec: AttentionSp
     stacked = jax.sharding.PartitionSpec(None, *keys)
     scalar = jax.sharding.PartitionSpec()
 
+    # a second output (the prob sums [B, Hq, S], or the lse [B, T, Hq]) and its spec
+    pair = ((rows, sums) if return_probs_sum else (rows, _lse_spec(rows)) if with_lse
+            else None)  # fmt: skip
+
     def local(*args):
-        out, total = fn(*args)
-        return (out, total) if return_probs_sum else out
+        out, second = fn(*args)
+        return (out, second) if pair else out
 
     out = jax.shard_map(
         local, in_specs=(rows, stacked, stacked, jax.sharding.PartitionSpec(None, *slots), qpos,
                          scalar, scalar, scalar),
-        out_specs=(rows, sums) if return_probs_sum else rows, check_vma=False,
+        out_specs=pair or rows, check_vma=False,
     )(*args)  # fmt: skip
-    return out if return_probs_sum else (out, None)
+    return out if pair else (out, None)
 
 
 def _window(window: jax.Array | None) -> jax.Array:

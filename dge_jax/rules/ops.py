@@ -15,6 +15,14 @@ import jax.numpy as jnp
 from dge_jax.rules.base import check_choice, require_obs
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.compaction import INT32_MAX
+from dge_jax.runtime.quantized import (
+    Entries,
+    Int4Entries,
+    dequantize,
+    dequantize_slots,
+    int4_tail,
+    piece_plan,
+)
 from dge_jax.runtime.records import Observation
 
 GQA = ("mean", "max")
@@ -49,17 +57,18 @@ def first_query_pos(q_pos: jax.Array) -> jax.Array:
 
 
 def window_attention_sum(
-    k: jax.Array, pos: jax.Array, q: jax.Array, q_pos: jax.Array, weight: jax.Array
+    k: Entries, pos: jax.Array, q: jax.Array, q_pos: jax.Array, weight: jax.Array
 ) -> jax.Array:
     """Weighted sum over observed queries of their softmax attention to one layer's cache.
 
-    k: [B, Hkv, S, D], pos: [B, Hkv, S], q: [B, Hq, W, D], q_pos: [B, W], weight: [B, W] f32
-    -> [B, Hkv, G, S] f32, sum_w weight[w] * softmax_s(q[w] . k[s] / sqrt(D)). Causal per
-    query (``0 <= pos <= q_pos``); a query slot with q_pos = -1 adds nothing.
+    k: [B, Hkv, S, D] as stored (read dequantized), pos: [B, Hkv, S], q: [B, Hq, W, D], q_pos:
+    [B, W], weight: [B, W] f32 -> [B, Hkv, G, S] f32, sum_w weight[w] * softmax_s(q[w] . k[s]
+    / sqrt(D)). Causal per query (``0 <= pos <= q_pos``); a query slot with q_pos = -1 adds
+    nothing.
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[-1]
     qg = group_heads(q.astype(jnp.float32), num_kv_heads, axis=1)  # [B, Hkv, G, W, D]
-    logits = jnp.einsum("bhgwd,bhsd->bhgws", qg, k.astype(jnp.float32)) / math.sqrt(head_dim)
+    logits = _logits(qg, k) / math.sqrt(head_dim)
     # mask [B, Hkv, 1, W, S]: the slot holds a token no later than the (existing) query.
     key_pos = pos[:, :, None, None, :]
     query_pos = q_pos[:, None, None, :, None]
@@ -74,6 +83,32 @@ def window_attention_sum(
     # benchmarks/RESULTS.md, "Measured design choices").
     coef = jnp.where(total > 0, weight[:, None, None, :] / jnp.where(total > 0, total, 1.0), 0.0)
     return jnp.einsum("bhgws,bhgw->bhgs", unnormalised, coef)
+
+
+def _logits(qg: jax.Array, k: Entries) -> jax.Array:
+    """qg [B, Hkv, G, W, D] f32 times the dequantized keys k [B, Hkv, S, D]: [B, Hkv, G, W,
+    S] f32. An int4 layer is read a piece of slots at a time into the product
+    (`quantized.piece_plan`, as the kernels read it): dequantized whole, its unpacking held
+    2.5x the layer's dequantized size, the largest temporary of a selection compiled for TPU."""
+    def product(keys: jax.Array) -> jax.Array:
+        return jnp.einsum("bhgwd,bhsd->bhgws", qg, keys.astype(jnp.float32))
+
+    if not isinstance(k, Int4Entries):
+        return product(dequantize(k))
+    slots = k.shape[-2]
+    size, count, n = piece_plan(slots, k.residual)
+
+    def piece(p, out):
+        start = jnp.minimum(p * size, n - size)  # the last piece ends at n (rewrites alike)
+        return jax.lax.dynamic_update_slice_in_dim(out, product(dequantize_slots(k, start, size)),
+                                                   start, axis=4)  # fmt: skip
+
+    out = jnp.zeros((*qg.shape[:-1], slots), jnp.float32)
+    if count:
+        out = jax.lax.fori_loop(0, count, piece, out)
+    if slots > n:
+        out = jax.lax.dynamic_update_slice_in_dim(out, product(int4_tail(k)), n, axis=4)
+    return out
 
 
 def pool1d(x: jax.Array, include: jax.Array, kernel: int, how: str) -> jax.Array:

@@ -25,7 +25,6 @@ from dge_jax.rules.ops import (
 )
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.quantized import dequantize
 from dge_jax.runtime.records import Observation
 
 
@@ -115,7 +114,6 @@ class SnapKV(ScoringRule):
 
         def layer(args: tuple[jax.Array, ...]) -> jax.Array:
             k, pos, q, include = args  # [B, Hkv, S, D], [B, Hkv, S], [B, Hq, W, D], [B, Hkv, S]
-            k = dequantize(k)  # one layer at a time (an int8 cache's keys, as attention reads)
             weighted = window_attention_sum(k, pos, q, obs.q_pos, weight)  # [B, Hkv, G, S]
             mean = weighted / total[:, None, None, None]
             if self.gqa_before_pool:

@@ -12,7 +12,6 @@ from dge_jax.rules.base import Needs, ScoringRule, check_fields, finish, require
 from dge_jax.rules.ops import GQA, reduce, window_attention_sum
 from dge_jax.rules.registry import register
 from dge_jax.runtime.cache import KVCache
-from dge_jax.runtime.quantized import dequantize
 from dge_jax.runtime.records import Observation
 
 
@@ -50,7 +49,6 @@ class TOVA(ScoringRule):
 
         def layer(args: tuple[jax.Array, ...]) -> jax.Array:
             k, pos, q = args
-            k = dequantize(k)  # one layer at a time
             ones = jnp.ones(last_pos.shape, jnp.float32)
             attn = window_attention_sum(k, pos, q, last_pos, ones)  # [B, Hkv, G, S]
             if self.across_heads:

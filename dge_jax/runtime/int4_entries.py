@@ -105,12 +105,6 @@ def dequantize_int4(
     return x.reshape(unpacked.shape)
 
 
-def _region(e: Int4Entries, n: int, name: str = "scale") -> jax.Array:
-    """e's scale (or zero) of the first n slots (n a multiple of R, hence of G)."""
-    x = e.logical(name)
-    return x[..., : n // e.group, :] if e.keys else x[..., :n, :]
-
-
 # TPU tiles an array's last dim in 128 lanes: int4's packed values (D / 2 bytes a slot) and
 # values' scales (D / G a slot) would be padded there, and XLA lays a layer loop's carry out
 # otherwise than the program's arguments, so the whole cache was copied padded (benchmarks/

@@ -74,8 +74,8 @@ from dge_jax.runtime.int4_entries import (
     _empty_int4,
     _merge,
     _per_layer,
-    _region,
     _units,
+    _unmerge,
 )
 from dge_jax.runtime.int4_entries import (
     dequantize_int4 as dequantize_int4,
@@ -155,18 +155,66 @@ def dequantize(entries: Entries) -> jax.Array:
     if not isinstance(entries, Int4Entries):
         return entries
     e = entries
-    r, slots = e.residual, e.shape[-2]
-    n = slots // r * r  # slots in whole blocks; the rest is the tail, always residual
-    lead = e.q.shape[:-2]
-    base = dequantize_int4(e.logical("q")[..., :n, :], _region(e, n), _region(e, n, "zero"), e.keys,
-                           e.group)  # fmt: skip
-    # The residual replaces its block: block start // R of the [.., n / R, R, D] view, or
-    # the tail when start // R is n / R (a start past the tail matches nothing).
-    blocks = base.reshape(*lead, n // r, r, -1)
-    here = jnp.arange(n // r) == (e.start // r)[..., None]  # [..., n / R]
+    n = e.shape[-2] // e.residual * e.residual  # slots in whole blocks; the rest is the tail
+    return jnp.concatenate([dequantize_slots(e, 0, n), int4_tail(e)], axis=-2)
+
+
+PIECES = 8  # pieces the kernels and the rules read an int4 layer's whole blocks in
+
+
+def piece_plan(slots: int, residual: int) -> tuple[int, int, int]:
+    """(slots per piece, pieces, whole-block slots n) for a capacity of `slots`: PIECES pieces
+    of whole blocks of `residual` slots (fewer when there are fewer blocks; the last one may
+    end where the one before it did not, so pieces cover [0, n) with some slots twice)."""
+    n = slots // residual * residual
+    size = residual * max(1, -(-(n // residual) // PIECES))
+    return size, -(-n // size), n
+
+
+def dequantize_slots(entries: Entries, start: jax.Array | int, size: int) -> jax.Array:
+    """Slots [start, start + size) of stored entries [..., S, D] as `dequantize` reads them
+    (the same numbers as its [..., start:start + size, :]), the other slots left alone: what
+    reads an int4 layer a piece at a time never holds all of it dequantized. start: an int
+    or a traced scalar. int4: start and size multiples of R inside the whole blocks (the
+    tail: `int4_tail`), so every key group and residual block is all in or all out."""
+    if not isinstance(entries, Int4Entries):
+        return dequantize(jax.tree.map(
+            lambda a: jax.lax.dynamic_slice_in_dim(a, start, size, axis=a.ndim - 2), entries))
+    e, r = entries, entries.residual
+    if size % r:
+        raise ValueError(f"int4 entries are read in whole blocks of {r} slots, not {size}")
+    d = e.resid.shape[-1]
+    per_block_q, per_block_scale = _units(e.keys, e.group, r)  # rows of a block in each leaf
+
+    def rows(name: str, width: int, per_block: int) -> jax.Array:
+        """The piece's rows of stored leaf `name` (merged m to a row: sliced merged, then
+        unmerged, so only the piece is ever laid out one row a slot)."""
+        x = getattr(e, name)
+        m = x.shape[-1] // width
+        first = start // r * (per_block // m)
+        return _unmerge(jax.lax.dynamic_slice_in_dim(x, first, size // r * per_block // m,
+                                                     axis=x.ndim - 2), width)  # fmt: skip
+
+    width = d if e.keys else d // e.group
+    base = dequantize_int4(rows("q", d // 2, per_block_q), rows("scale", width, per_block_scale),
+                           rows("zero", width, per_block_scale), e.keys, e.group)  # fmt: skip
+    # The residual replaces its block: the piece's block i is block start // R + i.
+    lead = base.shape[:-2]
+    blocks = base.reshape(*lead, size // r, r, d)
+    here = start // r + jnp.arange(size // r) == (e.start // r)[..., None]  # [..., size / R]
     blocks = jnp.where(here[..., None, None], e.resid[..., None, :, :], blocks)
-    tail = jnp.where((e.start == n)[..., None, None], e.resid[..., : slots - n, :], 0)
-    return jnp.concatenate([blocks.reshape(*lead, n, -1), tail.astype(base.dtype)], axis=-2)
+    return blocks.reshape(*lead, size, d)
+
+
+def int4_tail(entries: Int4Entries) -> jax.Array:
+    """The tail of int4 entries (the S % R slots past the whole blocks, always residual) as
+    `dequantize` reads them: the residual's first slots when the residual block is the tail
+    (start = the whole blocks' end), else zeros (empty slots)."""
+    e = entries
+    slots = e.shape[-2]
+    n = slots // e.residual * e.residual
+    return jnp.where((e.start == n)[..., None, None], e.resid[..., : slots - n, :], 0).astype(
+        e.dtype)
 
 
 def requantized_when_moved(entries: Entries) -> bool:
