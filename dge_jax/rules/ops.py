@@ -64,19 +64,25 @@ def window_attention_sum(
     k: [B, Hkv, S, D] as stored (read dequantized), pos: [B, Hkv, S], q: [B, Hq, W, D], q_pos:
     [B, W], weight: [B, W] f32 -> [B, Hkv, G, S] f32, sum_w weight[w] * softmax_s(q[w] . k[s]
     / sqrt(D)). Causal per query (``0 <= pos <= q_pos``); a query slot with q_pos = -1 adds
-    nothing.
+    nothing. An int4 layer is read a piece of slots at a time (`_int4_window_sum`).
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[-1]
     qg = group_heads(q.astype(jnp.float32), num_kv_heads, axis=1)  # [B, Hkv, G, W, D]
-    logits = _logits(qg, k) / math.sqrt(head_dim)
-    # mask [B, Hkv, 1, W, S]: the slot holds a token no later than the (existing) query.
-    key_pos = pos[:, :, None, None, :]
     query_pos = q_pos[:, None, None, :, None]
-    mask = (key_pos >= 0) & (key_pos <= query_pos) & (query_pos >= 0)
-    logits = jnp.where(mask, logits, -jnp.inf)
-    peak = jnp.max(logits, axis=-1, keepdims=True)
+
+    def logits(keys: jax.Array, key_pos: jax.Array) -> jax.Array:
+        """[B, Hkv, G, W, S'] f32 over keys [B, Hkv, S', D] at key_pos [B, Hkv, S'], -inf
+        where the slot holds no token at or before the (existing) query."""
+        x = jnp.einsum("bhgwd,bhsd->bhgws", qg, keys.astype(jnp.float32)) / math.sqrt(head_dim)
+        kp = key_pos[:, :, None, None, :]
+        return jnp.where((kp >= 0) & (kp <= query_pos) & (query_pos >= 0), x, -jnp.inf)
+
+    if isinstance(k, Int4Entries):
+        return _int4_window_sum(k, pos, logits, weight, qg.shape[:-1])
+    scores = logits(dequantize(k), pos)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # fully masked rows: avoid inf - inf
-    unnormalised = jnp.exp(logits - peak)  # masked slots: exp(-inf) = 0
+    unnormalised = jnp.exp(scores - peak)  # masked slots: exp(-inf) = 0
     total = jnp.sum(unnormalised, axis=-1)  # [B, Hkv, G, W]
     # Each query's 1 / total folds into its weight, so the [.., W, S] probabilities are never
     # written out: one pass fewer over the largest array of a scoring (faster on CPU:
@@ -85,29 +91,58 @@ def window_attention_sum(
     return jnp.einsum("bhgws,bhgw->bhgs", unnormalised, coef)
 
 
-def _logits(qg: jax.Array, k: Entries) -> jax.Array:
-    """qg [B, Hkv, G, W, D] f32 times the dequantized keys k [B, Hkv, S, D]: [B, Hkv, G, W,
-    S] f32. An int4 layer is read a piece of slots at a time into the product
-    (`quantized.piece_plan`, as the kernels read it): dequantized whole, its unpacking held
-    2.5x the layer's dequantized size, the largest temporary of a selection compiled for TPU."""
-    def product(keys: jax.Array) -> jax.Array:
-        return jnp.einsum("bhgwd,bhsd->bhgws", qg, keys.astype(jnp.float32))
-
-    if not isinstance(k, Int4Entries):
-        return product(dequantize(k))
+def _int4_window_sum(k: Int4Entries, pos: jax.Array, logits, weight: jax.Array,
+                     shape: tuple[int, ...]) -> jax.Array:  # fmt: skip
+    """`window_attention_sum` over an int4 layer, read a piece of slots at a time
+    (`quantized.piece_plan`, as the kernels read it) in two passes: each query's max and
+    normaliser (online, as the kernels join key tiles), then each piece's weighted
+    probabilities into the [B, Hkv, G, S] result (shape: [B, Hkv, G, W]). Neither the
+    dequantized layer nor its [B, Hkv, G, W, S] logits are ever whole: dequantized whole,
+    the layer's unpacking held 2.5x its size, and the logits were a selection's largest
+    temporary (compiled for v5e, benchmarks/RESULTS.md, "An int4 cache"). Equal to the
+    whole computation up to the normaliser's summation order."""
     slots = k.shape[-2]
     size, count, n = piece_plan(slots, k.residual)
 
-    def piece(p, out):
-        start = jnp.minimum(p * size, n - size)  # the last piece ends at n (rewrites alike)
-        return jax.lax.dynamic_update_slice_in_dim(out, product(dequantize_slots(k, start, size)),
-                                                   start, axis=4)  # fmt: skip
+    def piece(p, hide: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Piece p's keys, positions and first slot; the last piece ends at n, and (hide) its
+        slots the piece before it read are hidden (position -1)."""
+        covered = p * size
+        start = jnp.minimum(covered, n - size)
+        key_pos = jax.lax.dynamic_slice_in_dim(pos, start, size, axis=2)
+        if hide:
+            key_pos = jnp.where(start + jnp.arange(size) < covered, -1, key_pos)
+        return dequantize_slots(k, start, size), key_pos, start
 
-    out = jnp.zeros((*qg.shape[:-1], slots), jnp.float32)
+    def tail() -> tuple[jax.Array, jax.Array]:
+        return int4_tail(k), pos[..., n:]
+
+    def stats(keys, key_pos, carry):
+        m, total = carry  # running max (finite: -1e30 until a slot is seen) and normaliser
+        s = logits(keys, key_pos)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        return m_new, total * jnp.exp(m - m_new) + jnp.exp(s - m_new[..., None]).sum(axis=-1)
+
+    carry = (jnp.full(shape, -1e30, jnp.float32), jnp.zeros(shape, jnp.float32))
     if count:
-        out = jax.lax.fori_loop(0, count, piece, out)
+        carry = jax.lax.fori_loop(0, count, lambda p, c: stats(*piece(p, True)[:2], c), carry)
     if slots > n:
-        out = jax.lax.dynamic_update_slice_in_dim(out, product(int4_tail(k)), n, axis=4)
+        carry = stats(*tail(), carry)
+    m, total = carry
+    coef = jnp.where(total > 0, weight[:, None, None, :] / jnp.where(total > 0, total, 1.0), 0.0)
+
+    def weighted(keys, key_pos):  # [B, Hkv, G, S']
+        return jnp.einsum("bhgws,bhgw->bhgs", jnp.exp(logits(keys, key_pos) - m[..., None]), coef)
+
+    def write(p, out):  # every slot of the last piece rewritten with the value it had
+        keys, key_pos, start = piece(p, False)
+        return jax.lax.dynamic_update_slice_in_dim(out, weighted(keys, key_pos), start, axis=3)
+
+    out = jnp.zeros((*shape[:-1], slots), jnp.float32)
+    if count:
+        out = jax.lax.fori_loop(0, count, write, out)
+    if slots > n:
+        out = jax.lax.dynamic_update_slice_in_dim(out, weighted(*tail()), n, axis=3)
     return out
 
 

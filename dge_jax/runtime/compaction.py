@@ -30,8 +30,8 @@ from dge_jax.runtime.quantized import (
     Entries,
     Int4Entries,
     KVQuant,
-    dequantize,
     quantize_int4_entries,
+    read_slots,
     requantized_when_moved,
 )
 
@@ -232,16 +232,17 @@ def compact_int4_layers(
 ) -> Int4Entries:
     """int4 entries [Lg, B, Hkv, S, D] compacted by `compaction_plan`'s order and new pos
     [Lg, B, Hkv, C] and requantized with next write slots index [Lg]: one layer at a time
-    (`jax.lax.map`: dequantize, gather, requantize), so the dense temporary is one layer's,
-    not the group's. Equal, to the bit, to `settle` of `compact_heads` of the `movable`
-    entries (the same per-layer arithmetic; tests/test_int4_cache.py)."""
+    (`jax.lax.map`: gather the kept slots, dequantized a piece at a time by `read_slots`,
+    requantize), so the dense temporary is one piece's, not the group's. Equal, to the bit,
+    to `settle` of `compact_heads` of the `movable` entries (the same per-layer arithmetic;
+    tests/test_int4_cache.py)."""
     slots = entries.shape[-2]
     quant = KVQuant("int4", entries.group, entries.residual)
 
     def one(args):
         e, o, p, i = args  # one layer: [B, Hkv, ...], index a scalar
         at = jnp.minimum(o, slots - 1)[..., None]  # an empty target's source: any slot
-        x = jnp.where((p >= 0)[..., None], jnp.take_along_axis(dequantize(e), at, axis=-2), 0)
+        x = jnp.where((p >= 0)[..., None], read_slots(e, at[..., 0]), 0)
         return quantize_int4_entries(x, i, quant, e.keys, e.dtype)
 
     return jax.lax.map(one, (entries, order, new_pos, jnp.asarray(index, jnp.int32)))

@@ -297,13 +297,31 @@ def _pad_axis(x: jax.Array, axis: int, extra: int) -> jax.Array:
 
 def read_slots(entries: Entries, slots: jax.Array) -> jax.Array:
     """The dequantized entries [..., W, D] at slots [..., W] of stored entries [..., S, D]:
-    plain and int8 picked first (only the picked int8 slots dequantized), int4 dequantized
-    first (its slots share groups)."""
-    def pick(x):
-        return jnp.take_along_axis(x, slots[..., None], axis=-2)
-    if isinstance(entries, Int4Entries):
-        return pick(dequantize(entries))
-    return dequantize(jax.tree.map(pick, entries))
+    plain and int8 picked first (only the picked int8 slots dequantized), int4 read a piece
+    of whole blocks at a time (its slots share groups; `piece_plan`), each piece dequantized
+    and the slots inside it picked, so the layer is never dequantized whole."""
+    def pick(x, at):
+        return jnp.take_along_axis(x, at[..., None], axis=-2)
+
+    if not isinstance(entries, Int4Entries):
+        return dequantize(jax.tree.map(lambda x: pick(x, slots), entries))
+    e = entries
+    size, count, n = piece_plan(e.shape[-2], e.residual)
+
+    def from_part(part: jax.Array, start, out: jax.Array) -> jax.Array:
+        local = slots - start
+        inside = (local >= 0) & (local < part.shape[-2])
+        return jnp.where(inside[..., None], pick(part, jnp.clip(local, 0, part.shape[-2] - 1)),
+                         out)  # fmt: skip
+
+    def piece(p, out):  # the last piece ends at n: the slots it shares read alike
+        start = jnp.minimum(p * size, n - size)
+        return from_part(dequantize_slots(e, start, size), start, out)
+
+    out = jnp.zeros((*slots.shape, e.resid.shape[-1]), e.dtype)
+    if count:
+        out = jax.lax.fori_loop(0, count, piece, out)
+    return from_part(int4_tail(e), n, out) if e.shape[-2] > n else out
 
 
 def empty_entries(
