@@ -45,6 +45,7 @@ from dge_jax.runtime.quantized import (
     parse_kv_quant,
     quantize_int4,
     quantize_int4_entries,
+    read_slots,
     settle,
     write_int4,
 )
@@ -572,9 +573,10 @@ def test_the_bounded_sliding_layout_holds_int4():
 
 @pytest.mark.parametrize("s,n", [(32, 14), (150, 146)])
 def test_window_attention_reads_int4_in_pieces_as_dequantized(s, n):
-    """The rules' window attention on int4 keys (their logits made a piece of slots at a
-    time, `ops._logits`) equals it on the same keys dequantized whole: 150 slots are five
-    pieces of two 16-slot blocks, the last moved back, and a 6-slot tail."""
+    """The rules' window attention on int4 keys read in 8 pieces (TPU's and GPU's
+    `Backend.int4_pieces`; two passes, `ops._int4_window_sum`) equals it on the same keys
+    dequantized whole (CPU's): 150 slots are five pieces of two 16-slot blocks, the last
+    moved back over one the fourth read, and a 6-slot tail."""
     from dge_jax.rules.ops import window_attention_sum
 
     layer, rng = int4_layer(5, n, s=s)
@@ -582,7 +584,24 @@ def test_window_attention_reads_int4_in_pieces_as_dequantized(s, n):
     q = jnp.asarray(rng.standard_normal((2, 4, 3, 8)), jnp.float32)
     q_pos = jnp.asarray([[n - 3, n - 2, n - 1], [-1, n - 2, n - 1]], jnp.int32)
     weight = jnp.ones((2, 3), jnp.float32)
-    run = jax.jit(window_attention_sum)
-    got = run(k, layer.pos[1], q, q_pos, weight)
-    want = run(jax.jit(dequantize)(k), layer.pos[1], q, q_pos, weight)
+    run = jax.jit(window_attention_sum, static_argnums=5)
+    got = run(k, layer.pos[1], q, q_pos, weight, 8)
+    want = run(k, layer.pos[1], q, q_pos, weight, 1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # summation order only
+    np.testing.assert_array_equal(want, run(jax.jit(dequantize)(k), layer.pos[1], q, q_pos,
+                                            weight, 1))  # fmt: skip
+
+
+@pytest.mark.parametrize("s,n", [(32, 14), (150, 146)])
+def test_read_slots_in_pieces_reads_what_dequantize_reads(s, n):
+    """Compaction's gather (`read_slots`) of int4 entries in 8 pieces picks, to the bit, what
+    the whole dequantized layer holds at those slots: slots in every piece, the shared
+    block of the moved-back last piece, the tail and the residual."""
+    layer, rng = int4_layer(7, n, s=s)
+    k = jax.tree.map(lambda x: x[1], layer.k)
+    slots = jnp.asarray(rng.integers(0, s, (2, 2, 40)), jnp.int32)
+    slots = slots.at[..., :3].set(jnp.asarray([0, s - 1, n - 1], jnp.int32))
+    got = jax.jit(read_slots, static_argnums=2)(k, slots, 8)
+    whole = jax.jit(dequantize)(k)
+    np.testing.assert_array_equal(got, jnp.take_along_axis(whole, slots[..., None], axis=-2))
+    np.testing.assert_array_equal(got, jax.jit(read_slots, static_argnums=2)(k, slots, 1))

@@ -65,9 +65,9 @@ def prompt_ids(lengths, seed=0, vocab=128):
 def test_the_choices_per_platform():
     """CPU keeps today's program; TPU and GPU get none of its XLA:CPU choices."""
     cpu, tpu, gpu = (Backend.of(p) for p in ("cpu", "tpu", "gpu"))
-    assert cpu == Backend("cpu", "xla", "unrolled", 512, 0, 512, 0, 16, True)
-    assert tpu == Backend("tpu", "pallas", "scan", 8192, 8192, 512, 512, 0, False)
-    assert gpu == Backend("gpu", "xla", "unrolled", 8192, 8192, 512, 512, 0, False)
+    assert cpu == Backend("cpu", "xla", "unrolled", 512, 0, 512, 0, 16, True, 1)
+    assert tpu == Backend("tpu", "pallas", "scan", 8192, 8192, 512, 512, 0, False, 8)
+    assert gpu == Backend("gpu", "xla", "unrolled", 8192, 8192, 512, 512, 0, False, 8)
     assert Backend.of("cuda") == gpu and Backend.of("gpu", "cudnn").attention == "cudnn"
     assert Backend.of("tpu", "xla").attention == "xla"
     assert Backend.of("cpu", "pallas") == dataclasses.replace(cpu, attention="pallas")

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dge_jax.rules.base import check_choice, require_obs
+from dge_jax.runtime import platform
 from dge_jax.runtime.cache import KVCache
 from dge_jax.runtime.compaction import INT32_MAX
 from dge_jax.runtime.quantized import (
@@ -57,14 +58,16 @@ def first_query_pos(q_pos: jax.Array) -> jax.Array:
 
 
 def window_attention_sum(
-    k: Entries, pos: jax.Array, q: jax.Array, q_pos: jax.Array, weight: jax.Array
+    k: Entries, pos: jax.Array, q: jax.Array, q_pos: jax.Array, weight: jax.Array,
+    pieces: int | None = None,
 ) -> jax.Array:
     """Weighted sum over observed queries of their softmax attention to one layer's cache.
 
     k: [B, Hkv, S, D] as stored (read dequantized), pos: [B, Hkv, S], q: [B, Hq, W, D], q_pos:
     [B, W], weight: [B, W] f32 -> [B, Hkv, G, S] f32, sum_w weight[w] * softmax_s(q[w] . k[s]
     / sqrt(D)). Causal per query (``0 <= pos <= q_pos``); a query slot with q_pos = -1 adds
-    nothing. An int4 layer is read a piece of slots at a time (`_int4_window_sum`).
+    nothing. An int4 layer is read in `pieces` pieces of slots (None: the platform's,
+    `Backend.int4_pieces`; `_int4_window_sum`), else whole.
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[-1]
     qg = group_heads(q.astype(jnp.float32), num_kv_heads, axis=1)  # [B, Hkv, G, W, D]
@@ -77,8 +80,9 @@ def window_attention_sum(
         kp = key_pos[:, :, None, None, :]
         return jnp.where((kp >= 0) & (kp <= query_pos) & (query_pos >= 0), x, -jnp.inf)
 
-    if isinstance(k, Int4Entries):
-        return _int4_window_sum(k, pos, logits, weight, qg.shape[:-1])
+    pieces = platform.current().int4_pieces if pieces is None else pieces
+    if isinstance(k, Int4Entries) and pieces > 1:
+        return _int4_window_sum(k, pos, logits, weight, qg.shape[:-1], pieces)
     scores = logits(dequantize(k), pos)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)  # fully masked rows: avoid inf - inf
@@ -92,7 +96,7 @@ def window_attention_sum(
 
 
 def _int4_window_sum(k: Int4Entries, pos: jax.Array, logits, weight: jax.Array,
-                     shape: tuple[int, ...]) -> jax.Array:  # fmt: skip
+                     shape: tuple[int, ...], pieces: int) -> jax.Array:  # fmt: skip
     """`window_attention_sum` over an int4 layer, read a piece of slots at a time
     (`quantized.piece_plan`, as the kernels read it) in two passes: each query's max and
     normaliser (online, as the kernels join key tiles), then each piece's weighted
@@ -102,7 +106,7 @@ def _int4_window_sum(k: Int4Entries, pos: jax.Array, logits, weight: jax.Array,
     temporary (compiled for v5e, benchmarks/RESULTS.md, "An int4 cache"). Equal to the
     whole computation up to the normaliser's summation order."""
     slots = k.shape[-2]
-    size, count, n = piece_plan(slots, k.residual)
+    size, count, n = piece_plan(slots, k.residual, pieces)
 
     def piece(p, hide: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Piece p's keys, positions and first slot; the last piece ends at n, and (hide) its

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dge_jax.distribution.multihost import fetch
+from dge_jax.runtime import platform
 from dge_jax.runtime.cache import (
     KVCache,
     LayerGroup,
@@ -232,17 +233,18 @@ def compact_int4_layers(
 ) -> Int4Entries:
     """int4 entries [Lg, B, Hkv, S, D] compacted by `compaction_plan`'s order and new pos
     [Lg, B, Hkv, C] and requantized with next write slots index [Lg]: one layer at a time
-    (`jax.lax.map`: gather the kept slots, dequantized a piece at a time by `read_slots`,
-    requantize), so the dense temporary is one piece's, not the group's. Equal, to the bit,
-    to `settle` of `compact_heads` of the `movable` entries (the same per-layer arithmetic;
-    tests/test_int4_cache.py)."""
+    (`jax.lax.map`: gather the kept slots, dequantized in the platform's int4 pieces by
+    `read_slots`, requantize), so the dense temporary is a layer's at most, not the
+    group's. Equal, to the bit, to `settle` of `compact_heads` of the `movable` entries (the
+    same per-layer arithmetic; tests/test_int4_cache.py)."""
     slots = entries.shape[-2]
     quant = KVQuant("int4", entries.group, entries.residual)
+    pieces = platform.current().int4_pieces
 
     def one(args):
         e, o, p, i = args  # one layer: [B, Hkv, ...], index a scalar
         at = jnp.minimum(o, slots - 1)[..., None]  # an empty target's source: any slot
-        x = jnp.where((p >= 0)[..., None], read_slots(e, at[..., 0]), 0)
+        x = jnp.where((p >= 0)[..., None], read_slots(e, at[..., 0], pieces), 0)
         return quantize_int4_entries(x, i, quant, e.keys, e.dtype)
 
     return jax.lax.map(one, (entries, order, new_pos, jnp.asarray(index, jnp.int32)))

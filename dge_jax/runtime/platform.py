@@ -20,6 +20,7 @@ device's. To compile for another platform without a mesh, set a 1 x 1 mesh of it
     key_block              = chunk      512            512            XLA path's score tiles
     keys_major_max_rows    16           0              0              an XLA:CPU speed choice
     write_after_attention  True         False          False          an XLA:CPU copy fix
+    int4_pieces            1            8              8              see below
 
 Prefill chunk. Each prefill step reads every weight once, so a 32k prompt in 512-token steps
 reads an 8B model's weights 64 times (159 GB of HBM traffic per device on a v5e-8 against
@@ -43,6 +44,13 @@ XLA:CPU copied every cache buffer per step (`layer_attention.cache_layer_attenti
 that zero only adds a scalar to every layer's all-reduce under a mesh, and the TPU
 compiler keeps the buffers in place without it (tests/test_platform.py compiles the decode
 loop for a v5e and finds no cache copy).
+
+int4 pieces. The rules' window attention and compaction's gather read an int4 layer in this
+many pieces of whole blocks (`quantized.piece_plan`), so no layer is dequantized whole: on a
+v5e that is what let 72 rows of Llama-8B at 32k fit instead of 64. XLA:CPU pays per op, and
+there the pieces made selection 3.2x and compaction 2.8x slower at 2k (benchmarks/RESULTS.md,
+"An int4 cache"), so CPU reads a layer whole. (The Pallas kernels always read an int4 layer
+in pieces: `kernels/int4_pieces.py`.)
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+
+from dge_jax.runtime.quantized import PIECES  # int4_pieces on TPU and GPU, as the kernels
 
 ATTENTION = ("auto", "xla", "pallas", "cudnn")
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -92,7 +102,8 @@ class Backend:
     step). key_block: keys per block of the XLA prefill path (0: the chunk).
     keys_major_max_rows: decode scores keys-major up to this many rows per kv head (0:
     never). write_after_attention: order a decode step's cache write after attention's
-    reads through a computed zero.
+    reads through a computed zero. int4_pieces: pieces the rules and compaction read an int4
+    layer in (1: whole).
     """
 
     platform: str
@@ -104,6 +115,7 @@ class Backend:
     key_block: int
     keys_major_max_rows: int
     write_after_attention: bool
+    int4_pieces: int
 
     @classmethod
     def of(cls, platform: str, attention: str = "auto") -> Backend:
@@ -124,12 +136,12 @@ class Backend:
             attention = "pallas" if name == "tpu" else "xla"
         if name == "cpu":
             return cls(name, attention, "unrolled", CPU_CHUNK, 0, CPU_CHUNK, 0,
-                       CPU_KEYS_MAJOR_MAX_ROWS, True)  # fmt: skip
+                       CPU_KEYS_MAJOR_MAX_ROWS, True, 1)  # fmt: skip
         # GPU decode steps run faster in one-layer groups than scanned over the stacked
         # layers, as on CPU (measured: benchmarks.decode_step --llama8b, benchmarks/RESULTS.md)
         loop = "unrolled" if name == "gpu" else "scan"
         return cls(name, attention, loop, ACCELERATOR_CHUNK, ACCELERATOR_CHUNK, PROMPT_BUCKET,
-                   512, 0, False)  # fmt: skip
+                   512, 0, False, PIECES)  # fmt: skip
 
     def chunk_for(self, batch: int) -> int:
         """The prefill chunk for `batch` rows on a device (`rows_per_device`):

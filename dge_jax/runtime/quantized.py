@@ -162,12 +162,13 @@ def dequantize(entries: Entries) -> jax.Array:
 PIECES = 8  # pieces the kernels and the rules read an int4 layer's whole blocks in
 
 
-def piece_plan(slots: int, residual: int) -> tuple[int, int, int]:
-    """(slots per piece, pieces, whole-block slots n) for a capacity of `slots`: PIECES pieces
-    of whole blocks of `residual` slots (fewer when there are fewer blocks; the last one may
-    end where the one before it did not, so pieces cover [0, n) with some slots twice)."""
+def piece_plan(slots: int, residual: int, pieces: int = PIECES) -> tuple[int, int, int]:
+    """(slots per piece, pieces, whole-block slots n) for a capacity of `slots`: `pieces`
+    pieces of whole blocks of `residual` slots (fewer when there are fewer blocks; the last
+    one may end where the one before it did not, so pieces cover [0, n) with some slots
+    twice)."""
     n = slots // residual * residual
-    size = residual * max(1, -(-(n // residual) // PIECES))
+    size = residual * max(1, -(-(n // residual) // pieces))
     return size, -(-n // size), n
 
 
@@ -295,18 +296,19 @@ def _pad_axis(x: jax.Array, axis: int, extra: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def read_slots(entries: Entries, slots: jax.Array) -> jax.Array:
+def read_slots(entries: Entries, slots: jax.Array, pieces: int = 1) -> jax.Array:
     """The dequantized entries [..., W, D] at slots [..., W] of stored entries [..., S, D]:
-    plain and int8 picked first (only the picked int8 slots dequantized), int4 read a piece
-    of whole blocks at a time (its slots share groups; `piece_plan`), each piece dequantized
-    and the slots inside it picked, so the layer is never dequantized whole."""
+    plain and int8 picked first (only the picked int8 slots dequantized), int4 read in
+    `pieces` pieces of whole blocks (its slots share groups; `piece_plan`), each piece
+    dequantized and the slots inside it picked, so with pieces > 1 the layer is never
+    dequantized whole."""
     def pick(x, at):
         return jnp.take_along_axis(x, at[..., None], axis=-2)
 
     if not isinstance(entries, Int4Entries):
         return dequantize(jax.tree.map(lambda x: pick(x, slots), entries))
     e = entries
-    size, count, n = piece_plan(e.shape[-2], e.residual)
+    size, count, n = piece_plan(e.shape[-2], e.residual, pieces)
 
     def from_part(part: jax.Array, start, out: jax.Array) -> jax.Array:
         local = slots - start
