@@ -48,9 +48,9 @@ loop for a v5e and finds no cache copy).
 int4 pieces. The rules' window attention and compaction's gather read an int4 layer in this
 many pieces of whole blocks (`quantized.piece_plan`), so no layer is dequantized whole: on a
 v5e that is what let 72 rows of Llama-8B at 32k fit instead of 64. XLA:CPU pays per op, and
-there the pieces made selection 3.2x and compaction 2.8x slower at 2k (benchmarks/RESULTS.md,
-"An int4 cache"), so CPU reads a layer whole. (The Pallas kernels always read an int4 layer
-in pieces: `kernels/int4_pieces.py`.)
+there pieces take several times a whole read (`python -m benchmarks.int4_pieces`,
+benchmarks/RESULTS.md, "An int4 cache"), so CPU reads a layer whole. (The Pallas kernels
+always read an int4 layer in pieces: `kernels/int4_pieces.py`.)
 """
 
 from __future__ import annotations
