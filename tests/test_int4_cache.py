@@ -262,6 +262,26 @@ def test_pallas_reads_int4_as_xla_does(key_block, record_attn, s, n):
     assert_pallas_is_xla(q, NewEntries(k_new, v_new, pos_new), layer, key_block, record_attn)
 
 
+def test_over_pieces_reads_every_slot_once_unseen():
+    """`over_pieces` at 150 slots (R = 16, 5 pieces): five pieces of 32 slots, the last
+    moved back to end at 144 with the 16 slots the fourth read marked seen, then a tail at
+    144; the unseen slots of the pieces are [0, 144) once each. At 32 slots, no tail."""
+    from dge_jax.runtime.quantized import over_pieces
+
+    def piece(start, size, seen, acc):
+        counts, starts, p = acc
+        idx = start + jnp.arange(size)
+        return counts.at[idx].add((~seen).astype(jnp.int32)), starts.at[p].set(start), p + 1
+
+    init = (jnp.zeros(150, jnp.int32), jnp.full(5, -1, jnp.int32), jnp.int32(0))
+    counts, starts, count = over_pieces(
+        150, R, 5, piece, lambda n, acc: (acc[0].at[n:].add(1), acc[1], acc[2] * 0 + n), init)
+    np.testing.assert_array_equal(starts, [0, 32, 64, 96, 112])
+    np.testing.assert_array_equal(counts, np.ones(150, np.int32))
+    assert int(count) == 144  # the tail ran, at n = 144
+    assert over_pieces(32, R, 8, lambda s, z, seen, c: c + 1, lambda n, c: c + 100, 0) == 2
+
+
 def test_pieces_join_as_one_softmax():
     """`int4_pieces.join` of two halves' (out, lse) is the softmax over all slots; a row
     that saw nothing in one half takes the other's, in both it stays 0."""

@@ -2,11 +2,10 @@
 softmax.
 
 The Pallas kernels unpack int8 blocks in VMEM but not int4 ones (`layer_attention.dense_layer`),
-so they read an int4 layer dequantized. Dequantized whole, a layer is a temporary of the
-activation dtype's full size, and its unpacking's intermediates add more: compiled for a v5e
-chip, one Llama-8B layer's k and v at 32k for 64 rows held 1.0 GiB dequantized plus 1.5 GiB of
-intermediates, the largest temporary of prefill, draft and FullKV's decode, which decided
-the largest batch (benchmarks/RESULTS.md, "An int4 cache"). Here each piece of `size` slots
+so they read an int4 layer dequantized. Dequantized whole, a layer left whole-layer temporaries
+of the activation dtype (the unpacked nibbles, their relayout, the product), the largest of
+prefill, draft and FullKV's decode when compiled for a v5e chip, which decided the largest
+batch (benchmarks/RESULTS.md, "An int4 cache"). Here each piece of `size` slots
 is dequantized alone (`quantized.dequantize_slots`), read by the kernel, which also gives
 each row's log-sum-exp, and joined with the pieces before it (`join`: the running output
 reweighted by exp(lse - m), as the kernels' own online softmax joins key tiles), so the
@@ -14,9 +13,9 @@ temporary is one piece. The same numbers up to float summation order, as the ker
 the XLA path.
 
 Pieces are whole residual blocks (R slots, so every key group and the residual block is all
-in one piece): `quantized.piece_plan`'s pieces cover the whole blocks, the last one moved
-back to end at the last whole block and its slots that the piece before it covered hidden
-(position -1), then the tail (S % R slots, always residual) as one more piece.
+in one piece), walked by `quantized.over_pieces`: the last one moved back to end at the last
+whole block, its slots that the piece before it read hidden (position -1), then the tail
+(S % R slots, always residual) as one more piece.
 """
 
 from __future__ import annotations
@@ -28,9 +27,10 @@ import jax.numpy as jnp
 
 from dge_jax.kernels.attention import _MASKED, LayerCache
 from dge_jax.runtime.quantized import (
+    PIECES,
     dequantize_slots,
     int4_tail,
-    piece_plan,
+    over_pieces,
     written_first,
 )
 
@@ -60,27 +60,20 @@ def attend_in_pieces(cache: LayerCache, out_shape: tuple[int, ...], attend: Atte
     piece's k and v dequantized and its positions (slots the piece before covered: -1) handed
     to `attend`, the results joined. Returns (out f32 `out_shape` [B, T, Hq, D], lse)."""
     k_all, v_all, layer = cache.k, cache.v, jnp.asarray(cache.layer, jnp.int32)
-    slots = k_all.shape[-2]
-    size, count, n = piece_plan(slots, k_all.residual)
     pos = jax.lax.dynamic_index_in_dim(cache.pos, layer, keepdims=False)  # [B, Hkv, S]
 
     def of_layer(entries):
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False),
                             entries)  # fmt: skip
 
-    def piece(p, acc):
-        covered = p * size  # slots [0, covered) were read by the pieces before
-        start = jnp.minimum(covered, n - size)  # the last piece ends at n
+    def piece(start, size, seen, acc):  # slots the piece before read: hidden (-1)
         k, v = (dequantize_slots(of_layer(x), start, size) for x in (k_all, v_all))
-        slot_pos = jax.lax.dynamic_slice_in_dim(pos, start, size, axis=2)
-        slot_pos = jnp.where(start + jnp.arange(size) < covered, -1, slot_pos)
+        slot_pos = jnp.where(seen, -1, jax.lax.dynamic_slice_in_dim(pos, start, size, axis=2))
         return join(acc, attend(LayerCache.one(k, v, slot_pos, 0, cache.window), start))
 
-    acc = (jnp.zeros(out_shape, jnp.float32), jnp.full(out_shape[:-1], _MASKED, jnp.float32))
-    if count:
-        acc = jax.lax.fori_loop(0, count, piece, acc)
-    if slots > n:
+    def tail(n, acc):
         k, v = (int4_tail(of_layer(x)) for x in (k_all, v_all))
-        tail = LayerCache.one(k, v, pos[..., n:], 0, cache.window)
-        acc = join(acc, attend(tail, n))
-    return acc
+        return join(acc, attend(LayerCache.one(k, v, pos[..., n:], 0, cache.window), n))
+
+    acc = (jnp.zeros(out_shape, jnp.float32), jnp.full(out_shape[:-1], _MASKED, jnp.float32))
+    return over_pieces(k_all.shape[-2], k_all.residual, PIECES, piece, tail, acc)

@@ -119,9 +119,8 @@ def kernel_backend(backend: Backend, spec: AttentionSpec) -> Backend:
     every kernel reads an int8 cache: the Pallas kernels dequantize its blocks in VMEM,
     cuDNN's reads it dequantized; an int4 cache is read by the Pallas kernels a piece at a
     time, `int4_pieces`, and dequantized one layer at a time for the others: `dense_layer`).
-    Asked for by name (spec.attention), such a kernel is a
-    ValueError saying what to use; chosen by "auto", the XLA path runs instead (it is exact
-    for all of them)."""
+    Asked for by name (spec.attention), such a kernel is a ValueError saying what to use;
+    chosen by "auto", the XLA path runs instead (it is exact for all of them)."""
     if not (backend.attention == "cudnn" and spec.scores.softcap):
         return backend
     if spec.attention != "auto":

@@ -22,7 +22,7 @@ from dge_jax.runtime.quantized import (
     dequantize,
     dequantize_slots,
     int4_tail,
-    piece_plan,
+    over_pieces,
 )
 from dge_jax.runtime.records import Observation
 
@@ -98,28 +98,14 @@ def window_attention_sum(
 def _int4_window_sum(k: Int4Entries, pos: jax.Array, logits, weight: jax.Array,
                      shape: tuple[int, ...], pieces: int) -> jax.Array:  # fmt: skip
     """`window_attention_sum` over an int4 layer, read a piece of slots at a time
-    (`quantized.piece_plan`, as the kernels read it) in two passes: each query's max and
+    (`quantized.over_pieces`, as the kernels read it) in two passes: each query's max and
     normaliser (online, as the kernels join key tiles), then each piece's weighted
     probabilities into the [B, Hkv, G, S] result (shape: [B, Hkv, G, W]). Neither the
     dequantized layer nor its [B, Hkv, G, W, S] logits are ever whole: dequantized whole,
-    the layer's unpacking held 2.5x its size, and the logits were a selection's largest
-    temporary (compiled for v5e, benchmarks/RESULTS.md, "An int4 cache"). Equal to the
+    the layer's unpacking left whole-layer temporaries, and the logits were a selection's
+    largest one (compiled for v5e, benchmarks/RESULTS.md, "An int4 cache"). Equal to the
     whole computation up to the normaliser's summation order."""
     slots = k.shape[-2]
-    size, count, n = piece_plan(slots, k.residual, pieces)
-
-    def piece(p, hide: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Piece p's keys, positions and first slot; the last piece ends at n, and (hide) its
-        slots the piece before it read are hidden (position -1)."""
-        covered = p * size
-        start = jnp.minimum(covered, n - size)
-        key_pos = jax.lax.dynamic_slice_in_dim(pos, start, size, axis=2)
-        if hide:
-            key_pos = jnp.where(start + jnp.arange(size) < covered, -1, key_pos)
-        return dequantize_slots(k, start, size), key_pos, start
-
-    def tail() -> tuple[jax.Array, jax.Array]:
-        return int4_tail(k), pos[..., n:]
 
     def stats(keys, key_pos, carry):
         m, total = carry  # running max (finite: -1e30 until a slot is seen) and normaliser
@@ -127,27 +113,27 @@ def _int4_window_sum(k: Int4Entries, pos: jax.Array, logits, weight: jax.Array,
         m_new = jnp.maximum(m, s.max(axis=-1))
         return m_new, total * jnp.exp(m - m_new) + jnp.exp(s - m_new[..., None]).sum(axis=-1)
 
+    def stats_piece(start, size, seen, carry):  # slots the piece before read: hidden (-1)
+        key_pos = jax.lax.dynamic_slice_in_dim(pos, start, size, axis=2)
+        return stats(dequantize_slots(k, start, size), jnp.where(seen, -1, key_pos), carry)
+
     carry = (jnp.full(shape, -1e30, jnp.float32), jnp.zeros(shape, jnp.float32))
-    if count:
-        carry = jax.lax.fori_loop(0, count, lambda p, c: stats(*piece(p, True)[:2], c), carry)
-    if slots > n:
-        carry = stats(*tail(), carry)
-    m, total = carry
+    m, total = over_pieces(slots, k.residual, pieces, stats_piece,
+                           lambda n, c: stats(int4_tail(k), pos[..., n:], c), carry)  # fmt: skip
     coef = jnp.where(total > 0, weight[:, None, None, :] / jnp.where(total > 0, total, 1.0), 0.0)
 
-    def weighted(keys, key_pos):  # [B, Hkv, G, S']
-        return jnp.einsum("bhgws,bhgw->bhgs", jnp.exp(logits(keys, key_pos) - m[..., None]), coef)
+    def write(keys, key_pos, start, out):  # [B, Hkv, G, S'] written at its slots
+        weighted = jnp.einsum("bhgws,bhgw->bhgs",
+                              jnp.exp(logits(keys, key_pos) - m[..., None]), coef)  # fmt: skip
+        return jax.lax.dynamic_update_slice_in_dim(out, weighted, start, axis=3)
 
-    def write(p, out):  # every slot of the last piece rewritten with the value it had
-        keys, key_pos, start = piece(p, False)
-        return jax.lax.dynamic_update_slice_in_dim(out, weighted(keys, key_pos), start, axis=3)
+    def write_piece(start, size, seen, out):  # a slot read twice is rewritten with its value
+        key_pos = jax.lax.dynamic_slice_in_dim(pos, start, size, axis=2)
+        return write(dequantize_slots(k, start, size), key_pos, start, out)
 
     out = jnp.zeros((*shape[:-1], slots), jnp.float32)
-    if count:
-        out = jax.lax.fori_loop(0, count, write, out)
-    if slots > n:
-        out = jax.lax.dynamic_update_slice_in_dim(out, weighted(*tail()), n, axis=3)
-    return out
+    return over_pieces(slots, k.residual, pieces, write_piece,
+                       lambda n, o: write(int4_tail(k), pos[..., n:], n, o), out)  # fmt: skip
 
 
 def pool1d(x: jax.Array, include: jax.Array, kernel: int, how: str) -> jax.Array:

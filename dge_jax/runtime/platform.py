@@ -46,7 +46,7 @@ compiler keeps the buffers in place without it (tests/test_platform.py compiles 
 loop for a v5e and finds no cache copy).
 
 int4 pieces. The rules' window attention and compaction's gather read an int4 layer in this
-many pieces of whole blocks (`quantized.piece_plan`), so no layer is dequantized whole: on a
+many pieces of whole blocks (`quantized.over_pieces`), so no layer is dequantized whole: on a
 v5e that is what let 72 rows of Llama-8B at 32k fit instead of 64. XLA:CPU pays per op, and
 there pieces take several times a whole read (`python -m benchmarks.int4_pieces`,
 benchmarks/RESULTS.md, "An int4 cache"), so CPU reads a layer whole. (The Pallas kernels

@@ -172,6 +172,24 @@ def piece_plan(slots: int, residual: int, pieces: int = PIECES) -> tuple[int, in
     return size, -(-n // size), n
 
 
+def over_pieces(slots: int, residual: int, pieces: int, piece: Callable, tail: Callable, carry):
+    """`carry` folded over an int4 layer of `slots` slots read in pieces (`piece_plan`):
+    piece(start, size, seen, carry) for each piece of whole blocks under a `fori_loop`, then
+    tail(n, carry) when S % R slots follow them. The last piece moves back to end at n, so
+    its first slots may be ones the piece before it read: `seen` [size] marks them (slot
+    start + i < p * size), for a reader that must not count a slot twice."""
+    size, count, n = piece_plan(slots, residual, pieces)
+
+    def step(p, c):
+        covered = p * size  # slots [0, covered) were read by the pieces before
+        start = jnp.minimum(covered, n - size)
+        return piece(start, size, start + jnp.arange(size) < covered, c)
+
+    if count:
+        carry = jax.lax.fori_loop(0, count, step, carry)
+    return tail(n, carry) if slots > n else carry
+
+
 def dequantize_slots(entries: Entries, start: jax.Array | int, size: int) -> jax.Array:
     """Slots [start, start + size) of stored entries [..., S, D] as `dequantize` reads them
     (the same numbers as its [..., start:start + size, :]), the other slots left alone: what
@@ -298,17 +316,18 @@ def _pad_axis(x: jax.Array, axis: int, extra: int) -> jax.Array:
 
 def read_slots(entries: Entries, slots: jax.Array, pieces: int = 1) -> jax.Array:
     """The dequantized entries [..., W, D] at slots [..., W] of stored entries [..., S, D]:
-    plain and int8 picked first (only the picked int8 slots dequantized), int4 read in
-    `pieces` pieces of whole blocks (its slots share groups; `piece_plan`), each piece
-    dequantized and the slots inside it picked, so with pieces > 1 the layer is never
-    dequantized whole."""
+    plain and int8 picked first (only the picked int8 slots dequantized); int4 dequantized
+    whole and picked (pieces <= 1), or read in `pieces` pieces of whole blocks (its slots
+    share groups; `over_pieces`), each piece dequantized and the slots inside it picked, so
+    the layer is never dequantized whole."""
     def pick(x, at):
         return jnp.take_along_axis(x, at[..., None], axis=-2)
 
     if not isinstance(entries, Int4Entries):
         return dequantize(jax.tree.map(lambda x: pick(x, slots), entries))
     e = entries
-    size, count, n = piece_plan(e.shape[-2], e.residual, pieces)
+    if pieces <= 1:
+        return pick(dequantize(e), slots)
 
     def from_part(part: jax.Array, start, out: jax.Array) -> jax.Array:
         local = slots - start
@@ -316,14 +335,12 @@ def read_slots(entries: Entries, slots: jax.Array, pieces: int = 1) -> jax.Array
         return jnp.where(inside[..., None], pick(part, jnp.clip(local, 0, part.shape[-2] - 1)),
                          out)  # fmt: skip
 
-    def piece(p, out):  # the last piece ends at n: the slots it shares read alike
-        start = jnp.minimum(p * size, n - size)
-        return from_part(dequantize_slots(e, start, size), start, out)
-
     out = jnp.zeros((*slots.shape, e.resid.shape[-1]), e.dtype)
-    if count:
-        out = jax.lax.fori_loop(0, count, piece, out)
-    return from_part(int4_tail(e), n, out) if e.shape[-2] > n else out
+    # A slot read twice (the last piece's `seen` ones) reads alike both times.
+    return over_pieces(
+        e.shape[-2], e.residual, pieces,
+        lambda start, size, seen, acc: from_part(dequantize_slots(e, start, size), start, acc),
+        lambda n, acc: from_part(int4_tail(e), n, acc), out)  # fmt: skip
 
 
 def empty_entries(
