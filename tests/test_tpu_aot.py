@@ -159,6 +159,20 @@ def test_largest_batch_search():
     assert len(probed) <= 8
 
 
+def test_an_int4_cache_is_searched_in_8_rows_a_device(tmp_path):
+    """`batch_step`: the mesh's row multiple, times 8 rows a device for an int4 cache, whose
+    memory is not monotone in the rows between multiples of 8 (module docstring)."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    cfg = tpu_stages.load_config(tmp_path / "config.json")[1]
+    mesh = types.SimpleNamespace(shape={"data": 2, "model": 4})
+    setup = types.SimpleNamespace(cfg=cfg, mesh=mesh, kv_quant="none")
+    plain = tpu_aot.batch_step(setup)
+    assert plain == 2  # the tiny model's 4 kv heads split over model 4: rows over data 2
+    for quant in ("int4", "int4-g16-r64"):
+        assert tpu_aot.batch_step(types.SimpleNamespace(**{**vars(setup), "kv_quant": quant})) == 16
+    assert tpu_aot.batch_step(types.SimpleNamespace(**{**vars(setup), "kv_quant": "int8"})) == 2
+
+
 @pytest.fixture(scope="module")
 def tiny_report(devices, tmp_path_factory) -> str:
     """What `python -m benchmarks.cost.tpu_aot ... --json` prints for the tiny model on v5e:2x4

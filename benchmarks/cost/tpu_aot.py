@@ -89,12 +89,22 @@ first, as before), and the two cells add about two minutes at 32k on two cores;
 ``--cells dge`` compiles the DGE cell alone.
 
 **--max_batch**: the largest batch (a multiple of the mesh's row multiple,
-`sharding.row_multiple`) at which (a) every stage compiles and its own peak fits the HBM
-(``every_stage``), and (b) the DGE cell's live bytes, counted as above, fit (``dge_cell``),
-and (c) each cell's live bytes fit (``cells``, the comparison's largest batch). Found by
-doubling, then bisection, each probe a full compile of every stage of that cell; memory grows
-with the batch, so the search is exact for the compiled programs. The report printed is the
-one at the ``dge_cell`` batch (or the ``every_stage`` one when none fits), for every cell.
+`sharding.row_multiple`, or of 8 times it for an int4 cache) at which (a) every stage
+compiles and its own peak fits the HBM (``every_stage``), and (b) the DGE cell's live bytes,
+counted as above, fit (``dge_cell``), and (c) each cell's live bytes fit (``cells``, the
+comparison's largest batch). Found by doubling, then bisection, each probe a full compile of
+every stage of that cell; memory grows with the batch (over the batches probed), so the
+search is exact for the compiled programs. The report printed is the one at the
+``dge_cell`` batch (or the ``every_stage`` one when none fits), for every cell.
+
+Why int4 in 8 rows a device (`batch_step`): inside the layer loop, where each block write
+covers 4 rows (R / G) of the stacked key scales and zeros, XLA:TPU lays those leaves out with
+the batch as the tiled second-minor dimension. With 72 rows every use has that layout; with
+70, some are laid out with the 1,026 scale rows tiled instead, and the copies between the two,
+with the rematerialisation they force, cost more than the 2 rows save (Llama-8B at 32k on a
+v5e: prefill needs 17.17 GiB of temporaries at 70 rows, 14.61 at 72; read in the buffer
+assignments, benchmarks/RESULTS.md, "An int4 cache"). Between multiples of 8 memory is not
+monotone in the batch, which the bisection needs.
 
 What is measured: what XLA:TPU compiled (memory per device, the program's ops); what is
 counted: FLOPs and bytes from the compiled program, projected to a time with the chip's peak
@@ -119,7 +129,7 @@ from benchmarks.cost import hlo_cost, tpu_stages
 from dge_jax.cli import ENVIRONMENT, USAGE, Parser, one_line
 from dge_jax.distribution import sharding
 from dge_jax.runtime import platform
-from dge_jax.runtime.quantized import check_kv_quant
+from dge_jax.runtime.quantized import check_kv_quant, parse_kv_quant
 
 GIB = 2**30
 SOURCES = 12  # sources of HBM bytes reported per stage
@@ -485,6 +495,16 @@ def largest(fits: Callable[[int], bool], step: int, start: int = 1, limit: int =
     return lo * step
 
 
+INT4_ROWS = 8  # rows per device an int4 cache's batch is searched in (module docstring)
+
+
+def batch_step(setup: tpu_stages.Setup) -> int:
+    """The batches `max_batch` probes are multiples of this: the mesh's row multiple (rows
+    split over it), times INT4_ROWS rows per device for an int4 cache (module docstring)."""
+    step = sharding.row_multiple(setup.cfg, setup.mesh.shape)
+    return step * INT4_ROWS if parse_kv_quant(setup.kv_quant).kind == "int4" else step
+
+
 def max_batch(setup: tpu_stages.Setup, topology: str, log, limit: int, cells=("dge",)) -> dict:
     """The report at the largest batch that fits (module docstring), with the search's probes;
     each probe compiles one cell at one batch (prefills shared where the program is one)."""
@@ -498,7 +518,7 @@ def max_batch(setup: tpu_stages.Setup, topology: str, log, limit: int, cells=("d
             parts[kind, batch] = cell_part(at, topology, log, shared)
         return parts[kind, batch]
 
-    hbm, step = device_of(topology).hbm_bytes, sharding.row_multiple(setup.cfg, setup.mesh.shape)
+    hbm, step = device_of(topology).hbm_bytes, batch_step(setup)
     found = {kind: largest(lambda b, kind=kind: cell_fits(part(kind, b)["cell"], hbm), step,
                            limit=limit) for kind in cells}  # fmt: skip
     out, batch = {}, found[cells[0]] or step
