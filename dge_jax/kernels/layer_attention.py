@@ -149,6 +149,8 @@ def decode_step_attention(
     XLA path."""
     if backend.attention == "pallas" and not spec.record_attn:
         if int4_pieces.in_pieces(cache):  # the step's entries are written: read from the cache
+            if _int4_kernel_reads(cache):
+                return _sharded_int4_decode(q, query_pos, cache, spec), None
             out, _ = int4_pieces.attend_in_pieces(cache, q.shape, lambda piece, start: (
                 _sharded_decode(q, query_pos, piece, None, spec, with_lse=True)))
             return out.astype(cache.v.dtype), None
@@ -200,6 +202,41 @@ def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries | None,
         fn, in_specs=(rows, stacked, stacked, jax.sharding.PartitionSpec(None, *slots), qpos,
                       scalar, scalar, scalar, *(() if new is None else (keys, keys, slots))),
         out_specs=(rows, _lse_spec(rows)) if with_lse else rows, check_vma=False,
+    )(*args)  # fmt: skip
+
+
+def _int4_kernel_reads(cache: LayerCache) -> bool:
+    """Whether `flash_decode_int4` reads this int4 layer's stored bytes (its `supports`)."""
+    from dge_jax.kernels import flash_decode_int4
+
+    return flash_decode_int4.supports(cache.k) and flash_decode_int4.supports(cache.v)
+
+
+def _sharded_int4_decode(q, query_pos, cache: LayerCache, spec: AttentionSpec):
+    """`flash_decode_int4.int4_decode_attention` of layer cache.layer, under a (data, model)
+    mesh one call per device on its own rows and kv heads, as `_sharded_decode`."""
+    from dge_jax.kernels.flash_decode_int4 import int4_decode_attention
+
+    def fn(q, k_all, v_all, pos_all, query_pos, i, window):
+        layer = LayerCache(k_all, v_all, pos_all, i, 0, window)
+        return int4_decode_attention(q, query_pos, layer, spec.scores)
+
+    args = (q, cache.k, cache.v, cache.pos, query_pos, jnp.asarray(cache.layer, jnp.int32),
+            _window(cache.window))  # fmt: skip
+    specs = attention_specs(q.shape[0], cache.k.resid.shape[2])
+    if specs is None:
+        return fn(*args)
+    rows, keys, slots, qpos, _ = specs
+    P = jax.sharding.PartitionSpec
+    stacked, start = P(None, *keys), P(None, *tuple(slots)[:2])
+
+    def entries(e):  # each leaf's spec: [Lg, B, Hkv, ., .], start [Lg, B, Hkv]
+        return dataclasses.replace(e, q=stacked, scale=stacked, zero=stacked, resid=stacked,
+                                   start=start)  # fmt: skip
+
+    return jax.shard_map(
+        fn, in_specs=(rows, entries(cache.k), entries(cache.v), P(None, *slots), qpos, P(), P()),
+        out_specs=rows, check_vma=False,
     )(*args)  # fmt: skip
 
 
