@@ -4,10 +4,10 @@
 layer of an int4 cache (`runtime.int4_entries.Int4Entries`, KIVI: keys per channel in groups
 of G slots, values per token in groups of G channels, a residual block of R slots in the
 activation dtype), the step's entries already written (int4 writes first). It reads the
-packed bytes and the key scales where they are stored, as `flash_decode` reads an int8 cache,
-so a step reads about a quarter of a bf16 cache's bytes; the Pallas path before it
-dequantized each piece of the layer in XLA (`int4_pieces`), writing and reading a bf16 copy
-every step.
+packed bytes where they are stored and the layer's scales and zeros, as `flash_decode` reads
+an int8 cache, so a step reads about a quarter of a bf16 cache's bytes; the Pallas path
+before it dequantized each piece of the layer in XLA (`int4_pieces`), writing and reading a
+bf16 copy every step (benchmarks/RESULTS.md, "An int4 cache": the bytes of both).
 
 The stored layout, and what the kernel does with it. Slot s's D channels are D / 2 bytes,
 byte i holding channel 2i (low nibble) and 2i + 1 (high); m = 128 / (D / 2) slots share a
@@ -16,15 +16,18 @@ t"). A key block of bk slots is then [bk / m, 128] bytes, unpacked into its low 
 nibbles, two [bk / m, 128] arrays whose lane l holds channel 2 (l mod D / 2) (low) or that
 plus 1 (high) of slot m r + l // (D / 2). No relayout of the bytes is needed:
 
-- Keys. A group's scales and zeros are one stored row of D channels ([bk / G, D] a block,
-  read in place); a 0/1 matrix product moves channel 2 (l mod D / 2) to lane l (and + 1 for
-  the high nibbles: exact, one term a lane), and each row is repeated over its G / m stored
-  rows. So the block is dequantized as `dequantize` does (q * scale + zero), in two halves.
-  The queries are split outside the kernel into their even and odd channels, placed at part
-  t's lanes for each t ([m R, 128], zeros elsewhere: R query rows): two products against the
-  two halves give [m R, bk / m] scores, rows t R .. (t + 1) R those of slots m r + t. Softmax
-  does not care about slot order, so the positions come in the same order ([m, S / m], a
-  reshape outside the kernel) and each part is masked and exponentiated as it is.
+- Keys. A group's scales and zeros are one stored row of D channels ([bk / G, D] a block of
+  the layer's, sliced out of the stack first: passed stacked, XLA relaid the whole stack
+  around the layer loop, whose layout of it puts the batch second-minor, as the int8 scales'
+  note in `flash_tiles._kv_operands` found for those); a 0/1 matrix product moves channel 2
+  (l mod D / 2) to lane l (and + 1 for the high nibbles: exact, one term a lane), and each
+  row is repeated over its G / m stored rows. So the block is dequantized as `dequantize`
+  does (q * scale + zero), in two halves. The queries are split outside the kernel into
+  their even and odd channels, placed at part t's lanes for each t ([m R, 128], zeros
+  elsewhere: R query rows): two products against the two halves give [m R, bk / m] scores,
+  rows t R .. (t + 1) R those of slots m r + t. Softmax does not care about slot order, so
+  the positions come in the same order ([m, S / m], a reshape outside the kernel) and each
+  part is masked and exponentiated as it is.
 - Values. Their scales and zeros are per slot and group of G channels; outside the kernel the
   layer's are laid out as rows (group g, part t) over slots ([2 D / G m, S / m], 16 bytes a
   slot for D = 128 against the 128 bytes of k and v), so p (q * s + z) = (p * s) q + p z
@@ -100,7 +103,8 @@ def int4_decode_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
     row_lanes = jnp.broadcast_to(row_pos[:, :, None], (b, r_pad, _LANES))
     scores = ScoreSpec(scores.scale_for(d), scores.softcap)
     args = (jnp.reshape(layer, (1,)), jnp.reshape(window, (1,)), blocks.reshape(-1),
-            counts.reshape(-1), row_lanes, *_query_parts(qg, m), k.q, k.scale, k.zero,
+            counts.reshape(-1), row_lanes, *_query_parts(qg, m), k.q,
+            *(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False) for x in (k.scale, k.zero)),
             *_key_lanes(d), v.q, _value_scales(v, layer, m, s_pad),
             _by_part(spos, m))  # fmt: skip
     call = functools.partial(_call, bk=bk, group=k.group, scores=scores)
@@ -141,8 +145,10 @@ def _value_scales(v: Int4Entries, layer: jax.Array, m: int, s_pad: int) -> jax.A
     """Layer `layer`'s value scales then zeros [B, Hkv, S, D / G] as rows (group g, part t)
     over slots: [B, Hkv, 2 D / G m, s_pad / m], row g m + t (zeros: + D / G m) slot r holding
     slot m r + t's; zero past S."""
-    def rows(name):
-        x = jax.lax.dynamic_index_in_dim(v.logical(name), layer, keepdims=False)
+    v = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), v)
+
+    def rows(name):  # the layer sliced first: the stacked leaves are never relaid
+        x = v.logical(name)
         b, h, s, ng = x.shape
         x = x.reshape(b, h, s // m, m, ng).transpose(0, 1, 4, 3, 2).reshape(b, h, ng * m, s // m)
         return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, (s_pad - s) // m)))
@@ -277,7 +283,7 @@ def _call(interpret, layer, window, blocks, counts, row_lanes, q_even, q_odd, kq
     """The pallas_call over grid (batch, kv head, key block) -> (even-channel out, odd-channel
     out [B, Hkv, R, 128], lse [B, Hkv, R, 128]) f32 (`_kernel`)."""
     _, b, hkv = kq.shape[:3]
-    m, d = spos.shape[2], ks.shape[-1]
+    m, d = spos.shape[2], ks.shape[-1]  # ks: the layer's key scales [B, Hkv, S / G, D]
     nk = spos.shape[-1] * m // bk
     rows = q_even.shape[2] // m
 
@@ -299,7 +305,10 @@ def _call(interpret, layer, window, blocks, counts, row_lanes, q_even, q_odd, kq
         return pl.BlockSpec(block, index)
 
     kq_block, kq_index = stacked(bk // m)
-    ks_block, ks_index = stacked(bk // group)
+
+    def ks_index(bi, h, j, layer_ref, window_ref, blocks_ref, counts_ref):
+        return bi, h, listed(bi, h, j, blocks_ref), 0
+
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
         grid=(b, hkv, nk),
@@ -308,8 +317,8 @@ def _call(interpret, layer, window, blocks, counts, row_lanes, q_even, q_odd, kq
             spec((None, None, m * rows, _LANES), fixed),
             spec((None, None, m * rows, _LANES), fixed),
             spec((None, None, None, kq_block, _LANES), kq_index),
-            spec((None, None, None, ks_block, d), ks_index),
-            spec((None, None, None, ks_block, d), ks_index),
+            spec((None, None, bk // group, d), ks_index),
+            spec((None, None, bk // group, d), ks_index),
             spec((d, _LANES), lambda *_: (0, 0)),
             spec((d, _LANES), lambda *_: (0, 0)),
             spec((None, None, None, kq_block, _LANES), kq_index),
@@ -321,7 +330,8 @@ def _call(interpret, layer, window, blocks, counts, row_lanes, q_even, q_odd, kq
                         pltpu.VMEM((rows, _LANES), jnp.float32),
                         pltpu.VMEM((rows, _LANES), jnp.float32)],  # fmt: skip
     )
-    per_layer = sum(x.size * x.dtype.itemsize // x.shape[0] for x in (kq, ks, kz, vq))
+    per_layer = sum(x.size * x.dtype.itemsize // x.shape[0] for x in (kq, vq)) + sum(
+        x.size * x.dtype.itemsize for x in (ks, kz, vs))
     flops = 4 * b * hkv * rows * nk * bk * d
     kernel = functools.partial(_kernel, nk=nk, m=m, group=group, scores=scores)
     return pl.pallas_call(
@@ -331,7 +341,7 @@ def _call(interpret, layer, window, blocks, counts, row_lanes, q_even, q_odd, kq
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(flops=flops, transcendentals=flops // (4 * d),
-                                      bytes_accessed=per_layer + vs.size * vs.dtype.itemsize),
+                                      bytes_accessed=per_layer),
         interpret=interpret,
     )(layer, window, blocks, counts, row_lanes, q_even, q_odd, kq, ks, kz, even, odd, vq, vs,
       spos)  # fmt: skip

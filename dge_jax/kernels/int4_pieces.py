@@ -1,8 +1,9 @@
 """An int4 layer read by the Pallas kernels a piece of slots at a time, the pieces joined in one
 softmax.
 
-The Pallas kernels unpack int8 blocks in VMEM but not int4 ones (`layer_attention.dense_layer`),
-so they read an int4 layer dequantized. Dequantized whole, a layer left whole-layer temporaries
+The Pallas kernels unpack int8 blocks in VMEM, and int4 ones only in the decode kernel at head
+dims 128 and 256 (`flash_decode_int4`), so the prefill kernel and decode at other head dims
+read an int4 layer dequantized. Dequantized whole, a layer left whole-layer temporaries
 of the activation dtype (the unpacked nibbles, their relayout, the product), the largest of
 prefill, draft and FullKV's decode when compiled for a v5e chip, which decided the largest
 batch (benchmarks/RESULTS.md, "An int4 cache"). Here each piece of `size` slots

@@ -117,7 +117,8 @@ def kernel_backend(backend: Backend, spec: AttentionSpec) -> Backend:
     """`backend`, unless its kernel cannot run this attention: cuDNN's takes no soft cap (the
     Pallas kernels and the XLA path take sliding windows, soft caps and any logit scale;
     every kernel reads an int8 cache: the Pallas kernels dequantize its blocks in VMEM,
-    cuDNN's reads it dequantized; an int4 cache is read by the Pallas kernels a piece at a
+    cuDNN's reads it dequantized; an int4 cache is read by the Pallas decode kernel in place
+    at head dims 128 and 256, `flash_decode_int4`, by the other Pallas steps a piece at a
     time, `int4_pieces`, and dequantized one layer at a time for the others: `dense_layer`).
     Asked for by name (spec.attention), such a kernel is a ValueError saying what to use;
     chosen by "auto", the XLA path runs instead (it is exact for all of them)."""
@@ -144,9 +145,10 @@ def decode_step_attention(
 
     "pallas" without probs sums: `flash_decode.decode_attention` on the stacked buffers (the
     layer picked by its index maps, so no slice of the cache is materialised; the window
-    scalar-prefetched likewise), in a shard_map under a mesh. Everything else, and steps that
-    record probs sums (H2O's draft and decode-time steps; the kernel computes none), run the
-    XLA path."""
+    scalar-prefetched likewise), in a shard_map under a mesh; an int4 cache (its entries
+    written first) by `flash_decode_int4` where it reads the layout, else in pieces
+    (`int4_pieces`). Everything else, and steps that record probs sums (H2O's draft and
+    decode-time steps; the kernel computes none), run the XLA path."""
     if backend.attention == "pallas" and not spec.record_attn:
         if int4_pieces.in_pieces(cache):  # the step's entries are written: read from the cache
             if _int4_kernel_reads(cache):
@@ -163,8 +165,8 @@ def decode_step_attention(
 def dense_layer(cache: LayerCache) -> LayerCache:
     """An int4 cache's layer cache.layer dequantized, as a group of one ([1, B, Hkv, S, D];
     what the XLA and cuDNN paths, and the Pallas kernels when they record prob sums, read of
-    it; the Pallas kernels otherwise read it in pieces: `int4_pieces`); plain and int8 caches
-    as they are."""
+    it; the Pallas kernels otherwise read it in pieces, `int4_pieces`, or in place,
+    `flash_decode_int4`); plain and int8 caches as they are."""
     if not written_first(cache.k):
         return cache
     k, v, pos = cache.read()
