@@ -161,3 +161,28 @@ def _v5e_devices():
         if os.environ.get("CI") == "true":
             raise
         pytest.skip(f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def test_generation_with_the_kernel_gives_the_xla_tokens(monkeypatch):
+    """A tiny Llama with head dim 128 (GQA 4/2, 2 layers) on KIVI's int4 cache, 300-token
+    prompts (two whole blocks, a 44-slot tail) and 12 new tokens, FullKV and DGE(3)-SnapKV at
+    budget 96: attention "pallas" (prefill in pieces, decode and draft by this kernel, in
+    interpret mode) decodes the tokens "xla" decodes."""
+    from tiny_model import jax_config, jax_model
+
+    from dge_jax import Eviction, SnapKV, Timing, generate_grid
+    from dge_jax.kernels import flash_decode_int4
+
+    traced = []
+    kernel = flash_decode_int4.int4_decode_attention
+    monkeypatch.setattr(flash_decode_int4, "int4_decode_attention",
+                        lambda *a, **kw: traced.append(1) or kernel(*a, **kw))  # fmt: skip
+    model = jax_model(jax_config(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128))
+    prompts = [np.random.default_rng(n).integers(0, 128, 300).tolist() for n in (1, 2)]
+    cells = [None, Eviction(SnapKV(window=8), 96, Timing("dge", 3))]
+    runs = {attention: generate_grid(model, prompts, cells, max_new_tokens=12, kv_quant="int4",
+                                     attention=attention)
+            for attention in ("pallas", "xla")}  # fmt: skip
+    assert traced  # the decode and draft steps were the kernel's
+    for got, want in zip(runs["pallas"], runs["xla"], strict=True):
+        assert got.tokens == want.tokens
