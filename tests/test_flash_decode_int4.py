@@ -57,7 +57,13 @@ CASES = [  # (s, n, d, t, window)
 
 
 @pytest.mark.parametrize("s,n,d,t,window", CASES)
-def test_the_kernel_reads_what_the_xla_path_reads(s, n, d, t, window):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_kernel_reads_what_the_xla_path_reads(s, n, d, t, window, in_place, monkeypatch):
+    """in_place: the stacked bytes read at the layer index (a large stack), else the layer
+    sliced out first (a small one: `_SLICED_BELOW`)."""
+    from dge_jax.kernels import flash_decode_int4
+
+    monkeypatch.setattr(flash_decode_int4, "_SLICED_BELOW", 0 if in_place else 2**62)
     layer, rng = int4_layer(s + n + d, s, n, d, window=None if window is None else
                             jnp.int32(window))  # fmt: skip
     assert supports(layer.k) and supports(layer.v)

@@ -62,6 +62,12 @@ from dge_jax.kernels.flash_tiles import _LANES, _NT, _tile, _visible
 from dge_jax.runtime.quantized import Int4Entries, int4_tail
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+# A stack of packed bytes under this many bytes (per device) is passed one layer at a time:
+# given a small stack, XLA:TPU streamed 8-layer slices of it into VMEM for every layer's call
+# (a compacted DGE cell's decode, Llama-8B at batch 24 on a v5e: 53 MB a leaf, 5.1 GB a step
+# of such copies; benchmarks/RESULTS.md, "An int4 cache"). Slicing costs at most twice the
+# stack's bytes a step; a larger stack (a 32k FullKV cache) is read in place.
+_SLICED_BELOW = 64 * 2**20
 
 
 def supports(entries) -> bool:
@@ -102,10 +108,13 @@ def int4_decode_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
                       constant_values=-1)  # fmt: skip
     row_lanes = jnp.broadcast_to(row_pos[:, :, None], (b, r_pad, _LANES))
     scores = ScoreSpec(scores.scale_for(d), scores.softcap)
-    args = (jnp.reshape(layer, (1,)), jnp.reshape(window, (1,)), blocks.reshape(-1),
-            counts.reshape(-1), row_lanes, *_query_parts(qg, m), k.q,
+    kq, vq, at = k.q, v.q, layer
+    if k.q.size * k.q.dtype.itemsize < _SLICED_BELOW:  # a stack of one layer, read at 0
+        kq, vq, at = (*(jax.lax.dynamic_slice_in_dim(x, layer, 1) for x in (k.q, v.q)), 0)
+    args = (jnp.reshape(jnp.asarray(at, jnp.int32), (1,)), jnp.reshape(window, (1,)),
+            blocks.reshape(-1), counts.reshape(-1), row_lanes, *_query_parts(qg, m), kq,
             *(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False) for x in (k.scale, k.zero)),
-            *_key_lanes(d), v.q, _value_scales(v, layer, m, s_pad),
+            *_key_lanes(d), vq, _value_scales(v, layer, m, s_pad),
             _by_part(spos, m))  # fmt: skip
     call = functools.partial(_call, bk=bk, group=k.group, scores=scores)
     if interpret is None:
