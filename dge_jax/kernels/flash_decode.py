@@ -268,12 +268,20 @@ def _decode_kernel(*refs, nk, bk, s_len, scores_spec, slots_minor):
 
     @pl.when(j == nk - 1)
     def _finish():
-        norm = l_ref[...]
-        seen = norm > 0
-        safe = jnp.where(seen, norm, 1.0)
+        _normalise(l_ref, m_ref, lse_ref, ((out_ref, acc_ref),))
+
+
+def _normalise(l_ref, m_ref, lse_ref, outs) -> None:
+    """The online softmax's end: each (out, acc) ref pair's out = acc / l (0 for a row that
+    saw nothing), and the rows' log-sum-exp m + log l (-1e30 for those) across lse_ref's
+    lanes."""
+    norm = l_ref[...]
+    seen = norm > 0
+    safe = jnp.where(seen, norm, 1.0)
+    for out_ref, acc_ref in outs:
         out_ref[...] = jnp.where(seen, acc_ref[...] / safe, 0.0)
-        lse = jnp.where(seen, m_ref[...] + jnp.log(safe), _MASKED)
-        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+    lse = jnp.where(seen, m_ref[...] + jnp.log(safe), _MASKED)
+    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
 def _decode_call(*, bk: int, s_len: int, scores_spec: ScoreSpec, slots_minor: bool):

@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dge_jax.kernels.attention import _MASKED, LayerCache, ScoreSpec, _group_queries
-from dge_jax.kernels.flash_decode import _SUBLANES, _fold_new, block_table
+from dge_jax.kernels.flash_decode import _SUBLANES, _fold_new, _normalise, block_table
 from dge_jax.kernels.flash_tiles import _LANES, _NT, _tile, _visible
 from dge_jax.runtime.quantized import Int4Entries, int4_tail
 
@@ -272,13 +272,7 @@ def _kernel(*refs, nk, m, group, scores):
 
     @pl.when(j == nk - 1)
     def _finish():
-        norm = l_ref[...]
-        ok = norm > 0
-        safe = jnp.where(ok, norm, 1.0)
-        lo_ref[...] = jnp.where(ok, acc_lo_ref[...] / safe, 0.0)
-        hi_ref[...] = jnp.where(ok, acc_hi_ref[...] / safe, 0.0)
-        lse_ref[...] = jnp.broadcast_to(jnp.where(ok, m_ref[...] + jnp.log(safe), _MASKED),
-                                        lse_ref.shape)  # fmt: skip
+        _normalise(l_ref, m_ref, lse_ref, ((lo_ref, acc_lo_ref), (hi_ref, acc_hi_ref)))
 
 
 def _nibbles(packed: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
