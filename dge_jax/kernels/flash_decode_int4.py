@@ -203,15 +203,6 @@ def _kernel(*refs, nk, m, group, scores):
     at = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
     j = pl.program_id(2)
     rr = lo_ref.shape[0]  # query rows R
-    half = ks_ref.shape[-1] // 2  # D / 2
-    ng = 2 * half // group  # value groups a slot
-    # Lane l holds part l // (D / 2), and channel 2 (l mod D / 2) (+ 1), of value group
-    # (l mod D / 2) // (G / 2). Truncating lax.div / rem: jnp's floor division lowers through
-    # `sign`, whose Mosaic rule asks the local device for its TPU generation (see
-    # `flash_tiles._head_and_tile`).
-    lane = jax.lax.broadcasted_iota(jnp.int32, (1, _LANES), 1)
-    lane_part = jax.lax.div(lane, half)
-    group_of = jax.lax.div(jax.lax.rem(lane, half), group // 2)
 
     @pl.when(j == 0)
     def _start():
@@ -222,24 +213,11 @@ def _kernel(*refs, nk, m, group, scores):
 
     @pl.when(j < counts_ref[at])
     def _step():
-        dtype = ks_ref.dtype
-        nibbles = _nibbles(kq_ref[...], dtype)
-        s = None
-        for which, q_ref, lanes_ref in ((0, qe_ref, even_ref), (1, qo_ref, odd_ref)):
-            def lanes(x, lanes_ref=lanes_ref):  # a group row [bk / G, D] -> [bk / m, 128]
-                moved = jnp.dot(x.astype(jnp.float32), lanes_ref[...], precision=_HIGHEST,
-                                preferred_element_type=jnp.float32)  # fmt: skip
-                per = group // m  # stored rows a group
-                wide = jnp.broadcast_to(moved[:, None, :], (moved.shape[0], per, _LANES))
-                return wide.reshape(moved.shape[0] * per, _LANES).astype(dtype)
-
-            keys = nibbles[which] * lanes(ks_ref[...]) + lanes(kz_ref[...])
-            part = jax.lax.dot_general(q_ref[...], keys.astype(q_ref.dtype), _NT,
-                                       preferred_element_type=jnp.float32)  # fmt: skip
-            s = part if s is None else s + part
+        s = _key_scores((qe_ref, qo_ref), (even_ref, odd_ref), kq_ref, ks_ref[...], kz_ref[...],
+                        m, group)  # fmt: skip
         s = scores.cap(s * scores.scale)  # [m R, bk / m], rows t R .. the slots of part t
-        window = window_ref[0]
-        seen = [_visible(spos_ref[t : t + 1, :], rowpos_ref[:, :1], window) for t in range(m)]
+        seen = [_visible(spos_ref[t : t + 1, :], rowpos_ref[:, :1], window_ref[0])
+                for t in range(m)]  # fmt: skip
         s = [jnp.where(seen[t], s[t * rr : (t + 1) * rr], _MASKED) for t in range(m)]
         m_prev = m_ref[...]
         m_new = functools.reduce(jnp.maximum, [x.max(axis=1, keepdims=True) for x in s], m_prev)
@@ -247,32 +225,75 @@ def _kernel(*refs, nk, m, group, scores):
         alpha = jnp.exp(m_prev - m_new)
         l_ref[...] = alpha * l_ref[...] + sum(x.sum(axis=1, keepdims=True) for x in p)
         m_ref[...] = m_new
-        # Values: rows (g, t) = p_t * scale_(g, t); each lane keeps its own (g, t)'s product.
-        vs = vs_ref[...].astype(jnp.float32)
-        scaled = jnp.concatenate([p[t] * vs[gi * m + t : gi * m + t + 1]
-                                  for gi in range(ng) for t in range(m)], axis=0)  # fmt: skip
-        zero_terms = [sum((p[t] * vs[(ng + gi) * m + t : (ng + gi) * m + t + 1]).sum(
-            axis=1, keepdims=True) for t in range(m)) for gi in range(ng)]  # [R, 1] a group
-        for nib, acc_ref in zip(_nibbles(vq_ref[...], dtype), (acc_lo_ref, acc_hi_ref),
-                                strict=True):  # fmt: skip
-            y = jnp.dot(scaled.astype(dtype), nib, preferred_element_type=jnp.float32)
-            kept = 0.0
-            for gi in range(ng):
-                for t in range(m):
-                    mine = (lane_part == t) & (group_of == gi)
-                    row = (gi * m + t) * rr
-                    kept = kept + jnp.where(mine, y[row : row + rr], 0.0)
-            folded = kept  # part t's lanes onto [0, D / 2)
-            for t in range(1, m):
-                folded = folded + pltpu.roll(kept, _LANES - t * half, 1)
-            for gi in range(ng):
-                mine = (lane < half) & (group_of == gi)
-                folded = folded + jnp.where(mine, zero_terms[gi], 0.0)
-            acc_ref[...] = alpha * acc_ref[...] + folded
+        outs = _weighted_values(p, vs_ref[...], vq_ref[...], ks_ref.dtype, group)
+        for acc_ref, out in zip((acc_lo_ref, acc_hi_ref), outs, strict=True):
+            acc_ref[...] = alpha * acc_ref[...] + out
 
     @pl.when(j == nk - 1)
     def _finish():
         _normalise(l_ref, m_ref, lse_ref, ((lo_ref, acc_lo_ref), (hi_ref, acc_hi_ref)))
+
+
+def _key_scores(q_refs, lane_refs, kq_ref, ks, kz, m: int, group: int) -> jax.Array:
+    """A key block's scores [m R, bk / m] f32 (unscaled): its nibbles dequantized with the
+    group rows' scales and zeros [bk / G, D] moved to their lanes (module docstring), each
+    half against its query parts."""
+    dtype = ks.dtype
+    s = None
+    for nibbles, q_ref, lanes_ref in zip(_nibbles(kq_ref[...], dtype), q_refs, lane_refs,
+                                         strict=True):  # fmt: skip
+        def lanes(x, lanes_ref=lanes_ref):  # a group row [bk / G, D] -> [bk / m, 128]
+            moved = jnp.dot(x.astype(jnp.float32), lanes_ref[...], precision=_HIGHEST,
+                            preferred_element_type=jnp.float32)  # fmt: skip
+            per = group // m  # stored rows a group
+            wide = jnp.broadcast_to(moved[:, None, :], (moved.shape[0], per, _LANES))
+            return wide.reshape(moved.shape[0] * per, _LANES).astype(dtype)
+
+        keys = nibbles * lanes(ks) + lanes(kz)
+        part = jax.lax.dot_general(q_ref[...], keys.astype(q_ref.dtype), _NT,
+                                   preferred_element_type=jnp.float32)  # fmt: skip
+        s = part if s is None else s + part
+    return s
+
+
+def _weighted_values(p: list[jax.Array], vs: jax.Array, vq: jax.Array, dtype,
+                     group: int) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """p_t [R, bk / m] (part t's probabilities) times the block's values, as (even channels,
+    odd channels) [R, 128] on lanes [0, D / 2): rows (g, t) of p_t * scale_(g, t) times the
+    raw nibbles, each lane keeping its own (g, t)'s product, the parts folded by lane rolls,
+    plus each group's p_t . zero_(g, t) (module docstring). vs: scales then zeros
+    [2 D / G m, bk / m]; vq: the packed bytes [bk / m, 128]."""
+    m, rr = len(p), p[0].shape[0]
+    ng = vs.shape[0] // (2 * m)  # value groups a slot
+    half = ng * group // 2  # D / 2
+    # Lane l holds part l // (D / 2) and channel 2 (l mod D / 2) (+ 1), of value group
+    # (l mod D / 2) // (G / 2). Truncating lax.div / rem: jnp's floor division lowers through
+    # `sign`, whose Mosaic rule asks the local device for its TPU generation (see
+    # `flash_tiles._head_and_tile`).
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, _LANES), 1)
+    lane_part = jax.lax.div(lane, half)
+    group_of = jax.lax.div(jax.lax.rem(lane, half), group // 2)
+    vs = vs.astype(jnp.float32)
+    scaled = jnp.concatenate([p[t] * vs[gi * m + t : gi * m + t + 1]
+                              for gi in range(ng) for t in range(m)], axis=0)  # fmt: skip
+    zero_terms = [sum((p[t] * vs[(ng + gi) * m + t : (ng + gi) * m + t + 1]).sum(
+        axis=1, keepdims=True) for t in range(m)) for gi in range(ng)]  # [R, 1] a group
+    outs = []
+    for nib in _nibbles(vq, dtype):
+        y = jnp.dot(scaled.astype(dtype), nib, preferred_element_type=jnp.float32)
+        kept = 0.0
+        for gi in range(ng):
+            for t in range(m):
+                row = (gi * m + t) * rr
+                mine = (lane_part == t) & (group_of == gi)
+                kept = kept + jnp.where(mine, y[row : row + rr], 0.0)
+        folded = kept  # part t's lanes onto [0, D / 2)
+        for t in range(1, m):
+            folded = folded + pltpu.roll(kept, _LANES - t * half, 1)
+        for gi in range(ng):
+            folded = folded + jnp.where((lane < half) & (group_of == gi), zero_terms[gi], 0.0)
+        outs.append(folded)
+    return outs[0], outs[1]
 
 
 def _nibbles(packed: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
