@@ -111,15 +111,17 @@ def test_which_layouts_the_kernel_reads():
         assert layer_attention._int4_kernel_reads(layer) == reads
 
 
-def test_it_compiles_for_a_v5e():
-    """Mosaic lowers the kernel (the nibbles, the lane matrices, the rolls) for a v5e chip,
-    at bf16, head dim 128 and 1,024 slots (libtpu needed: the tpu-aot extra)."""
+@pytest.mark.parametrize("s,d", [(1024, 128), (300, 128), (640, 256)])
+def test_it_compiles_for_a_v5e(s, d):
+    """Mosaic lowers the kernel (the nibbles, the lane matrices, the rolls) for a v5e chip at
+    bf16: key blocks of whole tiles whatever the capacity (300 slots: one block of 512), head
+    dims 128 and 256 (libtpu needed: the tpu-aot extra)."""
     device = _v5e_devices()[0]
-    layer, _ = int4_layer(0, 1024, 700, 128, jnp.bfloat16)
+    layer, _ = int4_layer(0, s, s * 2 // 3, d, jnp.bfloat16)
     on = jax.sharding.SingleDeviceSharding(device)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on),
                             (layer.k, layer.v, layer.pos))  # fmt: skip
-    q = jax.ShapeDtypeStruct((2, 1, 4, 128), jnp.bfloat16, sharding=on)
+    q = jax.ShapeDtypeStruct((2, 1, 4, d), jnp.bfloat16, sharding=on)
     qpos = jax.ShapeDtypeStruct((2, 1), jnp.int32, sharding=on)
 
     def step(q, qpos, k, v, pos):

@@ -58,7 +58,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dge_jax.kernels.attention import _MASKED, LayerCache, ScoreSpec, _group_queries
 from dge_jax.kernels.flash_decode import _SUBLANES, _fold_new, _normalise, block_table
-from dge_jax.kernels.flash_tiles import _LANES, _NT, _tile, _visible
+from dge_jax.kernels.flash_tiles import _LANES, _NT, _visible
 from dge_jax.runtime.quantized import Int4Entries, int4_tail
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -91,7 +91,12 @@ def int4_decode_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
     b, t, hq, d = q.shape
     hkv, s_len = k.resid.shape[2], k.shape[-2]
     g, m, r = hq // hkv, _LANES // (d // 2), k.residual
-    bk, s_pad = _tile(s_len, block_k, "block_k")
+    # A key block holds whole tiles of every operand: bk / G scale rows of 16 sublanes (bf16)
+    # and bk / m slot lanes, so bk is a multiple of 16 G (512 for KIVI's G = 32), whatever S.
+    unit = 16 * k.group
+    bk = max(unit, block_k // unit * unit)
+    bk = min(bk, -(-s_len // unit) * unit)
+    s_pad = -(-s_len // bk) * bk
     rows = g * t
     r_pad = -(-rows // _SUBLANES) * _SUBLANES
     window = jnp.asarray(0 if cache.window is None else cache.window, jnp.int32)
