@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from kv_quant_checks import assert_pallas_is_xla
 
-from dge_jax.kernels import layer_attention
+from dge_jax.kernels import int4_tiles, layer_attention
 from dge_jax.kernels.attention import (
     AttentionSpec,
     LayerCache,
@@ -23,7 +23,8 @@ from dge_jax.kernels.attention import (
     ScoreSpec,
     cached_attention,
 )
-from dge_jax.kernels.flash_decode_int4 import int4_decode_attention, supports
+from dge_jax.kernels.flash_decode_int4 import int4_decode_attention
+from dge_jax.kernels.int4_tiles import supports
 from dge_jax.runtime.quantized import KVQuant, quantize_int4_entries
 
 QUANT = KVQuant("int4", 32, 128)
@@ -60,10 +61,8 @@ CASES = [  # (s, n, d, t, window)
 @pytest.mark.parametrize("in_place", [False, True])
 def test_the_kernel_reads_what_the_xla_path_reads(s, n, d, t, window, in_place, monkeypatch):
     """in_place: the stacked bytes read at the layer index (a large stack), else the layer
-    sliced out first (a small one: `_SLICED_BELOW`)."""
-    from dge_jax.kernels import flash_decode_int4
-
-    monkeypatch.setattr(flash_decode_int4, "_SLICED_BELOW", 0 if in_place else 2**62)
+    sliced out first (a small one: `int4_tiles.SLICED_BELOW`)."""
+    monkeypatch.setattr(int4_tiles, "SLICED_BELOW", 0 if in_place else 2**62)
     layer, rng = int4_layer(s + n + d, s, n, d, window=None if window is None else
                             jnp.int32(window))  # fmt: skip
     assert supports(layer.k) and supports(layer.v)
@@ -174,23 +173,25 @@ def _v5e_devices():
 def test_generation_with_the_kernel_gives_the_xla_tokens(monkeypatch):
     """A tiny Llama with head dim 128 (GQA 4/2, 2 layers) on KIVI's int4 cache, 300-token
     prompts (two whole blocks, a 44-slot tail) and 12 new tokens, FullKV and DGE(3)-SnapKV at
-    budget 96: attention "pallas" (prefill in pieces, decode and draft by this kernel, in
-    interpret mode) decodes the tokens "xla" decodes."""
+    budget 96: attention "pallas" (prefill by `flash_int4`, decode and draft by this kernel,
+    in interpret mode) decodes the tokens "xla" decodes."""
     from tiny_model import jax_config, jax_model
 
     from dge_jax import Eviction, SnapKV, Timing, generate_grid
-    from dge_jax.kernels import flash_decode_int4
+    from dge_jax.kernels import flash_decode_int4, flash_int4
 
     traced = []
-    kernel = flash_decode_int4.int4_decode_attention
-    monkeypatch.setattr(flash_decode_int4, "int4_decode_attention",
-                        lambda *a, **kw: traced.append(1) or kernel(*a, **kw))  # fmt: skip
+    for module, name in ((flash_decode_int4, "int4_decode_attention"),
+                         (flash_int4, "int4_flash_attention")):  # fmt: skip
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw: (
+            traced.append(name) or kernel(*a, **kw)))  # fmt: skip
     model = jax_model(jax_config(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128))
     prompts = [np.random.default_rng(n).integers(0, 128, 300).tolist() for n in (1, 2)]
     cells = [None, Eviction(SnapKV(window=8), 96, Timing("dge", 3))]
     runs = {attention: generate_grid(model, prompts, cells, max_new_tokens=12, kv_quant="int4",
                                      attention=attention)
             for attention in ("pallas", "xla")}  # fmt: skip
-    assert traced  # the decode and draft steps were the kernel's
+    assert set(traced) == {"int4_decode_attention", "int4_flash_attention"}
     for got, want in zip(runs["pallas"], runs["xla"], strict=True):
         assert got.tokens == want.tokens

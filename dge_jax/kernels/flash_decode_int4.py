@@ -9,41 +9,20 @@ an int8 cache, so a step reads about a quarter of a bf16 cache's bytes; the Pall
 before it dequantized each piece of the layer in XLA (`int4_pieces`), writing and reading a
 bf16 copy every step (benchmarks/RESULTS.md, "An int4 cache": the bytes of both).
 
-The stored layout, and what the kernel does with it. Slot s's D channels are D / 2 bytes,
-byte i holding channel 2i (low nibble) and 2i + 1 (high); m = 128 / (D / 2) slots share a
-stored row of 128 lanes (slot m r + t at lanes [t D / 2, (t + 1) D / 2) of row r, "part
-t"). A key block of bk slots is then [bk / m, 128] bytes, unpacked into its low and high
-nibbles, two [bk / m, 128] arrays whose lane l holds channel 2 (l mod D / 2) (low) or that
-plus 1 (high) of slot m r + l // (D / 2). No relayout of the bytes is needed:
-
-- Keys. A group's scales and zeros are one stored row of D channels ([bk / G, D] a block of
-  the layer's, sliced out of the stack first: passed stacked, XLA relaid the whole stack
-  around the layer loop, whose layout of it puts the batch second-minor, as the int8 scales'
-  note in `flash_tiles._kv_operands` found for those); a 0/1 matrix product moves channel 2
-  (l mod D / 2) to lane l (and + 1 for the high nibbles: exact, one term a lane), and each
-  row is repeated over its G / m stored rows. So the block is dequantized as `dequantize`
-  does (q * scale + zero), in two halves. The queries are split outside the kernel into
-  their even and odd channels, placed at part t's lanes for each t ([m R, 128], zeros
-  elsewhere: R query rows): two products against the two halves give [m R, bk / m] scores,
-  rows t R .. (t + 1) R those of slots m r + t. Softmax does not care about slot order, so
-  the positions come in the same order ([m, S / m], a reshape outside the kernel) and each
-  part is masked and exponentiated as it is.
-- Values. Their scales and zeros are per slot and group of G channels; outside the kernel the
-  layer's are laid out as rows (group g, part t) over slots ([2 D / G m, S / m], 16 bytes a
-  slot for D = 128 against the 128 bytes of k and v), so p (q * s + z) = (p * s) q + p z
-  takes each (g, t)'s probabilities times its scales as rows of one product with the raw
-  nibbles, of which each lane keeps its own (g, t); the m parts are then folded onto lanes
-  [0, D / 2) by lane rolls. The output comes out as even channels then odd ones, reordered
-  outside the kernel.
-- The residual block and the tail (slots past the whole blocks) are not in the bytes: the
-  kernel masks them, and they are joined after it with its log-sum-exp, in XLA (R + S % R
-  slots, as `flash_decode` folds a step's own entries).
+What the kernel does with the stored layout (`int4_tiles`, which both int4 kernels share):
+each key block is unpacked and dequantized in two halves (`int4_tiles.key_halves`) and scored
+against the queries' even and odd parts, each part masked and exponentiated as it is. For the
+values, p (q * s + z) = (p * s) q + p z takes each (group g, part t)'s probabilities times
+its scales as rows of one product with the raw nibbles, of which each lane keeps its own (g,
+t); the m parts are then folded onto lanes [0, D / 2) by lane rolls, and the output comes out
+as even channels then odd ones, reordered outside the kernel. The residual block and the
+tail are joined after it with its log-sum-exp, in XLA (R + S % R slots, as `flash_decode`
+folds a step's own entries).
 
 The grid, the block table (only key blocks holding a visible slot are read) and the online
 softmax are `flash_decode`'s. Same numbers as the XLA path up to float summation order (the
-values' scale is applied to the probabilities instead of the entries). `supports` says which
-layouts it takes: 128-lane packed rows and one key group a stored scale row (head dims 64 and
-under merge key groups; those keep `int4_pieces`).
+values' scale is applied to the probabilities instead of the entries). `int4_tiles.supports`
+says which layouts it takes (head dims 128 and 256).
 """
 
 from __future__ import annotations
@@ -52,32 +31,22 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dge_jax.kernels.attention import _MASKED, LayerCache, ScoreSpec, _group_queries
 from dge_jax.kernels.flash_decode import _SUBLANES, _fold_new, _normalise, block_table
 from dge_jax.kernels.flash_tiles import _LANES, _NT, _visible
-from dge_jax.runtime.quantized import Int4Entries, int4_tail
-
-_HIGHEST = jax.lax.Precision.HIGHEST
-# A stack of packed bytes under this many bytes (per device) is passed one layer at a time:
-# given a small stack, XLA:TPU streamed 8-layer slices of it into VMEM for every layer's call
-# (a compacted DGE cell's decode, Llama-8B at batch 24 on a v5e: 53 MB a leaf, 5.1 GB a step
-# of such copies; benchmarks/RESULTS.md, "An int4 cache"). Slicing costs at most twice the
-# stack's bytes a step; a larger stack (a 32k FullKV cache) is read in place.
-_SLICED_BELOW = 64 * 2**20
-
-
-def supports(entries) -> bool:
-    """Whether the kernel reads these stacked int4 entries: packed rows of 128 lanes (m slots
-    each) and, for keys, one group per stored scale row (module docstring)."""
-    if not isinstance(entries, Int4Entries):
-        return False
-    d = entries.resid.shape[-1]
-    rows_ok = entries.q.shape[-1] == _LANES and _LANES % (d // 2) == 0
-    return rows_ok and (not entries.keys or entries.scale.shape[-1] == d)
+from dge_jax.kernels.int4_tiles import (
+    by_part,
+    key_halves,
+    key_lanes,
+    nibbles,
+    packed_bytes,
+    query_parts,
+    residual_and_tail,
+    value_scales,
+)
 
 
 def int4_decode_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
@@ -85,7 +54,7 @@ def int4_decode_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
                           interpret: bool | None = None) -> jax.Array:  # fmt: skip
     """`cached_attention`'s output [B, T, Hq, D] (the residual's dtype) for queries q
     [B, T, Hq, D] at query_pos [B, T] over layer cache.layer of the stacked int4 k, v
-    (`supports`) and pos [Lg, B, Hkv, S], the step's entries already written; window:
+    (`int4_tiles.supports`) and pos [Lg, B, Hkv, S], the step's entries already written; window:
     cache.window (0 or None: global); scores: the logits' scale and soft cap."""
     k, v, layer = cache.k, cache.v, jnp.asarray(cache.layer, jnp.int32)
     b, t, hq, d = q.shape
@@ -113,14 +82,12 @@ def int4_decode_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
                       constant_values=-1)  # fmt: skip
     row_lanes = jnp.broadcast_to(row_pos[:, :, None], (b, r_pad, _LANES))
     scores = ScoreSpec(scores.scale_for(d), scores.softcap)
-    kq, vq, at = k.q, v.q, layer
-    if k.q.size * k.q.dtype.itemsize < _SLICED_BELOW:  # a stack of one layer, read at 0
-        kq, vq, at = (*(jax.lax.dynamic_slice_in_dim(x, layer, 1) for x in (k.q, v.q)), 0)
+    kq, vq, at = packed_bytes(k, v, layer)
     args = (jnp.reshape(jnp.asarray(at, jnp.int32), (1,)), jnp.reshape(window, (1,)),
-            blocks.reshape(-1), counts.reshape(-1), row_lanes, *_query_parts(qg, m), kq,
+            blocks.reshape(-1), counts.reshape(-1), row_lanes, *query_parts(qg, m), kq,
             *(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False) for x in (k.scale, k.zero)),
-            *_key_lanes(d), vq, _value_scales(v, layer, m, s_pad),
-            _by_part(spos, m))  # fmt: skip
+            *key_lanes(d), vq, value_scales(v, layer, m, s_pad),
+            by_part(spos, m))  # fmt: skip
     call = functools.partial(_call, bk=bk, group=k.group, scores=scores)
     if interpret is None:
         lo, hi, lse = jax.lax.platform_dependent(
@@ -129,69 +96,10 @@ def int4_decode_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
         lo, hi, lse = call(interpret, *args)
     # even channels then odd ones -> channel order
     out = jnp.stack([lo[..., : d // 2], hi[..., : d // 2]], axis=-1).reshape(b, hkv, r_pad, d)
-    out = _fold_new(out, lse[..., 0], qg, _residual_and_tail(cache, layer, pos, start, n),
+    out = _fold_new(out, lse[..., 0], qg, residual_and_tail(cache, layer, pos, start, n),
                     row_pos, window, scores)  # fmt: skip
     out = out[:, :, :rows].astype(v.dtype).reshape(b, hkv, g, t, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
-
-
-def _query_parts(qg: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """Grouped queries [B, Hkv, R, D] as the kernel's two [B, Hkv, m R, 128] operands: their
-    even (then odd) channels at part t's lanes in rows t R .. (t + 1) R, zeros elsewhere."""
-    half = qg.shape[-1] // 2
-
-    def parts(x):
-        return jnp.concatenate([jnp.pad(x, ((0, 0),) * 3 + ((p * half, _LANES - (p + 1) * half),))
-                                for p in range(m)], axis=2)  # fmt: skip
-
-    return parts(qg[..., 0::2]), parts(qg[..., 1::2])
-
-
-def _key_lanes(d: int) -> tuple[jax.Array, jax.Array]:
-    """0/1 matrices [D, 128] moving a key scale row's channel 2 (l mod D / 2) (even), or
-    that plus 1 (odd), to lane l: the channel the low (high) nibble at lane l holds."""
-    lane = np.arange(_LANES) % (d // 2)
-    even = (np.arange(d)[:, None] == 2 * lane[None, :]).astype(np.float32)
-    return jnp.asarray(even), jnp.asarray(np.roll(even, 1, axis=0))
-
-
-def _value_scales(v: Int4Entries, layer: jax.Array, m: int, s_pad: int) -> jax.Array:
-    """Layer `layer`'s value scales then zeros [B, Hkv, S, D / G] as rows (group g, part t)
-    over slots: [B, Hkv, 2 D / G m, s_pad / m], row g m + t (zeros: + D / G m) slot r holding
-    slot m r + t's; zero past S."""
-    v = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), v)
-
-    def rows(name):  # the layer sliced first: the stacked leaves are never relaid
-        x = v.logical(name)
-        b, h, s, ng = x.shape
-        x = x.reshape(b, h, s // m, m, ng).transpose(0, 1, 4, 3, 2).reshape(b, h, ng * m, s // m)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, (s_pad - s) // m)))
-
-    return jnp.concatenate([rows("scale"), rows("zero")], axis=2)
-
-
-def _by_part(spos: jax.Array, m: int) -> jax.Array:
-    """Slot positions [B, Hkv, S'] as [B, Hkv, m, S' / m]: row t slot r is slot m r + t."""
-    b, h, s = spos.shape
-    return spos.reshape(b, h, s // m, m).swapaxes(-1, -2)
-
-
-def _residual_and_tail(cache: LayerCache, layer, pos, start, n: int):
-    """The entries the kernel does not read, as `_fold_new`'s (k, v, pos) [B, Hkv, R + S - n,
-    D]: the residual block at `start` (positions past S: -1), then the tail (`int4_tail`:
-    zeros unless it is the residual block, whose slots it then hides)."""
-    k, v = (jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), e)
-            for e in (cache.k, cache.v))  # fmt: skip
-    r, s_len = k.residual, pos.shape[-1]
-    first = start[0, 0]  # one residual start a layer
-    padded = jnp.pad(pos, ((0, 0), (0, 0), (0, r)), constant_values=-1)
-    parts_k, parts_v = [k.resid], [v.resid]
-    parts_pos = [jax.lax.dynamic_slice_in_dim(padded, first, r, axis=2)]
-    if s_len > n:
-        parts_k.append(int4_tail(k))
-        parts_v.append(int4_tail(v))
-        parts_pos.append(jnp.where(first == n, -1, pos[..., n:]))
-    return tuple(jnp.concatenate(x, axis=2) for x in (parts_k, parts_v, parts_pos))
 
 
 def _kernel(*refs, nk, m, group, scores):
@@ -240,21 +148,11 @@ def _kernel(*refs, nk, m, group, scores):
 
 
 def _key_scores(q_refs, lane_refs, kq_ref, ks, kz, m: int, group: int) -> jax.Array:
-    """A key block's scores [m R, bk / m] f32 (unscaled): its nibbles dequantized with the
-    group rows' scales and zeros [bk / G, D] moved to their lanes (module docstring), each
-    half against its query parts."""
-    dtype = ks.dtype
+    """A key block's scores [m R, bk / m] f32 (unscaled): each half of `key_halves` against
+    its query parts."""
     s = None
-    for nibbles, q_ref, lanes_ref in zip(_nibbles(kq_ref[...], dtype), q_refs, lane_refs,
-                                         strict=True):  # fmt: skip
-        def lanes(x, lanes_ref=lanes_ref):  # a group row [bk / G, D] -> [bk / m, 128]
-            moved = jnp.dot(x.astype(jnp.float32), lanes_ref[...], precision=_HIGHEST,
-                            preferred_element_type=jnp.float32)  # fmt: skip
-            per = group // m  # stored rows a group
-            wide = jnp.broadcast_to(moved[:, None, :], (moved.shape[0], per, _LANES))
-            return wide.reshape(moved.shape[0] * per, _LANES).astype(dtype)
-
-        keys = nibbles * lanes(ks) + lanes(kz)
+    for keys, q_ref in zip(key_halves(kq_ref[...], ks, kz, lane_refs, m, group), q_refs,
+                           strict=True):  # fmt: skip
         part = jax.lax.dot_general(q_ref[...], keys.astype(q_ref.dtype), _NT,
                                    preferred_element_type=jnp.float32)  # fmt: skip
         s = part if s is None else s + part
@@ -284,7 +182,7 @@ def _weighted_values(p: list[jax.Array], vs: jax.Array, vq: jax.Array, dtype,
     zero_terms = [sum((p[t] * vs[(ng + gi) * m + t : (ng + gi) * m + t + 1]).sum(
         axis=1, keepdims=True) for t in range(m)) for gi in range(ng)]  # [R, 1] a group
     outs = []
-    for nib in _nibbles(vq, dtype):
+    for nib in nibbles(vq, dtype):
         y = jnp.dot(scaled.astype(dtype), nib, preferred_element_type=jnp.float32)
         kept = 0.0
         for gi in range(ng):
@@ -299,12 +197,6 @@ def _weighted_values(p: list[jax.Array], vs: jax.Array, vq: jax.Array, dtype,
             folded = folded + jnp.where((lane < half) & (group_of == gi), zero_terms[gi], 0.0)
         outs.append(folded)
     return outs[0], outs[1]
-
-
-def _nibbles(packed: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """Packed bytes [n, 128] -> (low, high) nibbles [n, 128] in `dtype`."""
-    x = packed.astype(jnp.int32)
-    return (x & 0xF).astype(dtype), ((x >> 4) & 0xF).astype(dtype)
 
 
 def _call(interpret, layer, window, blocks, counts, row_lanes, q_even, q_odd, kq, ks, kz, even,

@@ -1,12 +1,12 @@
 """An int4 layer read by the Pallas kernels a piece of slots at a time, the pieces joined in one
 softmax.
 
-The Pallas kernels unpack int8 blocks in VMEM, and int4 ones only in the decode kernel at head
-dims 128 and 256 (`flash_decode_int4`), so the prefill kernel and decode at other head dims
-read an int4 layer dequantized. Dequantized whole, a layer left whole-layer temporaries
-of the activation dtype (the unpacked nibbles, their relayout, the product), the largest of
-prefill, draft and FullKV's decode when compiled for a v5e chip, which decided the largest
-batch (benchmarks/RESULTS.md, "An int4 cache"). Here each piece of `size` slots
+The Pallas kernels unpack int8 blocks in VMEM, and int4 ones at head dims 128 and 256
+(`flash_int4`, `flash_decode_int4`), so the kernels at other head dims read an int4 layer
+dequantized. Dequantized whole, a layer left whole-layer temporaries of the activation dtype
+(the unpacked nibbles, their relayout, the product), the largest of prefill, draft and
+FullKV's decode when compiled for a v5e chip, which decided the largest batch
+(benchmarks/RESULTS.md, "An int4 cache"). Here each piece of `size` slots
 is dequantized alone (`quantized.dequantize_slots`), read by the kernel, which also gives
 each row's log-sum-exp, and joined with the pieces before it (`join`: the running output
 reweighted by exp(lse - m), as the kernels' own online softmax joins key tiles), so the

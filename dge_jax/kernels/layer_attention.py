@@ -117,9 +117,10 @@ def kernel_backend(backend: Backend, spec: AttentionSpec) -> Backend:
     """`backend`, unless its kernel cannot run this attention: cuDNN's takes no soft cap (the
     Pallas kernels and the XLA path take sliding windows, soft caps and any logit scale;
     every kernel reads an int8 cache: the Pallas kernels dequantize its blocks in VMEM,
-    cuDNN's reads it dequantized; an int4 cache is read by the Pallas decode kernel in place
-    at head dims 128 and 256, `flash_decode_int4`, by the other Pallas steps a piece at a
-    time, `int4_pieces`, and dequantized one layer at a time for the others: `dense_layer`).
+    cuDNN's reads it dequantized; an int4 cache is read by the Pallas kernels in place at
+    head dims 128 and 256, `flash_int4` and `flash_decode_int4`, a piece at a time at other
+    head dims, `int4_pieces`, and dequantized one layer at a time for the others:
+    `dense_layer`).
     Asked for by name (spec.attention), such a kernel is a ValueError saying what to use;
     chosen by "auto", the XLA path runs instead (it is exact for all of them)."""
     if not (backend.attention == "cudnn" and spec.scores.softcap):
@@ -152,7 +153,7 @@ def decode_step_attention(
     if backend.attention == "pallas" and not spec.record_attn:
         if int4_pieces.in_pieces(cache):  # the step's entries are written: read from the cache
             if _int4_kernel_reads(cache):
-                return _sharded_int4_decode(q, query_pos, cache, spec), None
+                return _sharded_int4(q, query_pos, cache, spec), None
             out, _ = int4_pieces.attend_in_pieces(cache, q.shape, lambda piece, start: (
                 _sharded_decode(q, query_pos, piece, None, spec, with_lse=True)))
             return out.astype(cache.v.dtype), None
@@ -165,8 +166,8 @@ def decode_step_attention(
 def dense_layer(cache: LayerCache) -> LayerCache:
     """An int4 cache's layer cache.layer dequantized, as a group of one ([1, B, Hkv, S, D];
     what the XLA and cuDNN paths, and the Pallas kernels when they record prob sums, read of
-    it; the Pallas kernels otherwise read it in pieces, `int4_pieces`, or in place,
-    `flash_decode_int4`); plain and int8 caches as they are."""
+    it; the Pallas kernels otherwise read it in place, `flash_int4` and `flash_decode_int4`,
+    or in pieces, `int4_pieces`); plain and int8 caches as they are."""
     if not written_first(cache.k):
         return cache
     k, v, pos = cache.read()
@@ -208,23 +209,31 @@ def _sharded_decode(q, query_pos, cache: LayerCache, new: NewEntries | None,
 
 
 def _int4_kernel_reads(cache: LayerCache) -> bool:
-    """Whether `flash_decode_int4` reads this int4 layer's stored bytes (its `supports`)."""
-    from dge_jax.kernels import flash_decode_int4
+    """Whether the int4 kernels (`flash_decode_int4`, `flash_int4`) read this int4 layer's
+    stored bytes (`int4_tiles.supports`)."""
+    from dge_jax.kernels.int4_tiles import supports
 
-    return flash_decode_int4.supports(cache.k) and flash_decode_int4.supports(cache.v)
+    return supports(cache.k) and supports(cache.v)
 
 
-def _sharded_int4_decode(q, query_pos, cache: LayerCache, spec: AttentionSpec):
-    """`flash_decode_int4.int4_decode_attention` of layer cache.layer, under a (data, model)
-    mesh one call per device on its own rows and kv heads, as `_sharded_decode`."""
+def _sharded_int4(q, query_pos, cache: LayerCache, spec: AttentionSpec,
+                  num_slots: jax.Array | int | None = None):  # fmt: skip
+    """The int4 kernels over layer cache.layer: `flash_int4.int4_flash_attention` for a
+    prefill chunk (num_slots given), else `flash_decode_int4.int4_decode_attention`; under a
+    (data, model) mesh one call per device on its own rows and kv heads, as `_sharded_decode`
+    (each leaf of the int4 entries split as the cache, their start [Lg, B, Hkv] as rows and
+    heads)."""
     from dge_jax.kernels.flash_decode_int4 import int4_decode_attention
+    from dge_jax.kernels.flash_int4 import int4_flash_attention
 
-    def fn(q, k_all, v_all, pos_all, query_pos, i, window):
+    def fn(q, k_all, v_all, pos_all, query_pos, i, window, slots_read):
         layer = LayerCache(k_all, v_all, pos_all, i, 0, window)
-        return int4_decode_attention(q, query_pos, layer, spec.scores)
+        if num_slots is None:
+            return int4_decode_attention(q, query_pos, layer, spec.scores)
+        return int4_flash_attention(q, query_pos, layer, slots_read, spec.scores)
 
     args = (q, cache.k, cache.v, cache.pos, query_pos, jnp.asarray(cache.layer, jnp.int32),
-            _window(cache.window))  # fmt: skip
+            _window(cache.window), jnp.asarray(0 if num_slots is None else num_slots, jnp.int32))
     specs = attention_specs(q.shape[0], cache.k.resid.shape[2])
     if specs is None:
         return fn(*args)
@@ -237,7 +246,8 @@ def _sharded_int4_decode(q, query_pos, cache: LayerCache, spec: AttentionSpec):
                                    start=start)  # fmt: skip
 
     return jax.shard_map(
-        fn, in_specs=(rows, entries(cache.k), entries(cache.v), P(None, *slots), qpos, P(), P()),
+        fn, in_specs=(rows, entries(cache.k), entries(cache.v), P(None, *slots), qpos, P(), P(),
+                      P()),
         out_specs=rows, check_vma=False,
     )(*args)  # fmt: skip
 
@@ -263,9 +273,11 @@ def prefill_attention(
     index maps picking the layer, so no slice of the layer's capacity is materialised (under
     a layer scan it would be a copy per chunk and layer), and the window scalar-prefetched
     beside it (one compilation for the group's sliding and global layers); under a mesh
-    inside a shard_map over rows and kv heads (`_sharded_flash`). "cudnn": `cudnn_attention`;
-    its kernel returns no per-slot sums, so a chunk that records them (H2O) runs the XLA
-    path.
+    inside a shard_map over rows and kv heads (`_sharded_flash`); an int4 cache's layer (its
+    chunk written first) by `flash_int4` where it reads the layout, else in pieces
+    (`int4_pieces`), and dequantized when the chunk records prob sums. "cudnn":
+    `cudnn_attention`; its kernel returns no per-slot sums, so a chunk that records them
+    (H2O) runs the XLA path.
 
     Rows that see no slot (padding queries) differ: zeros from the flash kernel, a mean of
     values from the others. Nothing reads them: such a row's key and value are written at
@@ -274,6 +286,8 @@ def prefill_attention(
     repeat scores all skip position -1.
     """
     if backend.attention == "pallas" and not spec.record_attn and int4_pieces.in_pieces(cache):
+        if _int4_kernel_reads(cache):
+            return _sharded_int4(q, query_pos, cache, spec, num_slots), None
         out, _ = int4_pieces.attend_in_pieces(cache, q.shape, lambda piece, start: (
             _sharded_flash(q, query_pos, piece, jnp.maximum(num_slots - start, 0), spec,
                            with_lse=True)))  # fmt: skip

@@ -50,7 +50,8 @@ many pieces of whole blocks (`quantized.over_pieces`), so no layer is dequantize
 v5e that is what let 72 rows of Llama-8B at 32k fit instead of 64. XLA:CPU pays per op, and
 there pieces take several times a whole read (`python -m benchmarks.int4_pieces`,
 benchmarks/RESULTS.md, "An int4 cache"), so CPU reads a layer whole. (The Pallas kernels
-read an int4 layer in pieces, `kernels/int4_pieces.py`, or in place: `flash_decode_int4`.)
+read an int4 layer in place, `flash_int4` and `flash_decode_int4`, at head dims 128 and 256,
+else in pieces, `kernels/int4_pieces.py`.)
 """
 
 from __future__ import annotations
