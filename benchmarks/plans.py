@@ -136,7 +136,7 @@ def make_plan(suite: str, size: str) -> Plan:
             # the prefill's alone on the cudnn pass, plus the runs: prefill up to 7e14 FLOPs
             # (32k x 1: ~1.5 s at 500 TFLOP/s), decode 2 caches x 4 runs x 62 steps of 3-10
             # ms (14 GB of weights per step at ~4 TB/s); 4 configurations x 2 backends:
-            # ~6-9 min in all, under the 10.
+            # ~6-9 min in all, under the 10 minutes this plan was sized for.
             return Plan(
                 suite,
                 size,

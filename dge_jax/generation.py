@@ -220,7 +220,7 @@ def _ids(model: Model, items: Sequence, special: bool, what: str) -> list[list[i
     return out
 
 
-def _check(contexts, questions, cells, anchor: int) -> tuple[list, list[list], int]:
+def _check(contexts, questions, anchor: int) -> tuple[list, list[list], int]:
     contexts = as_prompts(contexts)
     if isinstance(questions, str) or len(questions) != len(contexts):
         raise ValueError(
@@ -236,14 +236,22 @@ def _check(contexts, questions, cells, anchor: int) -> tuple[list, list[list], i
     n = counts.pop()
     if not 0 <= anchor < n:
         raise ValueError(f"anchor (the question DGE drafts on) must be in [0, {n}), got {anchor}")
-    for i, ev in enumerate(cells):
+    return contexts, list(questions), n
+
+
+def _context_cells(cells, max_new_tokens: int, windows: tuple[int, ...]) -> list:
+    """The cells checked as `generate_grid` checks them (`grid_plan.check_cells`, FullKV as
+    None), here before they are split into grids by timing; a cell that compresses while
+    decoding is refused."""
+    checked = check_cells(cells, max_new_tokens, windows)
+    for i, ev in enumerate(checked):
         if ev is not None and (ev.decode is not None or ev.timing.kind == "decode"):
             raise ValueError(
                 f"cell {i} compresses while decoding; generate_for_contexts compresses the "
                 "context once before its questions: use timing prefill, dge, dge_w, dge_d or "
                 "lookahead"
             )
-    return contexts, list(questions), n
+    return checked
 
 
 @on_model_mesh  # as generate_grid
@@ -274,10 +282,10 @@ def generate_for_contexts(
             "chat template yourself and split the text after the context (experiments.protocol "
             "does), then drop chat=True"
         )
-    contexts, questions, n = _check(contexts, questions, cells, anchor)
+    contexts, questions, n = _check(contexts, questions, anchor)
     lengths = _answer_lengths(answer_lengths, n, cfg)
     cfg = dataclasses.replace(cfg, max_new_tokens=max(lengths))  # the longest answer's room
-    checked = check_cells(list(cells), cfg.max_new_tokens, model.config.layer_windows)
+    checked = _context_cells(cells, cfg.max_new_tokens, model.config.layer_windows)
     ctx = _ids(model, contexts, True, "context")
     asked = [_ids(model, q, False, f"question of context {i}") for i, q in enumerate(questions)]
     _check_positions(model, ctx, asked, lengths)

@@ -10,7 +10,10 @@
   cell keeps what `generate_grid` keeps of the context alone;
 - a question's answer does not depend on the other questions (each is fed to the same
   compressed cache, never to another's answer);
-- bad input is refused by name.
+- bad input is refused by name;
+- its cells are checked once before they are split into grids, and each grid's plan
+  (`grid_plan.plan_grid`) checks them again unchanged (`check_cells` returns a checked cell
+  as it is).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import pytest
 import dge_jax
 from dge_jax.eviction.decode_spec import DecodeCompression
 from dge_jax.eviction.evict import Eviction
+from dge_jax.eviction.grid_plan import check_cells
 from dge_jax.eviction.timing import Timing, dge, dge_w, prefill
 from dge_jax.generation import generate_for_contexts
+from dge_jax.rules.full import FullKV
 from dge_jax.rules.h2o import H2O
 from dge_jax.rules.snapkv import SnapKV
 
@@ -126,3 +131,25 @@ def test_bad_input_is_refused_by_name(llama):
                         decode=DecodeCompression(budget=16, interval=4))  # fmt: skip
     with pytest.raises(ValueError, match="cell 0 compresses while decoding"):
         generate_for_contexts(llama, ctx, qs, [decoding], max_new_tokens=NEW)
+    # cells are checked as generate_grid checks them (grid_plan.check_cells), before anything
+    # else reads them: an eviction not in a list, or a cell that is no Eviction, is named
+    with pytest.raises(TypeError, match="cells must be a list"):
+        generate_for_contexts(llama, ctx, qs, Eviction(snap, budget=16), max_new_tokens=NEW)
+    with pytest.raises(TypeError, match=r"eviction \(cell 1\)"):
+        generate_for_contexts(llama, ctx, qs, [None, "snapkv"], max_new_tokens=NEW)
+
+
+def test_checked_cells_are_checked_again_unchanged():
+    """generate_for_contexts checks its cells to split them into grids, then each grid's
+    plan checks them again: a checked cell passes the second check as the same object
+    (FullKV already None, a decode loop's window floor already raised), so the plan is the
+    one a grid of the same cells would get from generate_grid."""
+    snap = SnapKV(window=4)
+    cells = [None, Eviction(FullKV(), budget=16), Eviction(snap, budget=16, timing=dge(2)),
+             Eviction(snap, budget=16, decode=DecodeCompression(16, 4))]  # fmt: skip
+    windows = (40, 0)
+    once = check_cells(cells, NEW, windows)
+    assert once[:2] == [None, None]
+    assert once[3].decode.window_floor == 39  # raised to hold the window
+    twice = check_cells(once, NEW, windows)
+    assert all(a is b for a, b in zip(once, twice, strict=True))

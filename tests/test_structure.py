@@ -1,9 +1,10 @@
-"""Shape rules of the library's code: short functions, one cache form."""
+"""Shape rules of the library's code: short functions, one cache form, no tracker numbers."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 LIBRARY = pathlib.Path(__file__).resolve().parents[1] / "dge_jax"
 MAX_LINES = 80
@@ -72,3 +73,30 @@ def test_no_folder_holds_more_than_30_percent_of_the_library():
     for folder in (p for p in LIBRARY.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
         share = sum(n for p, n in lines.items() if folder in p.parents) / total
         assert share <= MAX_FOLDER_SHARE, f"{folder.name}/ holds {share:.0%} of the library"
+
+
+# "issue 44", "issues #3", "#45" (not "&#1;", a URL's "/#2" or a hex colour's "#1f77b4")
+ISSUE_NUMBER = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w&/#])#\d+(?![\w-])")
+CODE_FOLDERS = ("dge_jax", "models", "experiments", "benchmarks")
+
+
+def test_no_code_cites_an_issue_number():
+    """Comments and docstrings say what they mean: an issue number says nothing to a reader
+    without the tracker (RESULTS.md and the docs may cite issues; code may not)."""
+    repo = LIBRARY.parent
+    found = [
+        f"{path.relative_to(repo)}:{n}: {line.strip()[:80]}"
+        for folder in CODE_FOLDERS
+        for path in sorted((repo / folder).rglob("*"))
+        if path.suffix in (".py", ".sh") and not any(p.startswith(".") for p in path.parts)
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if ISSUE_NUMBER.search(line)
+    ]
+    assert not found, "say what the issue meant instead:\n  " + "\n  ".join(found)
+
+
+def test_the_issue_number_pattern():
+    hits = ("(issue #45)", "issue 44's changes", "issues 3 and 9", "#30's changes", "see #7.")
+    misses = ("color='#1f77b4'", "&#10;", "https://x.org/a/#2", "top-k #k", "# 3 rows")
+    assert all(ISSUE_NUMBER.search(s) for s in hits)
+    assert not any(ISSUE_NUMBER.search(s) for s in misses)

@@ -5,7 +5,8 @@ default path, hashed without their source locations, at two commits.
     (cd OLD_CHECKOUT && PYTHONPATH=. python -m benchmarks.cost.cpu_programs --out before.json)
     python -m benchmarks.cost.cpu_programs --compare before.json after.json
 
-(An OLD_CHECKOUT from before issue #46 holds this module at benchmarks/cpu_programs.py.)
+(An OLD_CHECKOUT from before benchmarks/ was split into cost/ and peers/ holds this module at
+benchmarks/cpu_programs.py.)
 
 On the embedded SmolLM2-135M-Instruct, one device, batch 1: `decoding.prefill_prompt` (a
 1,024-token prompt in 512-token chunks, capacity 1,088) and `decoding.decode_loop` (FullKV,

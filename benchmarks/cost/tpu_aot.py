@@ -83,9 +83,9 @@ compressed one (from the timing: `tpu_stages.Cell.forward_steps`), the full cach
 while the peak stage runs (traced as it ends, its arguments still held), the peak, the peak
 over the parameters in full caches (XLA's temporaries count there, such as a loop's own copy
 of a cache it cannot update in place, which the trace cannot see) and whether it fits; with
-``--max_batch``, its largest batch and the peak there. All three by default: the issue asks
-for them side by side, the DGE cell's figures and keys are unchanged (its table prints
-first, as before), and the two cells add about two minutes at 32k on two cores;
+``--max_batch``, its largest batch and the peak there. All three by default, side by side:
+the DGE cell's figures and keys are unchanged (its table prints first, as before), and the
+two cells add about two minutes at 32k on two cores;
 ``--cells dge`` compiles the DGE cell alone.
 
 **--max_batch**: the largest batch (a multiple of the mesh's row multiple,

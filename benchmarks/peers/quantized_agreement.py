@@ -1,4 +1,4 @@
-"""Side by side with kvpress on a quantized cache (issue #45): does dge_jax's quantized cache
+"""Side by side with kvpress on a quantized cache: does dge_jax's quantized cache
 lose what kvpress's SnapKV on transformers' `QuantizedCache` loses, and no more?
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python -m benchmarks.peers.quantized_agreement \\
@@ -122,7 +122,7 @@ def paired(a: dict, b: dict) -> dict:
 
 def comparisons(cells: dict[str, dict], dge_quants: Sequence[str],
                 peer_quants: Sequence[str]) -> list[dict]:
-    """The paired comparisons the issue asks for, in table order, Holm-corrected together:
+    """The paired comparisons of the table, in its order, Holm-corrected together:
     per method, each quantized cell against its library's plain cell, the two plain cells
     against each other, then each dge_jax quantized cell against each kvpress quantized
     one. A comparison whose cells are missing is left out."""
