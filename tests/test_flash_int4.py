@@ -26,6 +26,7 @@ from dge_jax.kernels.attention import (
     written_slot_attention,
 )
 from dge_jax.kernels.flash_int4 import int4_flash_attention
+from dge_jax.runtime.quantized import KVQuant, quantize_int4_entries
 
 CASES = [  # (s, n, d, t, window, block_q)
     (300, 200, 128, 70, None, 512),  # residual [128, 256) inside the whole blocks, a tail of 44
@@ -87,19 +88,26 @@ def test_a_soft_capped_bf16_layer():
                                rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
-@pytest.mark.parametrize("s,d,t", [(1024, 128, 512), (300, 128, 300), (640, 256, 256)])
-def test_it_compiles_for_a_v5e(s, d, t):
+@pytest.mark.parametrize("b,s,d,t", [(72, 1024, 128, 512), (2, 300, 128, 300), (2, 640, 256, 256)])
+def test_it_compiles_for_a_v5e(b, s, d, t):
     """Mosaic lowers the kernel (the nibbles, the lane matrices, the transposed value scales,
-    the rolls) for a v5e chip at bf16, with its default tiles and Llama-8B's 4 query heads a
-    kv head (in VMEM: query tiles of 512 rows did not fit), key blocks of whole tiles
-    whatever the capacity, head dims 128 and 256 (libtpu needed: the tpu-aot extra)."""
-    device = _v5e_devices()[0]
-    layer, _ = int4_layer(0, s, s * 2 // 3, d, jnp.bfloat16)
-    on = jax.sharding.SingleDeviceSharding(device)
+    the rolls) for a v5e chip at bf16 with its default tiles: Llama-8B's rows a device at 72
+    rows on a v5e-8 (4 query heads on 1 kv head: query tiles of 512 rows overflowed the
+    scoped VMEM there), key blocks of whole tiles whatever the capacity, head dims 128 and
+    256 (libtpu needed: the tpu-aot extra)."""
+    on = jax.sharding.SingleDeviceSharding(_v5e_devices()[0])
+    quant = KVQuant("int4", 32, 128)
+
+    def entries(keys):
+        x = jax.ShapeDtypeStruct((2, b, 1, s, d), jnp.bfloat16)
+        return jax.eval_shape(lambda x: quantize_int4_entries(
+            x, jnp.full((2, 1, 1), s * 2 // 3, jnp.int32), quant, keys), x)  # fmt: skip
+
+    pos = jax.ShapeDtypeStruct((2, b, 1, s), jnp.int32)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on),
-                            (layer.k, layer.v, layer.pos))  # fmt: skip
-    q = jax.ShapeDtypeStruct((2, t, 8, d), jnp.bfloat16, sharding=on)
-    qpos = jax.ShapeDtypeStruct((2, t), jnp.int32, sharding=on)
+                            (entries(True), entries(False), pos))  # fmt: skip
+    q = jax.ShapeDtypeStruct((b, t, 4, d), jnp.bfloat16, sharding=on)
+    qpos = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=on)
 
     def chunk(q, qpos, k, v, pos):
         return int4_flash_attention(q, qpos, LayerCache(k, v, pos, 1, 0, None), s, ScoreSpec())
