@@ -88,6 +88,7 @@ from dge_jax.kernels.flash_tiles import (
     _read_entries,
     _row,
     _skip_tables,
+    _start_softmax,
     _Tables,
     _tile,
     _tile_needed,
@@ -218,9 +219,7 @@ def _forward_kernel(*refs, dims: _Dims) -> None:
 
     @pl.when(j == 0)
     def _start():
-        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        _start_softmax(m_ref, l_ref, acc_ref)
         rowpos_ref[...] = _column(qpos_ref[...])
 
     @pl.when(_tile_needed(tab, b, qi, j, dims))

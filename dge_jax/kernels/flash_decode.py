@@ -93,6 +93,7 @@ from dge_jax.kernels.flash_tiles import (
     _kv_specs,
     _layer_bytes,
     _read_entries,
+    _start_softmax,
     _tile,
     _visible,
 )
@@ -232,9 +233,7 @@ def _decode_kernel(*refs, nk, bk, s_len, scores_spec, slots_minor):
 
     @pl.when(j == 0)
     def _start():
-        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        _start_softmax(m_ref, l_ref, acc_ref)
 
     @pl.when(j < counts_ref[at])
     def _step():

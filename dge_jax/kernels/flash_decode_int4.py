@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from dge_jax.kernels.attention import _MASKED, LayerCache, ScoreSpec, _group_queries
 from dge_jax.kernels.flash_decode import _SUBLANES, _fold_new, _normalise, block_table
-from dge_jax.kernels.flash_tiles import _LANES, _NT, _visible
+from dge_jax.kernels.flash_tiles import _LANES, _NT, _start_softmax, _visible
 from dge_jax.kernels.int4_tiles import (
     by_part,
     key_halves,
@@ -119,10 +119,7 @@ def _kernel(*refs, nk, m, group, scores):
 
     @pl.when(j == 0)
     def _start():
-        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_lo_ref[...] = jnp.zeros(acc_lo_ref.shape, jnp.float32)
-        acc_hi_ref[...] = jnp.zeros(acc_hi_ref.shape, jnp.float32)
+        _start_softmax(m_ref, l_ref, acc_lo_ref, acc_hi_ref)
 
     @pl.when(j < counts_ref[at])
     def _step():

@@ -63,6 +63,7 @@ from dge_jax.kernels.flash_tiles import (
     _Dims,
     _row,
     _skip_tables,
+    _start_softmax,
     _Tables,
     _tile,
     _tile_needed,
@@ -195,10 +196,7 @@ def _kernel(*refs, dims: _Dims, m: int, group: int) -> None:
 
     @pl.when(j == 0)
     def _start():
-        m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_lo_ref[...] = jnp.zeros(acc_lo_ref.shape, jnp.float32)
-        acc_hi_ref[...] = jnp.zeros(acc_hi_ref.shape, jnp.float32)
+        _start_softmax(m_ref, l_ref, acc_lo_ref, acc_hi_ref)
         rowpos_ref[...] = _column(qpos_ref[...])
 
     @pl.when(_tile_needed(tab, b, qi, j, dims))

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dge_jax.kernels.attention import ScoreSpec
+from dge_jax.kernels.attention import _MASKED, ScoreSpec
 from dge_jax.runtime.quantized import Entries, Int8Entries
 
 _LANES = 128  # TPU vector lane count: tile sizes are multiples of it
@@ -126,6 +126,15 @@ def _visible(slot_pos: jax.Array, query_pos: jax.Array, window: jax.Array) -> ja
     """`attention.visible` with a window that is always an int32 (0: global)."""
     ok = (slot_pos >= 0) & (slot_pos <= query_pos)
     return ok & ((window <= 0) | (query_pos - slot_pos < window))
+
+
+def _start_softmax(m_ref, l_ref, *acc_refs) -> None:
+    """An online softmax's scratch at its first key block: running max -1e30 (`_MASKED`),
+    normaliser and unnormalised outputs 0 (f32)."""
+    m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    for acc_ref in acc_refs:
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
 
 def _column(row: jax.Array) -> jax.Array:
