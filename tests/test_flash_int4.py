@@ -28,21 +28,22 @@ from dge_jax.kernels.attention import (
 from dge_jax.kernels.flash_int4 import int4_flash_attention
 from dge_jax.runtime.quantized import KVQuant, quantize_int4_entries
 
-CASES = [  # (s, n, d, t, window, block_q)
-    (300, 200, 128, 70, None, 512),  # residual [128, 256) inside the whole blocks, a tail of 44
-    (300, 290, 128, 130, None, 128),  # the residual is the tail; two query tiles
-    (1100, 1024, 128, 200, None, 128),  # three key blocks of 512, the last one partial
-    (640, 400, 256, 40, None, 512),  # head dim 256: one slot a stored row
-    (300, 200, 128, 70, 50, 512),  # a sliding window
+CASES = [  # (s, n, d, t, window, block_q, in_place)
+    (300, 200, 128, 70, None, 512, False),  # residual [128, 256) inside, a tail of 44
+    (300, 200, 128, 70, None, 512, True),  # the same, the stack read in place
+    (300, 290, 128, 130, None, 128, False),  # the residual is the tail; two query tiles
+    (1100, 1024, 128, 200, None, 128, True),  # three key blocks of 512, the last one partial
+    (640, 400, 256, 40, None, 512, False),  # head dim 256: one slot a stored row
+    (300, 200, 128, 70, 50, 512, True),  # a sliding window
 ]
 
 
-@pytest.mark.parametrize("s,n,d,t,window,block_q", CASES)
-@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("s,n,d,t,window,block_q,in_place", CASES)
 def test_the_kernel_reads_what_the_xla_path_reads(s, n, d, t, window, block_q, in_place,
                                                   monkeypatch):  # fmt: skip
     """A chunk of t queries ending at slot n (num_slots n: the slots past it unread) against
-    `written_slot_attention` over the dequantized layer; in_place as the decode kernel's."""
+    `written_slot_attention` over the dequantized layer; in_place: the stacked bytes read at
+    the layer index (a large stack), else the layer sliced out first (`SLICED_BELOW`)."""
     monkeypatch.setattr(int4_tiles, "SLICED_BELOW", 0 if in_place else 2**62)
     layer, rng = int4_layer(s + n + d + t, s, n, d, window=None if window is None else
                             jnp.int32(window))  # fmt: skip
