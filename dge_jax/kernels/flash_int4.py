@@ -135,12 +135,12 @@ def int4_flash_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
     out = jnp.stack([lo[..., : d // 2], hi[..., : d // 2]], axis=-1)
     out = _rows_out(out.reshape(b, hkv, -1, d), q.shape, dims)
     lse = lse.reshape(b, hkv, dims.g, t_pad)[..., :t].transpose(0, 3, 1, 2).reshape(b, t, hq)
-    rest = _residual_and_tail(q, query_pos, cache, num_slots, (pos, start, n), scores, tiles)
+    rest = _outside_the_bytes(q, query_pos, cache, num_slots, (pos, start, n), scores, tiles)
     out, _ = join((out, lse), rest)
     return out.astype(v.dtype)
 
 
-def _residual_and_tail(q, query_pos, cache: LayerCache, num_slots, at, scores: ScoreSpec,
+def _outside_the_bytes(q, query_pos, cache: LayerCache, num_slots, at, scores: ScoreSpec,
                        tiles: Tiles):  # fmt: skip
     """(out f32, lse) of the slots the kernel does not read (`int4_tiles.residual_and_tail`,
     those at or past num_slots hidden), read by `flash_attention` as a layer of their own."""
