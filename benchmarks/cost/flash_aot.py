@@ -4,16 +4,20 @@
     python -m benchmarks.cost.flash_aot --seq 8192 --topology v6e:2x4 --block_q 1024
     python -m benchmarks.cost.flash_aot --batch 24 --heads 4 --kv_heads 1 --seq 131072  # 1/8 heads
     python -m benchmarks.cost.flash_aot --kv_quant int8 --seq 8192 32768  # an int8 cache
+    python -m benchmarks.cost.flash_aot --kv_quant int4 --seq 32768       # KIVI's int4 cache
 
 Deviceless ahead-of-time compilation (libtpu, `jax[tpu]`) on one chip of the topology of one
 layer's attention over a cache of S = --seq slots, bf16 activations, 32 query / 8 kv heads
 of 128 (Llama-3.1-8B) by default, the cache stored bf16 or, with --kv_quant int8, as int8
-values with bf16 scales (`runtime.quantized`; the kernels dequantize each block in VMEM):
-the prefill kernel (`kernels/flash.py`) over the whole prompt as one call (T = S), with and
-without H2O's probs sum, and `written_slot_attention`, the XLA path it replaces; one decode
-step (T = 1) over the full cache in the decode kernel (`kernels/flash_decode.py`) and in
-`cached_attention`, the XLA path it replaces; and each inside a layer (x @ W_q -> attention
--> @ W_o, hidden 4096), where XLA may fold the kernel's q regrouping into the projections.
+values with bf16 scales, or with int4 as KIVI's packed int4 with bf16 scales, zeros and
+residual block (`runtime.quantized`; the kernels unpack each block in VMEM): the prefill
+kernel (`kernels/flash.py`; `kernels/flash_int4.py` for int4) over the whole prompt as one
+call (T = S), with and without H2O's probs sum (int4: read dequantized, as `generate` does),
+and `written_slot_attention`, the XLA path it replaces; one decode step (T = 1) over the full
+cache in the decode kernel (`kernels/flash_decode.py`; `kernels/flash_decode_int4.py`) and
+in `cached_attention`, the XLA path it replaces; and each inside a layer (x @ W_q ->
+attention -> @ W_o, hidden 4096), where XLA may fold the kernel's q regrouping into the
+projections.
 
 Prints XLA's memory_analysis (argument / output / temporary bytes on the chip; "cache" is the
 arguments' k and v as stored), its cost_analysis (FLOPs, bytes: for the kernels these are the
@@ -28,6 +32,7 @@ chip.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -38,23 +43,33 @@ from benchmarks.cost.tpu_aot import NoLibtpu, topology_devices
 from dge_jax.kernels.attention import (
     AttentionSpec,
     LayerCache,
+    ScoreSpec,
     Tiles,
     cached_attention,
     written_slot_attention,
 )
 from dge_jax.kernels.flash import flash_attention
 from dge_jax.kernels.flash_decode import decode_attention
-from dge_jax.runtime.quantized import Int8Entries
+from dge_jax.kernels.flash_decode_int4 import int4_decode_attention
+from dge_jax.kernels.flash_int4 import int4_flash_attention
+from dge_jax.kernels.layer_attention import dense_layer
+from dge_jax.runtime.quantized import Int8Entries, KVQuant, quantize_int4_entries
 
 HIDDEN, HEAD_DIM = 4096, 128  # Llama-3.1-8B
 MIB = 2**20
 
 
 def cache_specs(flags, seq: int, spec) -> tuple:
-    """k and v [B, Hkv, S, D] as stored: bf16, or int8 values with bf16 scales [.., S, 1]."""
+    """k and v [B, Hkv, S, D] as stored: bf16, int8 values with bf16 scales [.., S, 1], or
+    KIVI's int4 entries (groups of 32, residual block 128) with every slot written."""
     cache = (flags.batch, flags.kv_heads, seq, HEAD_DIM)
     if flags.kv_quant == "int8":
         one = Int8Entries(spec(cache, jnp.int8), spec((*cache[:3], 1)))
+    elif flags.kv_quant == "int4":
+        return tuple(jax.tree.map(lambda x: spec(x.shape, x.dtype), jax.eval_shape(
+            functools.partial(quantize_int4_entries, index=seq, like=KVQuant("int4", 32, 128),
+                              keys=keys), jax.ShapeDtypeStruct(cache, jnp.bfloat16)))
+            for keys in (True, False))  # fmt: skip
     else:
         one = spec(cache)
     return one, one
@@ -109,16 +124,27 @@ def variants(flags) -> dict:
         return lambda q, k, v, sp, qp, n: fn(q, qp, LayerCache.one(k, v, sp), n, spec, *extra)
 
     def decode(q, k, v, sp, qp, n):
+        if flags.kv_quant == "int4":
+            return int4_decode_attention(q, qp, LayerCache.one(k, v, sp), ScoreSpec()), None
         return decode_attention(q, qp, LayerCache.one(k, v, sp), AttentionSpec(), None,
                                 tiles), None  # fmt: skip
+
+    def flash(q, k, v, sp, qp, n):
+        if flags.kv_quant == "int4":
+            return int4_flash_attention(q, qp, LayerCache.one(k, v, sp), n, ScoreSpec(),
+                                        tiles), None  # fmt: skip
+        return flash_attention(q, qp, LayerCache.one(k, v, sp), n, AttentionSpec(), tiles)
+
+    def probs_sum(q, k, v, sp, qp, n):  # int4: the layer dequantized first, as generate does
+        return flash_attention(q, qp, dense_layer(LayerCache.one(k, v, sp)), n,
+                               AttentionSpec(record_attn=True), tiles)  # fmt: skip
 
     def xla_decode(q, k, v, sp, qp, n):
         return cached_attention(q, qp, LayerCache.one(k, v, sp), AttentionSpec())
 
     return {
-        "flash": (loose(flash_attention, AttentionSpec(), tiles), True),
-        "flash + probs sum": (loose(flash_attention, AttentionSpec(record_attn=True), tiles),
-                              True),  # fmt: skip
+        "flash": (flash, True),
+        "flash + probs sum": (probs_sum, True),
         "written_slot_attention (XLA)": (
             loose(written_slot_attention, AttentionSpec(key_block=flags.xla_block)), True
         ),
@@ -135,8 +161,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv_heads", type=int, default=8)
     parser.add_argument(
-        "--kv_quant", choices=("none", "int8"), default="none",  # the kernels read no int4
-        help="the cache's storage: bf16 ('none') or int8 values with bf16 scales",
+        "--kv_quant", choices=("none", "int8", "int4"), default="none",
+        help="the cache's storage: bf16 ('none'), int8 values with bf16 scales, or KIVI's int4",
     )  # fmt: skip
     parser.add_argument("--block_q", type=int, default=512)
     parser.add_argument("--block_k", type=int, default=512)
@@ -153,8 +179,9 @@ def main() -> None:
     )
     for seq in flags.seq:
         print(f"S = {seq} (prefill T = S, decode T = 1)")
-        slot_bytes = HEAD_DIM + 2 if flags.kv_quant == "int8" else 2 * HEAD_DIM
-        cache_bytes = 2 * flags.batch * flags.kv_heads * seq * slot_bytes
+        shapes = cache_specs(flags, seq, lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+            shape, dtype))  # fmt: skip
+        cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
         for layer in (False, True):
             for name, (fn, prefill) in variants(flags).items():
                 name = f"layer: {name}" if layer else name
