@@ -172,26 +172,29 @@ def _v5e_devices():
 
 def test_generation_with_the_kernel_gives_the_xla_tokens(monkeypatch):
     """A tiny Llama with head dim 128 (GQA 4/2, 2 layers) on KIVI's int4 cache, 300-token
-    prompts (two whole blocks, a 44-slot tail) and 12 new tokens, FullKV and DGE(3)-SnapKV at
-    budget 96: attention "pallas" (prefill by `flash_int4`, decode and draft by this kernel,
-    in interpret mode) decodes the tokens "xla" decodes."""
+    prompts (two whole blocks, a 44-slot tail) and 12 new tokens, FullKV, DGE(3)-SnapKV and
+    H2O at prefill at budget 96: attention "pallas" (prefill by `flash_int4`, H2O's prob sums
+    by `flash_int4_sums`, decode and draft by this kernel, in interpret mode) decodes the
+    tokens "xla" decodes."""
     from tiny_model import jax_config, jax_model
 
-    from dge_jax import Eviction, SnapKV, Timing, generate_grid
+    from dge_jax import H2O, Eviction, SnapKV, Timing, generate_grid
     from dge_jax.kernels import flash_decode_int4, flash_int4
 
     traced = []
     for module, name in ((flash_decode_int4, "int4_decode_attention"),
-                         (flash_int4, "int4_flash_attention")):  # fmt: skip
+                         (flash_int4, "int4_flash_attention"),
+                         (flash_int4, "bytes_probs_sums")):  # fmt: skip
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, kernel=kernel, name=name, **kw: (
             traced.append(name) or kernel(*a, **kw)))  # fmt: skip
     model = jax_model(jax_config(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128))
     prompts = [np.random.default_rng(n).integers(0, 128, 300).tolist() for n in (1, 2)]
-    cells = [None, Eviction(SnapKV(window=8), 96, Timing("dge", 3))]
+    cells = [None, Eviction(SnapKV(window=8), 96, Timing("dge", 3)),
+             Eviction(H2O(window=8), 96, Timing("prefill"))]
     runs = {attention: generate_grid(model, prompts, cells, max_new_tokens=12, kv_quant="int4",
                                      attention=attention)
             for attention in ("pallas", "xla")}  # fmt: skip
-    assert set(traced) == {"int4_decode_attention", "int4_flash_attention"}
+    assert set(traced) == {"int4_decode_attention", "int4_flash_attention", "bytes_probs_sums"}
     for got, want in zip(runs["pallas"], runs["xla"], strict=True):
         assert got.tokens == want.tokens

@@ -16,7 +16,7 @@ import pytest
 from kv_quant_checks import assert_pallas_is_xla
 from test_flash_decode_int4 import _v5e_devices, int4_layer
 
-from dge_jax.kernels import int4_tiles, layer_attention
+from dge_jax.kernels import flash_int4, flash_int4_sums, int4_tiles, layer_attention
 from dge_jax.kernels.attention import (
     AttentionSpec,
     LayerCache,
@@ -52,27 +52,40 @@ def test_the_kernel_reads_what_the_xla_path_reads(s, n, d, t, window, block_q, i
     query_pos = query_pos.at[0, :3].set(-1)  # left padding among the queries
     scores = ScoreSpec(scale=0.7 / np.sqrt(d))
     tiles = Tiles(block_q=block_q, interpret=True)
-    got = jax.jit(int4_flash_attention, static_argnums=(4, 5))(q, query_pos, layer, n, scores,
-                                                                tiles)  # fmt: skip
-    xla = AttentionSpec(128, attention="xla", scores=scores)
-    want, _ = written_slot_attention(q, query_pos, layer, n, xla)
+    spec = AttentionSpec(scores=scores, record_attn=True)
+    got, sums = jax.jit(int4_flash_attention, static_argnums=(4, 5))(q, query_pos, layer, n,
+                                                                      spec, tiles)  # fmt: skip
+    xla = AttentionSpec(128, attention="xla", scores=scores, record_attn=True)
+    want, want_sums = written_slot_attention(q, query_pos, layer, n, xla)
     real = np.asarray(query_pos)[..., None, None] >= 0  # padding rows differ (flash: zeros)
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0),
                                rtol=2e-5, atol=2e-5)  # fmt: skip
+    # H2O's prob sums: every slot's, packed, residual block and tail alike (padding rows
+    # contribute nothing to either)
+    np.testing.assert_allclose(sums, want_sums, rtol=2e-5, atol=2e-5)
+    first = int(layer.k.start[1, 0, 0])  # the residual block's written slots are among them
+    written = np.arange(first, min(first + layer.k.residual, n))
+    assert written.size == 0 or np.asarray(sums)[..., written].max() > 0
 
 
+@pytest.mark.parametrize("record", [False, True])
 @pytest.mark.parametrize("slot,t", [(200, 56), (100, 190)])
-def test_a_prefill_chunk_through_the_layer_attention(slot, t):
+def test_a_prefill_chunk_through_the_layer_attention(slot, t, record, monkeypatch):
     """`cache_layer_attention`'s prefill chunk, attention "pallas", on an int4 layer the
     kernel reads: the chunk's entries written first (slot 200 + 56 completes the residual
     block [128, 256); 100 + 190 completes [0, 128) and [128, 256) and leaves 290 in the
-    tail), then read, as "xla" reads them, and the same cache written."""
+    tail), then read, as "xla" reads them, and the same cache written; record: H2O's prob
+    sums too (`flash_int4_sums` beside the kernel, not the layer dequantized)."""
     layer, rng = int4_layer(slot + t, 300, slot, 128)
     k_new, v_new = (jnp.asarray(rng.standard_normal((2, 2, t, 128)), jnp.float32) for _ in "kv")
     pos_new = jnp.broadcast_to(jnp.arange(slot, slot + t, dtype=jnp.int32), (2, 2, t))
     layer = layer._replace(slot=slot)
     q = jnp.asarray(rng.standard_normal((2, t, 4, 128)), jnp.float32)
-    assert_pallas_is_xla(q, NewEntries(k_new, v_new, pos_new), layer, 64, False, rtol=1e-5)
+    traced = []
+    monkeypatch.setattr(flash_int4, "bytes_probs_sums", lambda *a: (
+        traced.append(1) or flash_int4_sums.bytes_probs_sums(*a)))  # fmt: skip
+    assert_pallas_is_xla(q, NewEntries(k_new, v_new, pos_new), layer, 64, record, rtol=1e-5)
+    assert bool(traced) == record
 
 
 def test_a_soft_capped_bf16_layer():
@@ -81,7 +94,8 @@ def test_a_soft_capped_bf16_layer():
     q = jnp.asarray(rng.standard_normal((2, 100, 4, 128)), jnp.bfloat16)
     query_pos = jnp.asarray(np.arange(500, 600), jnp.int32)[None].repeat(2, axis=0)
     scores = ScoreSpec(softcap=5.0)
-    got = int4_flash_attention(q, query_pos, layer, 600, scores, Tiles(block_q=128))
+    got, _ = int4_flash_attention(q, query_pos, layer, 600, AttentionSpec(scores=scores),
+                                  Tiles(block_q=128))  # fmt: skip
     xla = AttentionSpec(128, attention="xla", scores=scores)
     want, _ = written_slot_attention(q, query_pos, layer, 600, xla)
     assert got.dtype == jnp.bfloat16
@@ -89,13 +103,16 @@ def test_a_soft_capped_bf16_layer():
                                rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
-@pytest.mark.parametrize("b,s,d,t", [(72, 1024, 128, 512), (2, 300, 128, 300), (2, 640, 256, 256)])
-def test_it_compiles_for_a_v5e(b, s, d, t):
+@pytest.mark.parametrize("b,s,d,t,record", [(72, 1024, 128, 512, False), (2, 300, 128, 300, False),
+                                            (2, 640, 256, 256, False), (72, 1024, 128, 512, True),
+                                            (2, 640, 256, 256, True)])  # fmt: skip
+def test_it_compiles_for_a_v5e(b, s, d, t, record):
     """Mosaic lowers the kernel (the nibbles, the lane matrices, the transposed value scales,
     the rolls) for a v5e chip at bf16 with its default tiles: Llama-8B's rows a device at 72
     rows on a v5e-8 (4 query heads on 1 kv head: query tiles of 512 rows overflowed the
     scoped VMEM there), key blocks of whole tiles whatever the capacity, head dims 128 and
-    256 (libtpu needed: the tpu-aot extra)."""
+    256; record: with H2O's prob sums, the keys-major kernel beside it (libtpu needed: the
+    tpu-aot extra)."""
     on = jax.sharding.SingleDeviceSharding(_v5e_devices()[0])
     quant = KVQuant("int4", 32, 128)
 
@@ -111,10 +128,12 @@ def test_it_compiles_for_a_v5e(b, s, d, t):
     qpos = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=on)
 
     def chunk(q, qpos, k, v, pos):
-        return int4_flash_attention(q, qpos, LayerCache(k, v, pos, 1, 0, None), s, ScoreSpec())
+        return int4_flash_attention(q, qpos, LayerCache(k, v, pos, 1, 0, None), s,
+                                    AttentionSpec(record_attn=record))  # fmt: skip
 
     compiled = jax.jit(chunk).lower(q, qpos, *abstract).compile()
-    assert "tpu_custom_call" in compiled.as_text()
+    # the int4 kernel and flash's over the residual block; with prob sums, both sums kernels
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2 + 2 * record
 
 
 def test_it_compiles_for_a_v5e_under_a_mesh():

@@ -5,6 +5,7 @@
     python -m benchmarks.cost.flash_aot --batch 24 --heads 4 --kv_heads 1 --seq 131072  # 1/8 heads
     python -m benchmarks.cost.flash_aot --kv_quant int8 --seq 8192 32768  # an int8 cache
     python -m benchmarks.cost.flash_aot --kv_quant int4 --seq 32768       # KIVI's int4 cache
+    python -m benchmarks.cost.flash_aot --kv_quant int4 --seq 32768 --chunk 512  # a chunk
 
 Deviceless ahead-of-time compilation (libtpu, `jax[tpu]`) on one chip of the topology of one
 layer's attention over a cache of S = --seq slots, bf16 activations, 32 query / 8 kv heads
@@ -12,7 +13,7 @@ of 128 (Llama-3.1-8B) by default, the cache stored bf16 or, with --kv_quant int8
 values with bf16 scales, or with int4 as KIVI's packed int4 with bf16 scales, zeros and
 residual block (`runtime.quantized`; the kernels unpack each block in VMEM): the prefill
 kernel (`kernels/flash.py`; `kernels/flash_int4.py` for int4) over the whole prompt as one
-call (T = S), with and without H2O's probs sum (int4: read dequantized, as `generate` does),
+call (T = S), with and without H2O's probs sum (int4: `kernels/flash_int4_sums.py` beside it),
 and `written_slot_attention`, the XLA path it replaces; one decode step (T = 1) over the full
 cache in the decode kernel (`kernels/flash_decode.py`; `kernels/flash_decode_int4.py`) and
 in `cached_attention`, the XLA path it replaces; and each inside a layer (x @ W_q ->
@@ -52,7 +53,6 @@ from dge_jax.kernels.flash import flash_attention
 from dge_jax.kernels.flash_decode import decode_attention
 from dge_jax.kernels.flash_decode_int4 import int4_decode_attention
 from dge_jax.kernels.flash_int4 import int4_flash_attention
-from dge_jax.kernels.layer_attention import dense_layer
 from dge_jax.runtime.quantized import Int8Entries, KVQuant, quantize_int4_entries
 
 HIDDEN, HEAD_DIM = 4096, 128  # Llama-3.1-8B
@@ -129,15 +129,14 @@ def variants(flags) -> dict:
         return decode_attention(q, qp, LayerCache.one(k, v, sp), AttentionSpec(), None,
                                 tiles), None  # fmt: skip
 
-    def flash(q, k, v, sp, qp, n):
+    def flash(q, k, v, sp, qp, n, spec=None):
+        spec = spec or AttentionSpec()
         if flags.kv_quant == "int4":
-            return int4_flash_attention(q, qp, LayerCache.one(k, v, sp), n, ScoreSpec(),
-                                        tiles), None  # fmt: skip
-        return flash_attention(q, qp, LayerCache.one(k, v, sp), n, AttentionSpec(), tiles)
+            return int4_flash_attention(q, qp, LayerCache.one(k, v, sp), n, spec, tiles)
+        return flash_attention(q, qp, LayerCache.one(k, v, sp), n, spec, tiles)
 
-    def probs_sum(q, k, v, sp, qp, n):  # int4: the layer dequantized first, as generate does
-        return flash_attention(q, qp, dense_layer(LayerCache.one(k, v, sp)), n,
-                               AttentionSpec(record_attn=True), tiles)  # fmt: skip
+    def probs_sum(q, k, v, sp, qp, n):
+        return flash(q, k, v, sp, qp, n, AttentionSpec(record_attn=True))
 
     def xla_decode(q, k, v, sp, qp, n):
         return cached_attention(q, qp, LayerCache.one(k, v, sp), AttentionSpec())
@@ -167,6 +166,9 @@ def main() -> None:
     parser.add_argument("--block_q", type=int, default=512)
     parser.add_argument("--block_k", type=int, default=512)
     parser.add_argument("--xla_block", type=int, default=512, help="written_slot_attention's")
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="prefill queries T (0: the whole prompt, T = S; generate's "
+                             "chunks: 512, the last ones of the prompt)")  # fmt: skip
     flags = parser.parse_args()
     try:  # no libtpu, or a topology it cannot lay out: one line, as tpu_aot
         device = topology_devices(flags.topology)[0]
@@ -178,7 +180,8 @@ def main() -> None:
         f"{flags.block_q} x {flags.block_k}"
     )
     for seq in flags.seq:
-        print(f"S = {seq} (prefill T = S, decode T = 1)")
+        chunk = flags.chunk or seq
+        print(f"S = {seq} (prefill T = {'S' if chunk == seq else chunk}, decode T = 1)")
         shapes = cache_specs(flags, seq, lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
             shape, dtype))  # fmt: skip
         cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
@@ -187,7 +190,7 @@ def main() -> None:
                 name = f"layer: {name}" if layer else name
                 start = time.perf_counter()
                 try:
-                    compiled = compile_one(device, fn, flags, seq, seq if prefill else 1, layer)
+                    compiled = compile_one(device, fn, flags, seq, chunk if prefill else 1, layer)
                 except Exception as error:  # report and go on: one failing variant is a result
                     print(f"  {name:42s} does not compile: {str(error).splitlines()[0][:300]}")
                     continue

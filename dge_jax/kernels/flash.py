@@ -74,7 +74,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dge_jax.kernels.attention import _MASKED, DEFAULT_TILES, AttentionSpec, LayerCache, Tiles
+from dge_jax.kernels.attention import (
+    _MASKED,
+    DEFAULT_TILES,
+    AttentionSpec,
+    LayerCache,
+    ScoreSpec,
+    Tiles,
+)
 from dge_jax.kernels.flash_tiles import (
     _NT,
     _NUM_TABLES,
@@ -121,31 +128,10 @@ def flash_attention(
     compiled for TPU and interpret mode on any other platform (decided at lowering, from
     where the computation is compiled); True / False force it.
     """
-    k, v, slot_pos, layer, window = cache.k, cache.v, cache.pos, cache.layer, cache.window
     scores_spec, return_probs_sum = spec.scores, spec.record_attn
-    block_q, block_k, interpret = tiles.block_q, tiles.block_k, tiles.interpret
-    layer = jnp.asarray(layer, jnp.int32)
-    b, t, hq, d = q.shape
-    hkv, s_len = k.shape[2], k.shape[3]
-    # This layer's positions (4 bytes a slot: small) feed the tables and the kernels' masks;
-    # k and v stay stacked, their index maps pick the layer.
-    slot_pos = jax.lax.dynamic_index_in_dim(slot_pos, layer, keepdims=False)
-    bq, t_pad = _tile(t, block_q, "block_q")
-    bk, s_pad = _tile(s_len, block_k, "block_k")
-    # (values,) or (int8 values, the layer's scales [B, Hkv, 1, S'])
-    k, v = _kv_operands(k, layer, s_pad), _kv_operands(v, layer, s_pad)
-    dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len,
-                 softcap=scores_spec.softcap, kv_refs=len(k))  # fmt: skip
-    qpos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
-    spos = jnp.pad(
-        slot_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1
-    )
-    window = jnp.asarray(0 if window is None else window, jnp.int32)
-    tables = _skip_tables(spos, qpos, jnp.asarray(num_slots, jnp.int32), bq, bk, layer, window)
-    rows = _rows_in(q, hkv, dims, scores_spec.scale_for(d))
-    # [B, 1, L] layouts: a tile's positions are a legal (1, tile) block, lanes along L.
-    qpos, spos = qpos[:, None, :], spos[:, :, None, :]
-
+    b, t, hq, _ = q.shape
+    dims, tables, qpos, rows, k, v, spos = _prepare(q, query_pos, cache, num_slots, scores_spec,
+                                                    tiles)  # fmt: skip
     out_dtype = jnp.float32 if with_lse else None
 
     def run(interpret_now: bool) -> tuple[jax.Array, ...]:
@@ -156,20 +142,78 @@ def flash_attention(
             return (out,)
         return out, _sums_call(dims, interpret_now)(tables, qpos, rows, lse, k, spos)
 
-    if interpret is None:
-        # Both branches are traced; only the one for the platform being compiled is lowered.
-        results = jax.lax.platform_dependent(
-            tpu=functools.partial(run, False), default=functools.partial(run, True)
-        )
-    else:
-        results = run(interpret)
+    results = _on_platform(run, tiles.interpret)
     out = _rows_out(results[0], q.shape, dims)
     if with_lse:  # [B, Hkv, 1, G * T'] -> [B, T, Hq], as _rows_out moves the rows
-        lse = results[1].reshape(b, hkv, dims.g, dims.nq * dims.bq)[..., :t]
+        lse = results[1].reshape(b, hq // dims.g, dims.g, dims.nq * dims.bq)[..., :t]
         return out, lse.transpose(0, 3, 1, 2).reshape(b, t, hq)
     if not return_probs_sum:
         return out, None
-    return out, results[1].reshape(b, hq, s_pad)[:, :, :s_len]
+    return out, results[1].reshape(b, hq, -1)[:, :, : dims.s_len]
+
+
+def probs_sums_under(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
+                     num_slots: jax.Array | int, lse: jax.Array, scores: ScoreSpec,
+                     tiles: Tiles = DEFAULT_TILES) -> jax.Array:  # fmt: skip
+    """`flash_attention`'s per-slot prob sums [B, Hq, S] f32 (same arguments) with each
+    row's softmax normalised by lse [B, T, Hq] instead of its own log-sum-exp over this
+    layer: the sums of a softmax over more slots than these, as an int4 layer's residual
+    block joined with its packed bytes (`flash_int4`). Rows at -1e30 see nothing."""
+    b, _, hq, _ = q.shape
+    dims, tables, qpos, rows, k, _, spos = _prepare(q, query_pos, cache, num_slots, scores, tiles)
+    lse = lse_rows(lse, dims)
+
+    def run(interpret_now: bool) -> tuple[jax.Array]:
+        return (_sums_call(dims, interpret_now)(tables, qpos, rows, lse, k, spos),)
+
+    sums = _on_platform(run, tiles.interpret)[0]
+    return sums.reshape(b, hq, -1)[:, :, : dims.s_len]
+
+
+def lse_rows(lse: jax.Array, dims: _Dims) -> jax.Array:
+    """Log-sum-exps [B, T, Hq] in `_rows_in`'s rows, as the kernels give and take them: [B,
+    Hkv, 1, G T'] (rows past T: 0; their queries, at position -1, see no slot)."""
+    b, t, hq = lse.shape
+    lse = lse.reshape(b, t, hq // dims.g, dims.g).transpose(0, 2, 3, 1)  # [B, Hkv, G, T]
+    t_pad = dims.nq * dims.bq
+    return jnp.pad(lse, ((0, 0), (0, 0), (0, 0), (0, t_pad - t))).reshape(b, -1, 1, dims.g * t_pad)
+
+
+def _prepare(q: jax.Array, query_pos: jax.Array, cache: LayerCache, num_slots, scores: ScoreSpec,
+             tiles: Tiles):  # fmt: skip
+    """What both kernels read: (dims, skip tables, query positions [B, 1, T'], q's rows
+    (`_rows_in`), k's and v's operands (`_kv_operands`), slot positions [B, Hkv, 1, S'])."""
+    k, v, slot_pos, layer, window = cache.k, cache.v, cache.pos, cache.layer, cache.window
+    layer = jnp.asarray(layer, jnp.int32)
+    b, t, hq, d = q.shape
+    hkv, s_len = k.shape[2], k.shape[3]
+    # This layer's positions (4 bytes a slot: small) feed the tables and the kernels' masks;
+    # k and v stay stacked, their index maps pick the layer.
+    slot_pos = jax.lax.dynamic_index_in_dim(slot_pos, layer, keepdims=False)
+    bq, t_pad = _tile(t, tiles.block_q, "block_q")
+    bk, s_pad = _tile(s_len, tiles.block_k, "block_k")
+    # (values,) or (int8 values, the layer's scales [B, Hkv, 1, S'])
+    k, v = _kv_operands(k, layer, s_pad), _kv_operands(v, layer, s_pad)
+    dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len,
+                 softcap=scores.softcap, kv_refs=len(k))  # fmt: skip
+    qpos = jnp.pad(query_pos.astype(jnp.int32), ((0, 0), (0, t_pad - t)), constant_values=-1)
+    spos = jnp.pad(
+        slot_pos.astype(jnp.int32), ((0, 0), (0, 0), (0, s_pad - s_len)), constant_values=-1
+    )
+    window = jnp.asarray(0 if window is None else window, jnp.int32)
+    tables = _skip_tables(spos, qpos, jnp.asarray(num_slots, jnp.int32), bq, bk, layer, window)
+    rows = _rows_in(q, hkv, dims, scores.scale_for(d))
+    # [B, 1, L] layouts: a tile's positions are a legal (1, tile) block, lanes along L.
+    return dims, tables, qpos[:, None, :], rows, k, v, spos[:, :, None, :]
+
+
+def _on_platform(run, interpret: bool | None) -> tuple[jax.Array, ...]:
+    """run(interpret) forced, or with interpret None both traced and the one for the platform
+    being compiled lowered: Mosaic on TPU, interpret mode elsewhere."""
+    if interpret is None:
+        return jax.lax.platform_dependent(tpu=functools.partial(run, False),
+                                          default=functools.partial(run, True))  # fmt: skip
+    return run(interpret)
 
 
 def _rows_in(q: jax.Array, hkv: int, dims: _Dims, scale: float) -> jax.Array:

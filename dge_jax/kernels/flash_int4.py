@@ -32,7 +32,9 @@ is the dequantized copies: the bytes it reads are the packed ones, a quarter of 
 The residual block and the tail (slots past the whole blocks, full precision) are masked in
 the kernel and read after it by `flash.flash_attention` as a layer of their own (R + S % R
 slots), the two joined by log-sum-exp (`int4_pieces.join`). Same numbers as the XLA path up
-to float summation order. Chunks that record prob sums (H2O) keep the dequantized path.
+to float summation order. Chunks that record prob sums (H2O) add a keys-major pass over the
+bytes under the joined log-sum-exp (`flash_int4_sums`) and flash's over the residual block
+and the tail.
 """
 
 from __future__ import annotations
@@ -50,10 +52,17 @@ from dge_jax.kernels.attention import (
     DEFAULT_TILES,
     AttentionSpec,
     LayerCache,
-    ScoreSpec,
     Tiles,
 )
-from dge_jax.kernels.flash import _rows_in, _rows_out, flash_attention
+from dge_jax.kernels.flash import (
+    _on_platform,
+    _rows_in,
+    _rows_out,
+    flash_attention,
+    lse_rows,
+    probs_sums_under,
+)
+from dge_jax.kernels.flash_int4_sums import bytes_probs_sums
 from dge_jax.kernels.flash_tiles import (
     _LANES,
     _NT,
@@ -86,15 +95,18 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def int4_flash_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
-                         num_slots: jax.Array | int, scores: ScoreSpec,
-                         tiles: Tiles = DEFAULT_TILES) -> jax.Array:  # fmt: skip
-    """`written_slot_attention`'s output [B, T, Hq, D] (the residual's dtype) for queries q
-    [B, T, Hq, D] at query_pos [B, T] over layer cache.layer of the stacked int4 k, v
+                         num_slots: jax.Array | int, spec: AttentionSpec,
+                         tiles: Tiles = DEFAULT_TILES,
+                         ) -> tuple[jax.Array, jax.Array | None]:  # fmt: skip
+    """`written_slot_attention`'s (output [B, T, Hq, D] in the residual's dtype, per-slot
+    prob sums [B, Hq, S] f32 when spec.record_attn, else None) for queries q [B, T, Hq, D]
+    at query_pos [B, T] over layer cache.layer of the stacked int4 k, v
     (`int4_tiles.supports`) and pos [Lg, B, Hkv, S], slots at or past num_slots unread;
-    window: cache.window (0 or None: global); scores: the logits' scale and soft cap; tiles:
-    block_q (a multiple of 128), block_k (rounded down to a multiple of 16 G, at least one),
-    interpret (`flash.flash_attention`'s)."""
+    window: cache.window (0 or None: global); spec.scores: the logits' scale and soft cap;
+    tiles: block_q (a multiple of 128), block_k (rounded down to a multiple of 16 G, at
+    least one), interpret (`flash.flash_attention`'s)."""
     k, v, layer = cache.k, cache.v, jnp.asarray(cache.layer, jnp.int32)
+    scores = spec.scores
     b, t, hq, d = q.shape
     hkv, s_len, r = k.resid.shape[2], k.shape[-2], k.residual
     m = _LANES // (d // 2)
@@ -123,35 +135,54 @@ def int4_flash_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
     qe, qo = (x.reshape(b, hkv, dims.g, dims.nq * m * bq, _LANES) for x in
               query_parts(rows.reshape(b, hkv, dims.g, dims.nq, bq, d), m))  # fmt: skip
     ks, kz = (layer_of(x, layer) for x in (k.scale, k.zero))
-    args = (qpos[:, None, :], qe, qo, kq, ks, kz, *key_lanes(d), vq,
+    lanes = key_lanes(d)
+    args = (qpos[:, None, :], qe, qo, kq, ks, kz, *lanes, vq,
             value_scales(v, layer, m, s_pad), *value_lanes(d, k.group), by_part(spos, m))
     call = functools.partial(_call, dims=dims, group=k.group)
-    if tiles.interpret is None:
-        lo, hi, lse = jax.lax.platform_dependent(tables, *args, tpu=functools.partial(call, False),
-                                                 default=functools.partial(call, True))
-    else:
-        lo, hi, lse = call(tiles.interpret, tables, *args)
+    lo, hi, lse = _on_platform(lambda interpret: call(interpret, tables, *args), tiles.interpret)
     # even channels then odd ones -> channel order, in `_rows_in`'s rows
     out = jnp.stack([lo[..., : d // 2], hi[..., : d // 2]], axis=-1)
     out = _rows_out(out.reshape(b, hkv, -1, d), q.shape, dims)
     lse = lse.reshape(b, hkv, dims.g, t_pad)[..., :t].transpose(0, 3, 1, 2).reshape(b, t, hq)
-    rest = _outside_the_bytes(q, query_pos, cache, num_slots, (pos, start, n), scores, tiles)
-    out, _ = join((out, lse), rest)
-    return out.astype(v.dtype)
+    rest = _outside_the_bytes(cache, num_slots, (pos, start, n))
+    rest_tiles = tiles._replace(block_k=_LANES)
+    out, lse = join((out, lse), flash_attention(
+        q, query_pos, rest, rest.k.shape[-2], AttentionSpec(scores=scores), rest_tiles,
+        with_lse=True))  # fmt: skip
+    if not spec.record_attn:
+        return out.astype(v.dtype), None
+    # H2O: each slot's probabilities under the joined softmax, the bytes' by their own kernel
+    # (`flash_int4_sums`), the residual block's and the tail's by flash's, put in their slots
+    packed = (args[0], rows, kq, ks, kz, *lanes, args[-1])
+    sums = _on_platform(lambda interpret: (bytes_probs_sums(
+        tables, packed, lse_rows(lse, dims), dims, k.group, interpret),), tiles.interpret)[0]
+    rest_sums = probs_sums_under(q, query_pos, rest, rest.k.shape[-2], lse, scores, rest_tiles)
+    return out.astype(v.dtype), _placed(sums.reshape(b, hq, -1)[..., :s_len], rest_sums,
+                                        start[0, 0], n, r)  # fmt: skip
 
 
-def _outside_the_bytes(q, query_pos, cache: LayerCache, num_slots, at, scores: ScoreSpec,
-                       tiles: Tiles):  # fmt: skip
-    """(out f32, lse) of the slots the kernel does not read (`int4_tiles.residual_and_tail`,
-    those at or past num_slots hidden), read by `flash_attention` as a layer of their own."""
+def _outside_the_bytes(cache: LayerCache, num_slots, at) -> LayerCache:
+    """The slots the kernel does not read (`int4_tiles.residual_and_tail`: the residual
+    block, then the tail; those at or past num_slots hidden) as a layer of their own, which
+    `flash_attention` reads."""
     pos, start, n = at
     k, v, rpos = residual_and_tail(cache, jnp.asarray(cache.layer, jnp.int32), pos, start, n)
     r = cache.k.residual
     index = jnp.concatenate([start[0, 0] + jnp.arange(r), jnp.arange(n, pos.shape[-1])])
     rpos = jnp.where(index < num_slots, rpos, -1)
-    rest = LayerCache.one(k, v, rpos, 0, cache.window)
-    return flash_attention(q, query_pos, rest, k.shape[-2], AttentionSpec(scores=scores),
-                           tiles._replace(block_k=_LANES), with_lse=True)  # fmt: skip
+    return LayerCache.one(k, v, rpos, 0, cache.window)
+
+
+def _placed(sums: jax.Array, rest: jax.Array, first: jax.Array, n: int, r: int) -> jax.Array:
+    """The packed slots' sums [B, Hq, S] (0 at the residual block's slots and the tail) plus
+    `_outside_the_bytes`' [B, Hq, R + S - n] at their slots: the residual block's at [first,
+    first + R) (past S, when it is the tail: hidden, so 0, and cut off), the tail's at [n,
+    S) (0 when it is the residual block: hidden there)."""
+    s_len = sums.shape[-1]
+    wide = jnp.pad(sums, ((0, 0), (0, 0), (0, r)))  # room for a residual block past S
+    block = jax.lax.dynamic_slice_in_dim(wide, first, r, axis=2) + rest[..., :r]
+    wide = jax.lax.dynamic_update_slice_in_dim(wide, block, first, axis=2)
+    return wide[..., :s_len].at[..., n:].add(rest[..., r:])
 
 
 def value_lanes(d: int, group: int) -> tuple[jax.Array, jax.Array]:
@@ -303,6 +334,7 @@ def _call(interpret: bool, tables, qpos, qe, qo, kq, ks, kz, even, odd, vq, vs, 
     layer_bytes = sum(x.size * x.dtype.itemsize // x.shape[0] for x in (kq, vq)) + sum(
         x.size * x.dtype.itemsize for x in (ks, kz, vs))
     out_shape = jax.ShapeDtypeStruct((b, hkv, g, nq * bq, _LANES), jnp.float32)
+    out_bytes = 4 * b * hkv * g * nq * bq * (2 * _LANES + 1)  # two halves and the lse, f32
     return pl.pallas_call(
         functools.partial(_kernel, dims=dims, m=m, group=group),
         grid_spec=grid_spec,
@@ -312,6 +344,6 @@ def _call(interpret: bool, tables, qpos, qe, qo, kq, ks, kz, even, odd, vq, vs, 
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=pl.CostEstimate(
             flops=flops, transcendentals=b * hkv * g * nq * bq * s_len,
-            bytes_accessed=2 * qe.size * qe.dtype.itemsize + layer_bytes * nq),
+            bytes_accessed=2 * qe.size * qe.dtype.itemsize + layer_bytes * nq + out_bytes),
         interpret=interpret,
     )(*tables, qpos, qe, qo, kq, ks, kz, even, odd, vq, vs, vscale, vzero, spos)

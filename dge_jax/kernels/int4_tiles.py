@@ -28,6 +28,8 @@ relayout of the bytes is needed:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,10 +47,15 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 SLICED_BELOW = 64 * 2**20
 
 
-def layer_of(entries, layer: jax.Array):
-    """Layer `layer` of stacked entries (every leaf sliced)."""
-    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False),
-                        entries)  # fmt: skip
+def layer_of(entries, layer: jax.Array, fields: tuple[str, ...] | None = None):
+    """Layer `layer` of stacked entries: every leaf sliced, or of int4 entries only `fields`
+    (the others stay stacked: a reader of the scales needs no slice of the bytes)."""
+    def index(x):
+        return jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+
+    if fields is None:
+        return jax.tree.map(index, entries)
+    return dataclasses.replace(entries, **{f: index(getattr(entries, f)) for f in fields})
 
 
 def packed_bytes(k: Int4Entries, v: Int4Entries, layer: jax.Array):
@@ -96,7 +103,7 @@ def value_scales(v: Int4Entries, layer: jax.Array, m: int, s_pad: int) -> jax.Ar
     """Layer `layer`'s value scales then zeros [B, Hkv, S, D / G] as rows (group g, part t)
     over slots: [B, Hkv, 2 D / G m, s_pad / m], row g m + t (zeros: + D / G m) slot r holding
     slot m r + t's; zero past S."""
-    v = layer_of(v, layer)
+    v = layer_of(v, layer, ("scale", "zero"))
 
     def rows(name):  # the layer sliced first: the stacked leaves are never relaid
         x = v.logical(name)
@@ -118,7 +125,7 @@ def residual_and_tail(cache: LayerCache, layer, pos, start, n: int):
     `flash_decode._fold_new` and `int4_pieces.join` take): the residual block at `start`
     (positions past S: -1), then the tail (`int4_tail`: zeros unless it is the residual
     block, whose slots it then hides)."""
-    k, v = layer_of(cache.k, layer), layer_of(cache.v, layer)
+    k, v = (layer_of(x, layer, ("resid", "start")) for x in (cache.k, cache.v))
     r, s_len = k.residual, pos.shape[-1]
     first = start[0, 0]  # one residual start a layer
     padded = jnp.pad(pos, ((0, 0), (0, 0), (0, r)), constant_values=-1)

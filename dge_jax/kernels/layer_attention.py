@@ -153,7 +153,7 @@ def decode_step_attention(
     if backend.attention == "pallas" and not spec.record_attn:
         if int4_pieces.in_pieces(cache):  # the step's entries are written: read from the cache
             if _int4_kernel_reads(cache):
-                return _sharded_int4(q, query_pos, cache, spec), None
+                return _sharded_int4(q, query_pos, cache, spec)
             out, _ = int4_pieces.attend_in_pieces(cache, q.shape, lambda piece, start: (
                 _sharded_decode(q, query_pos, piece, None, spec, with_lse=True)))
             return out.astype(cache.v.dtype), None
@@ -165,9 +165,10 @@ def decode_step_attention(
 
 def dense_layer(cache: LayerCache) -> LayerCache:
     """An int4 cache's layer cache.layer dequantized, as a group of one ([1, B, Hkv, S, D];
-    what the XLA and cuDNN paths, and the Pallas kernels when they record prob sums, read of
-    it; the Pallas kernels otherwise read it in place, `flash_int4` and `flash_decode_int4`,
-    or in pieces, `int4_pieces`); plain and int8 caches as they are."""
+    what the XLA and cuDNN paths read of it, and the Pallas prefill where it records prob
+    sums at a head dim the int4 kernels do not take; the Pallas kernels otherwise read it in
+    place, `flash_int4` and `flash_decode_int4`, or in pieces, `int4_pieces`); plain and int8
+    caches as they are."""
     if not written_first(cache.k):
         return cache
     k, v, pos = cache.read()
@@ -218,26 +219,30 @@ def _int4_kernel_reads(cache: LayerCache) -> bool:
 
 def _sharded_int4(q, query_pos, cache: LayerCache, spec: AttentionSpec,
                   num_slots: jax.Array | int | None = None):  # fmt: skip
-    """The int4 kernels over layer cache.layer: `flash_int4.int4_flash_attention` for a
-    prefill chunk (num_slots given), else `flash_decode_int4.int4_decode_attention`; under a
-    (data, model) mesh one call per device on its own rows and kv heads, as `_sharded_decode`
-    (each leaf of the int4 entries split as the cache, their start [Lg, B, Hkv] as rows and
-    heads)."""
+    """(out, prob sums or None) of the int4 kernels over layer cache.layer:
+    `flash_int4.int4_flash_attention` for a prefill chunk (num_slots given; prob sums when
+    spec.record_attn), else `flash_decode_int4.int4_decode_attention`; under a (data, model)
+    mesh one call per device on its own rows and kv heads, as `_sharded_decode` (each leaf
+    of the int4 entries split as the cache, their start [Lg, B, Hkv] as rows and heads)."""
     from dge_jax.kernels.flash_decode_int4 import int4_decode_attention
     from dge_jax.kernels.flash_int4 import int4_flash_attention
+
+    probs = num_slots is not None and spec.record_attn
 
     def fn(q, k_all, v_all, pos_all, query_pos, i, window, slots_read):
         layer = LayerCache(k_all, v_all, pos_all, i, 0, window)
         if num_slots is None:
             return int4_decode_attention(q, query_pos, layer, spec.scores)
-        return int4_flash_attention(q, query_pos, layer, slots_read, spec.scores)
+        out, sums = int4_flash_attention(q, query_pos, layer, slots_read, spec)
+        return (out, sums) if probs else out
 
     args = (q, cache.k, cache.v, cache.pos, query_pos, jnp.asarray(cache.layer, jnp.int32),
             _window(cache.window), jnp.asarray(0 if num_slots is None else num_slots, jnp.int32))
     specs = attention_specs(q.shape[0], cache.k.resid.shape[2])
     if specs is None:
-        return fn(*args)
-    rows, keys, slots, qpos, _ = specs
+        result = fn(*args)
+        return result if probs else (result, None)
+    rows, keys, slots, qpos, sums = specs
     P = jax.sharding.PartitionSpec
     stacked, start = P(None, *keys), P(None, *tuple(slots)[:2])
 
@@ -245,11 +250,12 @@ def _sharded_int4(q, query_pos, cache: LayerCache, spec: AttentionSpec,
         return dataclasses.replace(e, q=stacked, scale=stacked, zero=stacked, resid=stacked,
                                    start=start)  # fmt: skip
 
-    return jax.shard_map(
+    result = jax.shard_map(
         fn, in_specs=(rows, entries(cache.k), entries(cache.v), P(None, *slots), qpos, P(), P(),
                       P()),
-        out_specs=rows, check_vma=False,
+        out_specs=(rows, sums) if probs else rows, check_vma=False,
     )(*args)  # fmt: skip
+    return result if probs else (result, None)
 
 
 def _lse_spec(rows: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
@@ -275,7 +281,8 @@ def prefill_attention(
     beside it (one compilation for the group's sliding and global layers); under a mesh
     inside a shard_map over rows and kv heads (`_sharded_flash`); an int4 cache's layer (its
     chunk written first) by `flash_int4` where it reads the layout, else in pieces
-    (`int4_pieces`), and dequantized when the chunk records prob sums. "cudnn":
+    (`int4_pieces`; dequantized when such a chunk records prob sums, which `flash_int4`
+    records itself). "cudnn":
     `cudnn_attention`; its kernel returns no per-slot sums, so a chunk that records them
     (H2O) runs the XLA path.
 
@@ -285,9 +292,10 @@ def prefill_attention(
     real token with left padding), and recorded queries, query statistics and KVzip's
     repeat scores all skip position -1.
     """
+    if backend.attention == "pallas" and int4_pieces.in_pieces(cache) and (
+            _int4_kernel_reads(cache)):  # fmt: skip
+        return _sharded_int4(q, query_pos, cache, spec, num_slots)
     if backend.attention == "pallas" and not spec.record_attn and int4_pieces.in_pieces(cache):
-        if _int4_kernel_reads(cache):
-            return _sharded_int4(q, query_pos, cache, spec, num_slots), None
         out, _ = int4_pieces.attend_in_pieces(cache, q.shape, lambda piece, start: (
             _sharded_flash(q, query_pos, piece, jnp.maximum(num_slots - start, 0), spec,
                            with_lse=True)))  # fmt: skip
