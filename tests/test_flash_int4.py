@@ -159,3 +159,23 @@ def test_it_compiles_for_a_v5e_under_a_mesh():
         hlo = jax.jit(layer_attention.cache_layer_attention, static_argnums=4).lower(
             q, qpos, new, abstract, AttentionSpec(512, attention="pallas")).compile().as_text()
     assert hlo.count('custom_call_target="tpu_custom_call"') == 2
+
+
+@pytest.mark.parametrize("first,n", [(128, 256), (256, 256)])
+def test_the_residual_and_tail_sums_land_in_their_slots(first, n):
+    """`_placed` on hand-made sums, S = 300, R = 128: the residual block's R sums go to
+    [first, first + R) (as the tail, first = n: its slots past S dropped) and the tail's
+    S - n to [n, S), added to the packed slots' (zero there)."""
+    from dge_jax.kernels.flash_int4 import _placed
+
+    s_len, r = 300, 128
+    packed = np.arange(s_len, dtype=np.float32)[None, None] + 1000
+    packed[..., first : first + r] = 0
+    packed[..., n:] = 0
+    rest = np.concatenate([np.full(r, 7.0), np.full(s_len - n, 3.0)]).astype(np.float32)
+    got = np.asarray(_placed(jnp.asarray(packed), jnp.asarray(rest[None, None]),
+                             jnp.int32(first), n, r))[0, 0]  # fmt: skip
+    want = packed[0, 0].copy()
+    want[first : min(first + r, s_len)] += 7
+    want[n:] += 3
+    np.testing.assert_array_equal(got, want)
