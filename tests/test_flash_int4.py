@@ -103,18 +103,20 @@ def test_a_soft_capped_bf16_layer():
                                rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
-@pytest.mark.parametrize("b,s,d,t,record", [(72, 1024, 128, 512, False), (2, 300, 128, 300, False),
-                                            (2, 640, 256, 256, False), (72, 1024, 128, 512, True),
-                                            (2, 640, 256, 256, True)])  # fmt: skip
-def test_it_compiles_for_a_v5e(b, s, d, t, record):
+@pytest.mark.parametrize("b,s,d,t,record,group", [
+    (72, 1024, 128, 512, False, 32), (2, 300, 128, 300, False, 32), (2, 640, 256, 256, False, 32),
+    (72, 1024, 128, 512, True, 32), (2, 640, 256, 256, True, 32), (24, 4096, 128, 512, True, 128),
+])  # fmt: skip
+def test_it_compiles_for_a_v5e(b, s, d, t, record, group):
     """Mosaic lowers the kernel (the nibbles, the lane matrices, the transposed value scales,
     the rolls) for a v5e chip at bf16 with its default tiles: Llama-8B's rows a device at 72
     rows on a v5e-8 (4 query heads on 1 kv head: query tiles of 512 rows overflowed the
     scoped VMEM there), key blocks of whole tiles whatever the capacity, head dims 128 and
-    256; record: with H2O's prob sums, the keys-major kernel beside it (libtpu needed: the
-    tpu-aot extra)."""
+    256; record: with H2O's prob sums, the keys-major kernel beside it; group: G = 128's
+    2,048-slot key blocks, with shorter query tiles (at 256 rows they overflowed the VMEM)
+    (libtpu needed: the tpu-aot extra)."""
     on = jax.sharding.SingleDeviceSharding(_v5e_devices()[0])
-    quant = KVQuant("int4", 32, 128)
+    quant = KVQuant("int4", group, 128)
 
     def entries(keys):
         x = jax.ShapeDtypeStruct((2, b, 1, s, d), jnp.bfloat16)

@@ -92,6 +92,7 @@ from dge_jax.kernels.int4_tiles import (
 )
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+_BLOCK_K = 512  # KIVI's G = 32: the key block whose VMEM the query tiles are sized for
 
 
 def int4_flash_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
@@ -114,8 +115,11 @@ def int4_flash_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
     bk = min(max(unit, tiles.block_k // unit * unit), -(-s_len // unit) * unit)
     s_pad = -(-s_len // bk) * bk
     # m query parts a row: products of m bq rows, as block_q rows of the plain kernel (and
-    # VMEM: at block_q rows a tile, Llama-8B's 4 heads a kv head overflowed a v5e's 16 MiB)
-    bq, t_pad = _tile(t, max(_LANES, tiles.block_q // m // _LANES * _LANES), "block_q")
+    # VMEM: at block_q rows a tile, Llama-8B's 4 heads a kv head overflowed a v5e's 16 MiB).
+    # Key blocks over 512 slots (groups over 32) shorten the tile alike, a step's scores as
+    # at 512: G = 128's 2,048-slot blocks overflowed it at 256 rows, not at 128.
+    rows = tiles.block_q // m * _BLOCK_K // max(bk, _BLOCK_K)
+    bq, t_pad = _tile(t, max(_LANES, rows // _LANES * _LANES), "block_q")
     dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len,
                  softcap=scores.softcap)  # fmt: skip
     window = jnp.asarray(0 if cache.window is None else cache.window, jnp.int32)
