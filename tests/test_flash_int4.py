@@ -138,10 +138,12 @@ def test_it_compiles_for_a_v5e(b, s, d, t, record, group):
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2 + 2 * record
 
 
-def test_it_compiles_for_a_v5e_under_a_mesh():
+@pytest.mark.parametrize("record", [False, True])
+def test_it_compiles_for_a_v5e_under_a_mesh(record):
     """A prefill chunk of an int4 layer on a 1 x 2 v5e mesh (deviceless), through
     `cache_layer_attention`: the shard_map takes the int4 entries' leaves and the Mosaic
-    kernels (the int4 one, and the flash kernel over the residual block) compile."""
+    kernels (the int4 one, and the flash kernel over the residual block; record: both sums
+    kernels too, the sums split as the rows and heads) compile."""
     import dge_jax
 
     devices = _v5e_devices()
@@ -159,8 +161,9 @@ def test_it_compiles_for_a_v5e_under_a_mesh():
     qpos = jax.ShapeDtypeStruct((2, 256), jnp.int32, sharding=where)
     with jax.set_mesh(mesh):
         hlo = jax.jit(layer_attention.cache_layer_attention, static_argnums=4).lower(
-            q, qpos, new, abstract, AttentionSpec(512, attention="pallas")).compile().as_text()
-    assert hlo.count('custom_call_target="tpu_custom_call"') == 2
+            q, qpos, new, abstract, AttentionSpec(512, record_attn=record, attention="pallas"),
+        ).compile().as_text()  # fmt: skip
+    assert hlo.count('custom_call_target="tpu_custom_call"') == 2 + 2 * record
 
 
 @pytest.mark.parametrize("first,n", [(128, 256), (256, 256)])
