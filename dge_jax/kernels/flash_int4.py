@@ -118,8 +118,8 @@ def int4_flash_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
     # VMEM: at block_q rows a tile, Llama-8B's 4 heads a kv head overflowed a v5e's 16 MiB).
     # Key blocks over 512 slots (groups over 32) shorten the tile alike, a step's scores as
     # at 512: G = 128's 2,048-slot blocks overflowed it at 256 rows, not at 128.
-    rows = tiles.block_q // m * _BLOCK_K // max(bk, _BLOCK_K)
-    bq, t_pad = _tile(t, max(_LANES, rows // _LANES * _LANES), "block_q")
+    tile_rows = tiles.block_q // m * _BLOCK_K // max(bk, _BLOCK_K)
+    bq, t_pad = _tile(t, max(_LANES, tile_rows // _LANES * _LANES), "block_q")
     dims = _Dims(g=hq // hkv, nq=t_pad // bq, nk=s_pad // bk, bq=bq, bk=bk, s_len=s_len,
                  softcap=scores.softcap)  # fmt: skip
     window = jnp.asarray(0 if cache.window is None else cache.window, jnp.int32)
