@@ -6,7 +6,9 @@ For every cell both folders ran (the same `rule/timing/k/budget` id), on the sam
 predicted: accuracy in each (correct = row score >= 0.5, as `experiments.report`), wins
 (right only in the first folder) and losses, the exact McNemar p and Holm's correction over
 the cells, and how many samples got the same answer, character for character (what a change
-that should not move tokens, such as a quantized cache, moved). What differs between the
+that should not move tokens, such as a quantized cache, moved); and by row score (the mean,
+rows higher / lower, an exact sign test with Holm's correction: what tasks scored by F1 or
+Rouge-L, where few rows reach 0.5, compare on). What differs between the
 folders is what is compared (their run identities are printed): `--protocol query_agnostic`
 against `query_aware`, one model against another.
 """
@@ -73,13 +75,20 @@ def compare(first: pathlib.Path, second: pathlib.Path,
         theirs = [b[cell][s] >= correct_at for s in common]
         wins = sum(m and not t for m, t in zip(mine, theirs, strict=True))
         losses = sum(t and not m for m, t in zip(mine, theirs, strict=True))
+        # by row score (tasks scored by F1, Rouge-L ...): higher / lower, an exact sign test
+        higher = sum(a[cell][s] > b[cell][s] for s in common)
+        lower = sum(a[cell][s] < b[cell][s] for s in common)
         out.append({"cell": cell, "samples": len(common),
                     "accuracy": round(100 * sum(mine) / len(common), 2),
                     "other_accuracy": round(100 * sum(theirs) / len(common), 2),
                     "wins": wins, "losses": losses, "p": mcnemar_exact(wins, losses),
-                    "same_answer": sum(pa[cell][s] == pb[cell][s] for s in common)})
-    for entry, adjusted in zip(out, holm([e["p"] for e in out]), strict=True):
-        entry["p_holm"] = adjusted
+                    "same_answer": sum(pa[cell][s] == pb[cell][s] for s in common),
+                    "score": round(100 * sum(a[cell][s] for s in common) / len(common), 2),
+                    "other_score": round(100 * sum(b[cell][s] for s in common) / len(common), 2),
+                    "higher": higher, "lower": lower, "sign_p": mcnemar_exact(higher, lower)})
+    for key in ("p", "sign_p"):
+        for entry, adjusted in zip(out, holm([e[key] for e in out]), strict=True):
+            entry[f"{key}_holm"] = adjusted
     return out
 
 
@@ -104,11 +113,14 @@ def table(first: pathlib.Path, second: pathlib.Path) -> str:
     """Markdown: the folders, what differs between their identities, one row per cell."""
     lines = [f"{first} against {second} (identities differ in: {_differences(first, second)})",
              "", "| cell | n | acc % | other acc % | wins | losses | McNemar p | p (Holm) "
-             "| same answer |", "|---|---|---|---|---|---|---|---|---|"]
+             "| same answer | mean score | other mean score | higher / lower | sign p (Holm) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in compare(first, second):
         lines.append(f"| {e['cell']} | {e['samples']} | {e['accuracy']} | "
                      f"{e['other_accuracy']} | {e['wins']} | {e['losses']} | "
-                     f"{format_p(e['p'])} | {format_p(e['p_holm'])} | {e['same_answer']} |")
+                     f"{format_p(e['p'])} | {format_p(e['p_holm'])} | {e['same_answer']} | "
+                     f"{e['score']} | {e['other_score']} | {e['higher']} / {e['lower']} | "
+                     f"{format_p(e['sign_p_holm'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -138,6 +138,8 @@ def test_two_protocols_paired_on_their_samples(model_dir, env, tmp_path, capsys)
     full = entries[0]  # FullKV sees the whole prompt under both protocols
     assert full["accuracy"] == full["other_accuracy"] and full["wins"] == full["losses"] == 0
     assert full["same_answer"] == 1  # one prompt, the same tokens under both protocols
+    assert full["score"] == full["other_score"] and full["higher"] == full["lower"] == 0
+    assert all(e["sign_p_holm"] >= e["sign_p"] for e in entries)
     assert paired_folders.main([str(folders["query_agnostic"]), str(folders["query_aware"])]) == 0
     out = capsys.readouterr().out
     assert "context_protocol: 'query_agnostic' vs None" in out

@@ -139,9 +139,9 @@ def int4_flash_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
     qe, qo = (x.reshape(b, hkv, dims.g, dims.nq * m * bq, _LANES) for x in
               query_parts(rows.reshape(b, hkv, dims.g, dims.nq, bq, d), m))  # fmt: skip
     ks, kz = (layer_of(x, layer) for x in (k.scale, k.zero))
-    lanes = key_lanes(d)
-    args = (qpos[:, None, :], qe, qo, kq, ks, kz, *lanes, vq,
-            value_scales(v, layer, m, s_pad), *value_lanes(d, k.group), by_part(spos, m))
+    lanes, qpos_row, spos_parts = key_lanes(d), qpos[:, None, :], by_part(spos, m)
+    args = (qpos_row, qe, qo, kq, ks, kz, *lanes, vq, value_scales(v, layer, m, s_pad),
+            *value_lanes(d, k.group), spos_parts)
     call = functools.partial(_call, dims=dims, group=k.group)
     lo, hi, lse = _on_platform(lambda interpret: call(interpret, tables, *args), tiles.interpret)
     # even channels then odd ones -> channel order, in `_rows_in`'s rows
@@ -157,7 +157,7 @@ def int4_flash_attention(q: jax.Array, query_pos: jax.Array, cache: LayerCache,
         return out.astype(v.dtype), None
     # H2O: each slot's probabilities under the joined softmax, the bytes' by their own kernel
     # (`flash_int4_sums`), the residual block's and the tail's by flash's, put in their slots
-    packed = (args[0], rows, kq, ks, kz, *lanes, args[-1])
+    packed = (qpos_row, rows, kq, ks, kz, *lanes, spos_parts)
     sums = _on_platform(lambda interpret: (bytes_probs_sums(
         tables, packed, lse_rows(lse, dims), dims, k.group, interpret),), tiles.interpret)[0]
     rest_sums = probs_sums_under(q, query_pos, rest, rest.k.shape[-2], lse, scores, rest_tiles)
