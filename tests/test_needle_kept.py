@@ -79,3 +79,25 @@ def test_tiny_model_streamingllm_loses_a_middle_needle_and_a_large_budget_keeps_
     assert lines["streamingllm/prefill/b16"].endswith("| 2 | 0.0 | 0.0 | 100.0 |")
     for cell in ("streamingllm/prefill/b1024", "snapkv/prefill/b1024", "snapkv/dge/k2/b1024"):
         assert lines[cell].endswith("| 2 | 100.0 | 100.0 | 0.0 |"), table
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("--rules", "full"), "no cell evicts before decoding"),
+        (("--protocol", "query_agnostic"), "query-aware runs only"),
+    ],
+)
+def test_what_it_cannot_measure_is_one_line(model_dir, capsys, args, needle):
+    from absl import flags
+
+    from experiments.runner import parse_flags
+
+    flags.FLAGS.unparse_flags()
+    try:
+        parse_flags(["needle_kept", "--model", str(model_dir), "--datasets", "passkey",
+                     "--num_samples", "1", "--synthetic_length", "256", *args])
+        assert needle_kept.run(["needle_kept"]) == 2
+    finally:
+        flags.FLAGS.unparse_flags()
+    assert needle in capsys.readouterr().err
