@@ -64,7 +64,10 @@ def summary(shares: dict[str, list[np.ndarray]], missing: int) -> str:
     lines = ["| cell | rows | needle tokens kept (mean %) | heads keeping all (%) | "
              "heads keeping none (%) |", "|---|---:|---:|---:|---:|"]
     for cell, per_row in shares.items():
-        a = np.stack(per_row) if per_row else np.zeros((0, 1, 1))
+        if not per_row:  # every row lacked its answer: nothing to average, not "nan"
+            lines.append(f"| {cell} | 0 | - | - | - |")
+            continue
+        a = np.stack(per_row)
         lines.append(f"| {cell} | {len(per_row)} | {100 * a.mean():.1f} | "
                      f"{100 * (a == 1).mean():.1f} | {100 * (a == 0).mean():.1f} |")
     note = f"\n{missing} row(s) without their answer in the prompt left out." if missing else ""

@@ -33,6 +33,11 @@ def test_summary_counts_heads_keeping_all_and_none():
     assert "2 row(s) without their answer in the prompt left out" in table
 
 
+def test_summary_shows_a_dash_for_a_cell_without_rows():
+    table = needle_kept.summary({"c": []}, 3)
+    assert "| c | 0 | - | - | - |" in table and "nan" not in table
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
